@@ -1,0 +1,132 @@
+"""KV eviction policies as pure tensor functions (DESIGN section 3).
+
+Every policy is a score over the *past* positions (all but the last ``WINDOW``); the shared
+machinery keeps the top ``budget - WINDOW`` past positions plus the last ``WINDOW``, sorted by
+position. All functions accept extra leading batch dimensions (rows), so the bounded cache scores
+every row due for compression in one call:
+
+    keys     [..., H_kv, L, D]     post-RoPE keys
+    queries  [..., H_q, WINDOW, D] post-RoPE queries of the last WINDOW positions, H_q = g * H_kv
+    result   [..., H_kv, budget]   kept positions, ascending
+
+Query heads ``h*g .. h*g+g-1`` share KV head ``h`` (the Hugging Face ``repeat_kv`` layout).
+Equal scores are broken toward the earlier position.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+WINDOW = 8  # observation window alpha: the last 8 positions, always kept
+
+# A scoring policy: (keys, queries) -> scores over the past positions [..., H_kv, L - WINDOW].
+Scorer = Callable[[Tensor, Tensor], Tensor]
+
+
+def importance(keys: Tensor, queries: Tensor, *, kernel: int = 7) -> Tensor:
+    """SnapKV/R-KV attention importance of each past position, fp32, [..., H_kv, L - WINDOW].
+
+    Logits q.k/sqrt(d), max over each KV head's query group (before softmax), softmax over the
+    past keys, mean over the window queries, then 1-D max-pool (kernel, stride 1, same padding).
+    """
+    h_kv, d = keys.shape[-3], keys.shape[-1]
+    h_q, w = queries.shape[-3], queries.shape[-2]
+    q = queries.float().reshape(*queries.shape[:-3], h_kv, h_q // h_kv, w, d)
+    logits = q @ keys.float()[..., :-WINDOW, :].unsqueeze(-3).transpose(-1, -2) / math.sqrt(d)
+    attn = logits.amax(dim=-3).softmax(dim=-1).mean(dim=-2)  # [..., H_kv, L - WINDOW]
+    flat = attn.reshape(-1, attn.shape[-1])
+    return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(attn.shape)
+
+
+def redundancy(keys: Tensor, *, threshold: float = 0.5) -> Tensor:
+    """R-KV redundancy of every cached position, fp32, [..., H_kv, L] (softmax over all L).
+
+    S = cosine similarity of the keys with a zero diagonal. In each row i the entry of the most
+    recent j with S[i, j] > threshold is zeroed (that copy is exempt: the newest near-duplicate of
+    a key is not counted against it). When no j qualifies, j* = 0 as in the reference code, so
+    S[i, 0] is zeroed instead: the first position's similarity to such rows is not counted, which
+    makes position 0 (usually the BOS/attention sink) look slightly less redundant.
+    r_j = mean over rows i of S[i, j], then softmax over j (over all L positions, as in the
+    reference; the caller drops the window positions afterwards).
+    """
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = k @ k.transpose(-1, -2)
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    length = sim.shape[-1]
+    pos = torch.arange(length, device=sim.device, dtype=torch.int32)
+    last_similar = torch.where(sim > threshold, pos, 0).amax(dim=-1, keepdim=True)
+    sim.scatter_(-1, last_similar.long(), 0.0)
+    return sim.mean(dim=-2).softmax(dim=-1)
+
+
+def rkv_scores(keys: Tensor, queries: Tensor, *, lam: float = 0.1, kernel: int = 7,
+               threshold: float = 0.5) -> Tensor:
+    """R-KV score lam * importance - (1 - lam) * redundancy over the past positions."""
+    red = redundancy(keys, threshold=threshold)[..., :-WINDOW]
+    return lam * importance(keys, queries, kernel=kernel) - (1 - lam) * red
+
+
+def snapkv_scores(keys: Tensor, queries: Tensor, *, kernel: int = 7) -> Tensor:
+    """Decode-time SnapKV: R-KV without the redundancy term."""
+    return importance(keys, queries, kernel=kernel)
+
+
+def streaming_scores(length: int, *, sink: int = 4, device: torch.device | str = "cpu") -> Tensor:
+    """StreamingLLM as a score: the ``sink`` first positions first, then by recency, [length - WINDOW]."""
+    score = torch.arange(length - WINDOW, device=device, dtype=torch.float32)
+    score[:sink] = math.inf
+    return score
+
+
+def keep_top(scores: Tensor, budget: int) -> Tensor:
+    """Top ``budget - WINDOW`` past positions by score (ties: earlier first) plus the last WINDOW, ascending."""
+    past = scores.shape[-1]
+    if not WINDOW < budget <= past + WINDOW:
+        raise ValueError(f"budget {budget} must be in ({WINDOW}, {past + WINDOW}]")
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : budget - WINDOW]
+    window = torch.arange(past, past + WINDOW, device=scores.device).expand(*scores.shape[:-1], WINDOW)
+    return torch.cat([order, window], dim=-1).sort(dim=-1).values
+
+
+def rkv_keep(keys: Tensor, queries: Tensor, budget: int, *, lam: float = 0.1, kernel: int = 7,
+             threshold: float = 0.5) -> Tensor:
+    """Positions R-KV keeps per KV head, [..., H_kv, budget], ascending."""
+    return keep_top(rkv_scores(keys, queries, lam=lam, kernel=kernel, threshold=threshold), budget)
+
+
+def snapkv_keep(keys: Tensor, queries: Tensor, budget: int, *, kernel: int = 7) -> Tensor:
+    """Positions SnapKV keeps per KV head, [..., H_kv, budget], ascending."""
+    return keep_top(snapkv_scores(keys, queries, kernel=kernel), budget)
+
+
+def streaming_keep(length: int, budget: int, *, sink: int = 4) -> Tensor:
+    """Positions StreamingLLM keeps: the first ``sink`` and the last ``budget - sink``, [budget]."""
+    if not sink + WINDOW <= budget < length:
+        raise ValueError(f"need {sink + WINDOW} <= budget {budget} < length {length}")
+    return keep_top(streaming_scores(length, sink=sink), budget)
+
+
+POLICIES = ("rkv", "snapkv", "streaming", "none")
+
+
+def keep_positions(policy: str, keys: Tensor, queries: Tensor, budget: int) -> Tensor:
+    """Kept positions [..., H_kv, budget] under a named policy with its default settings."""
+    if policy == "rkv":
+        return rkv_keep(keys, queries, budget)
+    if policy == "snapkv":
+        return snapkv_keep(keys, queries, budget)
+    if policy == "streaming":
+        kept = streaming_keep(keys.shape[-2], budget).to(keys.device)
+        return kept.expand(*keys.shape[:-2], budget)
+    raise ValueError(f"policy {policy!r} does not compress; choose one of {POLICIES[:-1]}")
+
+
+def gather_positions(x: Tensor, kept: Tensor) -> Tensor:
+    """Select positions along dim -2: x [..., H, L, D], kept [..., H, B] -> [..., H, B, D]."""
+    return x.gather(-2, kept.unsqueeze(-1).expand(*kept.shape, x.shape[-1]))

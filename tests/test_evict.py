@@ -1,0 +1,195 @@
+"""Eviction policies against a plain loop transcription of DESIGN section 3 (float64 Python)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvrescue_cli.engine.evict import (
+    gather_positions,
+    keep_positions,
+    rkv_keep,
+    rkv_scores,
+    snapkv_keep,
+    streaming_keep,
+)
+
+
+def loop_importance(keys: list, queries: list, h: int, h_kv: int, kernel: int) -> list[float]:
+    """Importance of past positions for KV head h, written out position by position."""
+    length, d = len(keys[h]), len(keys[h][0])
+    group = len(queries) // h_kv
+    past = length - 8
+    mean = [0.0] * past
+    for t in range(8):
+        logits = []
+        for j in range(past):
+            best = -math.inf
+            for g in range(group):
+                q = queries[h * group + g][t]
+                best = max(best, sum(q[c] * keys[h][j][c] for c in range(d)) / math.sqrt(d))
+            logits.append(best)
+        top = max(logits)
+        exps = [math.exp(x - top) for x in logits]
+        total = sum(exps)
+        for j in range(past):
+            mean[j] += exps[j] / total / 8
+    half = kernel // 2
+    return [max(mean[max(0, j - half): j + half + 1]) for j in range(past)]
+
+
+def loop_redundancy(keys: list, h: int, threshold: float) -> list[float]:
+    """Redundancy of every position for KV head h, written out position by position."""
+    length = len(keys[h])
+    unit = []
+    for k in keys[h]:
+        norm = math.sqrt(sum(x * x for x in k)) + 1e-8
+        unit.append([x / norm for x in k])
+    sim = [[0.0 if i == j else sum(a * b for a, b in zip(unit[i], unit[j])) for j in range(length)]
+           for i in range(length)]
+    for i in range(length):
+        last = 0
+        for j in range(length):
+            if sim[i][j] > threshold:
+                last = j
+        sim[i][last] = 0.0
+    r = [sum(sim[i][j] for i in range(length)) / length for j in range(length)]
+    top = max(r)
+    exps = [math.exp(x - top) for x in r]
+    return [e / sum(exps) for e in exps]
+
+
+def loop_keep(scores: list[float], length: int, budget: int) -> list[int]:
+    """Top budget - 8 past positions (ties: earlier first) plus the last 8, ascending."""
+    ranked = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+    return sorted(ranked[: budget - 8] + list(range(length - 8, length)))
+
+
+def loop_rkv(keys, queries, budget, lam=0.1, kernel=7, threshold=0.5, redundant=True):
+    """Kept positions and scores per KV head, R-KV (or SnapKV when redundant=False)."""
+    k, q = keys.double().tolist(), queries.double().tolist()
+    h_kv, length = len(k), len(k[0])
+    kept, scores = [], []
+    for h in range(h_kv):
+        imp = loop_importance(k, q, h, h_kv, kernel)
+        if redundant:
+            red = loop_redundancy(k, h, threshold)
+            score = [lam * imp[j] - (1 - lam) * red[j] for j in range(length - 8)]
+        else:
+            score = imp
+        scores.append(score)
+        kept.append(loop_keep(score, length, budget))
+    return torch.tensor(kept), torch.tensor(scores, dtype=torch.float64)
+
+
+def random_inputs(h_kv: int, group: int, length: int, d: int, seed: int, shared: float = 0.8):
+    """Random keys/queries; ``shared`` mixes a common direction into the keys so that about half of
+    the key pairs pass the 0.5 cosine threshold (0: almost none do, so j* = 0 in most rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(h_kv, length, d, generator=gen)
+    keys[:, 1:] += shared * keys[:, :1]
+    queries = torch.randn(h_kv * group, 8, d, generator=gen) * 2
+    return keys, queries
+
+
+SHAPES = [  # (h_kv, group, length, d, budget, shared)
+    (1, 1, 24, 8, 16, 0.8),
+    (2, 1, 40, 8, 16, 0.8),
+    (2, 3, 48, 16, 16, 0.0),
+    (2, 4, 90, 8, 64, 0.8),
+    (1, 7, 72, 12, 64, 0.0),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rkv_matches_loop_transcription(shape):
+    h_kv, group, length, d, budget, shared = shape
+    keys, queries = random_inputs(h_kv, group, length, d, seed=length, shared=shared)
+    expected, expected_scores = loop_rkv(keys, queries, budget)
+    torch.testing.assert_close(rkv_scores(keys, queries).double(), expected_scores,
+                               rtol=1e-4, atol=1e-7)
+    kept = rkv_keep(keys, queries, budget)
+    assert kept.dtype == torch.long and kept.shape == (h_kv, budget)
+    assert torch.equal(kept, expected)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1::2])
+def test_snapkv_matches_loop_transcription(shape):
+    h_kv, group, length, d, budget, shared = shape
+    keys, queries = random_inputs(h_kv, group, length, d, seed=length + 1, shared=shared)
+    expected, _ = loop_rkv(keys, queries, budget, redundant=False)
+    assert torch.equal(snapkv_keep(keys, queries, budget), expected)
+
+
+def test_rkv_parameters_are_honoured():
+    keys, queries = random_inputs(2, 2, 40, 8, seed=3)
+    for lam, kernel, threshold in [(0.5, 3, 0.2), (0.9, 1, 0.8)]:
+        expected, _ = loop_rkv(keys, queries, 16, lam=lam, kernel=kernel, threshold=threshold)
+        got = rkv_keep(keys, queries, 16, lam=lam, kernel=kernel, threshold=threshold)
+        assert torch.equal(got, expected)
+
+
+def test_ties_go_to_the_earlier_position():
+    # One-hot keys make every cosine exactly 0 or 1 and zero queries make importance uniform,
+    # so whole groups of positions score exactly alike.
+    length, d = 40, 4
+    keys = torch.zeros(2, length, d)
+    keys[0, torch.arange(length), torch.arange(length) % d] = 1.0
+    keys[1, torch.arange(length), (torch.arange(length) // 10) % d] = 1.0
+    queries = torch.zeros(4, 8, d)
+    expected, _ = loop_rkv(keys, queries, 16)
+    assert torch.equal(rkv_keep(keys, queries, 16), expected)
+    assert torch.equal(snapkv_keep(keys, queries, 16), torch.tensor([list(range(8)) + list(range(32, 40))] * 2))
+
+
+def test_batched_rows_equal_single_rows():
+    rows = [random_inputs(2, 2, 80, 8, seed=s) for s in range(3)]
+    keys = torch.stack([k for k, _ in rows])
+    queries = torch.stack([q for _, q in rows])
+    batched = keep_positions("rkv", keys, queries, 64)
+    for r, (k, q) in enumerate(rows):
+        assert torch.equal(batched[r], rkv_keep(k, q, 64))
+    assert torch.equal(keep_positions("snapkv", keys, queries, 64)[1], snapkv_keep(*rows[1], 64))
+    assert torch.equal(keep_positions("streaming", keys, queries, 64)[2, 1], streaming_keep(80, 64))
+
+
+def test_bf16_inputs_are_scored_in_fp32():
+    keys, queries = random_inputs(2, 2, 48, 8, seed=7)
+    keys, queries = keys.bfloat16(), queries.bfloat16()
+    expected, _ = loop_rkv(keys.float(), queries.float(), 16)
+    assert torch.equal(rkv_keep(keys, queries, 16), expected)
+
+
+@pytest.mark.parametrize("length,budget", [(17, 16), (200, 64), (700, 512)])
+def test_streaming_keeps_sinks_and_recent(length, budget):
+    expected = list(range(4)) + list(range(length - (budget - 4), length))
+    assert streaming_keep(length, budget).tolist() == expected
+
+
+def test_last_window_always_kept_and_sorted():
+    keys, queries = random_inputs(2, 2, 100, 8, seed=11)
+    for budget in (16, 64):
+        for kept in (rkv_keep(keys, queries, budget), snapkv_keep(keys, queries, budget)):
+            assert (kept[:, -8:] == torch.arange(92, 100)).all()
+            assert (kept.diff(dim=-1) > 0).all()
+
+
+def test_gather_positions():
+    x = torch.arange(2 * 5 * 3).reshape(2, 5, 3)
+    kept = torch.tensor([[0, 4], [1, 2]])
+    assert gather_positions(x, kept).tolist() == [[x[0, 0].tolist(), x[0, 4].tolist()],
+                                                  [x[1, 1].tolist(), x[1, 2].tolist()]]
+
+
+def test_bad_budgets_are_refused():
+    keys, queries = random_inputs(1, 1, 20, 8, seed=0)
+    with pytest.raises(ValueError):
+        rkv_keep(keys, queries, 8)
+    with pytest.raises(ValueError):
+        rkv_keep(keys, queries, 21)
+    with pytest.raises(ValueError):
+        streaming_keep(20, 20)
+    with pytest.raises(ValueError):
+        keep_positions("none", keys, queries, 16)
