@@ -1,0 +1,229 @@
+"""Run folders: records, resume, refusal, overwrite, torn lines, crash safety, summary numbers."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kvrescue_cli.outputs import (
+    Candidate, ModelRef, RunConfig, RunFolder, RunFolderError, Step, Tokens, Trace,
+    TornTraceWarning, busy_seconds, read_traces, run_dir, summarize,
+)
+
+MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct", "abc"),
+          "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct", "def"),
+          "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B", "123")}
+
+
+def config(**kw) -> RunConfig:
+    base = dict(bench="math500", method="kvrescue", budget=64, n=8, evictor="rkv", seed=0,
+                models=MODELS, scorer="Qwen/Qwen2.5-Math-PRM-7B", settings={"temperature": 0.8})
+    return RunConfig(**(base | kw))
+
+
+def trace(idx: int, sources: str = "bh", correct: bool = True, exits: int = 0, started: float = 0.0,
+          wall: float = 1.0, stop: str = "eos") -> Trace:
+    """A trace whose committed steps come from `sources` ("b"/"h" per step); each step has two base
+    candidates (the first `exits` steps' second base candidate stopped by the detector) and one helper."""
+    steps, cands = [], []
+    for i, s in enumerate(sources):
+        src = "base" if s == "b" else "helper"
+        steps.append(Step(f"step {i}\n\n", src, 0.9, 10))
+        row = [Candidate("base", 0.9 if src == "base" else 0.1, 10, "step", 1.5, 0.5, None, src == "base"),
+               Candidate("base", None, 30, "entropy", 7.5, 0.4, 30) if i < exits
+               else Candidate("base", 0.2, 10, "step", 2.0, 0.6),
+               Candidate("helper", 0.9 if src == "helper" else 0.0, 10, "step", committed=src == "helper")]
+        cands.append(row)
+    return Trace(idx, f"problem {idx}", "\\boxed{1}", "1", steps, cands, "".join(s.text for s in steps),
+                 "1" if correct else "2", correct, False, stop, None,
+                 Tokens(base=20 * len(sources), helper=10 * len(sources)), len(sources),
+                 {"wall_s": wall, "started_at": started, "finished_at": started + wall}, 80, 0)
+
+
+def test_folder_name_is_deterministic_and_distinguishes_configs(tmp_path):
+    a = run_dir(tmp_path, config())
+    assert a == run_dir(tmp_path, config())
+    assert a.parent == tmp_path / "math500"
+    assert a.name.startswith("kvrescue-rkv-b64-n8-s0-") and len(a.name.split("-")[-1]) == 8
+    assert run_dir(tmp_path, config(settings={"temperature": 0.7})) != a
+    assert run_dir(tmp_path, config(method="full", budget=None, evictor="none")).name.startswith("full-none-bfull-n8-s0-")
+    assert run_dir(tmp_path, config(bench="/data/my set.jsonl")).parent.name == "my_set"
+
+
+def test_append_resume_and_summary_file(tmp_path):
+    path = run_dir(tmp_path, config())
+    with RunFolder.open(path, config(), total=3, devices=["cpu"]) as rf:
+        rf.append(trace(0))
+        rf.append(trace(1, correct=False))
+        with pytest.raises(ValueError, match="already recorded"):
+            rf.append(trace(1))
+    stored = orjson.loads((path / "config.json").read_bytes())
+    assert stored["config"] == config().to_dict() and stored["run"]["total"] == 3
+    assert stored["environment"]["devices"] == ["cpu"] and "versions" in stored["environment"]
+    with RunFolder.open(path, config(), total=3) as rf:
+        assert rf.done == {0, 1}
+        rf.append(trace(2))
+        summary = rf.write_summary()
+    assert summary.problems == 3 and summary.complete and summary.correct == 2
+    on_disk = orjson.loads((path / "summary.json").read_bytes())
+    assert on_disk["accuracy"] == pytest.approx(2 / 3)
+    assert [t.idx for t in read_traces(path / "traces.jsonl")] == [0, 1, 2]
+    assert not list(path.glob("*.tmp"))
+
+
+def test_different_config_refused_then_overwrite_clears(tmp_path):
+    path = tmp_path / "run"
+    with RunFolder.open(path, config()) as rf:
+        rf.append(trace(0))
+        rf.write_summary()
+    with pytest.raises(RunFolderError, match=r"different configuration \(seed: 0 -> 1\); use --overwrite") as e:
+        RunFolder.open(path, config(seed=1))
+    assert "\n" not in str(e.value)
+    with pytest.raises(RunFolderError, match=r"settings.temperature: 0.8 -> 0.7"):
+        RunFolder.open(path, config(settings={"temperature": 0.7}))
+    with RunFolder.open(path, config(seed=1), overwrite=True) as rf:
+        assert rf.done == set()
+    assert not (path / "summary.json").exists()
+    assert (path / "traces.jsonl").read_bytes() == b""
+    assert orjson.loads((path / "config.json").read_bytes())["config"]["seed"] == 1
+
+
+def test_folder_is_locked_while_open(tmp_path):
+    with RunFolder.open(tmp_path / "run", config()):
+        with pytest.raises(RunFolderError, match="another kvrescue process"):
+            RunFolder.open(tmp_path / "run", config())
+    RunFolder.open(tmp_path / "run", config()).close()
+
+
+def test_torn_last_line_dropped_with_warning_and_truncated(tmp_path):
+    path = tmp_path / "run"
+    with RunFolder.open(path, config()) as rf:
+        rf.append(trace(0))
+        rf.append(trace(1))
+    good = (path / "traces.jsonl").read_bytes()
+    (path / "traces.jsonl").write_bytes(good + orjson.dumps(trace(2))[:57])
+    with pytest.warns(TornTraceWarning, match=r"traces.jsonl:3: dropped a torn last line"):
+        rf = RunFolder.open(path, config())
+    assert rf.done == {0, 1}
+    assert (path / "traces.jsonl").read_bytes() == good
+    rf.append(trace(2))
+    rf.close()
+    assert [t.idx for t in read_traces(path / "traces.jsonl")] == [0, 1, 2]
+
+
+def test_complete_record_missing_only_its_newline_is_kept(tmp_path):
+    path = tmp_path / "run"
+    with RunFolder.open(path, config()) as rf:
+        rf.append(trace(0))
+    (path / "traces.jsonl").write_bytes((path / "traces.jsonl").read_bytes().rstrip(b"\n"))
+    with RunFolder.open(path, config()) as rf:
+        assert rf.done == {0}
+        rf.append(trace(1))
+    assert [t.idx for t in read_traces(path / "traces.jsonl")] == [0, 1]
+
+
+def test_corrupt_middle_line_and_duplicates_are_errors(tmp_path):
+    path = tmp_path / "run"
+    with RunFolder.open(path, config()) as rf:
+        rf.append(trace(0))
+        rf.append(trace(1))
+    lines = (path / "traces.jsonl").read_bytes().split(b"\n")
+    (path / "traces.jsonl").write_bytes(b"\n".join([lines[0], b'{"idx": 5, "oops"', lines[1], b""]))
+    with pytest.raises(RunFolderError, match=r"traces.jsonl:2: corrupt traces line"):
+        RunFolder.open(path, config())
+    (path / "traces.jsonl").write_bytes(b"\n".join([lines[0], lines[0], b""]))
+    with pytest.raises(RunFolderError, match=r"traces.jsonl:2: duplicate idx 0 \(first on line 1\)"):
+        read_traces(path / "traces.jsonl")
+
+
+def test_traces_without_config_refused(tmp_path):
+    (tmp_path / "traces.jsonl").write_bytes(orjson.dumps(trace(0)) + b"\n")
+    with pytest.raises(RunFolderError, match="has traces but no config.json"):
+        RunFolder.open(tmp_path, config())
+
+
+def test_trace_invariants_checked_on_append(tmp_path):
+    bad = trace(0)
+    bad.candidates[0][0].committed = False
+    with RunFolder.open(tmp_path, config()) as rf, pytest.raises(ValueError, match="0 committed candidates"):
+        rf.append(bad)
+    bad = trace(1)
+    bad.stop = "crashed"
+    with pytest.raises(ValueError, match="stop 'crashed'"):
+        bad.check()
+
+
+def test_record_round_trip():
+    t = trace(3, "bhh", exits=1)
+    assert Trace.from_dict(orjson.loads(orjson.dumps(t))) == t
+    s = Trace.skipped(4, "p", "g", "g", "prompt longer than the context cap")
+    assert Trace.from_dict(orjson.loads(orjson.dumps(s))) == s
+
+
+def test_summary_numbers_by_hand():
+    traces = [
+        trace(0, "bh", correct=True, exits=1, started=0, wall=10),       # 2 steps, 1 helper
+        trace(1, "b" * 300, correct=False, started=5, wall=10),          # degenerate: 300 >= 256
+        trace(2, "hhh", correct=False, exits=3, started=40, wall=20),    # 3 steps, 3 helper
+        trace(3, "b" * 256, correct=True, started=70, wall=5),           # 256 steps but correct
+        Trace.skipped(4, "p", "g", "g", "too long"),
+    ]
+    traces[4].timings = {"wall_s": 0.0, "started_at": 100.0, "finished_at": 100.0}
+    traces[2].timed_out = True
+    s = summarize(traces, config(), total=6)
+    assert (s.problems, s.correct, s.skipped, s.timeouts, s.complete) == (5, 2, 1, 1, False)
+    assert s.accuracy == pytest.approx(2 / 5)
+    assert s.mean_steps == pytest.approx((2 + 300 + 3 + 256) / 4)
+    assert s.helper_step_share == pytest.approx((1 + 3) / (2 + 300 + 3 + 256))
+    base_cands = 2 * (2 + 300 + 3 + 256)
+    assert s.early_exit_rate == pytest.approx((1 + 3) / base_cands)
+    assert s.degeneration_rate == pytest.approx(1 / 2)    # of the 2 incorrect decoded problems
+    assert s.base_tokens == pytest.approx(20 * (2 + 300 + 3 + 256) / 4)
+    assert s.mean_output_tokens == pytest.approx(10 * (2 + 300 + 3 + 256) / 4)
+    # spans [0,10] [5,15] [40,60] [70,75] [100,100] -> union 15 + 20 + 5 = 40 s
+    assert s.wall_s == pytest.approx(40) and busy_seconds(traces) == pytest.approx(40)
+    assert s.throughput_per_min == pytest.approx(5 * 60 / 40)
+    assert s.stops == {"eos": 4, "context": 0, "steps": 0, "skipped": 1}
+    assert summarize(traces, config(synthetic=True)).accuracy is None
+    empty = summarize([], config())
+    assert empty.accuracy is None and empty.mean_steps is None and empty.throughput_per_min is None
+
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from test_outputs import config, trace
+    from kvrescue_cli.outputs import RunFolder
+    rf = RunFolder.open({path!r}, config())
+    start = len(rf.done)
+    for i in range(start, start + 100000):
+        t = trace(i, "bh" * 200)       # ~60 KB lines: a kill often lands mid-write
+        rf.append(t)
+        print(i, flush=True)
+""")
+
+
+def test_sigkill_mid_append_leaves_a_readable_resumable_file(tmp_path):
+    path = tmp_path / "run"
+    script = WRITER.format(tests=str(Path(__file__).parent), path=str(path))
+    for round_ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        for _ in range(5 + 7 * round_):
+            assert proc.stdout.readline()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        with warnings.catch_warnings():  # a torn line is left or not, depending on where the kill landed
+            warnings.simplefilter("ignore", TornTraceWarning)
+            rf = RunFolder.open(path, config())
+        idx = sorted(rf.done)
+        assert idx == list(range(len(idx))) and len(idx) >= 5 + 7 * round_
+        rf.close()
+    data = (path / "traces.jsonl").read_bytes()
+    assert data.endswith(b"\n") and data.count(b"\n") == len(read_traces(path / "traces.jsonl"))
