@@ -1,0 +1,234 @@
+"""One compact decoder for the Qwen2 and Llama families (gpt-fast style), plus the LM and PRM heads.
+
+Attention is delegated to a `KVCache` so the same decoder serves the evicting base, the full-context
+helper and the PRM; without a cache it runs a plain causal forward.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kvrescue_cli.engine.caches import KVCache
+
+
+@dataclass
+class ModelArgs:
+    """Shape and numerics of a decoder, read from a Hugging Face config.json."""
+
+    vocab_size: int
+    dim: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        """Args from a config.json dict (Qwen2, Llama and Qwen2 PRM architectures)."""
+        model_type = cfg.get("model_type")
+        if model_type not in ("qwen2", "llama"):
+            raise ValueError(f"unsupported model_type {model_type!r}: this engine runs qwen2 and llama checkpoints")
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+            raise ValueError(f"unsupported rope_scaling {scaling}: only plain RoPE is implemented")
+        n_heads = cfg["num_attention_heads"]
+        params = cfg.get("rope_parameters") or {}
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            rope_theta=float(cfg.get("rope_theta", params.get("rope_theta", 10000.0))),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin [R, 1, T, D] for integer positions [R, T] (Hugging Face rotate-half layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        R, T, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(R, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(R, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(R, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
+        else:
+            y = cache.attend(self.layer, q, k, v)
+        return self.wo(y.transpose(1, 2).reshape(R, T, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, layer)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks and final norm: tokens in, normalised hidden states out."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache)
+        return self.norm(x)
+
+
+class Transformer(nn.Module):
+    """A decoder with a head that maps hidden states [..., dim] to outputs [..., out]."""
+
+    def __init__(self, args: ModelArgs, head: nn.Module) -> None:
+        super().__init__()
+        self.args = args
+        self.decoder = Decoder(args)
+        self.head = head
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Plain causal forward without a cache: tokens [B, T] -> head outputs [B, T, out]."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+        return self.head(self.decoder(tokens, positions, None))
+
+    def prefill(
+        self, tokens: torch.Tensor, cache: KVCache, rows: list[int], n_new: list[int], last_only: bool = True
+    ) -> torch.Tensor:
+        """Append n_new[i] tokens (tokens [R, T], right padded) to rows[i] of `cache`.
+
+        Returns head outputs at each row's last new token [R, out], or at every position [R, T, out].
+        """
+        positions = cache.begin(rows, n_new)
+        try:
+            h = self.decoder(tokens, positions, cache)
+        finally:
+            cache.end()
+        if not last_only:
+            return self.head(h)
+        last = torch.tensor(n_new, device=h.device) - 1
+        return self.head(h[torch.arange(len(rows), device=h.device), last])
+
+    def decode(self, tokens: torch.Tensor, cache: KVCache, rows: list[int]) -> torch.Tensor:
+        """Append one token per row (tokens [R]); returns head outputs [R, out]."""
+        positions = cache.begin(rows, [1] * len(rows))
+        try:
+            h = self.decoder(tokens[:, None], positions, cache)
+        finally:
+            cache.end()
+        return self.head(h[:, 0])
+
+
+class CausalLM(Transformer):
+    """Decoder + language-model head (tied to the embedding when the checkpoint says so)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args, nn.Linear(args.dim, args.vocab_size, bias=False))
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the output head when the config ties them."""
+        if self.args.tie_word_embeddings:
+            self.head.weight = self.decoder.tok_embeddings.weight
+
+
+class ProcessRewardModel(Transformer):
+    """Qwen2ForProcessRewardModel: decoder + score head Linear(H,H) -> ReLU -> Linear(H,2)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args, nn.Sequential(nn.Linear(args.dim, args.dim), nn.ReLU(), nn.Linear(args.dim, 2)))
+
+
+def hf_to_engine_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Map Hugging Face Qwen2/Llama(/PRM) weight names to this module's, fusing q/k/v and gate/up."""
+    out: dict[str, torch.Tensor] = {}
+    pre = "model."
+    out["decoder.tok_embeddings.weight"] = sd[pre + "embed_tokens.weight"]
+    out["decoder.norm.weight"] = sd[pre + "norm.weight"]
+    for i in range(args.n_layers):
+        p, o = f"{pre}layers.{i}.", f"decoder.layers.{i}."
+        a = p + "self_attn."
+        out[o + "attention.wqkv.weight"] = torch.cat([sd[a + f"{x}_proj.weight"] for x in "qkv"])
+        if args.qkv_bias:
+            out[o + "attention.wqkv.bias"] = torch.cat([sd[a + f"{x}_proj.bias"] for x in "qkv"])
+        out[o + "attention.wo.weight"] = sd[a + "o_proj.weight"]
+        m = p + "mlp."
+        out[o + "feed_forward.w13.weight"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
+        out[o + "feed_forward.w2.weight"] = sd[m + "down_proj.weight"]
+        out[o + "attention_norm.weight"] = sd[p + "input_layernorm.weight"]
+        out[o + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+    if "score.0.weight" in sd:
+        for k in ("0.weight", "0.bias", "2.weight", "2.bias"):
+            out["head." + k] = sd["score." + k]
+    else:
+        out["head.weight"] = out["decoder.tok_embeddings.weight"] if args.tie_word_embeddings else sd["lm_head.weight"]
+    return out

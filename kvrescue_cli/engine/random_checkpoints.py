@@ -1,0 +1,126 @@
+"""Small random Qwen2, Llama and PRM checkpoints written to disk, with a tokenizer built offline.
+
+Tests, the CPU demo and benchmarks use them: each folder holds config.json, model.safetensors and
+tokenizer files that both transformers and this engine load. The tokenizer is a byte-level BPE trained
+on an embedded text sample, with the Qwen chat tokens, `<extra_0>` and a ChatML chat template.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2Model
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<extra_0>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SAMPLE_TEXT = """Please reason step by step, and put your final answer within \\boxed{}.
+
+Step 1: Let x be the number of apples. Then 3x + 5 = 20, so 3x = 15.
+
+Step 2: Dividing both sides by 3 gives x = 5.
+
+Step 3: Check: 3 * 5 + 5 = 15 + 5 = 20. The answer is \\boxed{5}.
+
+We compute the sum 1 + 2 + 3 + ... + 10 = 55, and the product 2 * 3 * 7 = 42.
+The square root of 144 is 12; the fraction 3/4 equals 0.75 and 7/8 equals 0.875.
+If a triangle has sides 3, 4 and 5, it is a right triangle because 9 + 16 = 25.
+The probability of rolling two sixes is 1/36. Therefore, the final answer is $\\frac{1}{36}$.
+Let f(x) = x^2 - 4x + 4 = (x - 2)^2, so f has a double root at x = 2.
+"""
+
+
+def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained offline on SAMPLE_TEXT, with Qwen's special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([SAMPLE_TEXT] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast, **shape) -> Qwen2Config | LlamaConfig:
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["num_layers"],
+        num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"],
+        initializer_range=shape["init_std"],
+        rope_theta=shape["rope_theta"],
+        max_position_embeddings=8192,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=True, bos_token_id=tok.pad_token_id)
+    return Qwen2Config(**common, tie_word_embeddings=False)
+
+
+def write_random_checkpoint(
+    folder: str | Path,
+    arch: str = "qwen2",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int | None = None,
+    tokenizer_vocab: int = 512,
+    rope_theta: float = 10000.0,
+    init_std: float = 0.02,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> Path:
+    """Write a random `qwen2` (q/k/v bias, untied), `llama` (tied embeddings) or `prm` checkpoint.
+
+    `prm` is a Qwen2 decoder with the Qwen2ForProcessRewardModel head (`score.0`, `score.2`).
+    vocab_size defaults to the tokenizer's size and may be larger (as in Qwen2.5). Returns the folder.
+    """
+    if arch not in ("qwen2", "llama", "prm"):
+        raise ValueError(f"arch must be qwen2, llama or prm, not {arch!r}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(tokenizer_vocab)
+    vocab_size = max(vocab_size or 0, len(tok))
+    config = _config(
+        arch, vocab_size, tok, hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, init_std=init_std, rope_theta=rope_theta,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        if arch == "prm":
+            body = Qwen2Model(config).to(dtype)
+            head = torch.nn.Sequential(
+                torch.nn.Linear(hidden_size, hidden_size), torch.nn.ReLU(), torch.nn.Linear(hidden_size, 2)
+            ).to(dtype)
+            tensors = {f"model.{k}": v for k, v in body.state_dict().items()}
+            tensors.update({f"score.{k}": v for k, v in head.state_dict().items()})
+            save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, folder / "model.safetensors")
+            cfg = config.to_dict()
+            cfg["architectures"] = ["Qwen2ForProcessRewardModel"]
+            (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+        else:
+            model = (LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM)(config).to(dtype)
+            model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -1,0 +1,130 @@
+"""FullCache: shared-prefix decoding equals private copies; forks, adopt and memory accounting."""
+
+import pytest
+import torch
+
+from kvrescue_cli.engine import FullCache, load_model
+from kvrescue_cli.engine.attention import attend_padded
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(qwen2_dir):
+    return load_model(qwen2_dir)
+
+
+def _prefill(model, cache, row, tokens):
+    return model.net.prefill(torch.tensor([tokens]), cache, [row], [len(tokens)])[0]
+
+
+def _decode(model, cache, rows, tokens):
+    return model.net.decode(torch.tensor(tokens), cache, rows)
+
+
+@torch.no_grad()
+def test_shared_prefix_equals_private_copies(model) -> None:
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 400, (23,), generator=g).tolist()  # ends inside a block: exercises copy-on-write
+    n, steps = 4, 7
+    suffixes = torch.randint(0, 400, (n, steps), generator=g)
+
+    shared = FullCache.for_model(model.net, 4096, max_rows=16, block_size=8)
+    parent = shared.create()
+    _prefill(model, shared, parent, prefix)
+    children = shared.fork(parent, n)
+    shared_logits = [_decode(model, shared, children, suffixes[:, t].tolist()) for t in range(steps)]
+
+    private = FullCache.for_model(model.net, 4096, max_rows=16, block_size=8)
+    rows = [private.create() for _ in range(n)]
+    for r in rows:
+        _prefill(model, private, r, prefix)
+    private_logits = [_decode(model, private, rows, suffixes[:, t].tolist()) for t in range(steps)]
+
+    for a, b in zip(shared_logits, private_logits):
+        assert (a - b).abs().max() < TOL
+    # Memory: the prefix is stored once; each child owns only its copied partial block plus new blocks.
+    assert shared.blocks_in_use() == 3 + n * 2  # 23 tokens -> 3 blocks; 23+7=30 -> child blocks 2 (copy) and 3
+    assert private.blocks_in_use() == n * 4
+
+
+@torch.no_grad()
+def test_fork_never_changes_parent_and_parent_never_changes_fork(model) -> None:
+    cache = FullCache.for_model(model.net, 1024, max_rows=8, block_size=4)
+    parent = cache.create()
+    prefix = list(range(10, 20))
+    _prefill(model, cache, parent, prefix)
+    k_before = cache.k[:, cache.rows[parent].blocks].clone()
+    (child,) = cache.fork(parent, 1)
+    _decode(model, cache, [child], [5])
+    _decode(model, cache, [child], [6])
+    assert torch.equal(cache.k[:, cache.rows[parent].blocks], k_before)
+    assert cache.length(parent) == 10 and cache.length(child) == 12
+    # The parent moving on does not disturb the child either.
+    next_parent = _decode(model, cache, [parent], [7])
+    next_child = _decode(model, cache, [child], [8])
+    ref = FullCache.for_model(model.net, 1024, max_rows=8, block_size=4)
+    r = ref.create()
+    _prefill(model, ref, r, prefix + [5, 6])
+    assert (next_child - _decode(model, ref, [r], [8])).abs().max() < TOL
+    r2 = ref.create()
+    _prefill(model, ref, r2, prefix)
+    assert (next_parent - _decode(model, ref, [r2], [7])).abs().max() < TOL
+
+
+@torch.no_grad()
+def test_adopt_commits_the_fork_and_frees_the_rest(model) -> None:
+    cache = FullCache.for_model(model.net, 1024, max_rows=8, block_size=4)
+    parent = cache.create()
+    _prefill(model, cache, parent, list(range(30, 39)))
+    children = cache.fork(parent, 3)
+    for t in range(5):
+        _decode(model, cache, children, [40 + t, 50 + t, 60 + t])
+    cache.adopt(parent, children[1])
+    cache.release([children[0], children[2]])
+    assert cache.length(parent) == 14
+    assert cache.blocks_in_use() == 4  # 14 tokens in blocks of 4; nothing else is referenced
+    after = _decode(model, cache, [parent], [7])
+    ref = FullCache.for_model(model.net, 1024, max_rows=8, block_size=4)
+    r = ref.create()
+    expected = _prefill(model, ref, r, list(range(30, 39)) + [50 + t for t in range(5)] + [7])
+    assert (after - expected).abs().max() < TOL
+    cache.release([parent])
+    assert cache.blocks_in_use() == 0 and not cache.rows
+
+
+@torch.no_grad()
+def test_memory_does_not_scale_with_candidates_times_context(model) -> None:
+    cache = FullCache.for_model(model.net, 64 * 1024, max_rows=80, block_size=16)
+    parent = cache.create()
+    _prefill(model, cache, parent, [3] * 1000)  # 63 blocks (last one partial)
+    children = cache.fork(parent, 64)
+    for t in range(20):
+        _decode(model, cache, children, [t + 1] * 64)
+    # 1000 + 20 tokens: each child copies the partial block 62 and owns block 63; the rest is shared.
+    assert cache.blocks_in_use() == 63 + 64 * 2
+    assert cache.blocks_in_use() < 64 * 63 / 10
+
+
+def test_out_of_blocks_is_a_clear_error(model) -> None:
+    cache = FullCache.for_model(model.net, 32, max_rows=4, block_size=16)
+    row = cache.create()
+    with pytest.raises(RuntimeError, match="out of blocks"):
+        _prefill(model, cache, row, [1] * 40)
+
+
+def test_attend_padded_equals_per_row_attention() -> None:
+    """Rows with different cached and new lengths, GQA, padded: same as each row attended alone."""
+    g = torch.Generator().manual_seed(3)
+    R, Hq, Hkv, D, T, L = 3, 4, 2, 8, 3, 12
+    kv_lengths, new_lengths = torch.tensor([5, 0, 9]), torch.tensor([3, 2, 1])
+    q = torch.randn(R, Hq, T, D, generator=g)
+    k, v = torch.randn(R, Hkv, L, D, generator=g), torch.randn(R, Hkv, L, D, generator=g)
+    out = attend_padded(q, k, v, kv_lengths, new_lengths)
+    for r in range(R):
+        c, n = int(kv_lengths[r]), int(new_lengths[r])
+        kr = k[r, :, : c + n].repeat_interleave(Hq // Hkv, 0)
+        vr = v[r, :, : c + n].repeat_interleave(Hq // Hkv, 0)
+        s = q[r, :, :n] @ kr.transpose(-1, -2) / D**0.5
+        s = s.masked_fill(torch.arange(c + n)[None, :] > c + torch.arange(n)[:, None], float("-inf"))
+        assert (out[r, :, :n] - s.softmax(-1) @ vr).abs().max() < 1e-5

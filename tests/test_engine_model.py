@@ -1,0 +1,89 @@
+"""The engine's decoder equals transformers on random Qwen2 and Llama checkpoints saved to disk."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvrescue_cli.engine import FullCache, ModelLoadError, load_model
+
+TOL = 1e-4
+
+
+@pytest.fixture(params=["qwen2_dir", "llama_dir"])
+def pair(request):
+    folder = request.getfixturevalue(request.param)
+    ours = load_model(folder, dtype="float32", device="cpu")
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return ours, ref
+
+
+def test_plain_logits_match_transformers(pair) -> None:
+    ours, ref = pair
+    ids = torch.randint(0, len(ours.tokenizer), (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(ids).logits
+    got = ours.logits(ids)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert (got - expected).abs().max() < TOL
+
+
+def test_cached_prefill_and_decode_match_transformers(pair) -> None:
+    """Rows of different lengths in one batch: prefill through the cache, then one token at a time."""
+    ours, ref = pair
+    g = torch.Generator().manual_seed(1)
+    lengths = [9, 4, 13]
+    seqs = [torch.randint(0, len(ours.tokenizer), (n + 6,), generator=g) for n in lengths]
+    cache = FullCache.for_model(ours.net, 512, max_rows=8, block_size=4)
+    rows = [cache.create() for _ in seqs]
+    batch = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+    for i, (s, n) in enumerate(zip(seqs, lengths)):
+        batch[i, :n] = s[:n]
+    with torch.no_grad():
+        refs = [ref(s[None]).logits[0] for s in seqs]
+        prefill = ours.net.prefill(batch, cache, rows, lengths, last_only=False)
+        for i, n in enumerate(lengths):
+            assert (prefill[i, :n] - refs[i][:n]).abs().max() < TOL
+        for t in range(6):
+            step = torch.stack([s[n + t] for s, n in zip(seqs, lengths)])
+            out = ours.net.decode(step, cache, rows)
+            for i, n in enumerate(lengths):
+                assert (out[i] - refs[i][n + t]).abs().max() < TOL
+    assert [cache.length(r) for r in rows] == [n + 6 for n in lengths]
+
+
+def test_prefill_returns_last_position_logits(qwen2_dir) -> None:
+    ours = load_model(qwen2_dir)
+    ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(2))
+    cache = FullCache.for_model(ours.net, 256, max_rows=4)
+    rows = [cache.create(), cache.create()]
+    with torch.no_grad():
+        last = ours.net.prefill(ids, cache, rows, [8, 5])
+    full = ours.logits(ids)
+    assert (last[0] - full[0, 7]).abs().max() < TOL
+    assert (last[1] - full[1, 4]).abs().max() < TOL
+
+
+def test_dtypes_load(qwen2_dir) -> None:
+    m = load_model(qwen2_dir, dtype="bf16")
+    assert m.dtype == torch.bfloat16
+    assert m.logits(torch.tensor([[1, 2, 3]])).dtype == torch.float32
+    assert m.tokenizer is not None and m.config["model_type"] == "qwen2" and m.eos_ids
+
+
+def test_hub_id_without_network_fails_with_one_clear_line(monkeypatch) -> None:
+    """No network here (and forced offline where there is): the error names the model and what is missing."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError) as e:
+        load_model("Qwen/Qwen2.5-Math-1.5B-Instruct")
+    msg = str(e.value)
+    assert "Qwen/Qwen2.5-Math-1.5B-Instruct" in msg and "\n" not in msg
+
+
+def test_missing_path_is_refused(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(tmp_path)
+    with pytest.raises(ModelLoadError):
+        load_model(tmp_path / "nope" / "x.gguf")
