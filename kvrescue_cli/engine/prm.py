@@ -1,0 +1,178 @@
+"""Process reward scoring (Qwen2.5-Math-PRM recipe, DESIGN section 5) with a cached committed prefix.
+
+Input text: the chat template with the system prompt, user = problem, assistant =
+"<extra_0>".join(steps) + "<extra_0>"; a step's score is softmax(head)[1] at its <extra_0>. Each
+problem's committed prefix lives in one FullCache row; a candidate is scored as a suffix (fork, append
+its tokens + <extra_0>, read the head, release), all candidates of all problems in one forward.
+Special tokens split the text before BPE, so scoring by suffix equals scoring the whole text (the first
+step's boundary after "assistant\\n" too, unless the step itself begins with a newline).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.loader import LoadedModel
+
+SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+STEP_TAG = "<extra_0>"
+END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+Request = tuple[int, str, list[int]]  # (problem key, candidate text, candidate tokens in the policy's tokenizer)
+
+
+def prm_step_text(text: str) -> str:
+    """A generated step as the PRM sees it: cut at an end-of-text marker, without the `\\n\\n` delimiter."""
+    for marker in END_MARKERS:
+        text = text.split(marker)[0]
+    return text.split("\n\n")[0]
+
+
+def _prompt_text(tokenizer, problem: str, system: str) -> str:
+    """The chat text up to where the assistant's content starts."""
+    hole = "\x00kvrescue-assistant\x00"
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": problem},
+                {"role": "assistant", "content": hole}]
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    else:
+        rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return rendered[: rendered.index(hole)]
+
+
+def _check_prm(prm: LoadedModel) -> int:
+    if not prm.is_prm:
+        raise ValueError(
+            f"{prm.name} has no process-reward head (score.0/score.2 weights), so it cannot score steps; "
+            "give a Qwen2ForProcessRewardModel checkpoint such as Qwen/Qwen2.5-Math-PRM-7B"
+        )
+    sep = prm.tokenizer.convert_tokens_to_ids(STEP_TAG)
+    if sep is None or sep == prm.tokenizer.unk_token_id:
+        raise ValueError(f"{prm.name}: tokenizer has no {STEP_TAG} token")
+    return sep
+
+
+@torch.inference_mode()
+def prm_scores(prm: LoadedModel, problem: str, steps: Sequence[str], system: str = SYSTEM_PROMPT) -> list[float]:
+    """From-scratch reference: score of every step of a whole trajectory in one plain forward."""
+    sep = _check_prm(prm)
+    content = STEP_TAG.join(prm_step_text(s) for s in steps) + STEP_TAG
+    ids = prm.tokenizer.encode(_prompt_text(prm.tokenizer, problem, system) + content, add_special_tokens=False)
+    ids_t = torch.tensor([ids])
+    probs = torch.softmax(prm.logits(ids_t)[0], dim=-1)[:, 1]
+    return probs[ids_t[0].to(probs.device) == sep].tolist()
+
+
+@dataclass
+class _Problem:
+    prompt: list[int]
+    row: int
+    steps: list[list[int]] = field(default_factory=list)  # committed steps' tokens, each ending in <extra_0>
+    kept_from: int = 0  # steps before this index were dropped to fit the window
+    processed: int = 0
+    truncations: int = 0
+
+
+class PRMScorer:
+    """Scores candidate steps of many problems as suffixes of each problem's cached committed prefix.
+
+    Follows the controller's scorer protocol: open / score / commit / close, keyed by problem.
+    """
+
+    name = "prm"
+
+    def __init__(
+        self,
+        prm: LoadedModel,
+        *,
+        max_problems: int = 64,
+        max_candidates: int = 1024,
+        window: int = 4096,
+        max_step_tokens: int = 512,
+        system: str = SYSTEM_PROMPT,
+    ) -> None:
+        self.sep = _check_prm(prm)
+        self.prm = prm
+        self.window = window
+        self.system = system
+        budget = max_problems * (window + 16) + max_candidates * (max_step_tokens + 17)
+        self.cache = FullCache.for_model(prm.net, budget, max_rows=max_problems + max_candidates,
+                                         max_row_tokens=window + max_step_tokens + 16)
+        self.problems: dict[int, _Problem] = {}
+
+    def _encode(self, text: str) -> list[int]:
+        return self.prm.tokenizer.encode(prm_step_text(text), add_special_tokens=False) + [self.sep]
+
+    def _append(self, row: int, tokens: list[int]) -> None:
+        batch = torch.tensor([tokens], device=self.prm.device)
+        self.prm.net.prefill(batch, self.cache, [row], [len(tokens)])
+
+    def open(self, key: int, problem: str, prompt: list[int] | None = None) -> None:
+        """Start following a problem: encode and cache its prompt (the policy's `prompt` tokens are not needed)."""
+        ids = self.prm.tokenizer.encode(_prompt_text(self.prm.tokenizer, problem, self.system), add_special_tokens=False)
+        p = _Problem(ids, self.cache.create(), processed=len(ids))
+        self._append(p.row, ids)
+        self.problems[key] = p
+
+    def _fit(self, p: _Problem, need: int) -> None:
+        """Drop the oldest committed steps until the prefix plus `need` tokens fits the window; re-encode once."""
+        length, first = self.cache.length(p.row), p.kept_from
+        while p.kept_from < len(p.steps) and length + need > self.window:
+            length -= len(p.steps[p.kept_from])
+            p.kept_from += 1
+        if p.kept_from == first:
+            return
+        self.cache.release([p.row])
+        p.row = self.cache.create()
+        tokens = p.prompt + [t for s in p.steps[p.kept_from :] for t in s]
+        self._append(p.row, tokens)
+        p.processed += len(tokens)
+        p.truncations += 1
+
+    @torch.inference_mode()
+    def score(self, requests: Sequence[Request]) -> list[float]:
+        """softmax(head)[1] at each candidate's <extra_0>, all candidates of all problems in one forward."""
+        if not requests:
+            return []
+        suffixes = [self._encode(text) for _, text, _ in requests]
+        need: dict[int, int] = {}
+        for (key, _, _), s in zip(requests, suffixes):
+            need[key] = max(need.get(key, 0), len(s))
+        for key, n in need.items():
+            self._fit(self.problems[key], n)
+        room = {key: self.window - self.cache.length(self.problems[key].row) for key in need}
+        # A candidate longer than the window left after dropping every step keeps its end (its <extra_0>).
+        suffixes = [s[-max(room[key], 1) :] for (key, _, _), s in zip(requests, suffixes)]
+        rows = [self.cache.fork(self.problems[key].row, 1)[0] for key, _, _ in requests]
+        try:
+            width = max(len(s) for s in suffixes)
+            batch = torch.zeros(len(rows), width, dtype=torch.long)
+            for i, s in enumerate(suffixes):
+                batch[i, : len(s)] = torch.tensor(s)
+            head = self.prm.net.prefill(batch.to(self.prm.device), self.cache, rows, [len(s) for s in suffixes])
+        finally:
+            self.cache.release(rows)
+        for (key, _, _), s in zip(requests, suffixes):
+            self.problems[key].processed += len(s)
+        return torch.softmax(head.float(), dim=-1)[:, 1].tolist()
+
+    @torch.inference_mode()
+    def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:
+        """The problem committed this step: append it (and its <extra_0>) to the cached prefix."""
+        p = self.problems[key]
+        step = self._encode(text)
+        self._fit(p, len(step))
+        p.steps.append(step)
+        self._append(p.row, step)
+        p.processed += len(step)
+
+    def close(self, key: int) -> tuple[int, int]:
+        """Stop following a problem; returns (tokens the PRM processed, times its input was truncated)."""
+        p = self.problems.pop(key)
+        self.cache.release([p.row])
+        return p.processed, p.truncations
+
+    def dropped_steps(self, key: int) -> int:
+        """How many of the oldest committed steps no longer fit the window."""
+        return self.problems[key].kept_from

@@ -1,0 +1,81 @@
+"""PRM scoring: incremental (cached prefix + suffix) equals from scratch and transformers' Qwen2Model + head."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen2Model
+
+from kvrescue_cli.engine import load_model
+from kvrescue_cli.engine.prm import SYSTEM_PROMPT, PRMScorer, prm_scores
+
+PROBLEMS = ["What is 3x + 5 = 20 for x?", "Compute 1 + 2 + 3 + ... + 10."]
+STEPS = [
+    ["Step 1: 3x = 15.\n\n", "Step 2: Dividing both sides by 3 gives x = 5.\n\n", "The answer is \\boxed{5}.<|im_end|>"],
+    ["We compute the sum.\n\n", "1 + 2 + 3 + ... + 10 = 55.\n\n", "Therefore, the final answer is $55$."],
+]
+
+
+@pytest.fixture(scope="module")
+def prm(prm_dir):
+    return load_model(prm_dir)
+
+
+def _reference(prm_dir, problem: str, steps: list[str]) -> list[float]:
+    """transformers' Qwen2Model + the score head read from the checkpoint, on the model card's input."""
+    body = Qwen2Model.from_pretrained(prm_dir, dtype=torch.float32).eval()
+    sd = load_file(prm_dir / "model.safetensors")
+    tok = load_model(prm_dir).tokenizer
+    clean = [s.split("<|im_end|>")[0].split("\n\n")[0] for s in steps]
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem},
+                {"role": "assistant", "content": "<extra_0>".join(clean) + "<extra_0>"}]
+    ids = torch.tensor([tok.encode(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)])
+    with torch.no_grad():
+        h = body(ids).last_hidden_state[0]
+        h = torch.relu(h @ sd["score.0.weight"].T + sd["score.0.bias"]) @ sd["score.2.weight"].T + sd["score.2.bias"]
+    probs = torch.softmax(h, -1)[:, 1]
+    return probs[ids[0] == tok.convert_tokens_to_ids("<extra_0>")].tolist()
+
+
+def test_incremental_equals_from_scratch_and_transformers(prm, prm_dir) -> None:
+    scorer = PRMScorer(prm, max_problems=4, max_candidates=16)
+    for key, problem in enumerate(PROBLEMS):
+        scorer.open(key, problem, [])
+    for t in range(3):
+        # Both problems' candidates in one batch: the true next step and a distractor.
+        requests = [(k, text, []) for k in (0, 1) for text in (STEPS[k][t], "A wrong turn: x = 7.\n\n")]
+        got = scorer.score(requests)
+        for (k, text, _), score in zip(requests, got):
+            scratch = prm_scores(prm, PROBLEMS[k], STEPS[k][:t] + [text])[-1]
+            assert abs(score - scratch) < 1e-4
+            if text == STEPS[k][t]:
+                assert abs(score - _reference(prm_dir, PROBLEMS[k], STEPS[k][: t + 1])[-1]) < 1e-4
+        for k in (0, 1):
+            scorer.commit(k, STEPS[k][t], [])
+    for k in (0, 1):
+        ref = _reference(prm_dir, PROBLEMS[k], STEPS[k])
+        assert max(abs(a - b) for a, b in zip(prm_scores(prm, PROBLEMS[k], STEPS[k]), ref)) < 1e-4
+        processed, truncations = scorer.close(k)
+        assert truncations == 0 and processed > 0
+    assert scorer.cache.blocks_in_use() == 0
+
+
+def test_window_drops_oldest_steps_and_records_it(prm) -> None:
+    scorer = PRMScorer(prm, max_problems=2, max_candidates=4, window=120)
+    scorer.open(0, PROBLEMS[0], [])
+    prompt_len = scorer.cache.length(scorer.problems[0].row)
+    for text in STEPS[0] * 3:
+        scorer.commit(0, text, [])
+        assert scorer.cache.length(scorer.problems[0].row) <= 120
+    (score,) = scorer.score([(0, STEPS[0][1], [])])
+    kept = scorer.problems[0].kept_from
+    assert kept > 0 and scorer.dropped_steps(0) == kept
+    committed = (STEPS[0] * 3)[kept:]
+    assert abs(score - prm_scores(prm, PROBLEMS[0], committed + [STEPS[0][1]])[-1]) < 1e-4
+    assert scorer.cache.length(scorer.problems[0].row) >= prompt_len
+    _, truncations = scorer.close(0)
+    assert truncations > 0
+
+
+def test_model_without_prm_head_is_refused(qwen2_dir) -> None:
+    with pytest.raises(ValueError, match="no process-reward head"):
+        PRMScorer(load_model(qwen2_dir))
