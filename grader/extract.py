@@ -7,6 +7,7 @@ comparable with published numbers (see DESIGN.md section 6 and ../shared/grader_
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from word2number import w2n
 
@@ -33,6 +34,10 @@ _UNITS += [u + "s" for u in _UNITS]
 # patterns be skipped without running the regex.
 _UNIT_PATTERNS = [(u.split(".")[0], re.compile(r"(^|\W)" + u + r"($|\W)")) for u in _UNITS]
 
+# The reference's r"(\d+)\.0*([^\d])" and r"(\d+)\.0*$", anchored at the start of a digit run: the
+# same matches, without retrying from every digit of a long run (quadratic on degenerate outputs).
+_ZERO_DECIMALS_INSIDE = re.compile(r"(?<!\d)(\d+)\.0*([^\d])")
+_ZERO_DECIMALS_AT_END = re.compile(r"(?<!\d)(\d+)\.0*$")
 _VARIABLE_PREFIXES = ("x=", "y=", "z=", "x\\in", "y\\in", "z\\in", "x\\to", "y\\to", "z\\to")
 _LAST_NUMBER = re.compile(r"-?\d*\.?\d+")
 
@@ -103,6 +108,20 @@ def extract_answer(text: str) -> str:
     return strip_string(pred)
 
 
+def _replace_braced(text: str, opener: str, replace: Callable[[str], str]) -> str:
+    r"""`re.sub(re.escape(opener) + r"(.*?)\}", ...)` for newline-free text, in linear time: each `opener`
+    up to the next "}" becomes `replace(content)`; an opener with no "}" after it is left alone."""
+    out, pos = [], 0
+    while (start := text.find(opener, pos)) >= 0:
+        end = text.find("}", start + len(opener))
+        if end < 0:
+            break
+        out.append(text[pos:start] + replace(text[start + len(opener) : end]))
+        pos = end + 1
+    out.append(text[pos:])
+    return "".join(out)
+
+
 def _fix_fracs(text: str) -> str:
     r"""Brace single-character `\frac` arguments: `\frac12` -> `\frac{1}{2}`, `\frac1{72}` -> `\frac{1}{72}`."""
     head, *pieces = text.split("\\frac")
@@ -155,7 +174,7 @@ def strip_string(text: str) -> str:
     """Normalise an answer string the way the reference `strip_string` does (units always removed)."""
     s = str(text).strip().replace("\n", "").rstrip(".")
     s = s.replace("\\!", "")
-    s = re.sub(r"\\begin\{array\}\{.*?\}", r"\\begin{pmatrix}", s)
+    s = _replace_braced(s, "\\begin{array}{", lambda _: "\\begin{pmatrix}")
     s = re.sub(r"\\end\{array\}", r"\\end{pmatrix}", s)
     s = s.replace("bmatrix", "pmatrix")
     s = s.replace("tfrac", "frac").replace("dfrac", "frac")
@@ -163,8 +182,10 @@ def strip_string(text: str) -> str:
     s = s.replace("\\left", "").replace("\\right", "")
     s = s.replace("\\{", "{").replace("\\}", "}")
 
-    # A trailing \text{...} is taken for a unit, unless it is all there is.
-    without_text = re.sub(r"\\text{.*?}$", "", s).strip()
+    # A trailing \text{...} is taken for a unit: everything from the first \text{ goes when the string
+    # ends with "}", unless nothing would be left.
+    first_text = s.find("\\text{")
+    without_text = s[:first_text].strip() if first_text >= 0 and s.endswith("}") else s.strip()
     if without_text:
         s = without_text
     s = _remove_units(s)
@@ -173,7 +194,7 @@ def strip_string(text: str) -> str:
     s = s.replace("\\$", "").replace("$", "")
     s = s.replace("\\(", "").replace("\\)", "")
     s = _word_to_number(s)
-    s = re.sub(r"\\text\{(.*?)\}", r"\1", s)
+    s = _replace_braced(s, "\\text{", lambda content: content)
     for prefix in _VARIABLE_PREFIXES:
         s = s.replace(prefix, "")
     s = s.replace("\\emptyset", "{}")
@@ -188,12 +209,12 @@ def strip_string(text: str) -> str:
         s = s.replace("inf", "\\infty")
     s = s.replace("+\\inity", "\\infty")
     s = s.replace("and", "").replace("\\mathbf", "")
-    s = re.sub(r"\\mbox{.*?}", "", s)
+    s = _replace_braced(s, "\\mbox{", lambda _: "")
     if "j" in s and "i" not in s:
         s = s.replace("j", "i")
     # Drop zero decimals: "3.0" -> "3", "2.00x" -> "2x".
-    s = re.sub(r"(\d+)\.0*([^\d])", r"\1\2", s)
-    s = re.sub(r"(\d+)\.0*$", r"\1", s)
+    s = _ZERO_DECIMALS_INSIDE.sub(r"\1\2", s)
+    s = _ZERO_DECIMALS_AT_END.sub(r"\1", s)
 
     if not s:
         return s

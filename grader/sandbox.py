@@ -97,7 +97,6 @@ class SymbolicPool:
 
     def __init__(self) -> None:
         self._slots: list[_Slot] = []
-        self.restarts = 0
 
     def compare(self, pairs: Sequence[tuple[str, str]], timeout: float, workers: int = 1) -> list[bool | None]:
         """Verdicts for (pred, gt) pairs in order; None where the limit ran out or the worker died."""
@@ -109,13 +108,16 @@ class SymbolicPool:
         outstanding = len(pairs)
         while outstanding:
             for slot in slots:
-                if slot.process is None and pending:
+                if slot.process is None:
                     slot.start()
                 if slot.ready and slot.task is None and pending:
                     task = pending.popleft()
                     slot.send(task, pairs[task], timeout)
             live = [s for s in slots if s.process is not None]
-            horizon = min(s.deadline if s.task is not None else s.started + _STARTUP_LIMIT_S for s in live)
+            horizon = min(
+                [s.deadline for s in live if s.task is not None]
+                + [s.started + _STARTUP_LIMIT_S for s in live if not s.ready]
+            )
             readable = wait([s.process.stdout for s in live], max(0.0, horizon - time.monotonic()))
             for slot in live:
                 outstanding -= self._collect(slot, slot.process.stdout in readable, results)
@@ -141,7 +143,7 @@ class SymbolicPool:
             raise RuntimeError(f"grader symbolic worker exited during start-up (exit code {slot.process.poll()})")
         finished = int(slot.task is not None)
         slot.stop()
-        self.restarts += 1
+        slot.start()  # right away, so the replacement warms up while others work
         return finished
 
     def close(self) -> None:
@@ -149,9 +151,3 @@ class SymbolicPool:
         for slot in self._slots:
             slot.stop()
         self._slots.clear()
-
-    def __enter__(self) -> SymbolicPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

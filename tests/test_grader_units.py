@@ -121,3 +121,39 @@ def test_parse_expr_refuses_code() -> None:
             _parse_expr(text)
     assert str(_parse_expr("sqrt(2)*max(2, 3)")) == "3*sqrt(2)"
     assert str(_parse_expr("eval(x)")) == "eval(x)"  # an undefined function, not the builtin
+
+
+def test_linear_rewrites_match_the_reference_regexes() -> None:
+    """The hand-written replacements for the reference's regexes give identical results."""
+    import random
+    import re
+
+    from grader.extract import _ZERO_DECIMALS_AT_END, _ZERO_DECIMALS_INSIDE, _replace_braced
+
+    rng = random.Random(0)
+    alphabet = ["1", "0", "7", ".", "x", "}", "{", " ", "\\text{", "\\mbox{", "\\begin{array}{", "a", "-"]
+    for _ in range(20000):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        assert _ZERO_DECIMALS_INSIDE.sub(r"\1\2", s) == re.sub(r"(\d+)\.0*([^\d])", r"\1\2", s)
+        assert _ZERO_DECIMALS_AT_END.sub(r"\1", s) == re.sub(r"(\d+)\.0*$", r"\1", s)
+        assert _replace_braced(s, "\\text{", lambda c: c) == re.sub(r"\\text\{(.*?)\}", r"\1", s)
+        assert _replace_braced(s, "\\mbox{", lambda _: "") == re.sub(r"\\mbox{.*?}", "", s)
+        assert _replace_braced(s, "\\begin{array}{", lambda _: "\\begin{pmatrix}") == re.sub(
+            r"\\begin\{array\}\{.*?\}", r"\\begin{pmatrix}", s
+        )
+        first = s.find("\\text{")
+        fast = s[:first].strip() if first >= 0 and s.endswith("}") else s.strip()
+        assert fast == re.sub(r"\\text{.*?}$", "", s).strip()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    ["1" * 20000, "1." * 10000, "\\text{a" * 3000, "\\mbox{1" * 3000, "x " * 10000, "{" * 20000, "9," * 10000],
+)
+def test_long_degenerate_answers_are_handled_quickly(answer: str) -> None:
+    import time
+
+    start = time.monotonic()
+    result = grade("The final \\boxed{" + answer, "1", "math500", timeout=2.0)
+    assert time.monotonic() - start < 15.0
+    assert not result.correct

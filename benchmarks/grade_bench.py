@@ -1,0 +1,65 @@
+"""Grader throughput: the 2,564 self-check outputs plus the 141 grader vectors, with 1 and 2 workers.
+
+    .venv/bin/python benchmarks/grade_bench.py [--shared ../shared]
+
+For each worker count it grades the whole set twice: cold (sympy workers started inside the timing)
+and warm (workers already running). It prints items/s, the share of items that needed the sympy path
+(the only ones that leave the calling process), and timeouts; then the same for the sympy items alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from grader import BENCHES, grade_many, raw_answer, shutdown
+
+Item = tuple[str, str, str]
+
+
+def load_items(shared: Path) -> tuple[list[Item], list[Item]]:
+    """Self-check items (each problem's raw answer, boxed) and the vector items."""
+    selfcheck = []
+    for bench in BENCHES:
+        for line in (shared / "benchmarks" / f"{bench}.jsonl").read_text(encoding="utf-8").splitlines():
+            raw = raw_answer(json.loads(line), bench)
+            selfcheck.append((f"The answer is $\\boxed{{{raw}}}$.", raw, bench))
+    vectors = [json.loads(line) for line in (shared / "grader_vectors.jsonl").read_text(encoding="utf-8").splitlines()]
+    return selfcheck, [(v["output"], v["gt"], v["bench"]) for v in vectors]
+
+
+def timed(items: list[Item], workers: int) -> tuple[float, list]:
+    start = time.perf_counter()
+    results = grade_many(items, workers=workers)
+    return time.perf_counter() - start, results
+
+
+def report(label: str, items: list[Item], workers: int, seconds: float, results: list) -> None:
+    symbolic = sum(r.symbolic for r in results)
+    print(
+        f"{label:<22} workers={workers}  items={len(items):>5}  {seconds:7.2f} s  {len(items) / seconds:8.1f} items/s"
+        f"  symbolic {symbolic:>3} ({symbolic / len(items):6.2%})  timeouts {sum(r.timed_out for r in results)}"
+        f"  correct {sum(r.correct for r in results)}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shared", type=Path, default=Path(__file__).resolve().parents[1].parent / "shared")
+    args = parser.parse_args()
+    selfcheck, vectors = load_items(args.shared)
+    items = selfcheck + vectors
+    for workers in (1, 2):
+        shutdown()
+        report("all, cold start", items, workers, *timed(items, workers))
+        seconds, results = timed(items, workers)
+        report("all, warm", items, workers, seconds, results)
+        symbolic_items = [item for item, r in zip(items, results) if r.symbolic]
+        report("sympy items only, warm", symbolic_items, workers, *timed(symbolic_items, workers))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
