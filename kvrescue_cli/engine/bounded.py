@@ -1,0 +1,225 @@
+"""The base model's bounded evicting KV cache (DESIGN section 3).
+
+Every forward attends over everything appended so far; afterwards each row whose physical length
+reached B' = budget + slack is compressed to exactly `budget` entries, per layer and KV head, by the
+run's policy (`evict.keep_positions`). A row's peak is B' - 1 + its largest append; in steady decoding
+it cycles budget -> B' -> budget. Tokens keep their logical positions: RoPE is applied before caching
+and new tokens are placed at the row's logical length, never at its physical length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvrescue_cli.engine.attention import attend_padded
+from kvrescue_cli.engine.caches import KVCache
+from kvrescue_cli.engine.evict import POLICIES, WINDOW, gather_positions, keep_positions
+
+SLACK = 128  # w: entries appended past the budget before a compression
+
+
+@dataclass
+class _Row:
+    slot: int        # index into the preallocated pools
+    physical: int = 0  # entries held
+    logical: int = 0   # tokens appended so far = the next token's RoPE position
+    peak: int = 0      # largest physical length this row (and the rows it was forked from) held
+
+
+@dataclass
+class _Forward:
+    rows: list[int]
+    slots: torch.Tensor | slice  # [R] pool slots of the rows, or a slice when they are consecutive
+    kv_lengths: torch.Tensor     # [R] physical entries before this forward
+    new_lengths: torch.Tensor    # [R]
+    length: int                  # max physical length after the append
+    write_slots: torch.Tensor    # [N] slot of each valid new token
+    write_pos: torch.Tensor      # [N] its physical index
+    valid: torch.Tensor          # [R, T]
+
+
+class BoundedCache(KVCache):
+    """Per row a fixed-capacity K/V buffer, its physical and logical lengths, and per layer a ring of
+    the last WINDOW post-RoPE queries (R-KV's observation window).
+
+    Pools (gpt-fast style, written in place): K and V [layers, slots, kv_heads, capacity, head_dim]
+    and queries [layers, slots, heads, WINDOW, head_dim]. Rows are ids mapped to slots, so `adopt`
+    moves no data; a fork copies its parent's entries, ring and counters. The pools grow (by
+    doubling) when rows or a long append do not fit: capacity defaults to B' + `max_append`, so only
+    prompts longer than that (or policy `none`) reallocate.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        budget: int,
+        policy: str = "rkv",
+        slack: int = SLACK,
+        max_append: int = 512,
+        rows: int = 16,
+        capacity: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown evictor {policy!r}; choose one of {POLICIES}")
+        if budget < 2 * WINDOW:
+            raise ValueError(f"budget {budget} is below the minimum {2 * WINDOW}")
+        self.policy, self.budget, self.trigger = policy, budget, budget + slack
+        cap = capacity or self.trigger + max_append
+        self.k = torch.zeros(n_layers, rows, n_kv_heads, cap, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.q = torch.zeros(n_layers, rows, n_heads, WINDOW, head_dim, dtype=dtype, device=device)
+        self.rows: dict[int, _Row] = {}
+        self.free_slots = list(range(rows - 1, -1, -1))
+        self.free_ids: list[int] = []
+        self.next_id = 0
+        self.fwd: _Forward | None = None
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, budget: int, policy: str = "rkv", **kw) -> "BoundedCache":
+        """A cache for `model` (a `Transformer`), in its dtype and on its device."""
+        a = model.args
+        p = next(model.parameters())
+        kw.setdefault("dtype", p.dtype)
+        kw.setdefault("device", p.device)
+        return cls(a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, budget=budget, policy=policy, **kw)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def bytes_per_entry(self) -> int:
+        """K + V bytes of one cached token over all layers."""
+        n_layers, _, h_kv, _, d = self.k.shape
+        return 2 * n_layers * h_kv * d * self.k.element_size()
+
+    def physical_length(self, row: int) -> int:
+        """Entries the row holds now."""
+        return self.rows[row].physical
+
+    def peak_length(self, row: int) -> int:
+        """Largest physical length the row held, counting the history it inherited through forks."""
+        return self.rows[row].peak
+
+    # -- rows ---------------------------------------------------------------------------------------
+    def create(self) -> int:
+        if not self.free_slots:
+            self._grow(rows=2 * self.k.shape[1])
+        row = self.free_ids.pop() if self.free_ids else self._new_id()
+        self.rows[row] = _Row(self.free_slots.pop())
+        return row
+
+    def fork(self, row: int, n: int) -> list[int]:
+        children = [self.create() for _ in range(n)]
+        parent = self.rows[row]
+        if children:
+            dst = torch.tensor([self.rows[c].slot for c in children], device=self.k.device)
+            p = parent.physical
+            self.k[:, dst, :, :p] = self.k[:, parent.slot, None, :, :p]
+            self.v[:, dst, :, :p] = self.v[:, parent.slot, None, :, :p]
+            self.q[:, dst] = self.q[:, parent.slot, None]
+        for c in children:
+            r = self.rows[c]
+            r.physical, r.logical, r.peak = parent.physical, parent.logical, parent.peak
+        return children
+
+    def adopt(self, row: int, child: int) -> None:
+        self.free_slots.append(self.rows[row].slot)
+        self.rows[row] = self.rows.pop(child)
+        self.free_ids.append(child)
+
+    def release(self, rows: Iterable[int]) -> None:
+        for row in rows:
+            self.free_slots.append(self.rows.pop(row).slot)
+            self.free_ids.append(row)
+
+    def length(self, row: int) -> int:
+        return self.rows[row].logical
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def _grow(self, rows: int | None = None, capacity: int | None = None) -> None:
+        """Reallocate the pools with more slots and/or more capacity per slot, keeping the content."""
+        n_layers, old_rows, h_kv, old_cap, d = self.k.shape
+        rows, capacity = rows or old_rows, capacity or old_cap
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(n_layers, rows, h_kv, capacity, d)
+            new[:, :old_rows, :, :old_cap] = old
+            setattr(self, name, new)
+        q = self.q.new_zeros(n_layers, rows, *self.q.shape[2:])
+        q[:, :old_rows] = self.q
+        self.q = q
+        self.free_slots = list(range(rows - 1, old_rows - 1, -1)) + self.free_slots
+
+    # -- forward protocol ---------------------------------------------------------------------------
+    def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
+        state = [self.rows[r] for r in rows]
+        need = max(s.physical + n for s, n in zip(state, n_new))
+        if need > self.capacity:
+            self._grow(capacity=max(need, 2 * self.capacity))
+        dev = self.k.device
+        slots = [s.slot for s in state]
+        kv_lengths = torch.tensor([s.physical for s in state], device=dev)
+        logical = torch.tensor([s.logical for s in state], device=dev)
+        new_lengths = torch.tensor(list(n_new), device=dev)
+        t = torch.arange(max(n_new), device=dev)
+        valid = t[None, :] < new_lengths[:, None]
+        slot_t = torch.tensor(slots, device=dev)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        self.fwd = _Forward(
+            rows=list(rows),
+            slots=slice(slots[0], slots[0] + len(slots)) if consecutive else slot_t,
+            kv_lengths=kv_lengths,
+            new_lengths=new_lengths,
+            length=need,
+            write_slots=slot_t[:, None].expand_as(valid)[valid],
+            write_pos=(kv_lengths[:, None] + t)[valid],
+            valid=valid,
+        )
+        for s, n in zip(state, n_new):
+            s.physical += n
+            s.logical += n
+            s.peak = max(s.peak, s.physical)
+        return logical[:, None] + t
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        f = self.fwd
+        kp, vp, qp = self.k[layer], self.v[layer], self.q[layer]
+        kp[f.write_slots, :, f.write_pos] = k.transpose(1, 2)[f.valid]
+        vp[f.write_slots, :, f.write_pos] = v.transpose(1, 2)[f.valid]
+        # the ring keeps the last WINDOW queries: positions n .. n+WINDOW-1 of (ring ++ new queries)
+        joined = torch.cat([qp[f.slots], q], dim=2)
+        idx = (f.new_lengths[:, None] + torch.arange(WINDOW, device=q.device))[:, None, :, None]
+        qp[f.slots] = joined.gather(2, idx.expand(-1, q.shape[1], -1, q.shape[3]))
+        return attend_padded(q, kp[f.slots, :, : f.length], vp[f.slots, :, : f.length], f.kv_lengths, f.new_lengths)
+
+    def end(self) -> None:
+        rows, self.fwd = self.fwd.rows, None
+        if self.policy != "none":
+            self.compress([r for r in rows if self.rows[r].physical >= self.trigger])
+
+    def compress(self, rows: Sequence[int]) -> None:
+        """Compress each row to `budget` entries per layer and KV head; rows of equal length are scored together."""
+        by_length: dict[int, list[int]] = {}
+        for r in rows:
+            by_length.setdefault(self.rows[r].physical, []).append(r)
+        for length, group in by_length.items():
+            slots = torch.tensor([self.rows[r].slot for r in group], device=self.k.device)
+            for layer in range(self.k.shape[0]):
+                keys = self.k[layer, slots, :, :length]
+                kept = keep_positions(self.policy, keys, self.q[layer, slots], self.budget)
+                self.k[layer, slots, :, : self.budget] = gather_positions(keys, kept)
+                self.v[layer, slots, :, : self.budget] = gather_positions(self.v[layer, slots, :, :length], kept)
+            for r in group:
+                self.rows[r].physical = self.budget

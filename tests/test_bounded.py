@@ -1,0 +1,221 @@
+"""The bounded evicting cache on a tiny random Qwen2 loaded through the real loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.evict import gather_positions, rkv_keep, snapkv_keep, streaming_keep
+from kvrescue_cli.engine.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def net(qwen2_dir):
+    return load_model(qwen2_dir).net
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(10, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Driver:
+    """Runs the same sequence of cache operations on a cache, recording every row's logits and tokens."""
+
+    def __init__(self, net, cache) -> None:
+        self.net, self.cache = net, cache
+        self.logits: list[torch.Tensor] = []
+
+    @torch.inference_mode()
+    def append(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
+        T = max(len(s) for s in seqs)
+        tokens = torch.tensor([s + [0] * (T - len(s)) for s in seqs])
+        out = self.net.prefill(tokens, self.cache, rows, [len(s) for s in seqs])
+        self.logits.append(out)
+        return out.argmax(-1)
+
+    @torch.inference_mode()
+    def greedy(self, rows: list[int], first: torch.Tensor, steps: int) -> list[list[int]]:
+        tokens, out = first, [[] for _ in rows]
+        for _ in range(steps):
+            for o, t in zip(out, tokens.tolist()):
+                o.append(t)
+            logits = self.net.decode(tokens, self.cache, rows)
+            self.logits.append(logits)
+            tokens = logits.argmax(-1)
+        return out
+
+
+def scenario(net, cache, *, decode: int = 30, step: int = 15) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prompt, greedy decode, fork into three candidates that diverge, a multi-token helper step
+    appended to one, adopt it, keep decoding; returns the tokens and every logits tensor."""
+    d = Driver(net, cache)
+    root = cache.create()
+    first = d.append([root], [prompt(20)])
+    toks = d.greedy([root], first, decode)
+    kids = cache.fork(root, 3)
+    firsts = d.append(kids, [[101], [102, 103], [104, 105, 106, 107]])
+    toks += d.greedy(kids, firsts, decode)
+    helper_step = prompt(step, seed=1)
+    d.append([kids[1]], [helper_step])
+    cache.adopt(root, kids[1])
+    cache.release([kids[0], kids[2]])
+    toks += d.greedy([root], torch.tensor([7]), decode)
+    return toks, d.logits
+
+
+def test_without_compression_decoding_equals_full_cache(net):
+    full_toks, full_logits = scenario(net, FullCache.for_model(net, 4096))
+    for policy in ("rkv", "snapkv", "streaming", "none"):
+        cache = BoundedCache.for_model(net, budget=64, policy=policy)  # B' = 192 > every sequence here
+        toks, logits = scenario(net, cache)
+        assert toks == full_toks
+        for a, b in zip(logits, full_logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_none_grows_and_matches_full_cache(net):
+    full_toks, full_logits = scenario(net, FullCache.for_model(net, 8192), decode=60, step=200)
+    cache = BoundedCache.for_model(net, budget=16, policy="none", rows=1, max_append=0)
+    toks, logits = scenario(net, cache, decode=60, step=200)
+    assert toks == full_toks
+    for a, b in zip(logits, full_logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert cache.capacity >= 20 + 3 * 60 + 4 + 200
+    assert cache.k.shape[1] >= 4
+
+
+@pytest.mark.parametrize("budget", [16, 24])
+def test_physical_length_is_bounded(net, budget):
+    cache = BoundedCache.for_model(net, budget=budget)
+    trigger = budget + 128
+    d = Driver(net, cache)
+    row = cache.create()
+    appends = [30, 1, 150, 1, 1, 7, 64, 1, 130, 1]  # mixes prefill, decode and helper steps
+    for i, n in enumerate(appends * 3):
+        before = cache.physical_length(row)
+        d.append([row], [prompt(n, seed=i)])
+        after = cache.physical_length(row)
+        if before + n >= trigger:
+            assert after == budget
+        else:
+            assert after == before + n
+        assert cache.peak_length(row) <= trigger - 1 + max(appends)
+    assert cache.length(row) == 3 * sum(appends)
+
+
+@pytest.mark.parametrize("policy", ["rkv", "snapkv", "streaming"])
+def test_compression_keeps_what_the_policy_selects(net, policy):
+    budget = 16
+    cache = BoundedCache.for_model(net, budget=budget, policy=policy)
+    seen = []  # (lengths, keys, values, windows before; keys, values after) of each compression
+    compress = cache.compress
+
+    def spy(rows):
+        slots = [cache.rows[r].slot for r in rows]
+        lengths = [cache.physical_length(r) for r in rows]
+        before = cache.k[:, slots].clone(), cache.v[:, slots].clone(), cache.q[:, slots].clone()
+        compress(rows)
+        seen.append((lengths, *before, cache.k[:, slots, :, :budget].clone(), cache.v[:, slots, :, :budget].clone()))
+
+    cache.compress = spy
+    d = Driver(net, cache)
+    root = cache.create()
+    first = d.append([root], [prompt(100)])
+    d.greedy([root], first, 40)  # 140 entries: the children compress with a partly inherited ring
+    kids = cache.fork(root, 3)
+    firsts = d.append(kids, [[11], [12], prompt(140, seed=3)])  # the third child passes B' at once
+    d.greedy(kids, firsts, 140)
+    assert len(seen) >= 4 and any(len(c[0]) == 2 for c in seen)  # two rows compressed together
+    for lengths, k, v, q, k_after, v_after in seen:
+        for i, length in enumerate(lengths):
+            for layer in range(k.shape[0]):
+                keys, window = k[layer, i, :, :length], q[layer, i]
+                if policy == "rkv":
+                    kept = rkv_keep(keys, window, budget)
+                elif policy == "snapkv":
+                    kept = snapkv_keep(keys, window, budget)
+                else:
+                    kept = streaming_keep(length, budget).expand(keys.shape[0], -1)
+                assert torch.equal(k_after[layer, i], gather_positions(keys, kept))
+                assert torch.equal(v_after[layer, i], gather_positions(v[layer, i, :, :length], kept))
+
+
+def test_query_ring_holds_the_last_eight_queries(net):
+    cache = BoundedCache.for_model(net, budget=16)
+    history: dict[int, list[torch.Tensor]] = {}
+    attend = cache.attend
+
+    def spy(layer, q, k, v):
+        for i, n in enumerate(cache.fwd.new_lengths.tolist()):
+            history.setdefault(layer, []).append(q[i, :, :n])
+        return attend(layer, q, k, v)
+
+    cache.attend = spy
+    d = Driver(net, cache)
+    row = cache.create()
+    for i, n in enumerate([5, 1, 1, 3, 20, 1, 6, 1, 1, 1, 150, 2]):
+        d.append([row], [prompt(n, seed=i)])
+        slot = cache.rows[row].slot
+        for layer, qs in history.items():
+            expected = torch.cat(qs, dim=1)[:, -8:]
+            assert torch.equal(cache.q[layer, slot, :, -expected.shape[1]:], expected)
+
+
+def test_logical_positions_survive_compression(net):
+    """Layer 0's post-RoPE keys depend only on the token and its position, so teacher-forcing the
+    same tokens through an evicting and a full cache must give identical layer-0 keys and positions."""
+    records = {}
+    for name, cache in [("full", FullCache.for_model(net, 4096)), ("rkv", BoundedCache.for_model(net, budget=16))]:
+        keys, positions = [], []
+        attend, begin = cache.attend, cache.begin
+
+        def spy_attend(layer, q, k, v, attend=attend, keys=keys):
+            if layer == 0:
+                keys.append(k.clone())
+            return attend(layer, q, k, v)
+
+        def spy_begin(rows, n_new, begin=begin, positions=positions):
+            out = begin(rows, n_new)
+            positions.append(out.clone())
+            return out
+
+        cache.attend, cache.begin = spy_attend, spy_begin
+        d = Driver(net, cache)
+        row = cache.create()
+        for i, n in enumerate([40] + [1] * 150 + [60] + [1] * 10):
+            d.append([row], [prompt(n, seed=i)])
+        records[name] = keys, positions, cache.length(row)
+    (k_full, p_full, n_full), (k_rkv, p_rkv, n_rkv) = records["full"], records["rkv"]
+    assert n_full == n_rkv == 40 + 150 + 60 + 10
+    assert all(torch.equal(a, b) for a, b in zip(p_full, p_rkv))
+    for a, b in zip(k_full, k_rkv):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_fork_never_changes_its_parent(net):
+    cache = BoundedCache.for_model(net, budget=16)
+    d = Driver(net, cache)
+    parent = cache.create()
+    d.append([parent], [prompt(130)])
+    slot = cache.rows[parent].slot
+    snapshot = cache.k[:, slot, :, :130].clone(), cache.q[:, slot].clone()
+    kids = cache.fork(parent, 2)
+    for kid in kids:
+        kid_slot = cache.rows[kid].slot
+        assert cache.length(kid) == 130 and cache.physical_length(kid) == 130
+        assert torch.equal(cache.k[:, kid_slot, :, :130], snapshot[0])
+        assert torch.equal(cache.q[:, kid_slot], snapshot[1])
+    d.append(kids, [prompt(20, seed=5), [3]])  # the first child compresses
+    assert cache.physical_length(kids[0]) == 16 and cache.physical_length(kids[1]) == 131
+    assert cache.physical_length(parent) == cache.length(parent) == 130
+    assert torch.equal(cache.k[:, slot, :, :130], snapshot[0]) and torch.equal(cache.q[:, slot], snapshot[1])
+    assert cache.peak_length(kids[0]) == 150 and cache.peak_length(parent) == 130
+
+
+def test_bad_settings_are_refused(net):
+    with pytest.raises(ValueError):
+        BoundedCache.for_model(net, budget=8)
+    with pytest.raises(ValueError):
+        BoundedCache.for_model(net, budget=64, policy="h2o")
