@@ -27,8 +27,9 @@ from grader.sandbox import SymbolicPool
 
 __all__ = ["BENCHES", "GradeResult", "grade", "grade_many", "normalise_gt", "raw_answer", "shutdown"]
 
-# Longer pred+gt pairs skip the in-process pass: some of its regexes backtrack quadratically.
-_IN_PROCESS_MAX_CHARS = 2000
+# Longer pred+gt pairs skip the in-process pass (one of its regexes backtracks cubically on long text)
+# and are compared in a worker, under the time limit.
+_IN_PROCESS_MAX_CHARS = 1000
 
 
 @dataclass(frozen=True)
