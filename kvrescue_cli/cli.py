@@ -1,8 +1,279 @@
-import typer
+"""The `kvrescue` command line: thin Typer commands over the package's modules.
 
-app = typer.Typer(help="KV-Rescue batch evaluation", no_args_is_help=True)
+Machine-readable results go to stdout or files; tables, progress and errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import orjson
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvrescue_cli.errors import InputError
+
+app = typer.Typer(help="KV-Rescue batch evaluation", no_args_is_help=True, add_completion=False)
+# Logs and pipes get the whole table rather than 80 truncated columns.
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+
+def one_line_errors(command: Callable) -> Callable:
+    """Turn InputError into `error: <message>` on stderr and exit status 2, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except InputError as err:
+            console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
 
 
 @app.callback()
 def main() -> None:
     """kvrescue: evicted-KV reasoning with a full-context helper and a PRM."""
+
+
+def write_jsonl_atomically(records: list[dict], out: Path | None) -> None:
+    """JSONL to stdout, or to `out` through a temporary file renamed at the end (never half-written)."""
+    payload = b"".join(orjson.dumps(record) + b"\n" for record in records)
+    if out is None:
+        sys.stdout.buffer.write(payload)
+        sys.stdout.buffer.flush()
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(payload)
+        os.replace(temporary, out)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+@app.command()
+@one_line_errors
+def grade(
+    source: str = typer.Argument("-", help="JSONL of model outputs, or - for stdin"),
+    bench: str = typer.Option(..., help="grading treatment: math500, gsm8k, aime24, amc23, olympiadbench or generic"),
+    output_field: str = typer.Option("output", help="field holding the model output"),
+    gt_field: str = typer.Option("gt", help="field holding the raw answer (else derived from the benchmark's fields)"),
+    workers: int = typer.Option(1, min=1, help="grading processes"),
+    timeout: float = typer.Option(3.0, help="seconds per symbolic comparison"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="write JSONL here instead of stdout"),
+) -> None:
+    """Grade boxed answers with the Qwen2.5-Math grader logic; JSONL out, a summary table on stderr."""
+    from kvrescue_cli.grading import check_bench, grade_records
+    from kvrescue_cli.jsonl import read_jsonl
+
+    check_bench(bench)
+    rows = read_jsonl(source)
+    name = "<stdin>" if source == "-" else source
+    graded, tally = grade_records(rows, source=name, bench=bench, output_field=output_field,
+                                  gt_field=gt_field, workers=workers, timeout=timeout)
+    write_jsonl_atomically(graded, out)
+    table = Table(title=f"grade: {name} ({bench})")
+    for column in ("records", "correct", "accuracy", "timeouts", "empty predictions"):
+        table.add_column(column, justify="right")
+    table.add_row(str(tally.records), str(tally.correct), f"{100 * tally.accuracy:.1f}%", str(tally.timeouts),
+                  str(tally.empty))
+    console.print(table)
+
+
+@app.command()
+@one_line_errors
+def bench(
+    data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl files (else $KVRESCUE_DATA_DIR, else the Hub)"),
+) -> None:
+    """List the benchmarks, their sizes and where each is loaded from."""
+    from kvrescue_cli.data import BENCHES
+    from kvrescue_cli.data import data_dir as resolve_data_dir
+    from kvrescue_cli.data import load_problems, source_of
+
+    folder = resolve_data_dir(data_dir)
+    table = Table(title="benchmarks")
+    for column in ("bench", "problems", "problem field", "source"):
+        table.add_column(column)
+    for name, spec in BENCHES.items():
+        size = str(spec.size)
+        if folder is not None:
+            present = (folder / f"{name}.jsonl").is_file()
+            size = str(len(load_problems(name, folder=folder).problems)) if present else "missing"
+        table.add_row(name, size, spec.problem_field, source_of(name, folder))
+    console.print(table)
+
+
+DEFAULT_MODELS = {
+    "base": "Qwen/Qwen2.5-Math-7B-Instruct",
+    "helper": "Qwen/Qwen2.5-Math-1.5B-Instruct",
+    "prm": "Qwen/Qwen2.5-Math-PRM-7B",
+}
+
+
+def _comma_list(value: str, cast: Callable = str, option: str = "") -> list:
+    try:
+        items = [cast(part.strip()) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise InputError(f"{option} {value!r}: expected a comma list of {cast.__name__}") from None
+    if not items:
+        raise InputError(f"{option} is empty")
+    return items
+
+
+@app.command()
+@one_line_errors
+def run(
+    bench: str = typer.Option("math500", help="benchmarks (comma list) or a path to any JSONL"),
+    method: str = typer.Option("kvrescue", help="kvrescue, interleave, bon, full, helper (comma list)"),
+    budget: str = typer.Option("64", help="KV budgets B (comma list)"),
+    n: str = typer.Option("8", "--n", help="candidates per model per step (comma list)"),
+    seed: str = typer.Option("0", help="seeds (comma list)"),
+    evictor: str = typer.Option("rkv", help="rkv, snapkv, streaming or none"),
+    base: Optional[str] = typer.Option(None, help="base model: Hub id, local folder or .gguf file"),
+    helper: Optional[str] = typer.Option(None, help="helper model: Hub id, local folder or .gguf file"),
+    prm: Optional[str] = typer.Option(None, help="PRM: Hub id or folder, or 'helper-loglik' (named alternative scorer)"),
+    preset: Optional[str] = typer.Option(None, help="cpu-demo: SmolLM2-135M from PyPI as base and helper, helper-loglik scorer"),
+    limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
+    out: Path = typer.Option(Path("runs"), help="root folder of run folders"),
+    temperature: float = typer.Option(0.8, min=0.0),
+    top_p: float = typer.Option(0.95, min=0.0, max=1.0),
+    top_k: int = typer.Option(20, min=0),
+    tau_ent: float = typer.Option(7.0, help="detector: mean-entropy threshold (nats)"),
+    tau_cmp: float = typer.Option(0.18, help="detector: gzip-ratio threshold"),
+    max_step_tokens: int = typer.Option(512, min=1),
+    max_steps: int = typer.Option(1024, min=1),
+    context_cap: int = typer.Option(4096, min=16),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto"),
+    dtype: Optional[str] = typer.Option(None, help="float32, float16 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)"),
+    batch: Optional[int] = typer.Option(None, min=1, help="problems in flight (default: 4 on CPU, 64 on GPU)"),
+    overwrite: bool = typer.Option(False, help="replace a run folder holding a different configuration"),
+    data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl (else $KVRESCUE_DATA_DIR, else the Hub)"),
+    problem_field: Optional[str] = typer.Option(None, help="problem field of a custom JSONL"),
+    answer_field: Optional[str] = typer.Option(None, help="answer field of a custom JSONL"),
+) -> None:
+    """Run KV-Rescue and its baselines over a grid; one run folder per configuration."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from kvrescue_cli.detect import DetectorConfig
+    from kvrescue_cli.engine.sampling import SamplingParams
+    from kvrescue_cli.runs import GridOptions, run_grid
+    from kvrescue_cli.search import SearchSettings
+
+    models = dict(DEFAULT_MODELS)
+    if preset == "cpu-demo":
+        from kvrescue_cli.engine.smollm import smollm_gguf
+
+        demo = str(smollm_gguf())
+        models = {"base": demo, "helper": demo, "prm": "helper-loglik"}
+        device = "cpu" if device == "auto" else device
+    elif preset is not None:
+        raise InputError(f"unknown preset '{preset}': the only preset is cpu-demo")
+    models.update({k: v for k, v in {"base": base, "helper": helper, "prm": prm}.items() if v})
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_gpu = device.startswith("cuda")
+    settings = SearchSettings(
+        sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
+        detector=DetectorConfig(tau_ent=tau_ent, tau_cmp=tau_cmp),
+        max_step_tokens=max_step_tokens, max_steps=max_steps, context_cap=context_cap,
+        batch=batch or (64 if on_gpu else 4),
+    )
+    options = GridOptions(
+        benches=_comma_list(bench, str, "--bench"), methods=_comma_list(method, str, "--method"),
+        budgets=_comma_list(budget, int, "--budget"), ns=_comma_list(n, int, "--n"),
+        seeds=_comma_list(seed, int, "--seed"), evictor=evictor, models=models,
+        scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
+        limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
+        overwrite=overwrite, device=device, dtype=dtype or ("bfloat16" if on_gpu else "float32"),
+    )
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        results = run_grid(options, progress)
+    console.print(summary_table(results))
+
+
+def summary_table(results) -> Table:
+    """One row per cell: the figures `kvrescue run` ends with."""
+    table = Table(title="kvrescue run")
+    for column in ("bench", "method", "B", "N", "seed", "scorer", "acc", "steps", "base tok", "helper tok",
+                   "helper share", "early exit", "problems/min"):
+        table.add_column(column, justify="right" if column not in ("bench", "method", "scorer") else "left")
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    def num(x):
+        return "n/a" if x is None else f"{x:.1f}"
+
+    for config, s in results:
+        table.add_row(config.bench_name(), config.method, str(config.budget or "-"), str(config.n), str(config.seed),
+                      config.scorer, pct(s.accuracy), num(s.mean_steps), num(s.base_tokens),
+                      num(s.helper_tokens), pct(s.helper_step_share), pct(s.early_exit_rate),
+                      num(s.throughput_per_min))
+    return table
+
+
+@app.command()
+@one_line_errors
+def report(
+    run_dirs: list[Path] = typer.Argument(..., help="run folders, or folders above them (e.g. runs/)"),
+    format: str = typer.Option("table", "--format", help="table (rich, stderr), md, csv or json (stdout)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="write accuracy vs budget (Figure 5) to this PNG"),
+) -> None:
+    """The paper's tables (accuracy, recovery, cost, ablation, helper share, oracle, calibration) from run folders."""
+    from kvrescue_cli import report as rep
+
+    if format not in ("table", "md", "csv", "json"):
+        raise InputError(f"unknown --format '{format}': use table, md, csv or json")
+    runs, problems = rep.load_runs(run_dirs)
+    tables = rep.build_tables(runs, problems)
+    if format == "table":
+        rep.print_rich(tables, console)
+    elif format == "json":
+        sys.stdout.buffer.write(rep.to_json(tables, runs, problems))
+    else:
+        sys.stdout.write(rep.to_markdown(tables) if format == "md" else rep.to_csv(tables))
+    if plot is not None:
+        console.print(f"wrote {rep.plot(runs, plot)}", highlight=False)
+
+
+@app.command()
+@one_line_errors
+def cost(
+    base: str = typer.Option("Qwen/Qwen2.5-Math-7B-Instruct", help="base model: Hub id, folder or config.json"),
+    helper: str = typer.Option("Qwen/Qwen2.5-Math-1.5B-Instruct", help="helper model: Hub id, folder or config.json"),
+    budget: int = typer.Option(64, min=1, help="KV budget B (the cache peaks at B' = B + 128)"),
+    context: int = typer.Option(4096, min=1, help="context length L"),
+    n: int = typer.Option(8, min=1, help="candidates per model"),
+    alpha: float = typer.Option(2.9, min=0.0, help="eviction overhead in units of B' attention (paper: 2.9)"),
+    format: str = typer.Option("table", "--format", help="table (rich, stderr) or json (stdout)"),
+) -> None:
+    """KV memory and decode FLOPs of the evicted base and the full helper (the paper's Appendix D)."""
+    from kvrescue_cli.cost import Architecture, cost_json, cost_rows, estimate, load_config
+
+    if format not in ("table", "json"):
+        raise InputError(f"unknown --format '{format}': use table or json")
+    result = estimate(Architecture.from_config(base, load_config(base)),
+                      Architecture.from_config(helper, load_config(helper)), budget, context, n, alpha)
+    if format == "json":
+        sys.stdout.buffer.write(cost_json(result))
+        return
+    table = Table(title=f"cost: base {base}, helper {helper}, B={budget}, L={context}, N={n}")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for name, value in cost_rows(result):
+        table.add_row(name, value)
+    console.print(table)

@@ -1,0 +1,87 @@
+"""`kvrescue grade` and `kvrescue bench` through real subprocesses of the installed console script."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.shared import BENCHMARKS, need_shared
+
+ROOT = Path(__file__).resolve().parents[1]
+KVRESCUE = [str(Path(sys.executable).parent / "kvrescue")]  # the console script installed beside this python
+EXAMPLE = ROOT / "examples" / "gsm8k_outputs.jsonl"
+
+
+def kvrescue(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVRESCUE, *args], input=stdin, capture_output=True, timeout=300)
+
+
+def test_grade_example_file_to_stdout():
+    done = kvrescue("grade", str(EXAMPLE), "--bench", "gsm8k")
+    assert done.returncode == 0, done.stderr.decode()
+    records = [orjson.loads(line) for line in done.stdout.splitlines()]
+    assert [r["correct"] for r in records] == [True, True, True, False, True, True, False, True]
+    assert records[2]["pred"] == "70,000" and records[6]["pred"] == "160"  # "160" by the last-number fallback
+    assert all({"pred", "gt_norm", "correct", "timed_out", "question"} <= set(r) for r in records)
+    assert b"accuracy" in done.stderr and b"75.0%" in done.stderr
+
+
+def test_grade_reads_stdin_in_a_pipeline():
+    done = kvrescue("grade", "-", "--bench", "gsm8k", stdin=EXAMPLE.read_bytes())
+    assert done.returncode == 0, done.stderr.decode()
+    assert len(done.stdout.splitlines()) == 8
+
+
+def test_grade_benchmark_native_records_derive_the_answer(tmp_path):
+    folder = need_shared(BENCHMARKS)
+    rows = [orjson.loads(line) for line in (folder / "gsm8k.jsonl").read_bytes().splitlines()[:3]]
+    for row in rows:
+        row["output"] = "\\boxed{" + row["answer"].split("####")[1].strip() + "}"
+    source = tmp_path / "native.jsonl"
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    done = kvrescue("grade", str(source), "--bench", "gsm8k", "--workers", "2")
+    assert done.returncode == 0, done.stderr.decode()
+    assert all(orjson.loads(line)["correct"] for line in done.stdout.splitlines())
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"output": "1", "gt": "1"}\n{"output": \n', b"bad.jsonl:2: malformed JSON"),
+        (b'{"output": "1", "gt": "1"}\n{"gt": "2"}\n', b"bad.jsonl:2: missing field 'output'"),
+        (b'{"output": "\xff\xfe", "gt": "1"}\n', b"bad.jsonl:1: not UTF-8"),
+    ],
+)
+def test_bad_input_is_one_line_error_and_nothing_written(tmp_path, content, message):
+    source = tmp_path / "bad.jsonl"
+    source.write_bytes(content)
+    out = tmp_path / "graded.jsonl"
+    done = kvrescue("grade", str(source), "--bench", "gsm8k", "--out", str(out))
+    assert done.returncode == 2
+    assert message in done.stderr and b"Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not out.exists() and list(tmp_path.iterdir()) == [source]
+
+
+def test_unknown_bench_is_refused():
+    done = kvrescue("grade", str(EXAMPLE), "--bench", "mmlu")
+    assert done.returncode == 2 and b"unknown bench 'mmlu'" in done.stderr
+
+
+def test_grade_out_file_is_written_whole(tmp_path):
+    out = tmp_path / "sub" / "graded.jsonl"
+    done = kvrescue("grade", str(EXAMPLE), "--bench", "gsm8k", "--out", str(out))
+    assert done.returncode == 0 and done.stdout == b""
+    assert len(out.read_bytes().splitlines()) == 8
+
+
+def test_bench_lists_sizes_and_sources():
+    folder = need_shared(BENCHMARKS)
+    done = kvrescue("bench", "--data-dir", str(folder))
+    assert done.returncode == 0, done.stderr.decode()
+    text = done.stderr.decode()
+    for name, size in {"math500": 500, "gsm8k": 1319, "aime24": 30, "amc23": 40, "olympiadbench": 675}.items():
+        assert name in text and str(size) in text
+    assert "gsm8k.jsonl" in text
