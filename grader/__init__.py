@@ -16,6 +16,7 @@ need); `shutdown()` stops them.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ def _prepare(output: str, gt: str, bench: str) -> GradeResult | tuple[str, str]:
 
 _pool = SymbolicPool()
 _pool_lock = threading.Lock()
+atexit.register(_pool.close)
 
 
 def grade_many(items: Iterable[tuple[str, str, str]], workers: int = 1, timeout: float = 3.0) -> list[GradeResult]:

@@ -7,8 +7,10 @@ overruns (or dies) is killed, its request is reported as `None`, and a fresh wor
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,9 +24,22 @@ _STARTUP_LIMIT_S = 120.0
 _MEMORY_LIMIT_BYTES = 4 << 30
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to kill this worker when its parent dies, even mid-computation (no-op elsewhere)."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
 def serve() -> None:
     """Worker loop: answer JSON `[pred, gt]` lines on stdin with `true`/`false` lines until EOF."""
     import resource
+
+    _die_with_parent()
 
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = _MEMORY_LIMIT_BYTES if hard == resource.RLIM_INFINITY else min(_MEMORY_LIMIT_BYTES, hard)
