@@ -77,6 +77,8 @@ from typing import Any
 
 import orjson
 
+from kvrescue_cli.errors import InputError
+
 FORMAT = 1
 SOURCES = ("base", "helper")
 FINISHES = ("step", "eos", "length", "entropy", "repetition")
@@ -86,7 +88,7 @@ DEGENERATE_STEPS = 256
 CONFIG, TRACES, SUMMARY, LOCK = "config.json", "traces.jsonl", "summary.json", ".lock"
 
 
-class RunFolderError(Exception):
+class RunFolderError(InputError):
     """A run folder problem that the user must fix; the message is one line."""
 
 
@@ -407,8 +409,11 @@ class RunFolder:
         invocation selected (recorded so that a report can tell a finished run from a partial one).
         """
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunFolderError(f"{path}: cannot use as a run folder ({e.strerror})") from None
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -142,6 +142,12 @@ def test_corrupt_middle_line_and_duplicates_are_errors(tmp_path):
         read_traces(path / "traces.jsonl")
 
 
+def test_path_that_is_a_file_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RunFolderError, match="cannot use as a run folder"):
+        RunFolder.open(tmp_path / "f" / "run", config())
+
+
 def test_traces_without_config_refused(tmp_path):
     (tmp_path / "traces.jsonl").write_bytes(orjson.dumps(trace(0)) + b"\n")
     with pytest.raises(RunFolderError, match="has traces but no config.json"):
