@@ -1,0 +1,208 @@
+"""Decode memory and compute of KV-Rescue from model configs (the paper's Appendix D).
+
+Conventions (they reproduce the paper's Table 4):
+- KV bytes per token = 2 (K and V) x layers x KV heads x head dim x bytes per element.
+- Dense decode FLOPs per token = 2 x total parameters, embedding matrix and untied LM head included
+  (Qwen2.5-Math-7B: 2 x 7.62e9 = 15.2 GFLOP; Qwen2.5-72B: 2 x 72.7e9 = 145.4 GFLOP).
+- Attention decode FLOPs per token at context L = 4 x layers x query heads x head dim x L
+  (q.k and the weighted sum of values, 2 FLOPs per multiply-add).
+- The evicted base cache peaks at B' = B + w entries per sequence (w = 128, DESIGN.md section 3).
+- Crossover context L* = (1 + alpha) x B': the context beyond which evicted decoding, including its
+  overhead (alpha x the attention cost over B' entries; the paper measures alpha = 2.9), is cheaper
+  than full-KV attention.
+- rho = helper decode FLOPs / base decode FLOPs per token at context L (helper attends over L,
+  the evicted base over min(L, B')).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from kvrescue_cli.errors import InputError
+
+WINDOW = 128
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+class ModelConfigError(InputError):
+    """A model config that can't be found or read; the message is one line."""
+
+
+@dataclass
+class Architecture:
+    """The decoder shape numbers cost depends on."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    dtype_bytes: int
+
+    @classmethod
+    def from_config(cls, name: str, cfg: dict[str, Any]) -> Architecture:
+        """Read a Hugging Face config.json dict (Qwen2 / Llama style)."""
+        try:
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            return cls(
+                name=name,
+                layers=int(cfg["num_hidden_layers"]),
+                hidden=hidden,
+                heads=heads,
+                kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                intermediate=int(cfg["intermediate_size"]),
+                vocab=int(cfg["vocab_size"]),
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+                dtype_bytes=DTYPE_BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelConfigError(f"{name}: config.json lacks or mangles {e} (need a Qwen2/Llama decoder config)") from None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def params(self) -> int:
+        """Total parameters: embeddings, decoder layers, final norm, LM head (unless tied)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = self.hidden * (q + 2 * kv) + q * self.hidden + (q + 2 * kv if self.qkv_bias else 0)
+        layer = attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        embed = self.vocab * self.hidden
+        return self.layers * layer + self.hidden + embed * (1 if self.tied_embeddings else 2)
+
+    @property
+    def dense_flops(self) -> int:
+        return 2 * self.params
+
+    def attention_flops(self, context: int) -> int:
+        return 4 * self.layers * self.heads * self.head_dim * context
+
+
+def load_config(model: str) -> dict[str, Any]:
+    """config.json of a local folder, a config.json path, or a Hub model id."""
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.exists():
+        try:
+            return orjson.loads(path.read_bytes())
+        except orjson.JSONDecodeError as e:
+            raise ModelConfigError(f"{path}: not valid JSON ({e})") from None
+    if Path(model).suffix == ".gguf":
+        raise ModelConfigError(f"{model}: a GGUF file has no config.json; give the original model folder or Hub id")
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ModelConfigError(f"{model}: no such folder or config.json, and not a Hub id (owner/name)")
+    try:
+        from huggingface_hub import hf_hub_download
+        return orjson.loads(Path(hf_hub_download(model, "config.json")).read_bytes())
+    except Exception as e:  # the Hub client raises many kinds (offline, 404, gated, timeouts)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelConfigError(f"{model}: could not fetch config.json from the Hugging Face Hub ({reason}); "
+                               "pass a local model folder or config.json instead") from None
+
+
+@dataclass
+class Cost:
+    """Appendix D numbers for one base/helper pair at one budget, context and N."""
+
+    base: str
+    helper: str
+    budget: int
+    physical_budget: int
+    context: int
+    n: int
+    alpha: float
+    base_kv_bytes_per_token: int
+    helper_kv_bytes_per_token: int
+    base_full_kv_bytes: int           # one sequence, full cache over `context` tokens
+    base_evicted_kv_bytes: int        # one sequence, evicted cache at its B' peak
+    base_full_kv_bytes_n: int         # N candidates
+    base_evicted_kv_bytes_n: int
+    helper_kv_bytes_n: int            # N helper candidates, full context
+    kvrescue_kv_bytes_n: int          # evicted base + full helper, N candidates each
+    base_params: int
+    helper_params: int
+    base_dense_flops: int
+    helper_dense_flops: int
+    base_full_attention_flops: int    # at `context`
+    base_evicted_attention_flops: int # at min(context, B')
+    helper_attention_flops: int       # at `context`
+    crossover_context: float
+    rho: float
+    rho_dense: float
+
+
+def estimate(base: Architecture, helper: Architecture, budget: int = 64, context: int = 4096,
+             n: int = 8, alpha: float = 2.9, window: int = WINDOW) -> Cost:
+    """Memory and FLOPs per decoded token for the evicted base, the full base and the helper."""
+    bp = budget + window
+    kept = min(context, bp)
+    base_decode = base.dense_flops + base.attention_flops(kept)
+    helper_decode = helper.dense_flops + helper.attention_flops(context)
+    return Cost(
+        base=base.name, helper=helper.name, budget=budget, physical_budget=bp, context=context, n=n,
+        alpha=alpha,
+        base_kv_bytes_per_token=base.kv_bytes_per_token,
+        helper_kv_bytes_per_token=helper.kv_bytes_per_token,
+        base_full_kv_bytes=base.kv_bytes_per_token * context,
+        base_evicted_kv_bytes=base.kv_bytes_per_token * kept,
+        base_full_kv_bytes_n=n * base.kv_bytes_per_token * context,
+        base_evicted_kv_bytes_n=n * base.kv_bytes_per_token * kept,
+        helper_kv_bytes_n=n * helper.kv_bytes_per_token * context,
+        kvrescue_kv_bytes_n=n * (base.kv_bytes_per_token * kept + helper.kv_bytes_per_token * context),
+        base_params=base.params, helper_params=helper.params,
+        base_dense_flops=base.dense_flops, helper_dense_flops=helper.dense_flops,
+        base_full_attention_flops=base.attention_flops(context),
+        base_evicted_attention_flops=base.attention_flops(kept),
+        helper_attention_flops=helper.attention_flops(context),
+        crossover_context=(1 + alpha) * bp,
+        rho=helper_decode / base_decode,
+        rho_dense=helper.dense_flops / base.dense_flops,
+    )
+
+
+def cost_rows(c: Cost) -> list[tuple[str, str]]:
+    """(quantity, value) rows for display."""
+    return [
+        ("KV per token: base / helper", f"{_kib(c.base_kv_bytes_per_token)} / {_kib(c.helper_kv_bytes_per_token)}"),
+        (f"base KV per sequence: full (L={c.context}) / evicted (B'={c.physical_budget})",
+         f"{_bytes(c.base_full_kv_bytes)} / {_bytes(c.base_evicted_kv_bytes)}"),
+        (f"base KV for N={c.n}: full / evicted", f"{_bytes(c.base_full_kv_bytes_n)} / {_bytes(c.base_evicted_kv_bytes_n)}"),
+        (f"helper KV for N={c.n} (full)", _bytes(c.helper_kv_bytes_n)),
+        (f"KV-Rescue KV for N={c.n}: evicted base + helper", _bytes(c.kvrescue_kv_bytes_n)),
+        ("parameters: base / helper", f"{c.base_params / 1e9:.2f} B / {c.helper_params / 1e9:.2f} B"),
+        ("dense decode FLOPs/token: base / helper",
+         f"{c.base_dense_flops / 1e9:.1f} / {c.helper_dense_flops / 1e9:.1f} GFLOP"),
+        ("attention FLOPs/token: base full / base evicted / helper",
+         f"{c.base_full_attention_flops / 1e9:.3f} / {c.base_evicted_attention_flops / 1e9:.3f} / "
+         f"{c.helper_attention_flops / 1e9:.3f} GFLOP"),
+        (f"crossover context (1 + {c.alpha:g}) x B'", f"{c.crossover_context:.0f} tokens"),
+        ("helper compute fraction rho (dense only)", f"{c.rho:.3f} ({c.rho_dense:.3f})"),
+    ]
+
+
+def cost_json(c: Cost) -> bytes:
+    return orjson.dumps(asdict(c), option=orjson.OPT_INDENT_2) + b"\n"
+
+
+def _kib(b: int) -> str:
+    return f"{b / 1024:g} KiB"
+
+
+def _bytes(b: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if b >= size:
+            return f"{b / size:.2f} {unit}"
+    return _kib(b)
