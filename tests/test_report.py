@@ -1,0 +1,311 @@
+"""`kvrescue report`: every table number against a hand computation, all formats, the plot, bad input."""
+
+import csv
+import io
+import math
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from kvrescue_cli.cli import app
+from kvrescue_cli.outputs import (
+    Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, run_dir,
+)
+from kvrescue_cli.report import QUANTILES, load_runs
+
+MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct"),
+          "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
+ROLES = {"full": ("base", "prm"), "bon": ("base", "prm"), "helper": ("helper", "prm"),
+         "interleave": ("base", "helper", "prm"), "kvrescue": ("base", "helper", "prm")}
+VENV_KVRESCUE = Path(sys.executable).parent / "kvrescue"
+
+
+def make_trace(idx: int, correct: bool, sources: str, ent: float = 1.0) -> Trace:
+    """Steps from `sources` ("b"/"h"); each step: a committed candidate, one other base candidate (its
+    max mean entropy `ent + 5`, stopped by the detector when sources[i] is "b" and i == 0) and a helper one.
+    Base tokens: 10 per base candidate; helper tokens: 10 per helper candidate."""
+    steps, cands = [], []
+    for i, s in enumerate(sources):
+        src = "base" if s == "b" else "helper"
+        steps.append(Step(f"s{i}\n\n", src, 0.9, 10))
+        exit_ = i == 0 and s == "b"
+        cands.append([
+            Candidate("base", 0.9 if src == "base" else 0.1, 10, "step", ent, 0.5, None, src == "base"),
+            Candidate("base", None if exit_ else 0.2, 10, "entropy" if exit_ else "step", ent + 5, 0.4,
+                      10 if exit_ else None),
+            Candidate("helper", 0.9 if src == "helper" else 0.0, 10, "step", committed=src == "helper"),
+        ])
+    return Trace(idx, f"p{idx}", "1", "1", steps, cands, "", "1" if correct else "0", correct, False, "eos", None,
+                 Tokens(base=20 * len(sources), helper=10 * len(sources)), len(sources),
+                 {"wall_s": 1.0, "started_at": 100.0 + idx, "finished_at": 101.0 + idx}, 100, 0)
+
+
+def write_run(root: Path, method: str, *, bench: str = "math500", n: int = 8, budget: int | None = 64, seed: int = 0,
+              correct: set[int] = frozenset(), sources=lambda i: "bh", problems: int = 10, finished: bool = True,
+              synthetic: bool = False, ent=lambda i: 1.0) -> Path:
+    budget = budget if method in ("bon", "interleave", "kvrescue") else None
+    cfg = RunConfig(bench, method, budget, n, "rkv" if budget else "none", seed,
+                    {r: MODELS[r] for r in ROLES[method]}, "prm", synthetic,
+                    {"temperature": 0.8, "detector": {"tau_ent": 7.0, "tau_cmp": 0.18} if method == "kvrescue" else None})
+    path = run_dir(root, cfg)
+    with RunFolder.open(path, cfg, total=problems) as rf:
+        for i in range(problems if finished else problems // 2):
+            rf.append(make_trace(i, i in correct, sources(i), ent(i)))
+        if finished:
+            rf.write_summary()
+    return path
+
+
+# bon B=64: incorrect problems with these step counts (>= 256 is degenerate)
+BON64_S0 = {4: 300, 5: 300, 6: 300, 7: 256, 8: 2, 9: 2}   # 4 of 6 incorrect degenerate
+BON64_S1 = {5: 256, 6: 2, 7: 2, 8: 255, 9: 2}             # 1 of 5
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    w = lambda *a, **k: write_run(root, *a, **k)  # noqa: E731
+    w("full", seed=0, correct=set(range(8)))                       # 0.8
+    w("full", seed=1, correct=set(range(7)))                       # 0.7
+    w("bon", seed=0, correct=set(range(4)), sources=lambda i: "b" * BON64_S0.get(i, 2))    # 0.4
+    w("bon", seed=1, correct=set(range(5)), sources=lambda i: "b" * BON64_S1.get(i, 2))    # 0.5
+    w("kvrescue", seed=0, correct=set(range(7)), sources=lambda i: "bh", ent=lambda i: 0.5 * i)  # 0.7
+    w("kvrescue", seed=1, correct=set(range(6)), sources=lambda i: "bhh")                  # 0.6
+    w("bon", budget=128, correct=set(range(5)), sources=lambda i: "bbbb")                  # 0.5
+    w("kvrescue", budget=128, correct=set(range(7)), sources=lambda i: "bbbh")             # 0.7
+    w("kvrescue", n=2, correct=set(range(3)), sources=lambda i: "hhhh")                    # no bon at N=2
+    w("interleave", correct={0, 1}, finished=False)              # in progress: 5 of 10 recorded, 0.4
+    w("helper", correct=set(range(5)), sources=lambda i: "hh")
+    # oracle: bon N=1 solves {0,1,2}, helper N=1 solves {2,3,4,5}, full N=1 0.8
+    w("bon", n=1, correct={0, 1, 2}, sources=lambda i: "bb")
+    w("helper", n=1, correct={2, 3, 4, 5}, sources=lambda i: "hh")
+    w("full", n=1, correct=set(range(8)))
+    # a second bench with no full run
+    w("bon", bench="gsm8k", correct=set(range(8)))
+    w("kvrescue", bench="gsm8k", correct=set(range(9)))
+    return root
+
+
+def report_json(*paths) -> dict:
+    result = CliRunner().invoke(app, ["report", *map(str, paths), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    return orjson.loads(result.stdout)
+
+
+def table(data: dict, name: str) -> dict:
+    return next(t for t in data["tables"] if t["name"] == name)
+
+
+def rows_by(t: dict, *cols: str) -> dict:
+    idx = [t["columns"].index(c) for c in cols]
+    return {tuple(r[i] for i in idx): dict(zip(t["columns"], r)) for r in t["rows"]}
+
+
+def sample_std(*xs: float) -> float:
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def test_accuracy_grid_mean_std_over_seeds(runs_root):
+    t = table(report_json(runs_root), "accuracy")
+    assert t["columns"] == ["method", "N", "budget", "gsm8k", "math500"]
+    rows = rows_by(t, "method", "N", "budget")
+    full = rows[("full", 8, None)]["math500"]
+    assert full["mean"] == pytest.approx(0.75) and full["std"] == pytest.approx(sample_std(0.8, 0.7))
+    assert full["seeds"] == 2 and rows[("full", 8, None)]["gsm8k"] is None
+    bon = rows[("bon", 8, 64)]["math500"]
+    assert bon["mean"] == pytest.approx(0.45) and bon["std"] == pytest.approx(sample_std(0.4, 0.5))
+    kv = rows[("kvrescue", 8, 64)]
+    assert kv["math500"]["mean"] == pytest.approx(0.65) and kv["gsm8k"]["mean"] == pytest.approx(0.9)
+    assert kv["gsm8k"]["std"] is None and kv["gsm8k"]["seeds"] == 1
+    assert rows[("interleave", 8, 64)]["math500"] == {"mean": 0.4, "std": None, "seeds": 1, "in_progress": True}
+    assert rows[("helper", 8, None)]["math500"]["mean"] == pytest.approx(0.5)
+    assert [r[0] for r in t["rows"]][:2] == ["full", "full"]      # references first
+
+
+def test_recovery_per_setting_average_per_budget_and_na_reasons(runs_root):
+    data = report_json(runs_root)
+    rec = {(r["bench"], r["n"], r["budget"]): r for r in data["recovery"]}
+    assert rec[("math500", 8, 64)]["recovery"] == pytest.approx((0.65 - 0.45) / (0.75 - 0.45))
+    assert rec[("math500", 8, 128)]["recovery"] == pytest.approx((0.7 - 0.5) / (0.75 - 0.5))
+    assert rec[("gsm8k", 8, 64)]["recovery"] is None
+    assert rec[("gsm8k", 8, 64)]["reason"] == "no full run for gsm8k at N=8"
+    assert rec[("math500", 2, 64)]["reason"] == "no bon or full run for math500 at N=2, B=64"
+    t = table(data, "recovery")
+    rows = rows_by(t, "N", "budget")
+    assert rows[(8, 64)]["math500"] == pytest.approx(2 / 3) and rows[(8, 64)]["gsm8k"] is None
+    assert rows[(8, 64)]["mean"] == pytest.approx(2 / 3)
+    assert "average recovery at B=64: 66.7% over 1 setting" in t["notes"]
+    assert "average recovery at B=128: 80.0% over 1 setting" in t["notes"]
+    assert "n/a gsm8k, N=8, B=64: no full run for gsm8k at N=8" in t["notes"]
+
+
+def test_recovery_when_full_equals_bon(tmp_path):
+    write_run(tmp_path, "full", correct={0})
+    write_run(tmp_path, "bon", correct={1})
+    write_run(tmp_path, "kvrescue", correct={0, 1})
+    (rec,) = report_json(tmp_path)["recovery"]
+    assert rec["recovery"] is None and "no eviction loss to recover" in rec["reason"]
+
+
+def test_decode_cost_and_ablation(runs_root):
+    data = report_json(runs_root)
+    cost = rows_by(table(data, "cost"), "bench", "method", "N", "budget")
+    # bon B=64 mean steps: seed 0 (4*2 + 300*3 + 256 + 2*2) / 10, seed 1 (5*2 + 256 + 2 + 2 + 255 + 2) / 10
+    s0, s1 = (8 + 900 + 256 + 4) / 10, (10 + 256 + 2 + 2 + 255 + 2) / 10
+    bon = cost[("math500", "bon", 8, 64)]
+    assert bon["steps"]["mean"] == pytest.approx((s0 + s1) / 2)
+    assert bon["base tokens"]["mean"] == pytest.approx(20 * (s0 + s1) / 2)     # 2 base candidates x 10 tokens
+    assert bon["output tokens"]["mean"] == pytest.approx(10 * (s0 + s1) / 2)
+    kv = cost[("math500", "kvrescue", 8, 64)]
+    assert kv["steps"]["mean"] == pytest.approx(2.5) and kv["helper tokens"]["mean"] == pytest.approx(25)
+    assert kv["Δ base tokens vs bon"] == pytest.approx((50 - 20 * (s0 + s1) / 2) / (20 * (s0 + s1) / 2))
+    assert cost[("math500", "kvrescue", 8, 128)]["Δ base tokens vs bon"] == pytest.approx(0.0)
+    abl = rows_by(table(data, "ablation"), "bench", "method", "N", "budget")
+    assert abl[("math500", "bon", 8, 64)]["degeneration"]["mean"] == pytest.approx((4 / 6 + 1 / 5) / 2)
+    assert abl[("math500", "kvrescue", 8, 64)]["degeneration"]["mean"] == pytest.approx(0.0)
+    # early exit: 1 of the 2 base candidates of each problem's first step when it is a base step
+    assert abl[("math500", "kvrescue", 8, 64)]["early exit"]["mean"] == pytest.approx(((10 / 40) + 10 / 60) / 2)
+    assert abl[("math500", "bon", 8, 128)]["early exit"]["mean"] == pytest.approx(1 / 8)
+    assert abl[("math500", "interleave", 8, 64)]["accuracy"]["in_progress"] is True
+
+
+def test_helper_share_by_budget_and_n(runs_root):
+    t = table(report_json(runs_root), "helper_share")
+    assert t["columns"] == ["bench", "method", "budget", "N=2", "N=8"]
+    rows = rows_by(t, "bench", "method", "budget")
+    assert rows[("math500", "kvrescue", 64)]["N=8"]["mean"] == pytest.approx((1 / 2 + 2 / 3) / 2)
+    assert rows[("math500", "kvrescue", 64)]["N=8"]["std"] == pytest.approx(sample_std(1 / 2, 2 / 3))
+    assert rows[("math500", "kvrescue", 64)]["N=2"]["mean"] == pytest.approx(1.0)
+    assert rows[("math500", "kvrescue", 128)]["N=8"]["mean"] == pytest.approx(0.25)
+    assert rows[("math500", "kvrescue", 128)]["N=2"] is None
+
+
+def test_oracle_of_two(runs_root):
+    data = report_json(runs_root)
+    (o,) = data["oracle"]
+    assert (o["bon"], o["helper_acc"], o["oracle"], o["full"]) == pytest.approx((0.3, 0.4, 0.6, 0.8))
+    assert o["recovered"] == pytest.approx((0.6 - 0.3) / (0.8 - 0.3)) and o["seeds"] == 1
+    (row,) = table(data, "oracle")["rows"]
+    assert row[:3] == ["math500", 64, 1]
+
+
+def test_detector_calibration_quantiles(runs_root):
+    t = table(report_json(runs_root), "calibration")
+    rows = rows_by(t, "bench", "method", "N", "budget", "statistic", "committed")
+    qcols = [f"q{round(100 * q)}" for q in QUANTILES]
+    committed = rows[("math500", "kvrescue", 8, 64, "max_mean_entropy", "yes")]
+    # seed 0: problems i commit one base step each with entropy 0.5 i; seed 1: entropy 1.0 (one base step each)
+    values = [0.5 * i for i in range(10)] + [1.0] * 10
+    assert committed["count"] == 20
+    assert [committed[c] for c in qcols] == pytest.approx(list(np.quantile(values, QUANTILES)))
+    others = rows[("math500", "kvrescue", 8, 64, "max_mean_entropy", "no")]
+    # seed 0 ("bh"): the second base candidate of both steps (0.5 i + 5) and the base one of the helper
+    # step (0.5 i); seed 1 ("bhh"): three second candidates (6.0) and two base ones of helper steps (1.0)
+    other_values = [v for i in range(10) for v in (0.5 * i + 5, 0.5 * i, 0.5 * i + 5)] + [6.0, 1.0, 6.0, 1.0, 6.0] * 10
+    assert others["count"] == 80 and others["threshold"] == 7.0
+    assert others["beyond"] == pytest.approx(sum(v > 7.0 for v in other_values) / 80)
+    assert [others[c] for c in qcols] == pytest.approx(list(np.quantile(other_values, QUANTILES)))
+    gz = rows[("math500", "kvrescue", 8, 64, "min_gzip_ratio", "no")]
+    assert gz["threshold"] == 0.18 and gz["beyond"] == 0.0 and gz["q50"] == pytest.approx(0.4)
+
+
+def test_markdown_csv_and_table_formats(runs_root):
+    runner = CliRunner()
+    md = runner.invoke(app, ["report", str(runs_root), "--format", "md"])
+    assert md.exit_code == 0
+    assert "| method | N | budget | gsm8k | math500 |" in md.stdout
+    assert "| full | 8 | — | n/a | 75.0 ± 7.1 |" in md.stdout
+    assert "| interleave | 8 | 64 | n/a | 40.0* |" in md.stdout
+    for block in md.stdout.split("### ")[1:]:
+        lines = [l for l in block.splitlines() if l.startswith("|") and "\\|" not in l]
+        assert len({l.count("|") for l in lines}) == 1      # rectangular
+    out = runner.invoke(app, ["report", str(runs_root), "--format", "csv"])
+    assert out.exit_code == 0
+    blocks = {b.splitlines()[0].split(":")[0][2:]: list(csv.DictReader(io.StringIO("\n".join(b.splitlines()[1:]))))
+              for b in out.stdout.strip().split("\n\n")}
+    assert {"runs", "accuracy", "recovery", "cost", "ablation", "helper_share", "oracle", "calibration"} <= set(blocks)
+    full = next(r for r in blocks["accuracy"] if r["method"] == "full" and r["N"] == "8")
+    assert float(full["math500"]) == pytest.approx(75.0) and float(full["math500_std"]) == pytest.approx(7.0711, abs=1e-3)
+    assert full["math500_seeds"] == "2" and full["gsm8k"] == ""
+    rich = runner.invoke(app, ["report", str(runs_root)], env={"COLUMNS": "250"})
+    assert rich.exit_code == 0 and rich.stdout == ""
+    assert "Recovery" in rich.stderr and "average recovery at B=64: 66.7%" in rich.stderr
+    assert "* no summary.json: running or interrupted" in rich.stderr
+
+
+def test_plot_is_a_valid_png(runs_root, tmp_path):
+    png = tmp_path / "fig" / "pareto.png"
+    result = CliRunner().invoke(app, ["report", str(runs_root), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    head = png.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", head[16:24])
+    assert 800 <= width <= 2000 and 300 <= height <= 800      # two benches side by side
+
+
+def test_subprocess_cli_json(runs_root):
+    proc = subprocess.run([str(VENV_KVRESCUE), "report", str(runs_root / "math500"), "--format", "json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = orjson.loads(proc.stdout)
+    assert {r["bench"] for r in data["recovery"]} == {"math500"}
+
+
+def test_bad_inputs(tmp_path, runs_root):
+    runner = CliRunner()
+    (tmp_path / "empty").mkdir()
+    r = runner.invoke(app, ["report", str(tmp_path / "empty")])
+    assert r.exit_code == 2 and "no run folders here" in r.stderr and "Traceback" not in r.output
+    assert r.stderr.count("\n") == 1
+    r = runner.invoke(app, ["report", str(tmp_path / "missing")])
+    assert r.exit_code == 2 and "no such file or folder" in r.stderr
+    r = runner.invoke(app, ["report", str(runs_root), "--format", "xml"])
+    assert r.exit_code == 2 and "unknown --format 'xml'" in r.stderr
+    # a corrupt traces line in one folder: that folder is reported, the rest still reported
+    bad = write_run(tmp_path / "runs", "kvrescue", bench="aime24")
+    good = write_run(tmp_path / "runs", "bon", bench="aime24", correct={0})
+    lines = (bad / "traces.jsonl").read_bytes().split(b"\n")
+    lines[1] = b'{"idx": 1, "problem": "p1", "ste'
+    (bad / "traces.jsonl").write_bytes(b"\n".join(lines))
+    data = report_json(tmp_path / "runs")
+    assert any(p["path"] == str(bad) and "traces.jsonl:2: corrupt traces line" in p["message"]
+               for p in data["problems"])
+    assert [row[0] for row in table(data, "runs")["rows"]] == [str(good)]
+    # a config.json that is not JSON, and traces without a config
+    (tmp_path / "x" / "a").mkdir(parents=True)
+    (tmp_path / "x" / "a" / "config.json").write_text("{")
+    (tmp_path / "x" / "b").mkdir()
+    (tmp_path / "x" / "b" / "traces.jsonl").write_text("")
+    r = runner.invoke(app, ["report", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "no usable run folders" in r.stderr and "not valid JSON" in r.stderr
+    assert "config.json: missing" in r.stderr
+
+
+def test_torn_line_and_missing_summary_are_noted_not_fatal(tmp_path):
+    path = write_run(tmp_path, "bon", correct={0, 1})
+    (path / "traces.jsonl").write_bytes((path / "traces.jsonl").read_bytes() + b'{"idx": 10, "pro')
+    (path / "summary.json").unlink()
+    before = (path / "traces.jsonl").read_bytes()
+    runs, problems = load_runs([tmp_path])
+    assert runs[0].summary.problems == 10 and runs[0].in_progress.startswith("no summary.json")
+    messages = [p.message for p in problems]
+    assert any("dropped a torn last line" in m for m in messages)
+    assert (path / "traces.jsonl").read_bytes() == before       # the report never modifies a run
+
+
+def test_synthetic_runs_report_no_accuracy(tmp_path):
+    write_run(tmp_path, "full", correct={0}, synthetic=True)
+    write_run(tmp_path, "bon", correct={0}, synthetic=True)
+    write_run(tmp_path, "kvrescue", correct={0}, synthetic=True)
+    data = report_json(tmp_path)
+    assert data["recovery"][0]["reason"] == "synthetic run (no accuracy)"
+    assert all(row[-1]["mean"] is None for row in table(data, "accuracy")["rows"])
+    r = CliRunner().invoke(app, ["report", str(tmp_path), "--plot", str(tmp_path / "p.png")])
+    assert r.exit_code == 2 and "nothing to plot" in r.stderr
