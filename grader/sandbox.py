@@ -62,7 +62,7 @@ def serve() -> None:
         pred, gt = json.loads(line)
         try:
             verdict = math_equal(pred, gt, symbolic_equal)
-        except Exception:  # the reference scores a comparison that raises as incorrect
+        except Exception:  # scored incorrect (the reference harness would stop at this point)
             verdict = False
         answers.write(json.dumps(verdict) + "\n")
         answers.flush()

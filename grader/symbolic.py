@@ -55,13 +55,14 @@ def _expr_namespace() -> dict[str, Any]:
 
 
 _NAMESPACE = _expr_namespace()
+_STRING_TOKENS = {tokenize.STRING, getattr(tokenize, "FSTRING_START", tokenize.STRING)}  # f-strings: 3.12+
 
 
 def _parse_expr(text: str) -> Any:
     previous = None
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if (
-            token.type == tokenize.STRING
+            token.type in _STRING_TOKENS
             or (token.type == tokenize.NAME and ("__" in token.string or token.string == "lambda"))
             or (token.type == tokenize.NAME and previous is not None and previous.string == ".")
         ):
