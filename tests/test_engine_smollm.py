@@ -1,0 +1,29 @@
+"""The real SmolLM2-135M-Instruct GGUF, through the real GGUF loading path, equals transformers."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvrescue_cli.engine import FullCache, load_model
+from kvrescue_cli.engine.smollm import smollm2_folder, smollm2_gguf
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_smollm2_gguf_matches_transformers() -> None:
+    ours = load_model(smollm2_gguf())  # dequantised by transformers' GGUF loader, mapped into the engine
+    ref = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "What is 12 * 7? Reason step by step."}]
+    prompt = ours.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([ours.tokenizer.encode(prompt) + ours.tokenizer.encode("Step 1: 12 * 7 = 84.\n\nSo")])
+    expected = ref(ids).logits[0]
+    assert (ours.logits(ids)[0] - expected).abs().max() < 1e-4
+    n = ids.shape[1] - 8
+    cache = FullCache.for_model(ours.net, 1024, max_rows=2)
+    row = cache.create()
+    out = ours.net.prefill(ids[:, :n], cache, [row], [n], last_only=False)[0]
+    assert (out - expected[:n]).abs().max() < 1e-4
+    for t in range(n, ids.shape[1]):
+        step = ours.net.decode(ids[:, t], cache, [row])[0]
+        assert (step - expected[t]).abs().max() < 1e-4
+    assert ours.eos_ids == [ours.tokenizer.convert_tokens_to_ids("<|im_end|>")]
