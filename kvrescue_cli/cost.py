@@ -182,12 +182,12 @@ def cost_rows(c: Cost) -> list[tuple[str, str]]:
         (f"base KV for N={c.n}: full / evicted", f"{_bytes(c.base_full_kv_bytes_n)} / {_bytes(c.base_evicted_kv_bytes_n)}"),
         (f"helper KV for N={c.n} (full)", _bytes(c.helper_kv_bytes_n)),
         (f"KV-Rescue KV for N={c.n}: evicted base + helper", _bytes(c.kvrescue_kv_bytes_n)),
-        ("parameters: base / helper", f"{c.base_params / 1e9:.2f} B / {c.helper_params / 1e9:.2f} B"),
+        ("parameters: base / helper", f"{_si(c.base_params)} / {_si(c.helper_params)}"),
         ("dense decode FLOPs/token: base / helper",
-         f"{c.base_dense_flops / 1e9:.1f} / {c.helper_dense_flops / 1e9:.1f} GFLOP"),
+         f"{_si(c.base_dense_flops, 'FLOP')} / {_si(c.helper_dense_flops, 'FLOP')}"),
         ("attention FLOPs/token: base full / base evicted / helper",
-         f"{c.base_full_attention_flops / 1e9:.3f} / {c.base_evicted_attention_flops / 1e9:.3f} / "
-         f"{c.helper_attention_flops / 1e9:.3f} GFLOP"),
+         f"{_si(c.base_full_attention_flops, 'FLOP')} / {_si(c.base_evicted_attention_flops, 'FLOP')} / "
+         f"{_si(c.helper_attention_flops, 'FLOP')}"),
         (f"crossover context (1 + {c.alpha:g}) x B'", f"{c.crossover_context:.0f} tokens"),
         ("helper compute fraction rho (dense only)", f"{c.rho:.3f} ({c.rho_dense:.3f})"),
     ]
@@ -195,6 +195,14 @@ def cost_rows(c: Cost) -> list[tuple[str, str]]:
 
 def cost_json(c: Cost) -> bytes:
     return orjson.dumps(asdict(c), option=orjson.OPT_INDENT_2) + b"\n"
+
+
+def _si(x: float, unit: str = "") -> str:
+    """15231233024 -> '15.2 G' + unit (three significant digits)."""
+    for prefix, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= size:
+            return f"{x / size:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}".rstrip()
 
 
 def _kib(b: int) -> str:

@@ -75,13 +75,13 @@ class Run:
     @property
     def row(self) -> RowKey:
         c = self.config
-        return RowKey(c.bench, c.method, c.evictor, c.n, c.budget, self.base if c.method != "helper" else None,
+        return RowKey(c.bench_name(), c.method, c.evictor, c.n, c.budget, self.base if c.method != "helper" else None,
                       self.helper if c.method in ("kvrescue", "interleave", "helper") else None)
 
 
 @dataclass(frozen=True)
 class RowKey:
-    """A configuration without its seed."""
+    """A configuration without its seed; `bench` is the bench's name (a JSONL path's file stem)."""
 
     bench: str
     method: str
@@ -404,7 +404,7 @@ def runs_table(runs: list[Run], problems: list[Problem]) -> Table:
               ["text", "text", "text", "text", "int", "int", "int", "text", "pct", "text"])
     for r in sorted(runs, key=lambda r: str(r.path)):
         s = r.summary
-        t.rows.append([_shown(r.path), s.bench, s.method, s.evictor, s.n, s.budget, s.seed,
+        t.rows.append([_shown(r.path), r.config.bench_name(), s.method, s.evictor, s.n, s.budget, s.seed,
                        f"{s.problems}/{s.total if s.total is not None else '?'}", s.accuracy,
                        f"* {r.in_progress}" if r.in_progress else ("synthetic" if s.synthetic else "done")])
     t.notes = [f"{p.path}: {p.message}" for p in problems if not p.message.startswith("in progress:")]
