@@ -86,6 +86,17 @@ def test_none_grows_and_matches_full_cache(net):
     assert cache.k.shape[1] >= 4
 
 
+def test_an_append_longer_than_the_room_grows_the_buffer(net):
+    cache = BoundedCache.for_model(net, budget=16, max_append=8)  # room for 152 entries
+    full = FullCache.for_model(net, 4096)
+    ids = prompt(300)
+    drivers = [Driver(net, c) for c in (cache, full)]
+    for d in drivers:
+        d.append([d.cache.create()], [ids])
+    torch.testing.assert_close(drivers[0].logits[0], drivers[1].logits[0], rtol=1e-4, atol=1e-5)
+    assert cache.capacity == 320 and cache.physical_length(0) == 16 and cache.peak_length(0) == 300
+
+
 @pytest.mark.parametrize("budget", [16, 24])
 def test_physical_length_is_bounded(net, budget):
     cache = BoundedCache.for_model(net, budget=budget)

@@ -47,9 +47,9 @@ class BoundedCache(KVCache):
 
     Pools (gpt-fast style, written in place): K and V [layers, slots, kv_heads, capacity, head_dim]
     and queries [layers, slots, heads, WINDOW, head_dim]. Rows are ids mapped to slots, so `adopt`
-    moves no data; a fork copies its parent's entries, ring and counters. The pools grow (by
-    doubling) when rows or a long append do not fit: capacity defaults to B' + `max_append`, so only
-    prompts longer than that (or policy `none`) reallocate.
+    moves no data; a fork copies its parent's entries, ring and counters. The pools grow when rows
+    or an append do not fit (rows and `none` by doubling): capacity defaults to B' + `max_append`, so
+    with an evicting policy only an append longer than `max_append` reallocates.
     """
 
     def __init__(
@@ -166,8 +166,8 @@ class BoundedCache(KVCache):
     def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
         state = [self.rows[r] for r in rows]
         need = max(s.physical + n for s, n in zip(state, n_new))
-        if need > self.capacity:
-            self._grow(capacity=max(need, 2 * self.capacity))
+        if need > self.capacity:  # `none` doubles (it keeps growing); an evicting cache grows just enough
+            self._grow(capacity=max(need, 2 * self.capacity) if self.policy == "none" else -(-need // 64) * 64)
         dev = self.k.device
         slots = [s.slot for s in state]
         kv_lengths = torch.tensor([s.physical for s in state], device=dev)
