@@ -27,6 +27,11 @@ def attend_padded(
     mask = (j[None, None, :] <= start + t[None, :, None]) & (j[None, None, :] < total)
     # A padded query row (t >= new_lengths) may see no key at all; give it key 0 so softmax stays finite.
     mask[:, :, 0] = True
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1]
-    )
+    R, Hq, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    # GQA without repeating K/V: the g query heads sharing KV head j (heads j*g .. j*g+g-1, as in
+    # Hugging Face's repeat_kv) become g*T query rows of one attention over head j.
+    qg = q.reshape(R, Hkv, g * T, D)
+    mask = mask[:, None, None].expand(R, 1, g, T, L).reshape(R, 1, g * T, L)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(R, Hq, T, D)

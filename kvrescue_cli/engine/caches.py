@@ -60,11 +60,11 @@ class KVCache(ABC):
 class _Forward:
     """Metadata of the forward in progress, computed once in `begin` and read by every layer."""
 
-    table: torch.Tensor  # [R, nb] block ids covering every row's cached + new tokens
+    blocks: torch.Tensor  # [R * nb] block ids covering every row's cached + new tokens, row by row
     kv_lengths: torch.Tensor  # [R] cached tokens before this forward
     new_lengths: torch.Tensor  # [R]
     slots: torch.Tensor  # [N] flat slot (block * block_size + offset) of each valid new token
-    valid: torch.Tensor  # [R, T] which (row, t) are real new tokens
+    valid: torch.Tensor | None  # [N] flat (row * T + t) index of each valid new token; None when all are
 
 
 @dataclass
@@ -215,18 +215,21 @@ class FullCache(KVCache):
         valid = torch.arange(T, device=dev)[None, :] < new_lengths[:, None]
         pos = positions[valid]
         slots = table[valid.nonzero()[:, 0], pos // bs] * bs + pos % bs
-        self.fwd = _Forward(table, kv_lengths, new_lengths, slots, valid)
+        flat_valid = None if min(n_new) == T else valid.flatten().nonzero()[:, 0]
+        self.fwd = _Forward(table.flatten(), kv_lengths, new_lengths, slots, flat_valid)
         return positions
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         f = self.fwd
-        kp, vp = self.k[layer], self.v[layer]
-        flat = (kp.shape[0] * kp.shape[1], *kp.shape[2:])
-        kp.view(flat).index_copy_(0, f.slots, k.transpose(1, 2)[f.valid])
-        vp.view(flat).index_copy_(0, f.slots, v.transpose(1, 2)[f.valid])
-        R, nb = f.table.shape
-        kr = kp[f.table].view(R, nb * self.block_size, *kp.shape[2:]).transpose(1, 2)
-        vr = vp[f.table].view(R, nb * self.block_size, *vp.shape[2:]).transpose(1, 2)
+        R, T, heads_dim = q.shape[0], q.shape[2], self.k.shape[3:]
+        for new, pool in ((k, self.k[layer]), (v, self.v[layer])):
+            new = new.transpose(1, 2).reshape(R * T, *heads_dim)
+            if f.valid is not None:
+                new = new.index_select(0, f.valid)
+            pool.view(-1, *heads_dim).index_copy_(0, f.slots, new)
+        # index_select on the block axis is much cheaper than advanced indexing with the [R, nb] table.
+        kr = self.k[layer].index_select(0, f.blocks).view(R, -1, *heads_dim).transpose(1, 2)
+        vr = self.v[layer].index_select(0, f.blocks).view(R, -1, *heads_dim).transpose(1, 2)
         return attend_padded(q, kr, vr, f.kv_lengths, f.new_lengths)
 
     def end(self) -> None:
