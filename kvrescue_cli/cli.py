@@ -171,9 +171,12 @@ def run(
 
     models = dict(DEFAULT_MODELS)
     if preset == "cpu-demo":
-        from kvrescue_cli.engine.smollm import smollm_gguf
+        from kvrescue_cli.engine.smollm import smollm2_folder
 
-        demo = str(smollm_gguf())
+        try:
+            demo = str(smollm2_folder())
+        except RuntimeError as err:
+            raise InputError(f"--preset cpu-demo: {err}") from None
         models = {"base": demo, "helper": demo, "prm": "helper-loglik"}
         device = "cpu" if device == "auto" else device
     elif preset is not None:

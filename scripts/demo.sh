@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Set up .venv (idempotent) and run the main job on its embedded CPU default.
+# Set up .venv (idempotent), then the main job on its embedded CPU default: evicted best-of-N, KV-Rescue
+# and full-cache best-of-N on 4 bundled GSM8K problems with SmolLM2-135M, then the report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/kvrescue grade examples/gsm8k_outputs.jsonl --bench gsm8k --out runs/example-graded.jsonl
+.venv/bin/kvrescue run --preset cpu-demo --data-dir examples/data --bench gsm8k --limit 4 \
+    --method bon,kvrescue,full --budget 64 --n 2 --out runs/demo
+.venv/bin/kvrescue report runs/demo

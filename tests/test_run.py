@@ -1,0 +1,171 @@
+"""`kvrescue run` end to end on tiny random checkpoints: folders, traces, accounting, seeds, resume."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
+METHODS = ("kvrescue", "interleave", "bon", "full", "helper")
+SMALL = ["--max-step-tokens", "12", "--max-steps", "12", "--context-cap", "320", "--budget", "16",
+         "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--device", "cpu", "--batch", "2"]
+
+
+@pytest.fixture(scope="module")
+def problems(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
+    rows = [{"question": f"What is {a} + {b}? Let x be the answer.", "answer": str(a + b)} for a, b in
+            [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1)]]
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return path
+
+
+def kvrescue_run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([KVRESCUE, "run", *args], capture_output=True, timeout=timeout)
+
+
+def read_folder(root: Path, method: str) -> tuple[dict, list[dict], dict]:
+    (folder,) = [p for p in (root / "tiny").iterdir() if p.name.startswith(method + "-")]
+    config = orjson.loads((folder / "config.json").read_bytes())
+    traces = [orjson.loads(line) for line in (folder / "traces.jsonl").read_bytes().splitlines()]
+    summary = orjson.loads((folder / "summary.json").read_bytes())
+    return config, traces, summary
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory, problems, qwen2_dir, llama_dir, prm_dir) -> Path:
+    out = tmp_path_factory.mktemp("runs")
+    done = kvrescue_run("--bench", str(problems), "--method", ",".join(METHODS), "--n", "2", "--limit", "3",
+                        "--base", str(qwen2_dir), "--helper", str(llama_dir), "--prm", str(prm_dir),
+                        "--out", str(out), *SMALL)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return out
+
+
+def test_grid_writes_one_folder_per_method(grid):
+    assert sorted(p.name.split("-")[0] for p in (grid / "tiny").iterdir()) == sorted(METHODS)
+    for method in METHODS:
+        config, traces, summary = read_folder(grid, method)
+        assert config["config"]["method"] == method
+        assert sorted(t["idx"] for t in traces) == [0, 1, 2]
+        assert summary["problems"] == 3 and summary["complete"]
+
+
+def test_traces_follow_the_method(grid):
+    for method in METHODS:
+        _, traces, _ = read_folder(grid, method)
+        for trace in traces:
+            assert trace["n_steps"] == len(trace["steps"]) == len(trace["candidates"]) >= 1
+            assert trace["output"] == "".join(s["text"] for s in trace["steps"])
+            sources = {c["source"] for cands in trace["candidates"] for c in cands}
+            expected = {"kvrescue": {"base", "helper"}, "interleave": {"base", "helper"}, "bon": {"base"},
+                        "full": {"base"}, "helper": {"helper"}}[method]
+            assert sources == expected
+            for cands in trace["candidates"]:
+                assert len(cands) == 2 * len(expected)
+                assert sum(c["committed"] for c in cands) == 1
+            tokens = trace["tokens"]
+            generated = {s: sum(c["tokens"] for cands in trace["candidates"] for c in cands if c["source"] == s)
+                         for s in ("base", "helper")}
+            assert tokens["base"] == generated["base"] and tokens["helper"] == generated["helper"]
+            assert trace["stop"] in ("eos", "context", "steps")
+            if method == "kvrescue":
+                assert all(c["max_mean_entropy"] is not None for cands in trace["candidates"]
+                           for c in cands if c["source"] == "base" and c["tokens"] >= 24)
+            if method == "helper":
+                assert trace["peak_base_rows"] == 0 and tokens["base"] == tokens["base_prefill"] == 0
+
+
+def test_evicted_base_is_bounded(grid):
+    _, traces, _ = read_folder(grid, "bon")
+    assert max(t["peak_base_rows"] for t in traces) <= 16 + 128 + 12 + 64  # B' + one append (prompt or step)
+
+
+def test_same_seed_gives_identical_traces(grid, problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
+    done = kvrescue_run("--bench", str(problems), "--method", "kvrescue", "--n", "2", "--limit", "3",
+                        "--base", str(qwen2_dir), "--helper", str(llama_dir), "--prm", str(prm_dir),
+                        "--out", str(tmp_path), *SMALL)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    strip = lambda t: {k: v for k, v in t.items() if k != "timings"}  # noqa: E731
+    first = sorted(map(strip, read_folder(grid, "kvrescue")[1]), key=lambda t: t["idx"])
+    again = sorted(map(strip, read_folder(tmp_path, "kvrescue")[1]), key=lambda t: t["idx"])
+    assert first == again
+
+
+def test_rerun_of_a_complete_cell_decodes_nothing(grid, problems, qwen2_dir, llama_dir, prm_dir):
+    before = read_folder(grid, "bon")[1]
+    done = kvrescue_run("--bench", str(problems), "--method", "bon", "--n", "2", "--limit", "3",
+                        "--base", str(qwen2_dir), "--prm", str(prm_dir), "--out", str(grid), *SMALL)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert read_folder(grid, "bon")[1] == before
+
+
+def test_a_different_configuration_in_the_same_folder_is_refused(grid, problems, qwen2_dir, prm_dir):
+    config, _, _ = read_folder(grid, "bon")
+    folder = next(p for p in (grid / "tiny").iterdir() if p.name.startswith("bon-"))
+    stored = orjson.loads((folder / "config.json").read_bytes())
+    stored["config"]["settings"]["top_k"] = 5
+    (folder / "config.json").write_bytes(orjson.dumps(stored))
+    done = kvrescue_run("--bench", str(problems), "--method", "bon", "--n", "2", "--limit", "3",
+                        "--base", str(qwen2_dir), "--prm", str(prm_dir), "--out", str(grid), *SMALL)
+    assert done.returncode == 2 and b"different configuration" in done.stderr and b"--overwrite" in done.stderr
+    (folder / "config.json").write_bytes(orjson.dumps(config))
+
+
+def test_killed_run_resumes_with_one_line_per_problem(problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
+    args = [KVRESCUE, "run", "--bench", str(problems), "--method", "kvrescue", "--n", "2", "--base", str(qwen2_dir),
+            "--helper", str(llama_dir), "--prm", str(prm_dir), "--out", str(tmp_path), *SMALL]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    traces = None
+    while time.time() < deadline and process.poll() is None:
+        found = list(tmp_path.glob("tiny/*/traces.jsonl"))
+        if found and found[0].read_bytes().count(b"\n") >= 1:
+            traces = found[0]
+            break
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert traces is not None, "the run wrote no trace before the deadline"
+    written = traces.read_bytes()
+    done = subprocess.run(args, capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    after = traces.read_bytes()
+    complete_before = written[: written.rfind(b"\n") + 1]
+    assert after.startswith(complete_before)  # nothing finished before the kill was lost or rewritten
+    idx = [orjson.loads(line)["idx"] for line in after.splitlines()]
+    assert sorted(idx) == list(range(6))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--method", "beam"], b"unknown method 'beam'"),
+        (["--budget", "8"], b"--budget 8 is below"),
+        (["--n", "0"], b"--n 0"),
+        (["--evictor", "h2o"], b"unknown evictor 'h2o'"),
+        (["--bench", "nonexistent-bench"], b"unknown benchmark 'nonexistent-bench'"),
+        (["--base", "/no/such/folder"], b"base model"),
+        (["--prm", "SOME_FOLDER_THAT_IS_NOT_A_PRM"], b"no PRM head"),
+    ],
+)
+def test_bad_options_are_one_line_errors(args, message, problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
+    args = [str(qwen2_dir) if a == "SOME_FOLDER_THAT_IS_NOT_A_PRM" else a for a in args]
+    base = ["--bench", str(problems), "--base", str(qwen2_dir), "--helper", str(llama_dir), "--prm", str(prm_dir),
+            "--out", str(tmp_path), "--limit", "1", *SMALL]
+    done = kvrescue_run(*base, *args)
+    assert done.returncode == 2, done.stderr.decode()[-2000:]
+    assert message in done.stderr and b"Traceback" not in done.stderr
+
+
+def test_default_models_without_the_hub_name_the_model_and_the_way_out(problems, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([KVRESCUE, "run", "--bench", str(problems), "--limit", "1", "--out", str(tmp_path)],
+                          capture_output=True, timeout=300, env=env)
+    assert done.returncode == 2
+    assert b"Qwen/Qwen2.5-Math" in done.stderr and b"--preset cpu-demo" in done.stderr
