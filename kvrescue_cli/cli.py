@@ -130,6 +130,15 @@ def _comma_list(value: str, cast: Callable = str, option: str = "") -> list:
     return items
 
 
+def _synthetic(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    parts = value.split(":")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise InputError(f"--synthetic-steps {value!r}: expected LEN:COUNT with positive integers, e.g. 32:20")
+    return int(parts[0]), int(parts[1])
+
+
 @app.command()
 @one_line_errors
 def run(
@@ -160,6 +169,8 @@ def run(
     data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl (else $KVRESCUE_DATA_DIR, else the Hub)"),
     problem_field: Optional[str] = typer.Option(None, help="problem field of a custom JSONL"),
     answer_field: Optional[str] = typer.Option(None, help="answer field of a custom JSONL"),
+    synthetic_steps: Optional[str] = typer.Option(None, help="LEN:COUNT: end every step after LEN tokens and every "
+                                                  "problem after COUNT steps (throughput runs; accuracy not reported)"),
 ) -> None:
     """Run KV-Rescue and its baselines over a grid; one run folder per configuration."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -192,6 +203,7 @@ def run(
         detector=DetectorConfig(tau_ent=tau_ent, tau_cmp=tau_cmp),
         max_step_tokens=max_step_tokens, max_steps=max_steps, context_cap=context_cap,
         batch=batch or (64 if on_gpu else 4),
+        synthetic_steps=_synthetic(synthetic_steps),
     )
     options = GridOptions(
         benches=_comma_list(bench, str, "--bench"), methods=_comma_list(method, str, "--method"),
@@ -203,8 +215,12 @@ def run(
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())
-    with Progress(*columns, console=console) as progress:
-        results = run_grid(options, progress)
+    try:
+        with Progress(*columns, console=console) as progress:
+            results = run_grid(options, progress)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted:[/] finished problems are written; run the same command again to resume")
+        raise typer.Exit(130) from None
     console.print(summary_table(results))
 
 
@@ -222,7 +238,8 @@ def summary_table(results) -> Table:
         return "n/a" if x is None else f"{x:.1f}"
 
     for config, s in results:
-        table.add_row(config.bench_name(), config.method, str(config.budget or "-"), str(config.n), str(config.seed),
+        method = config.method + (" (synthetic)" if config.synthetic else "")
+        table.add_row(config.bench_name(), method, str(config.budget or "-"), str(config.n), str(config.seed),
                       config.scorer, pct(s.accuracy), num(s.mean_steps), num(s.base_tokens),
                       num(s.helper_tokens), pct(s.helper_step_share), pct(s.early_exit_rate),
                       num(s.throughput_per_min))

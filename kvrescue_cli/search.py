@@ -10,7 +10,6 @@ caches.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -56,6 +55,11 @@ class SearchSettings:
     max_steps: int = 1024
     context_cap: int = 4096
     batch: int = 8
+    synthetic_steps: tuple[int, int] | None = None  # (LEN, COUNT): steps end after LEN tokens, problems after COUNT steps
+
+    @property
+    def step_cap(self) -> int:
+        return self.max_steps if self.synthetic_steps is None else self.synthetic_steps[1]
 
     @property
     def spec(self) -> Method:
@@ -128,13 +132,24 @@ class Controller:
         self.tokenizer = next(iter(runners.values())).tokenizer
 
     def run(self, problems: Iterable[tuple[int, str, list[int]]], on_finished: Callable[[Finished], None]) -> None:
-        """Decode every (idx, problem text, prompt tokens); call `on_finished` as each completes."""
-        queue = deque(problems)
+        """Decode every (idx, problem text, prompt tokens); call `on_finished` as each completes.
+
+        Problems are pulled lazily, only when a slot frees up, so `problems` may be a shared work queue.
+        """
+        source = iter(problems)
         active: list[ProblemState] = []
-        while queue or active:
-            admitted = [queue.popleft() for _ in range(min(len(queue), self.settings.batch - len(active)))]
+        exhausted = False
+        while not exhausted or active:
+            admitted = []
+            while not exhausted and len(active) + len(admitted) < self.settings.batch:
+                item = next(source, None)
+                exhausted = item is None
+                if item is not None:
+                    admitted.append(item)
             if admitted:
                 active += self._admit(admitted)
+            if not active:
+                continue
             for problem in active:
                 if not problem.candidates:
                     self._open_step(problem)
@@ -202,14 +217,17 @@ class Controller:
         piece = cand.detok.push(token)
         cand.entropies.append(entropy)
         problem.generated[cand.source] += 1
-        if token in self.eos:
+        synthetic = self.settings.synthetic_steps
+        if synthetic is not None:
+            cand.finish = "step" if len(cand.tokens) >= synthetic[0] else None
+        elif token in self.eos:
             cand.finish = "eos"
         elif STEP_DELIMITER in tail + piece:
             cand.finish = "step"
-        elif cand.detector is not None and (fired := cand.detector.update(piece, entropy)):
-            cand.finish = fired
-        elif (len(cand.tokens) >= self.settings.max_step_tokens
-              or problem.context + len(cand.tokens) >= self.settings.context_cap):
+        if cand.finish is None and cand.detector is not None:
+            cand.finish = cand.detector.update(piece, entropy)
+        if cand.finish is None and (len(cand.tokens) >= self.settings.max_step_tokens
+                                    or problem.context + len(cand.tokens) >= self.settings.context_cap):
             cand.finish = "length"
         if cand.finish:
             cand.text = self.tokenizer.decode(cand.tokens)
@@ -253,7 +271,7 @@ class Controller:
                 problem.stop = "eos"
             elif problem.context >= self.settings.context_cap:
                 problem.stop = "context"
-            elif len(problem.steps) >= self.settings.max_steps:
+            elif len(problem.steps) >= self.settings.step_cap:
                 problem.stop = "steps"
         for name, runner in self.runners.items():
             live = [(p, tail) for p, tail in appends[name] if not p.stop]
