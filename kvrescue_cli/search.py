@@ -130,6 +130,7 @@ class Controller:
         self.scorer = scorer
         self.eos = eos
         self.tokenizer = next(iter(runners.values())).tokenizer
+        self.vocab = len(self.tokenizer)
 
     def run(self, problems: Iterable[tuple[int, str, list[int]]], on_finished: Callable[[Finished], None]) -> None:
         """Decode every (idx, problem text, prompt tokens); call `on_finished` as each completes.
@@ -199,8 +200,9 @@ class Controller:
                 continue
             keys = [(self.settings.seed, p.idx, len(p.steps), c.index) for p, c in live]
             counters = [len(c.tokens) for _, c in live]
-            tokens, entropies = sample(torch.stack([c.logits for _, c in live]), keys, counters,
-                                       self.settings.sampling)
+            # Rows past the tokenizer's vocabulary are padding (Qwen2.5 pads its embeddings): never sample them.
+            logits = torch.stack([c.logits[: self.vocab] for _, c in live])
+            tokens, entropies = sample(logits, keys, counters, self.settings.sampling)
             feed = []
             for (problem, cand), token, entropy in zip(live, tokens.tolist(), entropies.tolist()):
                 self._push(problem, cand, token, entropy)

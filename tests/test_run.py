@@ -169,3 +169,74 @@ def test_default_models_without_the_hub_name_the_model_and_the_way_out(problems,
                           capture_output=True, timeout=300, env=env)
     assert done.returncode == 2
     assert b"Qwen/Qwen2.5-Math" in done.stderr and b"--preset cpu-demo" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def flat_dir(tmp_path_factory) -> Path:
+    """A Qwen2 with a near-uniform next-token distribution over its 512 tokens (6.24 nats), 4096 embedding rows."""
+    from kvrescue_cli.engine.random_checkpoints import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("flat"), "qwen2", vocab_size=4096, init_std=0.002, seed=5,
+                                   hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+
+
+def test_detector_early_exits_are_in_the_traces(problems, flat_dir, llama_dir, prm_dir, tmp_path):
+    args = ["--bench", str(problems), "--n", "2", "--limit", "2", "--base", str(flat_dir), "--helper", str(llama_dir),
+            "--prm", str(prm_dir), *SMALL, "--max-step-tokens", "30", "--max-steps", "2", "--tau-ent", "6.0"]
+    done = kvrescue_run(*args, "--method", "kvrescue,interleave", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    _, traces, summary = read_folder(tmp_path, "kvrescue")
+    base = [c for t in traces for cands in t["candidates"] for c in cands if c["source"] == "base"]
+    assert base and all(c["finish"] == "entropy" and c["fired_at"] == 24 and c["score"] is None for c in base)
+    assert all(c["max_mean_entropy"] > 6.0 for c in base)  # and the padding rows past 512 were never sampled
+    assert all(s["source"] == "helper" for t in traces for s in t["steps"])  # only helper candidates survive
+    assert summary["early_exit_rate"] == 1.0
+    _, traces, summary = read_folder(tmp_path, "interleave")  # the ablation: same models, detector off
+    assert all(c["finish"] != "entropy" and c["max_mean_entropy"] is None
+               for t in traces for cands in t["candidates"] for c in cands)
+    assert summary["early_exit_rate"] == 0.0
+
+
+def test_a_problem_longer_than_the_context_cap_is_skipped_and_the_run_goes_on(qwen2_dir, prm_dir, tmp_path):
+    path = tmp_path / "tiny.jsonl"
+    rows = [{"question": "What is 2 + 2?", "answer": "4"}, {"question": "Add these: " + "1 + " * 300 + "1", "answer": "301"},
+            {"question": "What is 3 + 3?", "answer": "6"}]
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    done = kvrescue_run("--bench", str(path), "--method", "bon", "--n", "2", "--base", str(qwen2_dir), "--prm",
+                        str(prm_dir), "--out", str(tmp_path / "runs"), *SMALL)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    _, traces, summary = read_folder(tmp_path / "runs", "bon")
+    by_idx = {t["idx"]: t for t in traces}
+    assert sorted(by_idx) == [0, 1, 2]
+    assert by_idx[1]["stop"] == "skipped" and "context cap is 320" in by_idx[1]["skip_reason"]
+    assert by_idx[0]["n_steps"] >= 1 and by_idx[2]["n_steps"] >= 1
+    assert summary["skipped"] == 1
+
+
+def test_jsonl_without_the_problem_field_is_a_one_line_error(qwen2_dir, prm_dir, tmp_path):
+    path = tmp_path / "odd.jsonl"
+    path.write_text('{"text": "What is 2 + 2?", "answer": "4"}\n')
+    done = kvrescue_run("--bench", str(path), "--method", "bon", "--base", str(qwen2_dir), "--prm", str(prm_dir),
+                        "--out", str(tmp_path), *SMALL)
+    assert done.returncode == 2 and b"odd.jsonl:1: no 'problem' or 'question' field" in done.stderr
+
+
+def test_full_and_helper_never_build_the_evicting_cache(monkeypatch, problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
+    from rich.progress import Progress
+
+    from kvrescue_cli.engine import bounded
+    from kvrescue_cli.engine.sampling import SamplingParams
+    from kvrescue_cli.runs import GridOptions, run_grid
+    from kvrescue_cli.search import SearchSettings
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the evicting cache was built")
+
+    monkeypatch.setattr(bounded.BoundedCache, "__init__", refuse)
+    settings = SearchSettings(sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0), max_step_tokens=12,
+                              max_steps=3, context_cap=320, batch=2)
+    options = GridOptions(benches=[str(problems)], methods=["full", "helper"], budgets=[16], ns=[2], seeds=[0],
+                          evictor="rkv", models={"base": str(qwen2_dir), "helper": str(llama_dir), "prm": str(prm_dir)},
+                          scorer="prm", settings=settings, out=tmp_path, limit=2)
+    results = run_grid(options, Progress(disable=True))
+    assert [(c.method, s.problems) for c, s in results] == [("full", 2), ("helper", 2)]
