@@ -49,7 +49,7 @@ class Driver:
 
 def scenario(net, cache, *, decode: int = 30, step: int = 15) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prompt, greedy decode, fork into three candidates that diverge, a multi-token helper step
-    appended to one, adopt it, keep decoding; returns the tokens and every logits tensor."""
+    appended to one, adopt it, keep decoding, fork again; returns the tokens and every logits tensor."""
     d = Driver(net, cache)
     root = cache.create()
     first = d.append([root], [prompt(20)])
@@ -62,6 +62,8 @@ def scenario(net, cache, *, decode: int = 30, step: int = 15) -> tuple[list[list
     cache.adopt(root, kids[1])
     cache.release([kids[0], kids[2]])
     toks += d.greedy([root], torch.tensor([7]), decode)
+    kids = cache.fork(root, 2)  # reuses freed slots out of order: a non-consecutive batch
+    toks += d.greedy(kids, d.append(kids, [[9], [8, 7]]), decode // 2)
     return toks, d.logits
 
 

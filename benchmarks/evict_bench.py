@@ -1,0 +1,210 @@
+"""Cost of the bounded evicting cache against the full cache, on a random ~100M Qwen2.
+
+Measures, for a batch of rows decoding one token each:
+- per-token decode time with `none` (full cache) at several context lengths, and with `rkv` at each
+  budget B amortised over a B -> B' -> B cycle: between compressions an evicted row decodes like a
+  full one of the same physical length (B + 64 on average), plus one compression per 128 tokens
+  (`--cycle` also times real cycles end to end);
+- the cost of one compression (all rows at once, all layers) and cache bytes per row;
+- the context length from which evicted decoding is cheaper than full decoding;
+- the degeneration detector's CPU time per token.
+
+Cache states are synthesised (random K/V, rows set to the wanted physical and logical lengths) instead
+of prefilled, since only the lengths matter for the cost. Lengths are timed round-robin, medians kept.
+
+    .venv/bin/python benchmarks/evict_bench.py                     # CPU, batch 32
+    .venv/bin/python benchmarks/evict_bench.py --device cuda --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvrescue_cli.detect import Detector
+from kvrescue_cli.engine.bounded import SLACK, BoundedCache
+from kvrescue_cli.engine.model import CausalLM, ModelArgs
+
+MATH500 = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks" / "math500.jsonl"
+QWEN_7B = dict(n_layers=28, n_kv_heads=4, head_dim=128, bytes=2)  # Qwen2.5-Math-7B, bf16
+
+
+def random_qwen2(device: str, dtype: torch.dtype) -> CausalLM:
+    """A ~100M-parameter Qwen2-shaped decoder (GQA 12/2 heads, q/k/v bias) with random weights."""
+    args = ModelArgs(vocab_size=16384, dim=768, intermediate_size=2048, n_layers=12, n_heads=12, n_kv_heads=2,
+                     head_dim=64, rope_theta=10000.0, qkv_bias=True)
+    torch.manual_seed(0)
+    net = CausalLM(args)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return net.to(device=device, dtype=dtype).eval()
+
+
+def make_rows(net: CausalLM, policy: str, budget: int, batch: int, physical: int, logical: int) -> tuple[BoundedCache, list[int]]:
+    """A cache whose `batch` rows hold `physical` random entries at logical length `logical`."""
+    cache = BoundedCache.for_model(net, budget=budget, policy=policy, rows=batch,
+                                   capacity=max(physical, budget + SLACK) + 8)
+    rows = [cache.create() for _ in range(batch)]
+    for r in rows:
+        state = cache.rows[r]
+        state.physical = state.peak = physical
+        state.logical = logical
+    cache.k.normal_()
+    cache.v.normal_()
+    cache.q.normal_()
+    return cache, rows
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def timed_decodes(net: CausalLM, cache: BoundedCache, rows: list[int], steps: int, device: str) -> list[float]:
+    """Seconds of each of `steps` one-token decodes of every row."""
+    tokens = torch.randint(0, net.args.vocab_size, (len(rows),), device=device)
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t = time.perf_counter()
+        net.decode(tokens, cache, rows)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def decode_cost(net, lengths: list[int], batch: int, rounds: int, steps: int, device: str) -> dict[int, float]:
+    """Median seconds of one batched decode step at each physical length; the lengths are measured
+    round-robin so that a slow spell of a shared machine does not land on one of them."""
+    caches = {n: make_rows(net, "none", 16, batch, n, n) for n in lengths}
+    for cache, rows in caches.values():
+        timed_decodes(net, cache, rows, 1, device)  # warm-up
+    times: dict[int, list[float]] = {n: [] for n in lengths}
+    for _ in range(rounds):
+        for n, (cache, rows) in caches.items():
+            times[n] += timed_decodes(net, cache, rows, steps, device)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def evicted_cycle(net, budget, batch, device) -> float:
+    """Seconds per token over a real B -> B' -> B cycle (128 decodes, the last compresses every row)."""
+    cache, rows = make_rows(net, "rkv", budget, batch, budget, 4096)
+    times = timed_decodes(net, cache, rows, SLACK, device)
+    assert all(cache.physical_length(r) == budget for r in rows), "expected exactly one compression"
+    return sum(times) / (SLACK * batch)
+
+
+@torch.inference_mode()
+def compression_time(net, budget, batch, device, repeats: int = 3) -> float:
+    """Seconds to compress `batch` rows of B' entries to B (all layers, scored together)."""
+    best = float("inf")
+    for _ in range(repeats):
+        cache, rows = make_rows(net, "rkv", budget, batch, budget + SLACK, 4096)
+        sync(device)
+        t = time.perf_counter()
+        cache.compress(rows)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def detector_cost() -> tuple[float, float]:
+    """Mean seconds per `Detector.update` before and after the text reaches 800 characters."""
+    with open(MATH500) as f:
+        text = "".join(json.loads(line)["solution"] for line in f)[:60_000]
+    pieces = re.findall(r"\S+\s*|\s+", text)
+    det, chars, early, late = Detector(), 0, [], []
+    for p in pieces:
+        t = time.perf_counter()
+        det.update(p, 1.0)
+        chars += len(p)
+        (late if chars >= 800 else early).append(time.perf_counter() - t)
+        if det.fired:
+            det, chars = Detector(), 0
+    return statistics.mean(early), statistics.mean(late)
+
+
+def crossover(full: dict[int, float], evicted: float) -> str:
+    """Where the full cache's per-token time first exceeds `evicted` (linear interpolation)."""
+    pairs = sorted(full.items())
+    if pairs[0][1] > evicted:
+        return f"at or below {pairs[0][0]} tokens"
+    for (c0, t0), (c1, t1) in zip(pairs, pairs[1:]):
+        if t0 <= evicted < t1:
+            return f"about {c0 + (c1 - c0) * (evicted - t0) / (t1 - t0):.0f} tokens"
+    return f"beyond {pairs[-1][0]} tokens"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--contexts", default="512,2048,4096", help="contexts reported in the table")
+    ap.add_argument("--extra-contexts", default="256,1024,1536,3072", help="more full-cache points for the crossover")
+    ap.add_argument("--budgets", default="64,512")
+    ap.add_argument("--rounds", type=int, default=3, help="round-robin passes over the lengths")
+    ap.add_argument("--steps", type=int, default=2, help="timed decodes per length and round")
+    ap.add_argument("--cycle", action="store_true", help="also time real 128-token rkv cycles (slow on a CPU)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    net = random_qwen2(args.device, dtype)
+    params = sum(p.numel() for p in net.parameters())
+    print(f"random Qwen2: {params / 1e6:.0f}M parameters, {net.args.n_layers} layers, "
+          f"{net.args.n_heads}/{net.args.n_kv_heads} heads x {net.args.head_dim}; batch {args.batch}; "
+          f"{args.device} {args.dtype}, {torch.get_num_threads()} threads")
+    shown = [int(c) for c in args.contexts.split(",")]
+    contexts = sorted(set(shown) | {int(c) for c in args.extra_contexts.split(",") if c})
+    budgets = [int(b) for b in args.budgets.split(",")]
+
+    # between compressions an evicted row decodes like a full one of the same physical length;
+    # over a cycle its length averages B + 64, and one compression of every row is added per 128 tokens
+    t0 = time.perf_counter()
+    step = decode_cost(net, sorted(set(contexts) | {b + SLACK // 2 for b in budgets}), args.batch,
+                       args.rounds, args.steps, args.device)
+    comp = {b: compression_time(net, b, args.batch, args.device) for b in budgets}
+    full = {c: step[c] / args.batch for c in contexts}
+    evicted = {b: (step[b + SLACK // 2] + comp[b] / SLACK) / args.batch for b in budgets}
+    print(f"(measured in {time.perf_counter() - t0:.0f} s)\n")
+
+    print("per-token decode time (ms per row-token = batch step time / batch)")
+    print(f"{'context':>8} {'none':>8} " + " ".join(f"{'rkv B=' + str(b):>10}" for b in budgets))
+    for c in shown:
+        # below B' a row has never been compressed: it is a full cache of c entries
+        cells = [full[c] if c < b + SLACK else evicted[b] for b in budgets]
+        print(f"{c:>8} {full[c] * 1e3:8.3f} " + " ".join(f"{x * 1e3:10.3f}" for x in cells))
+    if args.cycle:
+        for b in budgets:
+            print(f"  check, rkv B={b} over a real 128-token cycle: {evicted_cycle(net, b, args.batch, args.device) * 1e3:.3f} ms")
+
+    print("\ncompression (all rows at once, all layers) and memory")
+    per_entry = BoundedCache.for_model(net, budget=64).bytes_per_entry()
+    per_entry_7b = 2 * QWEN_7B["n_layers"] * QWEN_7B["n_kv_heads"] * QWEN_7B["head_dim"] * QWEN_7B["bytes"]
+    for b in budgets:
+        peak = b + SLACK
+        print(f"  rkv B={b}: compress {args.batch} rows of {peak} -> {b}: {comp[b] * 1e3:.0f} ms "
+              f"({comp[b] / args.batch * 1e3:.1f} ms/row; {comp[b] / SLACK / args.batch * 1e3:.3f} ms per token amortised); "
+              f"peak {peak} entries = {peak * per_entry / 2**20:.2f} MiB/row here, "
+              f"{peak * per_entry_7b / 2**20:.1f} MiB/row for Qwen2.5-Math-7B bf16")
+    for c in shown:
+        print(f"  none at {c}: {c * per_entry / 2**20:.2f} MiB/row here, {c * per_entry_7b / 2**20:.1f} MiB/row for 7B")
+
+    print("\nfull-cache decode by context (ms per row-token): "
+          + ", ".join(f"{c}: {full[c] * 1e3:.2f}" for c in contexts))
+    print("context from which evicted decoding is cheaper than full decoding")
+    for b in budgets:
+        print(f"  rkv B={b} (B'={b + SLACK}): {crossover(full, evicted[b])}")
+
+    early, late = detector_cost()
+    print(f"\ndetector: {early * 1e6:.1f} us/token before 800 characters, {late * 1e6:.1f} us/token after (gzip each token)")
+
+
+if __name__ == "__main__":
+    main()
