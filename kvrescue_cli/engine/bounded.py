@@ -148,6 +148,7 @@ class BoundedCache(KVCache):
         self.next_id += 1
         return self.next_id - 1
 
+    @torch.inference_mode(False)  # growing inside a forward must not turn the pools into inference tensors
     def _grow(self, rows: int | None = None, capacity: int | None = None) -> None:
         """Reallocate the pools with more slots and/or more capacity per slot, keeping the content."""
         n_layers, old_rows, h_kv, old_cap, d = self.k.shape
