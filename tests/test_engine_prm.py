@@ -79,3 +79,16 @@ def test_window_drops_oldest_steps_and_records_it(prm) -> None:
 def test_model_without_prm_head_is_refused(qwen2_dir) -> None:
     with pytest.raises(ValueError, match="no process-reward head"):
         PRMScorer(load_model(qwen2_dir))
+
+
+def test_candidates_beyond_the_cache_room_are_scored_in_chunks(prm) -> None:
+    texts = [f"Step {i}: we compute {i} + {i} = {2 * i}.\n\n" for i in range(12)]
+    roomy = PRMScorer(prm, max_problems=1, max_candidates=12, window=200)
+    tight = PRMScorer(prm, max_problems=1, max_candidates=12, window=200, candidate_tokens=64)
+    for scorer in (roomy, tight):
+        scorer.open(0, PROBLEMS[1], [])
+        scorer.commit(0, STEPS[1][0], [])
+    a = roomy.score([(0, t, []) for t in texts])
+    b = tight.score([(0, t, []) for t in texts])
+    assert tight.cache.num_blocks - tight.cache.blocks_in_use() < 12 * 2  # too few blocks for all at once
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5

@@ -1,6 +1,12 @@
-"""Inference engine: one decoder for base, helper and PRM, KV caches, sampling, step generation."""
+"""Inference engine: one decoder for base, helper and PRM, KV caches, sampling, step generation, PRM scoring."""
 
 from kvrescue_cli.engine.caches import FullCache, KVCache
 from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
+from kvrescue_cli.engine.prm import PRMScorer
+from kvrescue_cli.engine.sampling import SamplingParams, sample
+from kvrescue_cli.engine.steps import StepResult, append_tokens, generate_steps
 
-__all__ = ["FullCache", "KVCache", "LoadedModel", "ModelLoadError", "load_model"]
+__all__ = [
+    "FullCache", "KVCache", "LoadedModel", "ModelLoadError", "PRMScorer", "SamplingParams", "StepResult",
+    "append_tokens", "generate_steps", "load_model", "sample",
+]

@@ -191,6 +191,8 @@ class FullCache(KVCache):
                 changed_rows.append(row)
                 changed_idx.append(len(r.blocks) - 1)
                 changed_blocks.append(new)
+            if r.length + n > self.table.shape[1] * bs:
+                raise RuntimeError(f"FullCache: row {row} would exceed max_row_tokens ({self.table.shape[1] * bs})")
             while len(r.blocks) * bs < r.length + n:
                 changed_rows.append(row)
                 changed_idx.append(len(r.blocks))

@@ -86,19 +86,25 @@ class PRMScorer:
         self,
         prm: LoadedModel,
         *,
-        max_problems: int = 64,
-        max_candidates: int = 1024,
-        window: int = 4096,
+        max_problems: int = 32,
+        max_candidates: int = 512,
         max_step_tokens: int = 512,
+        window: int = 4096,
+        candidate_tokens: int | None = None,
         system: str = SYSTEM_PROMPT,
     ) -> None:
+        """Cache room: every open problem's full window, plus candidate suffixes: `candidate_tokens`, by
+        default max_candidates full-length steps; candidates beyond the room are scored in several forwards."""
         self.sep = _check_prm(prm)
         self.prm = prm
         self.window = window
         self.system = system
-        budget = max_problems * (window + 16) + max_candidates * (max_step_tokens + 17)
-        self.cache = FullCache.for_model(prm.net, budget, max_rows=max_problems + max_candidates,
-                                         max_row_tokens=window + max_step_tokens + 16)
+        block = 16
+        room = candidate_tokens if candidate_tokens is not None else max_candidates * (max_step_tokens + block + 1)
+        self.cache = FullCache.for_model(
+            prm.net, max_problems * (window + block) + room, block_size=block,
+            max_rows=max_problems + max_candidates, max_row_tokens=window + block,
+        )
         self.problems: dict[int, _Problem] = {}
 
     def _encode(self, text: str) -> list[int]:
@@ -144,18 +150,37 @@ class PRMScorer:
         room = {key: self.window - self.cache.length(self.problems[key].row) for key in need}
         # A candidate longer than the window left after dropping every step keeps its end (its <extra_0>).
         suffixes = [s[-max(room[key], 1) :] for (key, _, _), s in zip(requests, suffixes)]
-        rows = [self.cache.fork(self.problems[key].row, 1)[0] for key, _, _ in requests]
-        try:
-            width = max(len(s) for s in suffixes)
-            batch = torch.zeros(len(rows), width, dtype=torch.long)
-            for i, s in enumerate(suffixes):
-                batch[i, : len(s)] = torch.tensor(s)
-            head = self.prm.net.prefill(batch.to(self.prm.device), self.cache, rows, [len(s) for s in suffixes])
-        finally:
-            self.cache.release(rows)
-        for (key, _, _), s in zip(requests, suffixes):
-            self.problems[key].processed += len(s)
-        return torch.softmax(head.float(), dim=-1)[:, 1].tolist()
+        scores: list[float] = []
+        for chunk in self._chunks(suffixes):
+            keys = [requests[i][0] for i in chunk]
+            rows = [self.cache.fork(self.problems[key].row, 1)[0] for key in keys]
+            try:
+                batch = torch.zeros(len(rows), max(len(suffixes[i]) for i in chunk), dtype=torch.long)
+                for j, i in enumerate(chunk):
+                    batch[j, : len(suffixes[i])] = torch.tensor(suffixes[i])
+                n_new = [len(suffixes[i]) for i in chunk]
+                head = self.prm.net.prefill(batch.to(self.prm.device), self.cache, rows, n_new)
+            finally:
+                self.cache.release(rows)
+            scores += torch.softmax(head.float(), dim=-1)[:, 1].tolist()
+            for key, n in zip(keys, n_new):
+                self.problems[key].processed += n
+        return scores
+
+    def _chunks(self, suffixes: list[list[int]]) -> list[list[int]]:
+        """Consecutive groups of candidates whose suffix blocks fit the free cache together."""
+        free, bs = self.cache.num_blocks - self.cache.blocks_in_use(), self.cache.block_size
+        free_rows = len(self.cache.free_rows)
+        chunks: list[list[int]] = [[]]
+        used = 0
+        for i, s in enumerate(suffixes):
+            need = -(-len(s) // bs) + 1  # + the copied partial block of the shared prefix
+            if chunks[-1] and (used + need > free or len(chunks[-1]) == free_rows):
+                chunks.append([])
+                used = 0
+            chunks[-1].append(i)
+            used += need
+        return chunks
 
     @torch.inference_mode()
     def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:

@@ -1,0 +1,168 @@
+"""Engine benchmarks: decode throughput vs transformers `generate`, and incremental vs from-scratch PRM scoring.
+
+    python benchmarks/engine_bench.py [--device cpu] [--threads 1] [--new-tokens 64] [--repeats 2] [--skip-smollm]
+
+Decode: the same model, prompt and number of new tokens, batch 1/8/32, sampling at the paper's settings
+(T 0.8, top-p 0.95, top-k 20). Decode-only time: the engine's loop is timed after its prefill;
+transformers' is generate(N + 1 new tokens) minus generate(1 new token). Best of --repeats runs (the machine
+is shared, so the best run is the least disturbed one). Also measures the memory bandwidth and the matmul
+rate that bound decoding here. CPU threads default to 1: on a shared 2-core machine two OpenMP threads
+collapse (10x slower) whenever the other core is busy. PRM (a ~7M random Qwen2 PRM, so that from-scratch
+scoring finishes in a minute on a CPU; the ratio depends on lengths, not on model size): a 20-step trajectory with 16 candidates per step, scored
+incrementally (PRMScorer, one batched forward per step) and from scratch (each candidate's
+whole text in its own forward, as `prm_scores` does).
+"""
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvrescue_cli.engine import FullCache, load_model
+from kvrescue_cli.engine.prm import PRMScorer, prm_scores
+from kvrescue_cli.engine.random_checkpoints import SAMPLE_TEXT, write_random_checkpoint
+from kvrescue_cli.engine.sampling import SamplingParams, sample
+from kvrescue_cli.engine.steps import append_tokens
+
+PARAMS = SamplingParams()
+QWEN_100M = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=2, intermediate_size=2048, vocab_size=32000)
+PRM_SMALL = dict(hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2, intermediate_size=1024)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def best(fn, repeats: int, device: str) -> float:
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+@torch.inference_mode()
+def engine_decode_seconds(model, prompt: list[int], batch: int, new: int, repeats: int, device: str) -> float:
+    def run() -> float:
+        cache = FullCache.for_model(model.net, len(prompt) + batch * (new + 16) + 64, max_rows=batch + 1)
+        parent = cache.create()
+        logits = append_tokens(model, cache, [parent], [prompt])
+        rows = cache.fork(parent, batch)
+        current = logits.expand(batch, -1)
+        keys = [(0, 0, 0, c) for c in range(batch)]
+        sync(device)
+        t = time.perf_counter()
+        for i in range(new):
+            tokens, _ = sample(current, keys, [i] * batch, PARAMS)
+            current = model.net.decode(tokens, cache, rows).float()
+        sync(device)
+        return time.perf_counter() - t
+
+    return min(run() for _ in range(repeats))
+
+
+@torch.inference_mode()
+def hf_decode_seconds(ref, prompt: list[int], batch: int, new: int, repeats: int, device: str) -> float:
+    ids = torch.tensor([prompt] * batch, device=device)
+    mask = torch.ones_like(ids)
+
+    def gen(n: int):
+        return lambda: ref.generate(
+            ids, attention_mask=mask, do_sample=True, temperature=PARAMS.temperature, top_p=PARAMS.top_p,
+            top_k=PARAMS.top_k, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
+        )
+
+    # generate(n) = prefill (which yields the first token) + n - 1 decode steps.
+    return max(best(gen(new + 1), repeats, device) - best(gen(1), repeats, device), 1e-9)
+
+
+def machine_limits(device: str) -> tuple[float, float]:
+    """(memory bandwidth GB/s from a large copy, fp32 matmul GFLOP/s at decode-like shape [32, 768] x [768, 8192])."""
+    a = torch.empty(64 * 2**20, device=device)  # 256 MiB
+    b = torch.empty_like(a)
+    t = best(lambda: b.copy_(a), 5, device)
+    bw = 2 * a.numel() * 4 / t / 1e9
+    x, w = torch.randn(32, 768, device=device), torch.randn(8192, 768, device=device)
+    reps = 50
+    t = best(lambda: [x @ w.T for _ in range(reps)], 3, device)
+    return bw, 2 * 32 * 768 * 8192 * reps / t / 1e9
+
+
+def bench_decode(name: str, folder: Path, args, bw: float, flops: float) -> None:
+    model = load_model(folder, dtype="float32", device=args.device)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
+    messages = [{"role": "user", "content": "What is the sum of the first ten positive integers? Reason step by step."}]
+    prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    n_params = sum(p.numel() for p in model.net.parameters())
+    print(f"\n{name}: {n_params / 1e6:.0f}M params ({n_params * 4 / 1e6:.0f} MB fp32), prompt {len(prompt)} tokens, "
+          f"{args.new_tokens} new tokens")
+    print("  batch | engine tok/s | transformers tok/s | ratio | bound tok/s (bytes/bandwidth, FLOPs/matmul rate)")
+    for batch in (1, 8, 32):
+        ours = engine_decode_seconds(model, prompt, batch, args.new_tokens, args.repeats, args.device)
+        theirs = hf_decode_seconds(ref, prompt, batch, args.new_tokens, args.repeats, args.device)
+        tokens = batch * args.new_tokens
+        bound_bw = batch * bw * 1e9 / (n_params * 4)
+        bound_fl = flops * 1e9 / (2 * n_params)
+        print(f"  {batch:5d} | {tokens / ours:12.1f} | {tokens / theirs:18.1f} | {theirs / ours:5.2f} | "
+              f"{min(bound_bw, bound_fl):.0f} ({bound_bw:.0f}, {bound_fl:.0f})")
+
+
+@torch.inference_mode()
+def bench_prm(args, folder: Path) -> None:
+    prm = load_model(folder, dtype="float32", device=args.device)
+    lines = [line for line in SAMPLE_TEXT.splitlines() if line.strip()]
+    steps = [f"Step {i + 1}: {lines[i % len(lines)]}\n\n" for i in range(20)]
+    candidates = [[f"Step {i + 1}: {lines[(i + c) % len(lines)]} {c}\n\n" for c in range(16)] for i in range(20)]
+    problem = "Let x be the number of apples. If 3x + 5 = 20, how many apples are there?"
+
+    def incremental() -> None:
+        scorer = PRMScorer(prm, max_problems=1, max_candidates=16)
+        scorer.open(0, problem, [])
+        for i in range(20):
+            scorer.score([(0, c, []) for c in candidates[i]])
+            scorer.commit(0, steps[i], [])
+        scorer.close(0)
+
+    def from_scratch() -> None:
+        for i in range(20):
+            for c in candidates[i]:
+                prm_scores(prm, problem, steps[:i] + [c])
+
+    t_inc = best(incremental, args.repeats, args.device)
+    t_scr = best(from_scratch, 1, args.device)
+    n_params = sum(p.numel() for p in prm.net.parameters())
+    print(f"\nPRM ({n_params / 1e6:.0f}M params), 20 steps x 16 candidates: incremental {t_inc:.2f} s, "
+          f"from scratch {t_scr:.2f} s ({t_scr / t_inc:.1f}x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-smollm", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    bw, flops = machine_limits(args.device)
+    print(f"{args.device}, {torch.get_num_threads()} threads: memory bandwidth {bw:.1f} GB/s, "
+          f"fp32 matmul {flops:.1f} GFLOP/s")
+    with tempfile.TemporaryDirectory() as tmp:
+        qwen = write_random_checkpoint(Path(tmp) / "qwen2-100m", "qwen2", **QWEN_100M)
+        if not args.skip_smollm:
+            from kvrescue_cli.engine.smollm import smollm2_folder
+
+            bench_decode("SmolLM2-135M-Instruct", smollm2_folder(), args, bw, flops)
+        bench_decode("random Qwen2 ~100M", qwen, args, bw, flops)
+        bench_prm(args, write_random_checkpoint(Path(tmp) / "prm-7m", "prm", **PRM_SMALL))
+
+
+if __name__ == "__main__":
+    main()
