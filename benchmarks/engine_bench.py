@@ -4,7 +4,7 @@
 
 Decode: the same model, prompt and number of new tokens, batch 1/8/32, sampling at the paper's settings
 (T 0.8, top-p 0.95, top-k 20). Decode-only time: the engine's loop is timed after its prefill;
-transformers' is generate(N + 1 new tokens) minus generate(1 new token). Best of --repeats runs (the machine
+transformers' is generate(N new tokens) minus generate(1 new token), i.e. N - 1 decode steps. Best of --repeats runs (the machine
 is shared, so the best run is the least disturbed one). Also measures the memory bandwidth and the matmul
 rate that bound decoding here. CPU threads default to 1: on a shared 2-core machine two OpenMP threads
 collapse (10x slower) whenever the other core is busy. PRM (a ~7M random Qwen2 PRM, so that from-scratch
@@ -80,7 +80,7 @@ def hf_decode_seconds(ref, prompt: list[int], batch: int, new: int, repeats: int
         )
 
     # generate(n) = prefill (which yields the first token) + n - 1 decode steps.
-    return max(best(gen(new + 1), repeats, device) - best(gen(1), repeats, device), 1e-9)
+    return max(best(gen(new), repeats, device) - best(gen(1), repeats, device), 1e-9)
 
 
 def machine_limits(device: str) -> tuple[float, float]:
@@ -95,6 +95,15 @@ def machine_limits(device: str) -> tuple[float, float]:
     return bw, 2 * 32 * 768 * 8192 * reps / t / 1e9
 
 
+@torch.inference_mode()
+def matmul_floor_seconds(model, batch: int, repeats: int, device: str) -> float:
+    """Time of one decode step's weight matmuls alone (every linear layer and the head at [batch, in]):
+    what any engine must spend per step on these weights here, attention and everything else excluded."""
+    weights = [m.weight for m in model.net.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=device, dtype=w.dtype) for w in weights}
+    return best(lambda: [inputs[w.shape[1]] @ w.T for w in weights], repeats + 1, device)
+
+
 def bench_decode(name: str, folder: Path, args, bw: float, flops: float) -> None:
     model = load_model(folder, dtype="float32", device=args.device)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
@@ -103,15 +112,17 @@ def bench_decode(name: str, folder: Path, args, bw: float, flops: float) -> None
     n_params = sum(p.numel() for p in model.net.parameters())
     print(f"\n{name}: {n_params / 1e6:.0f}M params ({n_params * 4 / 1e6:.0f} MB fp32), prompt {len(prompt)} tokens, "
           f"{args.new_tokens} new tokens")
-    print("  batch | engine tok/s | transformers tok/s | ratio | bound tok/s (bytes/bandwidth, FLOPs/matmul rate)")
+    print("  batch | engine tok/s | transformers tok/s | ratio | matmul floor tok/s | bytes/bandwidth | FLOPs/rate")
     for batch in (1, 8, 32):
         ours = engine_decode_seconds(model, prompt, batch, args.new_tokens, args.repeats, args.device)
         theirs = hf_decode_seconds(ref, prompt, batch, args.new_tokens, args.repeats, args.device)
+        floor = matmul_floor_seconds(model, batch, args.repeats, args.device)
         tokens = batch * args.new_tokens
         bound_bw = batch * bw * 1e9 / (n_params * 4)
         bound_fl = flops * 1e9 / (2 * n_params)
-        print(f"  {batch:5d} | {tokens / ours:12.1f} | {tokens / theirs:18.1f} | {theirs / ours:5.2f} | "
-              f"{min(bound_bw, bound_fl):.0f} ({bound_bw:.0f}, {bound_fl:.0f})")
+        print(f"  {batch:5d} | {tokens / ours:12.1f} | {batch * (args.new_tokens - 1) / theirs:18.1f} | "
+              f"{theirs / (args.new_tokens - 1) / (ours / args.new_tokens):5.2f} | {batch / floor:18.1f} | "
+              f"{bound_bw:15.0f} | {bound_fl:10.0f}")
 
 
 @torch.inference_mode()

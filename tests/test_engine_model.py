@@ -87,3 +87,18 @@ def test_missing_path_is_refused(tmp_path) -> None:
         load_model(tmp_path)
     with pytest.raises(ModelLoadError):
         load_model(tmp_path / "nope" / "x.gguf")
+
+
+def test_random_checkpoint_with_a_larger_vocabulary_than_its_tokenizer(tmp_path) -> None:
+    """Qwen2.5 pads its embedding past the tokenizer; the writer and both loaders agree on that too."""
+    from kvrescue_cli.engine.random_checkpoints import write_random_checkpoint
+
+    folder = write_random_checkpoint(tmp_path, "qwen2", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                     intermediate_size=64, vocab_size=1000)
+    ours = load_model(folder)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert ours.logits(ids).shape == (1, 4, 1000) and len(ours.tokenizer) < 1000
+    assert (ours.logits(ids) - expected).abs().max() < TOL
