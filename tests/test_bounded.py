@@ -232,3 +232,10 @@ def test_bad_settings_are_refused(net):
         BoundedCache.for_model(net, budget=8)
     with pytest.raises(ValueError):
         BoundedCache.for_model(net, budget=64, policy="h2o")
+
+
+def test_a_cache_made_in_inference_mode_forks_outside_it(net):
+    with torch.inference_mode():
+        cache = BoundedCache.for_model(net, budget=16, rows=1)
+    Driver(net, cache).append([cache.create()], [prompt(10)])
+    assert len(cache.fork(0, 3)) == 3 and cache.length(3) == 10

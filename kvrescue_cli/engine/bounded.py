@@ -52,6 +52,7 @@ class BoundedCache(KVCache):
     with an evicting policy only an append longer than `max_append` reallocates.
     """
 
+    @torch.inference_mode(False)  # the pools are written outside inference mode too (forks)
     def __init__(
         self,
         n_layers: int,
@@ -148,7 +149,7 @@ class BoundedCache(KVCache):
         self.next_id += 1
         return self.next_id - 1
 
-    @torch.inference_mode(False)  # growing inside a forward must not turn the pools into inference tensors
+    @torch.inference_mode(False)  # likewise when growing inside a forward
     def _grow(self, rows: int | None = None, capacity: int | None = None) -> None:
         """Reallocate the pools with more slots and/or more capacity per slot, keeping the content."""
         n_layers, old_rows, h_kv, old_cap, d = self.k.shape
