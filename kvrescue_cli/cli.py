@@ -139,6 +139,15 @@ def _synthetic(value: str | None) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
+def _shard(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    parts = value.split("/")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or not int(parts[0]) < int(parts[1]):
+        raise InputError(f"--shard {value!r}: expected i/k with 0 <= i < k, e.g. 0/4")
+    return int(parts[0]), int(parts[1])
+
+
 @app.command()
 @one_line_errors
 def run(
@@ -162,8 +171,14 @@ def run(
     max_step_tokens: int = typer.Option(512, min=1),
     max_steps: int = typer.Option(1024, min=1),
     context_cap: int = typer.Option(4096, min=16),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto"),
+    devices: str = typer.Option("auto", "--devices", "--device",
+                                help="auto (every visible GPU, else the CPU), cpu, cuda:N, or a comma list: one "
+                                "worker process per device (cpu,cpu: two CPU workers)"),
+    shard: Optional[str] = typer.Option(None, help="i/k: decode every k-th problem from the i-th (multi-node runs; "
+                                        "kvrescue report merges the shards)"),
     dtype: Optional[str] = typer.Option(None, help="float32, float16 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)"),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
+                                     help="on a GPU, run the evicted base's decode step as CUDA graphs"),
     batch: Optional[int] = typer.Option(None, min=1, help="problems in flight (default: 4 on CPU, 64 on GPU)"),
     overwrite: bool = typer.Option(False, help="replace a run folder holding a different configuration"),
     data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl (else $KVRESCUE_DATA_DIR, else the Hub)"),
@@ -179,6 +194,7 @@ def run(
     from kvrescue_cli.engine.sampling import SamplingParams
     from kvrescue_cli.runs import GridOptions, run_grid
     from kvrescue_cli.search import SearchSettings
+    from kvrescue_cli.workers import WorkersGone, resolve_devices
 
     models = dict(DEFAULT_MODELS)
     if preset == "cpu-demo":
@@ -189,15 +205,12 @@ def run(
         except RuntimeError as err:
             raise InputError(f"--preset cpu-demo: {err}") from None
         models = {"base": demo, "helper": demo, "prm": "helper-loglik"}
-        device = "cpu" if device == "auto" else device
+        devices = "cpu" if devices == "auto" else devices
     elif preset is not None:
         raise InputError(f"unknown preset '{preset}': the only preset is cpu-demo")
     models.update({k: v for k, v in {"base": base, "helper": helper, "prm": prm}.items() if v})
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    on_gpu = device.startswith("cuda")
+    device_list = resolve_devices(devices)
+    on_gpu = device_list[0].startswith("cuda")
     settings = SearchSettings(
         sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
         detector=DetectorConfig(tau_ent=tau_ent, tau_cmp=tau_cmp),
@@ -211,7 +224,7 @@ def run(
         seeds=_comma_list(seed, int, "--seed"), evictor=evictor, models=models,
         scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
-        overwrite=overwrite, device=device, dtype=dtype or ("bfloat16" if on_gpu else "float32"),
+        overwrite=overwrite, devices=device_list, shard=_shard(shard), cuda_graphs=cuda_graphs, dtype=dtype or ("bfloat16" if on_gpu else "float32"),
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())
@@ -221,6 +234,9 @@ def run(
     except KeyboardInterrupt:
         console.print("[yellow]interrupted:[/] finished problems are written; run the same command again to resume")
         raise typer.Exit(130) from None
+    except WorkersGone as err:
+        console.print(f"[bold red]stopped:[/] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     console.print(summary_table(results))
 
 

@@ -57,6 +57,7 @@ class Run:
     traces: list[Trace]
     summary: Summary
     in_progress: str | None  # why it is not finished, or None
+    shard: tuple[int, int] | None = None  # (i, k) of a `--shard i/k` run, or None
 
     @property
     def base(self) -> str | None:
@@ -155,7 +156,43 @@ def load_run(path: Path) -> tuple[Run | None, list[Problem]]:
             in_progress = f"summary.json is stale ({written} problems, traces hold {summary.problems})"
     if in_progress:
         notes.append(Problem(str(path), f"in progress: {in_progress}"))
-    return Run(path, config, traces, summary, in_progress), notes
+    shard = stored.get("run", {}).get("shard")
+    return Run(path, config, traces, summary, in_progress, tuple(shard) if shard else None), notes
+
+
+def merge_shards(runs: list[Run]) -> tuple[list[Run], list[Problem]]:
+    """Shards of one configuration (same identity, `--shard i/k` with the same k) become one run.
+
+    The merged run holds the union of the shards' traces (an idx recorded twice counts once), its total
+    is the sum of the shards' totals, and it is in progress while a shard is missing or unfinished.
+    A second folder of the same shard is left as it is (the duplicate check reports it).
+    """
+    merged: list[Run] = []
+    notes: list[Problem] = []
+    groups: dict[tuple[str, int], dict[tuple[int, int], Run]] = {}
+    for run in runs:
+        if run.shard is None or run.shard in groups.setdefault((run.config.digest(), run.shard[1]), {}):
+            merged.append(run)
+        else:
+            groups[(run.config.digest(), run.shard[1])][run.shard] = run
+    for (_, k), shards in groups.items():
+        parts = [shards[key] for key in sorted(shards)]
+        if len(parts) == 1 and k == 1:
+            merged.append(parts[0])
+            continue
+        traces = list({t.idx: t for part in reversed(parts) for t in part.traces}.values())
+        totals = [part.summary.total for part in parts]
+        total = None if None in totals else sum(totals)
+        summary = summarize(traces, parts[0].config, total)
+        missing = sorted(set(range(k)) - {i for i, _ in shards})
+        waiting = [f"shard {part.shard[0]}/{k}: {part.in_progress}" for part in parts if part.in_progress]
+        if missing:
+            waiting.insert(0, f"shards {', '.join(f'{i}/{k}' for i in missing)} missing")
+        run = Run(parts[0].path, parts[0].config, traces, summary, "; ".join(waiting) or None, None)
+        merged.append(run)
+        notes.append(Problem(str(run.path), f"merged {len(parts)} of {k} shards: " +
+                             ", ".join(f"{part.shard[0]}/{k} {part.path}" for part in parts)))
+    return merged, notes
 
 
 def load_runs(paths: Iterable[Path | str]) -> tuple[list[Run], list[Problem]]:
@@ -167,6 +204,8 @@ def load_runs(paths: Iterable[Path | str]) -> tuple[list[Run], list[Problem]]:
         problems += notes
         if run is not None:
             runs.append(run)
+    runs, notes = merge_shards(runs)
+    problems += notes
     seen: dict[tuple[Any, ...], Run] = {}
     unique: list[Run] = []
     for run in runs:

@@ -6,11 +6,13 @@ import itertools
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
 from rich.progress import Progress
 
 from grader import grade
-from kvrescue_cli.data import GENERIC, ProblemSet, data_dir, load_problems
+from kvrescue_cli import workers
+from kvrescue_cli.data import GENERIC, Problem, ProblemSet, data_dir, load_problems
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
@@ -57,8 +59,10 @@ class GridOptions:
     problem_field: str | None = None
     answer_field: str | None = None
     overwrite: bool = False
-    device: str = "cpu"
+    devices: tuple[str, ...] = ("cpu",)  # one device decodes in this process; more, one worker process each
     dtype: str = "float32"
+    shard: tuple[int, int] | None = None  # (i, k): every k-th problem from the i-th
+    cuda_graphs: bool = True  # the evicted base's decode step as CUDA graphs (on a GPU)
 
     def check(self) -> None:
         """One-line errors for options that can't run."""
@@ -75,6 +79,8 @@ class GridOptions:
         for n in self.ns:
             if n < 1:
                 raise InputError(f"--n {n}: need at least one candidate per model")
+        if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
+            raise InputError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 <= i < k")
 
     def cells(self, problem_sets: list[ProblemSet]) -> list[Cell]:
         """The grid; methods without an evicted cache run once whatever the budget list."""
@@ -156,15 +162,15 @@ def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool
 
 
 
-def load_roles(options: GridOptions) -> dict[str, LoadedModel]:
-    """Every model the grid needs, loaded once; base and helper must share a tokenizer."""
+def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
+    """Every model the grid needs, loaded once on `device`; base and helper must share a tokenizer."""
     loaded: dict[str, LoadedModel] = {}
     by_name: dict[str, LoadedModel] = {}
     for role in sorted(roles_needed(options.methods, options.scorer)):
         name = options.models[role]
         try:
             if name not in by_name:
-                by_name[name] = load_model(name, options.dtype, options.device)
+                by_name[name] = load_model(name, options.dtype, device)
         except ModelLoadError as err:
             raise InputError(f"{role} model: {err}; on a CPU without the Hub try --preset cpu-demo, "
                              "or give local folders with --base/--helper/--prm") from None
@@ -207,46 +213,64 @@ def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel]) ->
     return HelperLoglik(Runner(helper, cache))
 
 
-def run_cell(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], progress: Progress) -> Summary:
-    """Decode the cell's missing problems into its run folder and return its summary."""
+def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], problems: Iterable[Problem],
+           emit: Callable[[Trace, int], None]) -> None:
+    """Decode `problems` of one cell, pulled lazily (so they may come from a shared queue), and `emit`
+    each one's trace with the tokens it generated: skipped ones when pulled, decoded ones as they finish."""
+    policy = models["base" if METHODS[cell.method].base else "helper"]
+    cap = options.settings.context_cap
+    by_idx: dict[int, Problem] = {}
+
+    def work() -> Iterator[tuple[int, str, list[int]]]:
+        for problem in problems:
+            prompt = policy.tokenizer.encode(generation_prompt(policy.tokenizer, problem.problem),
+                                             add_special_tokens=False)
+            if len(prompt) >= cap:
+                gt_norm = grade("", problem.gt, cell.problems.grading_bench).gt
+                emit(Trace.skipped(problem.idx, problem.problem, problem.gt, gt_norm,
+                                   f"prompt has {len(prompt)} tokens, context cap is {cap}"), 0)
+            else:
+                by_idx[problem.idx] = problem
+                yield problem.idx, problem.problem, prompt
+
+    def record(finished: Finished) -> None:
+        problem = by_idx.pop(finished.state.idx)
+        verdict = grade(finished.output, problem.gt, cell.problems.grading_bench)
+        emit(trace_of(finished, problem, verdict.gt, verdict.pred, verdict.correct, verdict.timed_out),
+             sum(finished.state.generated.values()))
+
+    settings = replace(options.settings, method=cell.method, n=cell.n, seed=cell.seed)
+    controller = Controller(settings, _runners(options, cell, models), _scorer(options, cell, models),
+                            set(policy.eos_ids))
+    controller.run(work(), record)
+
+
+def run_cell(options: GridOptions, cell: Cell, models: dict[str, LoadedModel] | workers.WorkerPool,
+             progress: Progress) -> Summary:
+    """Decode the cell's missing problems into its run folder and return its summary: in this process
+    with loaded `models`, or on the worker processes of a `WorkerPool`."""
     config = cell_config(options, cell)
     problems = cell.problems.problems
-    with RunFolder.open(run_dir(options.out, config), config, total=len(problems), devices=[options.device],
-                        overwrite=options.overwrite) as folder:
+    with RunFolder.open(run_dir(options.out, config), config, total=len(problems), devices=list(options.devices),
+                        overwrite=options.overwrite, shard=options.shard) as folder:
         pending = [p for p in problems if p.idx not in folder.done]
         task = progress.add_task(_cell_label(config), total=len(problems), completed=len(problems) - len(pending),
                                  accuracy="", speed="")
-        policy = models["base" if METHODS[cell.method].base else "helper"]
-        by_idx = {p.idx: p for p in pending}
-        work = []
-        for problem in pending:
-            prompt = policy.tokenizer.encode(generation_prompt(policy.tokenizer, problem.problem),
-                                             add_special_tokens=False)
-            if len(prompt) >= options.settings.context_cap:
-                gt_norm = grade("", problem.gt, cell.problems.grading_bench).gt
-                folder.append(Trace.skipped(problem.idx, problem.problem, problem.gt, gt_norm,
-                                            f"prompt has {len(prompt)} tokens, context cap is {options.settings.context_cap}"))
-                progress.advance(task)
-            else:
-                work.append((problem.idx, problem.problem, prompt))
-        settings = replace(options.settings, method=cell.method, n=cell.n, seed=cell.seed)
-        controller = Controller(settings, _runners(options, cell, models), _scorer(options, cell, models),
-                                set(policy.eos_ids))
         started, generated = time.time(), 0
 
-        def record(finished: Finished) -> None:
+        def record(trace: Trace, tokens: int) -> None:
             nonlocal generated
-            problem = by_idx[finished.state.idx]
-            verdict = grade(finished.output, problem.gt, cell.problems.grading_bench)
-            folder.append(trace_of(finished, problem, verdict.gt, verdict.pred, verdict.correct, verdict.timed_out))
-            generated += sum(finished.state.generated.values())
-            done = [t for t in folder.traces]
-            accuracy = sum(t.correct for t in done) / len(done)
+            folder.append(trace)
+            generated += tokens
+            accuracy = sum(t.correct for t in folder.traces) / len(folder.traces)
             progress.update(task, advance=1, accuracy=f"acc {100 * accuracy:.1f}%",
                             speed=f"{generated / max(time.time() - started, 1e-9):.1f} tok/s")
 
         try:
-            controller.run(work, record)
+            if isinstance(models, workers.WorkerPool):
+                models.decode(cell, pending, record)
+            elif pending:
+                decode(options, cell, models, pending, record)
         finally:
             summary = folder.write_summary()
     return summary
@@ -263,5 +287,16 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
     folder = data_dir(options.data_dir)
     sets = [load_problems(b, folder=folder, problem_field=options.problem_field, answer_field=options.answer_field,
                           limit=options.limit) for b in options.benches]
-    models = load_roles(options)
-    return [(cell_config(options, cell), run_cell(options, cell, models, progress)) for cell in options.cells(sets)]
+    if options.shard is not None:
+        i, k = options.shard
+        sets = [replace(problems, problems=problems.problems[i::k]) for problems in sets]
+    cells = options.cells(sets)
+    if len(options.devices) == 1:
+        models = load_roles(options, options.devices[0])
+        return [(cell_config(options, cell), run_cell(options, cell, models, progress)) for cell in cells]
+
+    def say(message: str) -> None:
+        progress.console.print(message, markup=False, highlight=False)
+
+    with workers.WorkerPool(options, say) as pool:
+        return [(cell_config(options, cell), run_cell(options, cell, pool, progress)) for cell in cells]

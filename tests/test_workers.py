@@ -1,0 +1,176 @@
+"""Worker processes over devices (`--devices cpu,cpu`), crash safety, Ctrl-C, and `--shard` merged by the report."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kvrescue_cli.data import Problem
+from kvrescue_cli.errors import InputError
+from kvrescue_cli.workers import WorkQueue, resolve_devices
+
+KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
+SMALL = ["--method", "kvrescue", "--n", "2", "--max-step-tokens", "12", "--max-steps", "5", "--context-cap", "320",
+         "--budget", "16", "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--batch", "2"]
+
+
+def problem(idx: int) -> Problem:
+    return Problem(idx, f"p{idx}", "1", {})
+
+
+def test_queue_hands_out_in_order_and_requeues_a_dead_workers_problems():
+    queue = WorkQueue(deque(problem(i) for i in range(4)))
+    assert [queue.take(0).idx, queue.take(1).idx, queue.take(0).idx] == [0, 1, 2]
+    queue.done(0, 0)
+    assert queue.lost(0, "killed by SIGKILL") == []
+    assert [p.idx for p in queue.pending] == [2, 3] and queue.strikes[2] == 1
+    # 2 was in flight when a worker died: it now goes alone to a worker holding nothing
+    assert queue.take(1).idx == 3  # worker 1 still holds 1, so it gets no suspect
+    assert queue.take(1) is None
+    assert queue.take(2).idx == 2 and queue.take(2) is None  # alone, and nothing joins it
+    assert queue.lost(2, "CUDA error") == [problem(2)]  # its second death: failed
+    assert queue.errors[2] == ["killed by SIGKILL", "CUDA error"]
+    queue.done(1, 1)
+    queue.done(1, 3)
+    assert queue.empty
+
+
+def test_devices_resolve_here():
+    assert resolve_devices("auto") == ("cpu",)  # no GPU in CI
+    assert resolve_devices("cpu,cpu") == ("cpu", "cpu")
+    for bad in ("tpu", "cuda:7", ""):
+        with pytest.raises(InputError):
+            resolve_devices(bad)
+
+
+@pytest.fixture(scope="module")
+def problems(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
+    rows = [{"question": f"What is {a} + {b}? Let x be the answer.", "answer": str(a + b)} for a, b in
+            [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(qwen2_dir, llama_dir, prm_dir) -> list[str]:
+    return ["--base", str(qwen2_dir), "--helper", str(llama_dir), "--prm", str(prm_dir)]
+
+
+def command(problems: Path, models: list[str], out: Path, *args: str) -> list[str]:
+    return [KVRESCUE, "run", "--bench", str(problems), *models, *SMALL, "--out", str(out), *args]
+
+
+def traces_of(out: Path) -> list[dict]:
+    (path,) = out.glob("tiny/kvrescue-*/traces.jsonl")
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def comparable(traces: list[dict]) -> list[dict]:
+    """Traces by idx without timings; scores rounded (the PRM batch composition moves the last float bits)."""
+    def strip(trace: dict) -> dict:
+        trace = {k: v for k, v in trace.items() if k != "timings"}
+        trace["steps"] = [{**s, "score": round(s["score"], 5)} for s in trace["steps"]]
+        trace["candidates"] = [[{**c, "score": None if c["score"] is None else round(c["score"], 5)} for c in cands]
+                               for cands in trace["candidates"]]
+        return trace
+    return sorted(map(strip, traces), key=lambda t: t["idx"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, problems, models) -> list[dict]:
+    """The run in this process on one device."""
+    out = tmp_path_factory.mktemp("one")
+    done = subprocess.run(command(problems, models, out, "--devices", "cpu"), capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return traces_of(out)
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The spawned worker processes among `parent`'s children (not its resource tracker)."""
+    children = []
+    for task in Path(f"/proc/{parent}/task").iterdir():
+        children += [int(pid) for pid in (task / "children").read_text().split()]
+    found = []
+    for pid in children:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline:
+            found.append(pid)
+    return found
+
+
+def wait_for_traces(out: Path, process: subprocess.Popen, lines: int) -> bytes:
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        found = list(out.glob("tiny/*/traces.jsonl"))
+        if found and found[0].read_bytes().count(b"\n") >= lines:
+            return found[0].read_bytes()
+        time.sleep(0.05)
+    raise AssertionError("the run wrote no trace before the deadline")
+
+
+def test_a_killed_worker_costs_nothing_and_two_workers_give_the_one_worker_traces(problems, models, reference, tmp_path):
+    process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    written = wait_for_traces(tmp_path, process, 1)
+    victims = worker_pids(process.pid)
+    assert len(victims) == 2
+    os.kill(victims[0], signal.SIGKILL)
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err.decode()[-3000:]
+    err = err.decode()
+    assert f"pid {victims[0]}) died (killed by SIGKILL)" in err and "last problem given:" in err, err[-3000:]
+    traces = traces_of(tmp_path)
+    (path,) = tmp_path.glob("tiny/kvrescue-*/traces.jsonl")
+    assert path.read_bytes().startswith(written[: written.rfind(b"\n") + 1])  # nothing written before is lost
+    assert sorted(t["idx"] for t in traces) == list(range(4))  # every problem exactly once
+    assert comparable(traces) == comparable(reference)
+    assert orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/summary.json")).read_bytes())["complete"]
+
+
+def test_ctrl_c_stops_every_worker_and_the_run_resumes(problems, models, reference, tmp_path):
+    process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    wait_for_traces(tmp_path, process, 1)
+    workers = worker_pids(process.pid)
+    os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err.decode()[-3000:]
+    assert b"run the same command again to resume" in err
+    for pid in workers:
+        assert not Path(f"/proc/{pid}").exists() or b"State:\tZ" in Path(f"/proc/{pid}/status").read_bytes()
+    done = subprocess.run(command(problems, models, tmp_path, "--devices", "cpu"), capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert comparable(traces_of(tmp_path)) == comparable(reference)
+
+
+def test_shards_split_the_problems_and_the_report_merges_them(problems, models, reference, tmp_path):
+    for i in range(2):
+        done = subprocess.run(command(problems, models, tmp_path / f"node{i}", "--devices", "cpu", "--shard", f"{i}/2"),
+                              capture_output=True, timeout=600)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        assert sorted(t["idx"] for t in traces_of(tmp_path / f"node{i}")) == list(range(i, 4, 2))
+    (a,), (b,) = [list((tmp_path / f"node{i}" / "tiny").iterdir()) for i in range(2)]
+    assert a.name == b.name  # the shard is not part of the run's identity
+    report = subprocess.run([KVRESCUE, "report", str(tmp_path / "node0"), str(tmp_path / "node1"), "--format", "json"],
+                            capture_output=True, timeout=300)
+    assert report.returncode == 0, report.stderr.decode()[-3000:]
+    data = orjson.loads(report.stdout)
+    (runs,) = [t for t in data["tables"] if t["name"] == "runs"]
+    (row,) = runs["rows"]
+    assert row[runs["columns"].index("problems")] == "4/4" and row[-1] == "done"
+    assert any("merged 2 of 2 shards" in p["message"] for p in data["problems"])
+    merged = comparable(traces_of(tmp_path / "node0") + traces_of(tmp_path / "node1"))
+    assert merged == comparable(reference)
+    partial = subprocess.run([KVRESCUE, "report", str(tmp_path / "node0"), "--format", "json"], capture_output=True,
+                             timeout=300)
+    assert b"shards 1/2 missing" in partial.stdout
