@@ -18,7 +18,7 @@ import torch
 from kvrescue_cli.detect import Detector, DetectorConfig
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.sampling import SamplingParams, sample
-from kvrescue_cli.engine.steps import StepText
+from kvrescue_cli.engine.steps import CandidateStep, StepLimits
 from kvrescue_cli.engine.scoring import Scorer
 from kvrescue_cli.prompts import STEP_DELIMITER
 
@@ -68,23 +68,28 @@ class SearchSettings:
 
 @dataclass
 class CandidateState:
-    """One candidate being decoded: its cache row, tokens, text and why it stopped."""
+    """One candidate of a problem's open step: its source, stream index, cache row, logits and score."""
 
     source: str
     index: int
     row: int
     logits: torch.Tensor
     detector: Detector | None
-    detok: StepText
-    entropies: list[float] = field(default_factory=list)
-    text: str = ""  # tokenizer.decode(tokens), set when the candidate finishes
-    finish: str | None = None
+    step: CandidateStep
     score: float | None = None
     committed: bool = False
 
     @property
     def tokens(self) -> list[int]:
-        return self.detok.tokens
+        return self.step.tokens
+
+    @property
+    def text(self) -> str:
+        return self.step.text
+
+    @property
+    def finish(self) -> str | None:
+        return self.step.finish
 
 
 @dataclass
@@ -128,9 +133,11 @@ class Controller:
         self.settings = settings
         self.runners = runners
         self.scorer = scorer
-        self.eos = eos
         self.tokenizer = next(iter(runners.values())).tokenizer
         self.vocab = len(self.tokenizer)
+        synthetic = settings.synthetic_steps
+        self.limits = StepLimits(frozenset(eos), settings.max_step_tokens, settings.context_cap, STEP_DELIMITER,
+                                 fixed_length=synthetic[0] if synthetic else None)
 
     def run(self, problems: Iterable[tuple[int, str, list[int]]], on_finished: Callable[[Finished], None]) -> None:
         """Decode every (idx, problem text, prompt tokens); call `on_finished` as each completes.
@@ -188,9 +195,8 @@ class Controller:
         for source in sources:
             for row in self.runners[source].cache.fork(problem.rows[source], n):
                 detector = Detector(self.settings.detector) if spec.detector and source == "base" else None
-                problem.candidates.append(
-                    CandidateState(source, index, row, problem.logits[source], detector, StepText(self.tokenizer))
-                )
+                step = CandidateStep(self.tokenizer, problem.context, self.limits, detector.update if detector else None)
+                problem.candidates.append(CandidateState(source, index, row, problem.logits[source], detector, step))
                 index += 1
 
     def _decode_one_token(self, active: list[ProblemState]) -> None:
@@ -205,34 +211,13 @@ class Controller:
             tokens, entropies = sample(logits, keys, counters, self.settings.sampling)
             feed = []
             for (problem, cand), token, entropy in zip(live, tokens.tolist(), entropies.tolist()):
-                self._push(problem, cand, token, entropy)
-                if not cand.finish:
+                problem.generated[source] += 1
+                if cand.step.push(token, entropy) is None:
                     feed.append(cand)
             if feed:
                 logits = runner.step([c.row for c in feed], [c.tokens[-1] for c in feed])
                 for cand, row_logits in zip(feed, logits):
                     cand.logits = row_logits
-
-    def _push(self, problem: ProblemState, cand: CandidateState, token: int, entropy: float) -> None:
-        """Append a sampled token to a candidate and decide whether the candidate stops here."""
-        tail = cand.detok.text[1 - len(STEP_DELIMITER):]
-        piece = cand.detok.push(token)
-        cand.entropies.append(entropy)
-        problem.generated[cand.source] += 1
-        synthetic = self.settings.synthetic_steps
-        if synthetic is not None:
-            cand.finish = "step" if len(cand.tokens) >= synthetic[0] else None
-        elif token in self.eos:
-            cand.finish = "eos"
-        elif STEP_DELIMITER in tail + piece:
-            cand.finish = "step"
-        if cand.finish is None and cand.detector is not None:
-            cand.finish = cand.detector.update(piece, entropy)
-        if cand.finish is None and (len(cand.tokens) >= self.settings.max_step_tokens
-                                    or problem.context + len(cand.tokens) >= self.settings.context_cap):
-            cand.finish = "length"
-        if cand.finish:
-            cand.text = self.tokenizer.decode(cand.tokens)
 
     # -- scoring and commit -------------------------------------------------------------------------
     def _score(self, ready: list[ProblemState]) -> None:

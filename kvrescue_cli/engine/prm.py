@@ -15,8 +15,8 @@ import torch
 
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import LoadedModel
+from kvrescue_cli.prompts import STEP_DELIMITER, SYSTEM_PROMPT, chatml
 
-SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 STEP_TAG = "<extra_0>"
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
 Request = tuple[int, str, list[int]]  # (problem key, candidate text, candidate tokens in the policy's tokenizer)
@@ -26,7 +26,7 @@ def prm_step_text(text: str) -> str:
     """A generated step as the PRM sees it: cut at an end-of-text marker, without the `\\n\\n` delimiter."""
     for marker in END_MARKERS:
         text = text.split(marker)[0]
-    return text.split("\n\n")[0]
+    return text.split(STEP_DELIMITER)[0]
 
 
 def _prompt_text(tokenizer, problem: str, system: str) -> str:
@@ -37,7 +37,7 @@ def _prompt_text(tokenizer, problem: str, system: str) -> str:
     if getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     else:
-        rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        rendered = chatml(messages, open_assistant=False)
     return rendered[: rendered.index(hole)]
 
 

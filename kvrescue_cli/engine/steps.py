@@ -6,15 +6,16 @@ except the last one, whose logits nobody needs unless the row is committed; `app
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.sampling import SamplingParams, sample
+from kvrescue_cli.prompts import STEP_DELIMITER
 
-STEP_DELIMITER = "\n\n"
 MAX_STEP_TOKENS = 512
 MAX_CONTEXT = 4096
 
@@ -48,14 +49,62 @@ class StepText:
         return piece
 
 
-@dataclass
-class StepResult:
-    """One candidate step: its tokens, text (= decode(tokens)), finish reason and per-token entropies."""
+@dataclass(frozen=True)
+class StepLimits:
+    """When a step ends, besides the callback: EOS, the delimiter, the per-step cap and the context cap.
 
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    finish: str = ""
-    entropies: list[float] = field(default_factory=list)
+    `fixed_length` (synthetic throughput runs) ends every step after that many tokens and ignores EOS
+    and the delimiter.
+    """
+
+    eos: frozenset[int]
+    max_step_tokens: int = MAX_STEP_TOKENS
+    max_context: int = MAX_CONTEXT
+    delimiter: str = STEP_DELIMITER
+    fixed_length: int | None = None
+
+
+class CandidateStep:
+    """One row's step as it is decoded: tokens, text (= decode(tokens) once finished), entropies, finish reason.
+
+    `callback(token_text, entropy)` may end the step early by returning a reason (the detector does).
+    """
+
+    def __init__(self, tokenizer, context: int, limits: StepLimits,
+                 callback: Callable[[str, float], str | None] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.context = context  # tokens before the step: prompt + committed steps
+        self.limits = limits
+        self.callback = callback
+        self.detok = StepText(tokenizer)
+        self.entropies: list[float] = []
+        self.text = ""
+        self.finish: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.detok.tokens
+
+    def push(self, token: int, entropy: float) -> str | None:
+        """Add a sampled token; return the finish reason if the step ends with it."""
+        limits = self.limits
+        tail = self.detok.text[1 - len(limits.delimiter):] if len(limits.delimiter) > 1 else ""
+        piece = self.detok.push(token)
+        self.entropies.append(entropy)
+        n = len(self.tokens)
+        if limits.fixed_length is not None:
+            self.finish = "step" if n >= limits.fixed_length else None
+        elif token in limits.eos:
+            self.finish = "eos"
+        elif limits.delimiter in tail + piece:
+            self.finish = "step"
+        if self.finish is None and self.callback is not None:
+            self.finish = self.callback(piece, entropy)
+        if self.finish is None and (n >= limits.max_step_tokens or self.context + n >= limits.max_context):
+            self.finish = "length"
+        if self.finish is not None:
+            self.text = self.tokenizer.decode(self.tokens)
+        return self.finish
 
 
 @torch.inference_mode()
@@ -83,7 +132,7 @@ def generate_steps(
     max_step_tokens: int = MAX_STEP_TOKENS,
     max_context: int = MAX_CONTEXT,
     delimiter: str = STEP_DELIMITER,
-) -> list[StepResult]:
+) -> list[CandidateStep]:
     """Decode one step for every row at once; rows finish independently and leave the batch.
 
     logits [R, V]: each row's next-token logits (from `append_tokens`, or the parent's for forks).
@@ -92,35 +141,17 @@ def generate_steps(
     callback (row index, token text, entropy) returned, or `length` (max_step_tokens, or its context
     reaching max_context tokens). Each row's cache then holds its step minus the last token.
     """
-    results = [StepResult() for _ in rows]
-    texts = [StepText(model.tokenizer) for _ in rows]
-    start = [cache.length(r) for r in rows]
-    eos = set(model.eos_ids)
+    limits = StepLimits(frozenset(model.eos_ids), max_step_tokens, max_context, delimiter)
+    steps = [
+        CandidateStep(model.tokenizer, cache.length(r), limits, partial(callback, i) if callback else None)
+        for i, r in enumerate(rows)
+    ]
     live = list(range(len(rows)))
     current = logits
     while live:
-        tokens, ents = sample(current, [keys[i] for i in live], [len(results[i].tokens) for i in live], params)
-        feed = []
-        for i, token, h in zip(live, tokens.tolist(), ents.tolist()):
-            res, text = results[i], texts[i]
-            tail = text.text[-(len(delimiter) - 1) :] if len(delimiter) > 1 else ""
-            piece = text.push(token)
-            res.tokens.append(token)
-            res.entropies.append(h)
-            if token in eos:
-                res.finish = "eos"
-            elif delimiter in tail + piece:
-                res.finish = "step"
-            elif callback is not None and (reason := callback(i, piece, h)):
-                res.finish = reason
-            elif len(res.tokens) >= max_step_tokens or start[i] + len(res.tokens) >= max_context:
-                res.finish = "length"
-            else:
-                feed.append(i)
-        if feed:
-            fed = torch.tensor([results[i].tokens[-1] for i in feed], device=model.device)
-            current = model.net.decode(fed, cache, [rows[i] for i in feed]).float()
-        live = feed
-    for res in results:
-        res.text = model.tokenizer.decode(res.tokens)
-    return results
+        tokens, ents = sample(current, [keys[i] for i in live], [len(steps[i].tokens) for i in live], params)
+        live = [i for i, token, h in zip(live, tokens.tolist(), ents.tolist()) if steps[i].push(token, h) is None]
+        if live:
+            fed = torch.tensor([steps[i].tokens[-1] for i in live], device=model.device)
+            current = model.net.decode(fed, cache, [rows[i] for i in live]).float()
+    return steps
