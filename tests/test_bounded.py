@@ -69,7 +69,7 @@ def scenario(net, cache, *, decode: int = 30, step: int = 15) -> tuple[list[list
 
 def test_without_compression_decoding_equals_full_cache(net):
     full_toks, full_logits = scenario(net, FullCache.for_model(net, 4096))
-    for policy in ("rkv", "snapkv", "streaming", "none"):
+    for policy in ("rkv", "none"):  # the policies differ only once a row compresses
         cache = BoundedCache.for_model(net, budget=64, policy=policy)  # B' = 192 > every sequence here
         toks, logits = scenario(net, cache)
         assert toks == full_toks
