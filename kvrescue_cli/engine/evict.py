@@ -16,16 +16,12 @@ Equal scores are broken toward the earlier position.
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 WINDOW = 8  # observation window alpha: the last 8 positions, always kept
-
-# A scoring policy: (keys, queries) -> scores over the past positions [..., H_kv, L - WINDOW].
-Scorer = Callable[[Tensor, Tensor], Tensor]
 
 
 def importance(keys: Tensor, queries: Tensor, *, kernel: int = 7) -> Tensor:
@@ -47,10 +43,10 @@ def redundancy(keys: Tensor, *, threshold: float = 0.5) -> Tensor:
     """R-KV redundancy of every cached position, fp32, [..., H_kv, L] (softmax over all L).
 
     S = cosine similarity of the keys with a zero diagonal. In each row i the entry of the most
-    recent j with S[i, j] > threshold is zeroed (that copy is exempt: the newest near-duplicate of
-    a key is not counted against it). When no j qualifies, j* = 0 as in the reference code, so
-    S[i, 0] is zeroed instead: the first position's similarity to such rows is not counted, which
-    makes position 0 (usually the BOS/attention sink) look slightly less redundant.
+    recent j with S[i, j] > threshold is zeroed, so key i counts against every near-duplicate but
+    its newest one, which is thereby spared. When no j qualifies, j* = 0 as in the reference code:
+    S[i, 0] is zeroed instead, so position 0 (usually BOS, the attention sink) collects no
+    similarity from keys without near-duplicates and looks slightly less redundant.
     r_j = mean over rows i of S[i, j], then softmax over j (over all L positions, as in the
     reference; the caller drops the window positions afterwards).
     """
