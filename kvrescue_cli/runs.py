@@ -194,7 +194,7 @@ def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel]) -
         cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, max_append=s.max_step_tokens,
                                         rows=s.batch * (cell.n + 1))
                  if spec.evicted else FullCache.for_model(base.net, s.batch * per_problem, max_rows=s.batch * (2 * cell.n + 2)))
-        runners["base"] = Runner(base, cache)
+        runners["base"] = Runner(base, cache, cuda_graphs=options.cuda_graphs)
     if spec.helper:
         helper = models["helper"]
         cache = FullCache.for_model(helper.net, s.batch * per_problem, max_rows=s.batch * (2 * cell.n + 2))

@@ -19,6 +19,7 @@ from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.evict import POLICIES, WINDOW, gather_positions, keep_positions
 
 SLACK = 128  # w: entries appended past the budget before a compression
+COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched compression (all layers, some rows)
 
 
 @dataclass
@@ -145,6 +146,37 @@ class BoundedCache(KVCache):
     def length(self, row: int) -> int:
         return self.rows[row].logical
 
+    def slot(self, row: int) -> int:
+        """The pool slot holding the row's entries."""
+        return self.rows[row].slot
+
+    def reserve_slot(self) -> int:
+        """A slot no row will ever use (static decode steps write their padding rows there)."""
+        if not self.free_slots:
+            self._grow(rows=2 * self.k.shape[1])
+        return self.free_slots.pop(0)
+
+    def decode_span(self, rows: Sequence[int], step: int) -> int:
+        """The fixed attention span of a one-token step over `rows`, the pools grown to hold it: B' for an
+        evicting policy (a row holds at most B' - 1 entries before a step), else the longest row + 1
+        rounded up to a multiple of `step`."""
+        if self.policy != "none":
+            return self.trigger
+        span = -(-(max(self.rows[r].physical for r in rows) + 1) // step) * step
+        if span > self.capacity:
+            self._grow(capacity=max(span, 2 * self.capacity))
+        return span
+
+    def advance(self, rows: Sequence[int]) -> None:
+        """Count one token appended to each row outside `begin`/`end` (a static decode step), then compress as `end` does."""
+        for r in rows:
+            s = self.rows[r]
+            s.physical += 1
+            s.logical += 1
+            s.peak = max(s.peak, s.physical)
+        if self.policy != "none":
+            self.compress([r for r in rows if self.rows[r].physical >= self.trigger])
+
     def _new_id(self) -> int:
         self.next_id += 1
         return self.next_id - 1
@@ -212,16 +244,20 @@ class BoundedCache(KVCache):
             self.compress([r for r in rows if self.rows[r].physical >= self.trigger])
 
     def compress(self, rows: Sequence[int]) -> None:
-        """Compress each row to `budget` entries per layer and KV head; rows of equal length are scored together."""
+        """Compress each row to `budget` entries per layer and KV head. Rows of equal length are scored
+        together, all layers in one call, in chunks of rows whose scoring fits in COMPRESS_BYTES."""
         by_length: dict[int, list[int]] = {}
         for r in rows:
             by_length.setdefault(self.rows[r].physical, []).append(r)
+        n_layers, _, h_kv, _, _ = self.k.shape
         for length, group in by_length.items():
-            slots = torch.tensor([self.rows[r].slot for r in group], device=self.k.device)
-            for layer in range(self.k.shape[0]):
-                keys = self.k[layer, slots, :, :length]
-                kept = keep_positions(self.policy, keys, self.q[layer, slots], self.budget)
-                self.k[layer, slots, :, : self.budget] = gather_positions(keys, kept)
-                self.v[layer, slots, :, : self.budget] = gather_positions(self.v[layer, slots, :, :length], kept)
-            for r in group:
-                self.rows[r].physical = self.budget
+            chunk = max(1, COMPRESS_BYTES // (3 * 4 * n_layers * h_kv * length * length))  # fp32 similarity + temporaries
+            for start in range(0, len(group), chunk):
+                part = group[start:start + chunk]
+                slots = torch.tensor([self.rows[r].slot for r in part], device=self.k.device)
+                keys = self.k[:, slots, :, :length]
+                kept = keep_positions(self.policy, keys, self.q[:, slots], self.budget)
+                self.k[:, slots, :, : self.budget] = gather_positions(keys, kept)
+                self.v[:, slots, :, : self.budget] = gather_positions(self.v[:, slots, :, :length], kept)
+                for r in part:
+                    self.rows[r].physical = self.budget

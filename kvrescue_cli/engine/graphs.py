@@ -1,0 +1,124 @@
+"""The bounded cache's one-token decode step with static shapes, captured in CUDA graphs on a GPU.
+
+Shapes are fixed per (row bucket, span): the rows of a step are padded to the next power of two (the
+padding rows write to a reserved scratch slot), and attention covers a fixed span of every row's
+buffer: B' = budget + slack for an evicting policy (a row holds at most B' - 1 entries before a
+decode step, since it is compressed as soon as it reaches B'), or the longest row rounded up to
+`SPAN_STEP` for `none`. Per-step inputs (tokens, slots, lengths, positions) live in one static
+device buffer refilled before each replay; the bookkeeping (lengths, compression) stays in Python,
+outside the graph. Without CUDA, or with graphs off, the same static step runs eagerly: that is how
+the CPU tests check it against the dynamic path.
+
+Attention uses flash-attn's `flash_attn_with_kvcache` (per-row cache lengths, rows addressed by
+slot, no gather) when it is installed and the cache is on a GPU in half precision, else a masked
+torch SDPA over the gathered span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrescue_cli.engine.attention import attend_padded
+from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.model import Transformer
+
+try:
+    from flash_attn import flash_attn_with_kvcache
+except ImportError:
+    flash_attn_with_kvcache = None
+
+SPAN_STEP = 256  # span granularity of a `none` cache (one graph per span reached)
+
+
+def bucket(rows: int) -> int:
+    """The row bucket: the next power of two."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+class _StaticView:
+    """What the decoder's attention layers see during a static step (the `KVCache.attend` call only)."""
+
+    def __init__(self, cache: BoundedCache, inputs: torch.Tensor, span: int) -> None:
+        self.cache, self.span = cache, span
+        self.slots, self.lengths = inputs[1], inputs[2]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kp, vp, qp = self.cache.k[layer], self.cache.v[layer], self.cache.q[layer]
+        kp[self.slots, :, self.lengths] = k[:, :, 0]
+        vp[self.slots, :, self.lengths] = v[:, :, 0]
+        qp[self.slots] = torch.cat([qp[self.slots][:, :, 1:], q], dim=2)  # the ring drops its oldest query
+        if flash_attn_with_kvcache is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            out = flash_attn_with_kvcache(q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                                          cache_seqlens=(self.lengths + 1).int(), cache_batch_idx=self.slots.int())
+            return out.transpose(1, 2)
+        keys, values = kp[self.slots, :, : self.span], vp[self.slots, :, : self.span]
+        return attend_padded(q, keys, values, self.lengths, torch.ones_like(self.lengths))
+
+
+@dataclass
+class _Step:
+    inputs: torch.Tensor  # [4, bucket]: tokens, slots, physical lengths, logical positions
+    logits: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class StaticDecode:
+    """`net.decode` over a `BoundedCache` with static shapes; captured once per (bucket, span) on CUDA."""
+
+    def __init__(self, net: Transformer, cache: BoundedCache, graphs: bool = True) -> None:
+        self.net, self.cache = net, cache
+        self.graphs = graphs and cache.k.is_cuda
+        self.scratch = cache.reserve_slot()
+        self.steps: dict[tuple[int, int], _Step] = {}
+        self.pools_at = cache.k.data_ptr()
+        self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
+
+    @torch.inference_mode()
+    def __call__(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        """Append one token to each row; the head outputs that follow [R, out] (a fresh tensor)."""
+        cache = self.cache
+        span = cache.decode_span(rows, SPAN_STEP)
+        if cache.k.data_ptr() != self.pools_at:  # the pools were reallocated: graphs point at the old ones
+            self.steps.clear()
+            self.pools_at = cache.k.data_ptr()
+        size = bucket(len(rows))
+        step = self.steps.get((size, span)) or self._prepare(size, span)
+        pad = size - len(rows)
+        host = torch.tensor([
+            list(tokens) + [0] * pad,
+            [cache.slot(r) for r in rows] + [self.scratch] * pad,
+            [cache.physical_length(r) for r in rows] + [0] * pad,
+            [cache.length(r) for r in rows] + [0] * pad,
+        ], dtype=torch.long)
+        step.inputs.copy_(host.pin_memory() if self.graphs else host, non_blocking=self.graphs)
+        if step.graph is not None:
+            step.graph.replay()
+            logits = step.logits
+        else:
+            logits = self._forward(step.inputs, span)
+        cache.advance(rows)
+        return logits[: len(rows)].clone()
+
+    def _forward(self, inputs: torch.Tensor, span: int) -> torch.Tensor:
+        positions = inputs[3][:, None]
+        h = self.net.decoder(inputs[0][:, None], positions, _StaticView(self.cache, inputs, span))
+        return self.net.head(h[:, 0])
+
+    def _prepare(self, size: int, span: int) -> _Step:
+        inputs = torch.zeros(4, size, dtype=torch.long, device=self.cache.k.device)
+        step = _Step(inputs)
+        if self.graphs:
+            inputs[1] = self.scratch  # warm-up and capture write only to the scratch slot
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(inputs, span)
+            torch.cuda.current_stream().wait_stream(stream)
+            step.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(step.graph, pool=self.memory):
+                step.logits = self._forward(inputs, span)
+        self.steps[(size, span)] = step
+        return step
