@@ -5,9 +5,9 @@ where hash8 is the first 8 hex digits of the SHA-256 of the configuration's iden
 
 config.json
     ``format`` (1), ``hash`` (full identity hash), ``config`` (the identity: every setting that changes
-    results, see `RunConfig`), ``run`` (``total``: problems the latest invocation selected, ``devices``,
-    ``created_at``, ``updated_at``), ``environment`` (python, platform, host, library versions, git
-    commit and dirty flag). Only ``config`` decides whether a rerun resumes or is refused.
+    results, see `RunConfig`), ``run`` (``total``: problems the latest invocation selected, ``shard``:
+    ``[i, k]`` of a ``--shard i/k`` run or null, ``created_at``, ``updated_at``), ``environment``
+    (python, platform, host, devices, library versions, git commit and dirty flag). Only ``config`` decides whether a rerun resumes or is refused.
 
 traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each problem finishes:
     idx             int: the problem's index in the benchmark file (0-based), unique in the file.

@@ -174,3 +174,43 @@ def test_shards_split_the_problems_and_the_report_merges_them(problems, models, 
     partial = subprocess.run([KVRESCUE, "report", str(tmp_path / "node0"), "--format", "json"], capture_output=True,
                              timeout=300)
     assert b"shards 1/2 missing" in partial.stdout
+
+
+def test_a_problem_that_kills_two_workers_is_recorded_as_failed_and_no_worker_left_stops_the_run(tmp_path):
+    from multiprocessing import get_context
+
+    from kvrescue_cli import workers
+    from kvrescue_cli.data import ProblemSet
+    from kvrescue_cli.outputs import RunConfig, summarize
+    from kvrescue_cli.runs import Cell, GridOptions
+    from kvrescue_cli.search import SearchSettings
+
+    options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
+                          models={"base": "b", "prm": "p"}, scorer="prm", settings=SearchSettings(), out=tmp_path,
+                          devices=("cpu", "cpu"))
+    cell = Cell(ProblemSet("t", "generic", "t.jsonl", []), "bon", 16, 2, 0)
+    context = get_context("spawn")
+    process = context.Process(target=os._exit, args=(3,))  # a worker that died with exit status 3
+    process.start()
+    process.join()
+    conn, child = context.Pipe()
+    child.close()
+    said, emitted = [], []
+    pool = workers.WorkerPool(options, said.append)
+    pool.started = 1
+    pool.deaths["cpu"] = workers.DEVICE_RESTARTS - 1  # this death is the device's last: no new worker
+    worker = workers._Worker(0, "cpu", process, conn, state="running")
+    pool.workers = [worker]
+    queue = WorkQueue(deque([problem(7)]))
+    queue.take(5)
+    queue.lost(5, "killed by SIGKILL")  # its first death, in another worker
+    assert queue.take(0).idx == 7
+    pool._bury(worker, queue, cell, lambda trace, tokens: emitted.append(trace))
+    (trace,) = emitted
+    assert trace.idx == 7 and trace.stop == "failed"
+    assert trace.skip_reason == "killed 2 workers: killed by SIGKILL; exit status 3"
+    assert any("died (exit status 3) holding problems [7]" in s and "no new worker" in s for s in said)
+    config = RunConfig("t", "bon", 16, 2, "rkv", 0, {}, "prm")
+    assert summarize(emitted, config).failed == 1
+    with pytest.raises(workers.WorkersGone, match="every worker is gone .cpu: exit status 3.; 1 problems"):
+        pool.decode(cell, [problem(8)], lambda trace, tokens: None)
