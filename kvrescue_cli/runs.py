@@ -12,6 +12,7 @@ from rich.progress import Progress
 
 from grader import grade
 from kvrescue_cli import workers
+from kvrescue_cli.cost import Architecture, ModelConfigError, load_config
 from kvrescue_cli.data import GENERIC, Problem, ProblemSet, data_dir, load_problems
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
@@ -26,6 +27,7 @@ from kvrescue_cli.search import METHODS, Controller, Finished, SearchSettings
 
 EVICTORS = ("rkv", "snapkv", "streaming", "none")
 MIN_BUDGET = 16
+CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
 SCORERS = ("prm", "helper-loglik")
 
 
@@ -162,12 +164,25 @@ def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool
 
 
 
+def refuse_large_on_cpu(role: str, name: str) -> None:
+    """A one-line error, before any weights are read, for a model too large to decode on a CPU."""
+    try:
+        params = Architecture.from_config(name, load_config(name)).params
+    except (ModelConfigError, KeyError, TypeError, ValueError):  # no usable config: the loader says why
+        return
+    if params > CPU_PARAMS:
+        raise InputError(f"{role} model {name} has {params / 1e9:.1f}B parameters, too many for a CPU run; "
+                         "use --device cuda, --preset cpu-demo, or smaller local models with --base/--helper/--prm")
+
+
 def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     """Every model the grid needs, loaded once on `device`; base and helper must share a tokenizer."""
     loaded: dict[str, LoadedModel] = {}
     by_name: dict[str, LoadedModel] = {}
     for role in sorted(roles_needed(options.methods, options.scorer)):
         name = options.models[role]
+        if device == "cpu":
+            refuse_large_on_cpu(role, name)
         try:
             if name not in by_name:
                 by_name[name] = load_model(name, options.dtype, device)

@@ -240,3 +240,16 @@ def test_full_and_helper_never_build_the_evicting_cache(monkeypatch, problems, q
                           scorer="prm", settings=settings, out=tmp_path, limit=2)
     results = run_grid(options, Progress(disable=True))
     assert [(c.method, s.problems) for c, s in results] == [("full", 2), ("helper", 2)]
+
+
+def test_a_7b_model_on_a_cpu_is_refused_before_loading(problems, tmp_path):
+    folder = tmp_path / "qwen7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(orjson.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+        "tie_word_embeddings": False}).decode())  # no weights at all: the refusal must come first
+    done = kvrescue_run("--bench", str(problems), "--method", "bon", "--base", str(folder), "--prm", "helper-loglik",
+                        "--helper", str(folder), "--out", str(tmp_path), "--device", "cpu")
+    assert done.returncode == 2
+    assert b"base model" in done.stderr and b"7.6B parameters" in done.stderr and b"--preset cpu-demo" in done.stderr
