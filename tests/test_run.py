@@ -54,6 +54,9 @@ def test_grid_writes_one_folder_per_method(grid):
         assert config["config"]["method"] == method
         assert sorted(t["idx"] for t in traces) == [0, 1, 2]
         assert summary["problems"] == 3 and summary["complete"]
+        assert {"accuracy", "mean_steps", "base_tokens", "helper_tokens", "prm_tokens", "helper_step_share",
+                "early_exit_rate", "degeneration_rate", "throughput_per_min", "wall_s"} <= set(summary)
+        assert summary["scorer"] == "prm" and config["config"]["models"]["prm"]["id"]
 
 
 def test_traces_follow_the_method(grid):
@@ -73,6 +76,10 @@ def test_traces_follow_the_method(grid):
             generated = {s: sum(c["tokens"] for cands in trace["candidates"] for c in cands if c["source"] == s)
                          for s in ("base", "helper")}
             assert tokens["base"] == generated["base"] and tokens["helper"] == generated["helper"]
+            if method in ("kvrescue", "interleave"):
+                # Both models hold the same trajectory: each appended the other's committed steps to its prompt.
+                by_source = {s: sum(st["tokens"] for st in trace["steps"] if st["source"] == s) for s in ("base", "helper")}
+                assert tokens["base_prefill"] - by_source["helper"] == tokens["helper_prefill"] - by_source["base"] > 0
             assert trace["stop"] in ("eos", "context", "steps")
             if method == "kvrescue":
                 assert all(c["max_mean_entropy"] is not None for cands in trace["candidates"]
@@ -253,3 +260,20 @@ def test_a_7b_model_on_a_cpu_is_refused_before_loading(problems, tmp_path):
                         "--helper", str(folder), "--out", str(tmp_path), "--device", "cpu")
     assert done.returncode == 2
     assert b"base model" in done.stderr and b"7.6B parameters" in done.stderr and b"--preset cpu-demo" in done.stderr
+
+
+@pytest.mark.slow
+def test_cpu_demo_preset_on_smollm2(tmp_path):
+    """The README's main job, shrunk: SmolLM2-135M base and helper with the helper-loglik scorer."""
+    data = Path(__file__).resolve().parents[1] / "examples" / "data"
+    done = kvrescue_run("--preset", "cpu-demo", "--data-dir", str(data), "--bench", "gsm8k", "--limit", "1",
+                        "--method", "kvrescue", "--budget", "16", "--n", "1", "--max-steps", "3",
+                        "--max-step-tokens", "48", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    (folder,) = (tmp_path / "gsm8k").iterdir()
+    config = orjson.loads((folder / "config.json").read_bytes())
+    (trace,) = [orjson.loads(line) for line in (folder / "traces.jsonl").read_bytes().splitlines()]
+    assert config["config"]["scorer"] == "helper-loglik" and b"helper-loglik" in done.stderr
+    assert 1 <= trace["n_steps"] <= 3 and trace["output"].strip()
+    assert all(len(cands) == 2 and {c["source"] for c in cands} == {"base", "helper"} for cands in trace["candidates"])
+    assert all(s["score"] <= 0 for s in trace["steps"])  # mean log-probabilities
