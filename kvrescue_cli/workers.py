@@ -227,8 +227,11 @@ class WorkerPool:
         while True:
             for worker in self.workers:
                 if worker.state == "idle" and queue.pending:
-                    worker.conn.send(("run", slim))
-                    worker.state = "running"
+                    try:
+                        worker.conn.send(("run", slim))
+                        worker.state = "running"
+                    except OSError:
+                        pass  # it just died: its sentinel says so below
             if queue.empty and all(w.state != "running" for w in self.workers):
                 return
             if not self.workers:

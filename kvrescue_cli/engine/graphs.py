@@ -92,7 +92,7 @@ class StaticDecode:
             [cache.physical_length(r) for r in rows] + [0] * pad,
             [cache.length(r) for r in rows] + [0] * pad,
         ], dtype=torch.long)
-        step.inputs.copy_(host.pin_memory() if self.graphs else host, non_blocking=self.graphs)
+        step.inputs.copy_(host)  # a blocking copy: the next step may refill `host` at once
         if step.graph is not None:
             step.graph.replay()
             logits = step.logits
