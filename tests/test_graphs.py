@@ -43,3 +43,41 @@ def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_r
             torch.testing.assert_close(static.k[:, static.slot(b), :, :n], dynamic.k[:, dynamic.slot(a), :, :n])
         if policy != "none":
             assert max(static.physical_length(r) for r in rows["static"]) < static.trigger
+
+
+def reference_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, cache_batch_idx):
+    """flash-attn's documented semantics, in plain torch: q [B, 1, Hq, D], caches [slots, S, Hkv, D], row b
+    attends over the first cache_seqlens[b] entries of slot cache_batch_idx[b]; query head h uses KV head h // g."""
+    out = []
+    for b in range(q.shape[0]):
+        n, slot = int(cache_seqlens[b]), int(cache_batch_idx[b])
+        g = q.shape[2] // k_cache.shape[2]
+        k = k_cache[slot, :n].repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, n, D]
+        v = v_cache[slot, :n].repeat_interleave(g, dim=1).transpose(0, 1)
+        weights = (q[b, 0][:, None] @ k.transpose(1, 2) / q.shape[-1] ** 0.5).softmax(-1)  # [Hq, 1, n]
+        out.append((weights @ v)[:, 0])
+    return torch.stack(out)[:, None]
+
+
+def test_the_flash_attn_call_matches_the_dynamic_step(qwen2_dir, monkeypatch):
+    """The flash-attn path only runs on a GPU with flash-attn installed; its call (layouts, lengths, slots) is
+    checked here against a plain-torch implementation of flash_attn_with_kvcache's semantics."""
+    from kvrescue_cli.engine import graphs
+
+    monkeypatch.setattr(graphs, "flash_attn_with_kvcache", reference_flash_attn_with_kvcache)
+    monkeypatch.setattr(graphs, "use_flash", lambda q: True)
+    net = load_model(qwen2_dir).net
+    generator = torch.Generator().manual_seed(1)
+    dynamic = BoundedCache.for_model(net, budget=16, policy="rkv", max_append=40, rows=4)
+    static = BoundedCache.for_model(net, budget=16, policy="rkv", max_append=40, rows=4)
+    step = StaticDecode(net, static, graphs=False)
+    prompt = torch.randint(0, net.args.vocab_size, (3, 30), generator=generator)
+    rows = {}
+    for name, cache in (("dynamic", dynamic), ("static", static)):
+        rows[name] = [cache.create() for _ in range(3)]
+        net.prefill(prompt, cache, rows[name], [7, 30, 19])
+    for _ in range(130):  # through a compression of the longest row
+        tokens = torch.randint(0, net.args.vocab_size, (3,), generator=generator)
+        with torch.inference_mode():
+            want = net.decode(tokens, dynamic, rows["dynamic"])
+        torch.testing.assert_close(step(rows["static"], tokens.tolist()), want, atol=2e-5, rtol=1e-5)

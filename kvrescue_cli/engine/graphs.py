@@ -32,6 +32,11 @@ except ImportError:
 SPAN_STEP = 256  # span granularity of a `none` cache (one graph per span reached)
 
 
+def use_flash(q: torch.Tensor) -> bool:
+    """flash-attn serves half-precision queries on a GPU when it is installed."""
+    return flash_attn_with_kvcache is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def bucket(rows: int) -> int:
     """The row bucket: the next power of two."""
     return 1 << max(rows - 1, 0).bit_length()
@@ -49,7 +54,7 @@ class _StaticView:
         kp[self.slots, :, self.lengths] = k[:, :, 0]
         vp[self.slots, :, self.lengths] = v[:, :, 0]
         qp[self.slots] = torch.cat([qp[self.slots][:, :, 1:], q], dim=2)  # the ring drops its oldest query
-        if flash_attn_with_kvcache is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if use_flash(q):
             out = flash_attn_with_kvcache(q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                                           cache_seqlens=(self.lengths + 1).int(), cache_batch_idx=self.slots.int())
             return out.transpose(1, 2)
