@@ -19,6 +19,7 @@ def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_r
         dynamic = BoundedCache.for_model(net, budget=16, policy=policy, max_append=40, rows=4)
         static = BoundedCache.for_model(net, budget=16, policy=policy, max_append=40, rows=4)
         step = StaticDecode(net, static, graphs=True)  # no CUDA here: the same static step, eagerly
+        assert static.k.shape[1] == 5  # the scratch slot comes on top of the rows the cache was sized for
         lengths = [5, 20, 33]
         prompt = torch.randint(0, net.args.vocab_size, (3, max(lengths)), generator=generator)
         rows = {}

@@ -151,9 +151,9 @@ class BoundedCache(KVCache):
         return self.rows[row].slot
 
     def reserve_slot(self) -> int:
-        """A slot no row will ever use (static decode steps write their padding rows there)."""
-        if not self.free_slots:
-            self._grow(rows=2 * self.k.shape[1])
+        """One more slot, that no row will ever use (static decode steps write their padding rows there);
+        the rows the cache was sized for still fit without a growth."""
+        self._grow(rows=self.k.shape[1] + 1)
         return self.free_slots.pop(0)
 
     def decode_span(self, rows: Sequence[int], step: int) -> int:
