@@ -16,6 +16,8 @@ downloaded). Writes one JSON object:
 - `problems`: problems/min of bon, kvrescue and full (`kvrescue run`'s code path) on 64 problems, N = 8,
   B = 64, random 7B/1.5B/PRM-7B-shaped models, synthetic steps 32:20.
 - `roofline`: the measured device-to-device copy bandwidth.
+Sections run in that order but (2) last: its measurements not started within `--budget-s` (450 s) of the
+start are listed as skipped, so the check ends in under 8 minutes; each section is written as it ends.
 """
 
 from __future__ import annotations
@@ -227,8 +229,9 @@ def free_bytes(device: str) -> float:
     return torch.cuda.mem_get_info(device)[0] if device.startswith("cuda") else float("inf")
 
 
-def measure_decode(device: str, dtype: torch.dtype, tiny: bool, plan: dict, bandwidth: float) -> list[dict]:
-    """Every decode configuration of (2), with its roofline."""
+def measure_decode(device: str, dtype: torch.dtype, tiny: bool, plan: dict, bandwidth: float,
+                   deadline: float) -> list[dict]:
+    """Every decode configuration of (2), with its roofline; those not started by `deadline` are listed as skipped."""
     shape = TINY if tiny else QWEN25_MATH_7B
     hf = hf_model(shape, device, dtype, seed=2)
     net = _build(dict(hf.state_dict()), {**hf.config.to_dict(), "model_type": "qwen2"}, dtype, device)
@@ -250,6 +253,9 @@ def measure_decode(device: str, dtype: torch.dtype, tiny: bool, plan: dict, band
                     if graphs and not device.startswith("cuda"):
                         results.append({**record, "skipped": "CUDA graphs need a GPU"})
                         continue
+                    if time.perf_counter() > deadline:
+                        results.append({**record, "skipped": "out of the check's time budget"})
+                        continue
                     if need > 0.8 * free_bytes(device):
                         results.append({**record, "skipped": f"needs {need / 2**30:.0f} GiB of KV cache"})
                         continue
@@ -259,7 +265,10 @@ def measure_decode(device: str, dtype: torch.dtype, tiny: bool, plan: dict, band
                         torch.cuda.empty_cache()
             record = {"engine": "transformers-generate", "rows": rows, "context": context, "evictor": "none",
                       "budget": None, "cuda_graphs": False}
-            need = 2 * rows * (context + plan["steps"]) * entry
+            need = 2 * rows * (context + plan["steps"]) * entry  # generate's cache grows by concatenation
+            if time.perf_counter() > deadline:
+                results.append({**record, "skipped": "out of the check's time budget"})
+                continue
             if need > 0.8 * free_bytes(device):
                 results.append({**record, "skipped": f"needs {need / 2**30:.0f} GiB of KV cache"})
                 continue
@@ -316,6 +325,8 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (always cpu with --tiny)")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--skip", default="", help="comma list of sections to leave out: logits,decode,problems")
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="decode measurements not started by then (from the start) are listed as skipped")
     args = parser.parse_args()
     device = "cpu" if args.tiny else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -338,10 +349,10 @@ def main() -> None:
     section("roofline", lambda: copy_bandwidth(device, args.tiny))
     bandwidth = report["roofline"]["bytes_per_s"]
     section("logits", lambda: check_logits(device, dtype, args.tiny, plan))
-    section("decode", lambda: measure_decode(device, dtype, args.tiny, plan, bandwidth))
+    section("problems", lambda: measure_problems(device, dtype, args.tiny, plan, graphs=True))
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    section("problems", lambda: measure_problems(device, dtype, args.tiny, plan, graphs=True))
+    section("decode", lambda: measure_decode(device, dtype, args.tiny, plan, bandwidth, started + args.budget_s))
     report["seconds"]["total"] = time.perf_counter() - started
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out} in {report['seconds']['total']:.1f} s", file=sys.stderr)
