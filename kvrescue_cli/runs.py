@@ -314,4 +314,5 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
         progress.console.print(message, markup=False, highlight=False)
 
     with workers.WorkerPool(options, say) as pool:
+        pool.start()
         return [(cell_config(options, cell), run_cell(options, cell, pool, progress)) for cell in cells]

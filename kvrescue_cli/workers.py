@@ -173,7 +173,7 @@ class _Worker:
 
 
 class WorkerPool:
-    """One worker process per device, started on the first cell that has problems to decode."""
+    """One worker process per device; `start` them before the first cell."""
 
     def __init__(self, options: GridOptions, say: Callable[[str], None]) -> None:
         self.options = options
@@ -182,7 +182,7 @@ class WorkerPool:
         self.workers: list[_Worker] = []
         self.deaths: Counter = Counter()
         self.last_errors: dict[str, str] = {}
-        self.started = 0
+        self.started = 0  # workers started so far (numbers them)
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -215,13 +215,19 @@ class WorkerPool:
         self.workers.append(_Worker(self.started, device, process, parent))
         self.started += 1
 
+    def start(self) -> None:
+        """Start one worker per device and wait until each holds the models: a configuration error (a
+        missing model, say) raises here, before any run folder is opened."""
+        for device in self.options.devices:
+            self._start(device)
+        idle = WorkQueue(deque())
+        while any(w.state == "loading" for w in self.workers):
+            self._wait(idle, None, lambda trace, tokens: None)
+        if not self.workers:
+            raise WorkersGone(f"no worker could start ({self._errors()})")
+
     def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None]) -> None:
         """Decode `problems` of `cell` on the workers, emitting every problem's trace exactly once."""
-        if not problems:
-            return
-        if not self.started:
-            for device in self.options.devices:
-                self._start(device)
         queue = WorkQueue(deque(problems))
         slim = replace(cell, problems=replace(cell.problems, problems=[]))
         while True:
@@ -235,16 +241,22 @@ class WorkerPool:
             if queue.empty and all(w.state != "running" for w in self.workers):
                 return
             if not self.workers:
-                gone = "; ".join(f"{d}: {e}" for d, e in self.last_errors.items())
-                raise WorkersGone(f"every worker is gone ({gone}); {len(queue.pending)} problems of this cell are "
-                                  "not done; what finished is written: run the same command again to resume")
-            handles = [w.conn for w in self.workers] + [w.process.sentinel for w in self.workers]
-            ready = set(wait(handles))
-            for worker in list(self.workers):
-                if worker.conn in ready and self._serve(worker, queue, emit):
-                    continue
-                if worker.process.sentinel in ready or not worker.process.is_alive():
-                    self._bury(worker, queue, cell, emit)
+                raise WorkersGone(f"every worker is gone ({self._errors()}); {len(queue.pending)} problems of this "
+                                  "cell are not done; what finished is written: run the same command again to resume")
+            self._wait(queue, cell, emit)
+
+    def _errors(self) -> str:
+        return "; ".join(f"{device}: {error}" for device, error in self.last_errors.items())
+
+    def _wait(self, queue: WorkQueue, cell: Cell | None, emit: Callable[[Trace, int], None]) -> None:
+        """Wait for messages or deaths, then answer the messages and bury the dead."""
+        handles = [w.conn for w in self.workers] + [w.process.sentinel for w in self.workers]
+        ready = set(wait(handles))
+        for worker in list(self.workers):
+            if worker.conn in ready and self._serve(worker, queue, emit):
+                continue
+            if worker.process.sentinel in ready or not worker.process.is_alive():
+                self._bury(worker, queue, cell, emit)
 
     def _serve(self, worker: _Worker, queue: WorkQueue, emit: Callable[[Trace, int], None]) -> bool:
         """Answer everything `worker` sent; False when its pipe closed (it is dying)."""
@@ -270,7 +282,7 @@ class WorkerPool:
             return False
         return True
 
-    def _bury(self, worker: _Worker, queue: WorkQueue, cell: Cell, emit: Callable[[Trace, int], None]) -> None:
+    def _bury(self, worker: _Worker, queue: WorkQueue, cell: Cell | None, emit: Callable[[Trace, int], None]) -> None:
         """Record a dead worker: requeue its problems, fail those struck out, restart its device."""
         self._serve(worker, queue, emit)  # traces it sent before dying still count
         worker.process.join(10)
@@ -287,7 +299,7 @@ class WorkerPool:
         self.say(f"{worker.name} died ({error}) holding problems {holding or 'none'}; last problem given: "
                  f"{worker.last}; " + (f"starting a new worker on {worker.device}" if restart
                                        else f"{worker.device} died {self.deaths[worker.device]} times: no new worker"))
-        for problem in failed:
+        for problem in failed:  # a queue holding problems comes with their cell
             errors = queue.errors[problem.idx]
             gt_norm = grade("", problem.gt, cell.problems.grading_bench).gt
             emit(Trace.failed(problem.idx, problem.problem, problem.gt, gt_norm,

@@ -200,7 +200,6 @@ def test_a_problem_that_kills_two_workers_is_recorded_as_failed_and_no_worker_le
     child.close()
     said, emitted = [], []
     pool = workers.WorkerPool(options, said.append)
-    pool.started = 1
     pool.deaths["cpu"] = workers.DEVICE_RESTARTS - 1  # this death is the device's last: no new worker
     worker = workers._Worker(0, "cpu", process, conn, state="running")
     pool.workers = [worker]
@@ -217,3 +216,11 @@ def test_a_problem_that_kills_two_workers_is_recorded_as_failed_and_no_worker_le
     assert summarize(emitted, config).failed == 1
     with pytest.raises(workers.WorkersGone, match="every worker is gone .cpu: exit status 3.; 1 problems"):
         pool.decode(cell, [problem(8)], lambda trace, tokens: None)
+
+
+def test_a_model_the_workers_cannot_load_is_a_one_line_error_before_any_run_folder(problems, models, tmp_path):
+    args = [a if a != models[1] else str(tmp_path / "no-such-model") for a in models]
+    done = subprocess.run(command(problems, args, tmp_path / "runs", "--devices", "cpu,cpu"), capture_output=True,
+                          timeout=300)
+    assert done.returncode == 2 and b"base model" in done.stderr and b"Traceback" not in done.stderr
+    assert not (tmp_path / "runs").exists()
