@@ -10,7 +10,7 @@ Measures, for a batch of rows decoding one token each:
 - the degeneration detector's CPU time per token.
 
 Cache states are synthesised (random K/V, rows set to the wanted physical and logical lengths) instead
-of prefilled, since only the lengths matter for the cost. Lengths are timed round-robin, medians kept.
+of prefilled, since only the lengths matter for the cost. Lengths are timed round-robin, minima kept.
 
     .venv/bin/python benchmarks/evict_bench.py                     # CPU, batch 32
     .venv/bin/python benchmarks/evict_bench.py --device cuda --dtype bfloat16
@@ -81,8 +81,8 @@ def timed_decodes(net: CausalLM, cache: BoundedCache, rows: list[int], steps: in
 
 
 def decode_cost(net, lengths: list[int], batch: int, rounds: int, steps: int, device: str) -> dict[int, float]:
-    """Median seconds of one batched decode step at each physical length; the lengths are measured
-    round-robin so that a slow spell of a shared machine does not land on one of them."""
+    """Fastest of the timed batched decode steps at each physical length. The lengths are measured
+    round-robin and the minimum is kept because a shared machine only ever adds time."""
     caches = {n: make_rows(net, "none", 16, batch, n, n) for n in lengths}
     for cache, rows in caches.values():
         timed_decodes(net, cache, rows, 1, device)  # warm-up
@@ -90,7 +90,7 @@ def decode_cost(net, lengths: list[int], batch: int, rounds: int, steps: int, de
     for _ in range(rounds):
         for n, (cache, rows) in caches.items():
             times[n] += timed_decodes(net, cache, rows, steps, device)
-    return {n: statistics.median(t) for n, t in times.items()}
+    return {n: min(t) for n, t in times.items()}
 
 
 def evicted_cycle(net, budget, batch, device) -> float:
@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,2048,4096", help="contexts reported in the table")
     ap.add_argument("--extra-contexts", default="256,1024,1536,3072", help="more full-cache points for the crossover")
     ap.add_argument("--budgets", default="64,512")
-    ap.add_argument("--rounds", type=int, default=3, help="round-robin passes over the lengths")
+    ap.add_argument("--rounds", type=int, default=4, help="round-robin passes over the lengths")
     ap.add_argument("--steps", type=int, default=2, help="timed decodes per length and round")
     ap.add_argument("--cycle", action="store_true", help="also time real 128-token rkv cycles (slow on a CPU)")
     ap.add_argument("--device", default="cpu")
