@@ -5,13 +5,12 @@ from __future__ import annotations
 import gzip
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from kvrescue_cli.detect import Detector, DetectorConfig, gzip_ratio
+from tests.shared import BENCHMARKS, need_shared
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
 def pieces(text: str) -> list[str]:
@@ -20,7 +19,7 @@ def pieces(text: str) -> list[str]:
 
 
 def solutions(min_chars: int = 0) -> list[str]:
-    with open(SHARED / "benchmarks" / "math500.jsonl") as f:
+    with open(need_shared(BENCHMARKS) / "math500.jsonl") as f:
         rows = [json.loads(line) for line in f]
     return [r["solution"] for r in rows if len(r["solution"]) >= min_chars]
 

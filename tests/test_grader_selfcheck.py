@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from grader import BENCHES, grade_many, raw_answer
+from tests.shared import BENCHMARKS
 
-BENCH_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
+BENCH_DIR = BENCHMARKS
 if not BENCH_DIR.is_dir():
     pytest.skip(f"shared benchmark files not found in {BENCH_DIR}", allow_module_level=True)
 

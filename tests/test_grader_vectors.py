@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from grader import GradeResult, grade_many
+from tests.shared import SHARED
 
-VECTORS_PATH = Path(__file__).resolve().parents[1].parent / "shared" / "grader_vectors.jsonl"
+VECTORS_PATH = SHARED / "grader_vectors.jsonl"
 if not VECTORS_PATH.exists():
     pytest.skip(f"shared grader vectors not found at {VECTORS_PATH}", allow_module_level=True)
 
