@@ -229,6 +229,15 @@ def free_bytes(device: str) -> float:
     return torch.cuda.mem_get_info(device)[0] if device.startswith("cuda") else float("inf")
 
 
+def skip_reason(device: str, need: float, deadline: float) -> str | None:
+    """Why a decode measurement is not taken: past the check's time budget, or a cache that would not fit."""
+    if time.perf_counter() > deadline:
+        return "out of the check's time budget"
+    if need > 0.8 * free_bytes(device):
+        return f"needs {need / 2**30:.0f} GiB of KV cache"
+    return None
+
+
 def measure_decode(device: str, dtype: torch.dtype, tiny: bool, plan: dict, bandwidth: float,
                    deadline: float) -> list[dict]:
     """Every decode configuration of (2), with its roofline; those not started by `deadline` are listed as skipped."""
@@ -253,11 +262,8 @@ def measure_decode(device: str, dtype: torch.dtype, tiny: bool, plan: dict, band
                     if graphs and not device.startswith("cuda"):
                         results.append({**record, "skipped": "CUDA graphs need a GPU"})
                         continue
-                    if time.perf_counter() > deadline:
-                        results.append({**record, "skipped": "out of the check's time budget"})
-                        continue
-                    if need > 0.8 * free_bytes(device):
-                        results.append({**record, "skipped": f"needs {need / 2**30:.0f} GiB of KV cache"})
+                    if reason := skip_reason(device, need, deadline):
+                        results.append({**record, "skipped": reason})
                         continue
                     rate = decode_rate(net, device, policy, budget or 64, rows, context, plan["steps"], graphs)
                     results.append({**record, **roofline(rate, rows, weight_bytes + rows * mean_read * entry, bandwidth)})
@@ -266,11 +272,8 @@ def measure_decode(device: str, dtype: torch.dtype, tiny: bool, plan: dict, band
             record = {"engine": "transformers-generate", "rows": rows, "context": context, "evictor": "none",
                       "budget": None, "cuda_graphs": False}
             need = 2 * rows * (context + plan["steps"]) * entry  # generate's cache grows by concatenation
-            if time.perf_counter() > deadline:
-                results.append({**record, "skipped": "out of the check's time budget"})
-                continue
-            if need > 0.8 * free_bytes(device):
-                results.append({**record, "skipped": f"needs {need / 2**30:.0f} GiB of KV cache"})
+            if reason := skip_reason(device, need, deadline):
+                results.append({**record, "skipped": reason})
                 continue
             rate = hf_rate(hf, device, dtype, rows, context, plan["steps"])
             mean_read = context + plan["steps"] / 2
