@@ -13,7 +13,6 @@ GREEDY = SamplingParams(temperature=0)
 def _scripted(folder, script: dict[int, int]):
     """Load the checkpoint and make token t always predict script[t] (attention and MLP outputs zeroed)."""
     m = load_model(folder)
-    dim = m.args.dim
     with torch.no_grad():
         for layer in m.net.decoder.layers:
             layer.attention.wo.weight.zero_()
