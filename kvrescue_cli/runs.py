@@ -21,7 +21,7 @@ from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
 from kvrescue_cli.errors import InputError
-from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Summary, Tokens, Trace, run_dir
+from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, RunFolder, Summary, Tokens, Trace, run_dir
 from kvrescue_cli.prompts import generation_prompt
 from kvrescue_cli.search import METHODS, Controller, Finished, SearchSettings
 
@@ -155,7 +155,7 @@ def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool
     now = time.time()
     return Trace(
         idx=state.idx, problem=problem.problem, gt=problem.gt, gt_norm=gt_norm,
-        steps=[Step(**step) for step in state.steps], candidates=candidates, output=finished.output,
+        steps=state.steps, candidates=candidates, output=finished.output,
         pred=pred, correct=correct, timed_out=timed_out, stop=state.stop, skip_reason=None, tokens=tokens,
         n_steps=len(state.steps),
         timings={"wall_s": finished.wall_s, "started_at": state.started, "finished_at": now},

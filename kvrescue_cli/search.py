@@ -20,6 +20,7 @@ from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.sampling import SamplingParams, sample
 from kvrescue_cli.engine.steps import CandidateStep, StepLimits
 from kvrescue_cli.engine.scoring import Scorer
+from kvrescue_cli.outputs import Step
 from kvrescue_cli.prompts import STEP_DELIMITER
 
 
@@ -102,7 +103,7 @@ class ProblemState:
     logits: dict[str, torch.Tensor]
     started: float
     committed: list[int] = field(default_factory=list)
-    steps: list[dict] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
     candidates: list[CandidateState] = field(default_factory=list)
     history: list[list[CandidateState]] = field(default_factory=list)
     generated: dict[str, int] = field(default_factory=lambda: {"base": 0, "helper": 0})
@@ -237,8 +238,7 @@ class Controller:
             winner = max(scored, key=lambda c: c.score)  # max keeps the first on ties: base before helper
             winner.committed = True
             no_survivor = all(c.detector is not None and c.detector.fired for c in problem.candidates)
-            problem.steps.append({"text": winner.text, "source": winner.source, "score": winner.score,
-                                  "tokens": len(winner.tokens), "no_survivor": no_survivor})
+            problem.steps.append(Step(winner.text, winner.source, winner.score, len(winner.tokens), no_survivor))
             problem.committed += winner.tokens
             self.scorer.commit(problem.idx, winner.text, winner.tokens)
             for name, runner in self.runners.items():
@@ -277,5 +277,5 @@ class Controller:
                 peak = runner.peak_rows(problem.rows[name])
             runner.cache.release([problem.rows[name]])
         tokens, truncations = self.scorer.close(problem.idx)
-        output = "".join(step["text"] for step in problem.steps)
+        output = "".join(step.text for step in problem.steps)
         return Finished(problem, output, time.time() - problem.started, peak, tokens, truncations)
