@@ -15,6 +15,7 @@ import torch
 
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import LoadedModel
+from kvrescue_cli.engine.steps import append_tokens
 from kvrescue_cli.prompts import STEP_DELIMITER, SYSTEM_PROMPT, chatml
 
 STEP_TAG = "<extra_0>"
@@ -111,8 +112,7 @@ class PRMScorer:
         return self.prm.tokenizer.encode(prm_step_text(text), add_special_tokens=False) + [self.sep]
 
     def _append(self, row: int, tokens: list[int]) -> None:
-        batch = torch.tensor([tokens], device=self.prm.device)
-        self.prm.net.prefill(batch, self.cache, [row], [len(tokens)])
+        append_tokens(self.prm, self.cache, [row], [tokens])
 
     def open(self, key: int, problem: str, prompt: list[int] | None = None) -> None:
         """Start following a problem: encode and cache its prompt (the policy's `prompt` tokens are not needed)."""
@@ -155,16 +155,12 @@ class PRMScorer:
             keys = [requests[i][0] for i in chunk]
             rows = [self.cache.fork(self.problems[key].row, 1)[0] for key in keys]
             try:
-                batch = torch.zeros(len(rows), max(len(suffixes[i]) for i in chunk), dtype=torch.long)
-                for j, i in enumerate(chunk):
-                    batch[j, : len(suffixes[i])] = torch.tensor(suffixes[i])
-                n_new = [len(suffixes[i]) for i in chunk]
-                head = self.prm.net.prefill(batch.to(self.prm.device), self.cache, rows, n_new)
+                head = append_tokens(self.prm, self.cache, rows, [suffixes[i] for i in chunk])
             finally:
                 self.cache.release(rows)
-            scores += torch.softmax(head.float(), dim=-1)[:, 1].tolist()
-            for key, n in zip(keys, n_new):
-                self.problems[key].processed += n
+            scores += torch.softmax(head, dim=-1)[:, 1].tolist()
+            for key, i in zip(keys, chunk):
+                self.problems[key].processed += len(suffixes[i])
         return scores
 
     def _chunks(self, suffixes: list[list[int]]) -> list[list[int]]:

@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from kvrescue_cli.engine.runner import Runner
+from kvrescue_cli.engine.steps import append_tokens
 
 Request = tuple[int, str, list[int]]  # (problem key, candidate text, candidate tokens)
 
@@ -58,13 +59,8 @@ class HelperLoglik:
     def score(self, requests: list[Request]) -> list[float]:
         forks = [self.runner.cache.fork(self.rows[key], 1)[0] for key, _, _ in requests]
         try:
-            token_lists = [tokens for _, _, tokens in requests]
-            width = max(len(t) for t in token_lists)
-            batch = torch.zeros(len(requests), width, dtype=torch.long)
-            for i, tokens in enumerate(token_lists):
-                batch[i, : len(tokens)] = torch.tensor(tokens)
-            logits = self.runner.model.net.prefill(batch.to(self.runner.model.device), self.runner.cache, forks,
-                                                   [len(t) for t in token_lists], last_only=False).float()
+            logits = append_tokens(self.runner.model, self.runner.cache, forks,
+                                   [tokens for _, _, tokens in requests], last_only=False)
         finally:
             self.runner.cache.release(forks)
         scores = []

@@ -108,15 +108,19 @@ class CandidateStep:
 
 
 @torch.inference_mode()
-def append_tokens(model: LoadedModel, cache: KVCache, rows: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Append token_lists[i] (non-empty) to rows[i] in one forward; fp32 logits after each row's last token [R, V]."""
+def append_tokens(model: LoadedModel, cache: KVCache, rows: Sequence[int], token_lists: Sequence[Sequence[int]],
+                  last_only: bool = True) -> torch.Tensor:
+    """Append token_lists[i] (non-empty) to rows[i] in one forward (right padded).
+
+    Returns fp32 head outputs after each row's last token [R, V], or at every position [R, T, V].
+    """
     n_new = [len(t) for t in token_lists]
     if min(n_new) < 1:
         raise ValueError("append_tokens: every row needs at least one token")
     batch = torch.zeros(len(rows), max(n_new), dtype=torch.long)
     for i, tokens in enumerate(token_lists):
         batch[i, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.long)
-    return model.net.prefill(batch.to(model.device), cache, list(rows), n_new).float()
+    return model.net.prefill(batch.to(model.device), cache, list(rows), n_new, last_only).float()
 
 
 @torch.inference_mode()
