@@ -1,34 +1,46 @@
 """One-call GPU check: engine logits vs transformers, decode tokens/s, problems/min, and the roofline.
 
-    python benchmarks/gpu_check.py --out gpu_check.json          # a lent GPU, under 8 minutes
-    python benchmarks/gpu_check.py --tiny --out /tmp/check.json   # the CPU, tiny shapes, well under a minute
+    python benchmarks/gpu_check.py --out gpu_check.json --budget-s 150   # a lent GPU: about 3 minutes
+    python benchmarks/gpu_check.py --tiny --out /tmp/check.json          # the CPU, tiny shapes
 
 Every model has random weights in the shape of a real one (the config values below; nothing is
-downloaded). Writes one JSON object:
+downloaded). Sections, in this order:
+- `roofline`: the measured device-to-device copy bandwidth.
 - `logits`: this engine vs transformers on a random Qwen2.5-0.5B-shaped Qwen2, in the run's dtype: a
   plain forward, and a prefill plus one-token decode steps through the static (CUDA-graph) path of the
   bounded cache; max/mean |difference|, cosine, top-1 agreement and `ok` under the dtype's tolerance.
 - `decode`: tokens/s of one-token decode steps with Qwen2.5-Math-7B's shape, rows 64/256/512, rkv at
   budgets 64 and 512 and `none`, context 1k and 4k, with and without CUDA graphs, and transformers
-  `generate` at the same rows and context; each with its memory-bandwidth roofline (bytes a step must
-  read over the measured copy bandwidth) and the share of it reached. Shapes that don't fit in memory
-  are listed with the reason.
-- `problems`: problems/min of bon, kvrescue and full (`kvrescue run`'s code path) on 64 problems, N = 8,
-  B = 64, random 7B/1.5B/PRM-7B-shaped models, synthetic steps 32:20.
-- `roofline`: the measured device-to-device copy bandwidth.
-Sections run in that order but (2) last: its measurements not started within `--budget-s` (450 s) of the
-start are listed as skipped, so the check ends in under 8 minutes; each section is written as it ends.
+  `generate` at the same rows and context. Both sides do the same work per token: a forward, fp32
+  logits, and top-k/top-p sampling at the paper's settings (this engine also pays its entropy). Each
+  with its memory-bandwidth roofline (bytes a step must read over the measured copy bandwidth) and the
+  share of it reached. Shapes that don't fit in memory are listed with the reason.
+- `problems`: problems/min of bon and kvrescue with and without CUDA graphs, and full (which never
+  uses them), through `kvrescue run`'s decode code, N = 8, B = 64, random 7B/1.5B/PRM-7B-shaped
+  models, synthetic steps, after one warm-up problem.
+
+Time: every measurement is bounded by `--budget-s` (seconds from the start). Measurements not started
+in time are recorded as skipped (decode ones past DECODE_SHARE of the budget, the others past all of
+it); a measurement still running at the end of the budget (or, for a problems measurement, at the end
+of its equal share of what is left) is interrupted: a problems measurement keeps the problems that
+finished and records how many were cut. Each measurement prints one line as it ends and rewrites the
+JSON, so a killed check keeps what it measured; a table of every result ends the run.
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import gc
 import json
 import platform
-import sys
-import tempfile
+import threading
 import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -38,8 +50,9 @@ from kvrescue_cli.engine.graphs import SPAN_STEP, StaticDecode, flash_attn_with_
 from kvrescue_cli.engine.loader import LoadedModel, _build
 from kvrescue_cli.engine.model import CausalLM, ModelArgs, ProcessRewardModel, Transformer
 from kvrescue_cli.engine.random_checkpoints import build_tokenizer
-from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.runs import Cell, GridOptions, run_cell
+from kvrescue_cli.engine.sampling import SamplingParams, sample
+from kvrescue_cli.outputs import Trace
+from kvrescue_cli.runs import Cell, GridOptions, decode
 from kvrescue_cli.search import SearchSettings
 
 # Hugging Face config values (config.json) of the models whose shapes are measured.
@@ -53,10 +66,14 @@ QWEN25_MATH_PRM_7B = QWEN25_MATH_7B
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False)
 
-FULL = dict(rows=(64, 256, 512), budgets=(64, 512), contexts=(1024, 4096), steps=32, problems=64, n=8, batch=64,
-            synthetic=(32, 20), logit_tokens=256)
+FULL = dict(rows=(64, 256, 512), budgets=(64, 512), contexts=(1024, 4096), steps=32, problems=64, n=8, batch=8,
+            budget=64, synthetic=(32, 6), logit_tokens=256)
 SMALL = dict(rows=(4, 8), budgets=(16,), contexts=(64, 160), steps=4, problems=4, n=2, batch=2,
-             synthetic=(4, 2), logit_tokens=24)
+             budget=16, synthetic=(4, 2), logit_tokens=24)
+DECODE_SHARE = 0.5  # decode measurements start only in the first half of the budget; problems get the rest
+PARAMS = SamplingParams()  # the paper's sampling, on both sides of every decode comparison
+# (method, CUDA graphs) of the problems section, each pair alternating its order
+PROBLEM_RUNS = (("bon", True), ("bon", False), ("full", False), ("kvrescue", False), ("kvrescue", True))
 
 
 def hf_config(shape: dict, tokenizer=None):
@@ -108,7 +125,7 @@ def timed(device: str, fn, repeat: int = 1) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-# -- (4) the roofline ---------------------------------------------------------------------------------
+# -- the roofline -------------------------------------------------------------------------------------
 def copy_bandwidth(device: str, tiny: bool) -> dict:
     """Device-to-device copy bandwidth: bytes read + written per second."""
     n = (64 if tiny else 2048) * 2**20
@@ -118,7 +135,14 @@ def copy_bandwidth(device: str, tiny: bool) -> dict:
     return {"bytes": n, "seconds": seconds, "bytes_per_s": 2 * n / seconds}
 
 
-# -- (1) logits ---------------------------------------------------------------------------------------
+def roofline(rate: float, rows: int, step_bytes: float, bandwidth: float | None) -> dict:
+    """A decode rate next to its bound: every step reads the weights and each row's cached K/V once."""
+    bound = rows * bandwidth / step_bytes if bandwidth else None
+    return {"tokens_per_s": rate, "step_bytes": step_bytes, "roofline_tokens_per_s": bound,
+            "of_roofline": rate / bound if bound else None}
+
+
+# -- logits -------------------------------------------------------------------------------------------
 def check_logits(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dict:
     """Engine vs transformers logits: a plain forward, then prefill + static decode steps."""
     shape = TINY if tiny else QWEN25_05B
@@ -133,9 +157,9 @@ def check_logits(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dic
         cache = BoundedCache.for_model(net, budget=64, policy="none", max_append=tokens, rows=4)
         rows = [cache.create() for _ in range(2)]
         steps = [net.prefill(ids[:, :prefix], cache, rows, [prefix] * 2).float()]
-        decode = StaticDecode(net, cache, graphs=device.startswith("cuda"))
+        decode_step = StaticDecode(net, cache, graphs=device.startswith("cuda"))
         for t in range(prefix, tokens - 1):
-            steps.append(decode(rows, ids[:, t].tolist()).float())
+            steps.append(decode_step(rows, ids[:, t].tolist()).float())
     stepped = torch.stack(steps, dim=1)
 
     def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -158,7 +182,7 @@ def check_logits(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dic
     return result
 
 
-# -- (2) decode tokens/s ------------------------------------------------------------------------------
+# -- decode tokens/s ----------------------------------------------------------------------------------
 def filled_cache(net: Transformer, policy: str, budget: int, rows: int, context: int, steps: int) -> tuple[BoundedCache, list[int]]:
     """A cache whose rows look prefilled with `context` tokens (random K/V, no prefill run): an evicting
     row holds between `budget` and B' - 1 entries, staggered so compressions spread as in steady decoding."""
@@ -178,27 +202,35 @@ def filled_cache(net: Transformer, policy: str, budget: int, rows: int, context:
 
 def decode_rate(net: Transformer, device: str, policy: str, budget: int, rows: int, context: int, steps: int,
                 graphs: bool) -> float:
-    """Tokens/s of `steps` one-token decode steps over `rows` rows."""
+    """Tokens/s of `steps` one-token decode steps over `rows` rows, each sampling its next token from
+    the fp32 logits (with the entropy) as the controller does."""
     cache, ids = filled_cache(net, policy, budget, rows, context, steps)
     tokens = torch.randint(0, net.args.vocab_size, (rows,)).tolist()
-    if graphs:
-        step = StaticDecode(net, cache, graphs=True)
-        run = lambda: step(ids, tokens)  # noqa: E731
-    else:
-        batch = torch.tensor(tokens, device=device)
-        run = lambda: net.decode(batch, cache, ids)  # noqa: E731
+    keys = [(0, 0, 0, r) for r in range(rows)]
+    static = StaticDecode(net, cache, graphs=True) if graphs else None
+
+    def step(t: int) -> None:
+        nonlocal tokens
+        if static is not None:
+            logits = static(ids, tokens)
+        else:
+            logits = net.decode(torch.tensor(tokens, device=device), cache, ids)
+        picked, _ = sample(logits.float(), keys, [t] * rows, PARAMS)
+        tokens = picked.tolist()
+
     with torch.inference_mode():
-        run()  # warm-up (and capture)
+        step(0)  # warm-up (and capture)
         sync(device)
         start = time.perf_counter()
-        for _ in range(steps):
-            run()
+        for t in range(1, steps + 1):
+            step(t)
         sync(device)
     return rows * steps / (time.perf_counter() - start)
 
 
 def hf_rate(hf, device: str, dtype: torch.dtype, rows: int, context: int, steps: int) -> float:
-    """Tokens/s of transformers `generate` (greedy, `steps` new tokens) over a cache prefilled with random K/V."""
+    """Tokens/s of transformers `generate` (sampling at the paper's settings, `steps` new tokens) over a
+    cache prefilled with random K/V."""
     from transformers import DynamicCache
 
     cfg = hf.config
@@ -213,7 +245,8 @@ def hf_rate(hf, device: str, dtype: torch.dtype, rows: int, context: int, steps:
 
     def generate(cache, ids) -> None:
         hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=steps,
-                    min_new_tokens=steps, do_sample=False, pad_token_id=0)
+                    min_new_tokens=steps, do_sample=True, temperature=PARAMS.temperature, top_p=PARAMS.top_p,
+                    top_k=PARAMS.top_k, pad_token_id=0)
 
     with torch.inference_mode():
         generate(*prefilled())  # warm-up
@@ -229,97 +262,228 @@ def free_bytes(device: str) -> float:
     return torch.cuda.mem_get_info(device)[0] if device.startswith("cuda") else float("inf")
 
 
-def skip_reason(device: str, need: float, deadline: float) -> str | None:
-    """Why a decode measurement is not taken: past the check's time budget, or a cache that would not fit."""
-    if time.perf_counter() > deadline:
-        return "out of the check's time budget"
-    if need > 0.8 * free_bytes(device):
-        return f"needs {need / 2**30:.0f} GiB of KV cache"
-    return None
+def too_big(device: str, need: float) -> str | None:
+    """Why a cache of `need` bytes is not built, or None when it fits."""
+    return f"needs {need / 2**30:.0f} GiB of KV cache" if need > 0.8 * free_bytes(device) else None
 
 
-def measure_decode(device: str, dtype: torch.dtype, tiny: bool, plan: dict, bandwidth: float,
-                   deadline: float) -> list[dict]:
-    """Every decode configuration of (2), with its roofline; those not started by `deadline` are listed as skipped."""
+def decode_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> None:
+    """Every decode configuration, with its roofline; each recorded as it ends. The models are built at
+    the first measurement taken."""
     shape = TINY if tiny else QWEN25_MATH_7B
-    hf = hf_model(shape, device, dtype, seed=2)
-    net = _build(dict(hf.state_dict()), {**hf.config.to_dict(), "model_type": "qwen2"}, dtype, device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    probe = BoundedCache.for_model(net, budget=plan["budgets"][0], rows=1, max_append=1)
-    entry = probe.bytes_per_entry()
-    del probe
+    built: dict[str, Any] = {}
+
+    def models() -> tuple[Any, Transformer, int]:
+        if not built:
+            built["hf"] = hf = hf_model(shape, device, dtype, seed=2)
+            built["net"] = _build(dict(hf.state_dict()), {**hf.config.to_dict(), "model_type": "qwen2"}, dtype, device)
+            built["weight_bytes"] = sum(p.numel() * p.element_size() for p in built["net"].parameters())
+        return built["hf"], built["net"], built["weight_bytes"]
+
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    entry = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * dtype.itemsize  # K + V bytes
+    bandwidth = check.report.get("roofline", {}).get("bytes_per_s")
+    deadline = check.deadline(DECODE_SHARE)
     caches = [("rkv", b) for b in plan["budgets"]] + [("none", None)]
-    results = []
     for rows in plan["rows"]:
         for context in plan["contexts"]:
             for policy, budget in caches:
                 held = context + plan["steps"] if policy == "none" else budget + 128
                 mean_read = context + plan["steps"] / 2 if policy == "none" else budget + 64
-                need = rows * held * entry
                 for graphs in (False, True):
                     record = {"engine": "kvrescue", "rows": rows, "context": context, "evictor": policy,
                               "budget": budget, "cuda_graphs": graphs}
                     if graphs and not device.startswith("cuda"):
-                        results.append({**record, "skipped": "CUDA graphs need a GPU"})
+                        check.add("decode", {**record, "skipped": "CUDA graphs need a GPU"})
                         continue
-                    if reason := skip_reason(device, need, deadline):
-                        results.append({**record, "skipped": reason})
-                        continue
-                    rate = decode_rate(net, device, policy, budget or 64, rows, context, plan["steps"], graphs)
-                    results.append({**record, **roofline(rate, rows, weight_bytes + rows * mean_read * entry, bandwidth)})
-                    if device.startswith("cuda"):
-                        torch.cuda.empty_cache()
+                    check.measure("decode", record, deadline, lambda: roofline(
+                        decode_rate(models()[1], device, policy, budget or 64, rows, context, plan["steps"], graphs),
+                        rows, models()[2] + rows * mean_read * entry, bandwidth), too_big(device, rows * held * entry))
             record = {"engine": "transformers-generate", "rows": rows, "context": context, "evictor": "none",
                       "budget": None, "cuda_graphs": False}
             need = 2 * rows * (context + plan["steps"]) * entry  # generate's cache grows by concatenation
-            if reason := skip_reason(device, need, deadline):
-                results.append({**record, "skipped": reason})
-                continue
-            rate = hf_rate(hf, device, dtype, rows, context, plan["steps"])
             mean_read = context + plan["steps"] / 2
-            results.append({**record, **roofline(rate, rows, weight_bytes + rows * mean_read * entry, bandwidth)})
-    return results
+            check.measure("decode", record, deadline, lambda: roofline(
+                hf_rate(models()[0], device, dtype, rows, context, plan["steps"]), rows,
+                models()[2] + rows * mean_read * entry, bandwidth), too_big(device, need))
 
 
-def roofline(rate: float, rows: int, step_bytes: float, bandwidth: float) -> dict:
-    """A decode rate next to its bound: every step reads the weights and each row's cached K/V once."""
-    bound = rows * bandwidth / step_bytes
-    return {"tokens_per_s": rate, "step_bytes": step_bytes, "roofline_tokens_per_s": bound, "of_roofline": rate / bound}
+# -- problems/min -------------------------------------------------------------------------------------
+def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems: ProblemSet, method: str,
+                  plan: dict, stop_at: float) -> dict:
+    """Problems/min of one method over `problems` (pulled as slots free up), until all are done or `stop_at`."""
+    cell = Cell(problems, method, None if method == "full" else plan["budget"], plan["n"], 0)
+    finished: list[tuple[Trace, float]] = []
+    start = time.perf_counter()
+    with interrupted_at(stop_at) as cut:
+        decode(options, cell, models, iter(problems.problems),
+               lambda trace, _: finished.append((trace, time.perf_counter())))
+    result: dict[str, Any] = {"problems": len(finished), "batch": options.settings.batch,
+                              "cut": cut(), "cut_after_s": time.perf_counter() - start if cut() else None}
+    if not finished:
+        return {**result, "skipped": f"no problem finished in {time.perf_counter() - start:.0f} s"}
+    seconds = finished[-1][1] - start
+    traces = [t for t, _ in finished]
+    return {**result, "seconds": seconds, "problems_per_min": len(finished) * 60 / seconds,
+            "base_tokens_per_problem": sum(t.tokens.base for t in traces) / len(traces),
+            "helper_tokens_per_problem": sum(t.tokens.helper for t in traces) / len(traces),
+            "peak_base_rows": max(t.peak_base_rows for t in traces)}
 
 
-# -- (3) problems/min ---------------------------------------------------------------------------------
-def measure_problems(device: str, dtype: torch.dtype, tiny: bool, plan: dict, graphs: bool) -> list[dict]:
-    """problems/min of bon, kvrescue and full through `kvrescue run`'s cell code, with synthetic steps."""
-    from rich.progress import Progress
-
+def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> None:
+    """problems/min of bon and kvrescue with and without CUDA graphs, and full, after a warm-up problem."""
     tokenizer = build_tokenizer(512)
     shapes = {"base": TINY if tiny else QWEN25_MATH_7B, "helper": TINY if tiny else QWEN25_MATH_15B,
               "prm": TINY if tiny else QWEN25_MATH_PRM_7B}
-    models = {}
-    for seed, (role, shape) in enumerate(shapes.items()):
-        net = random_engine(shape, device, dtype, seed=10 + seed, prm=role == "prm")
-        models[role] = LoadedModel(net, tokenizer, hf_config(shape, tokenizer).to_dict(), f"random-{role}",
-                                   [tokenizer.eos_token_id])
+    built: dict[str, LoadedModel] = {}
+
+    def models() -> dict[str, LoadedModel]:
+        for seed, (role, shape) in enumerate(shapes.items()):
+            if role not in built:
+                net = random_engine(shape, device, dtype, seed=10 + seed, prm=role == "prm")
+                built[role] = LoadedModel(net, tokenizer, hf_config(shape, tokenizer).to_dict(), f"random-{role}",
+                                          [tokenizer.eos_token_id])
+        return built
+
     problems = [Problem(i, f"What is {i} + {2 * i}? Let x be the answer.", str(3 * i), {}) for i in range(plan["problems"])]
     problem_set = ProblemSet("synthetic", "generic", "gpu_check", problems)
-    settings = SearchSettings(sampling=SamplingParams(), batch=plan["batch"], synthetic_steps=plan["synthetic"],
+    settings = SearchSettings(sampling=PARAMS, batch=plan["batch"], synthetic_steps=plan["synthetic"],
                               max_step_tokens=plan["synthetic"][0], context_cap=4096)
-    results = []
-    with tempfile.TemporaryDirectory() as out:
-        options = GridOptions(benches=["synthetic"], methods=["bon", "kvrescue", "full"], budgets=[64], ns=[plan["n"]],
-                              seeds=[0], evictor="rkv", models={r: f"random-{r}" for r in shapes}, scorer="prm",
-                              settings=settings, out=Path(out), devices=(device,), dtype=str(dtype).removeprefix("torch."),
-                              cuda_graphs=graphs)
-        for method in ("bon", "kvrescue", "full"):
-            cell = Cell(problem_set, method, None if method == "full" else 64, plan["n"], 0)
-            start = time.perf_counter()
-            summary = run_cell(options, cell, models, Progress(disable=True))
-            seconds = time.perf_counter() - start
-            results.append({"method": method, "problems": summary.problems, "n": plan["n"], "budget": cell.budget,
-                            "seconds": seconds, "problems_per_min": summary.problems * 60 / seconds,
-                            "base_tokens_per_problem": summary.base_tokens,
-                            "helper_tokens_per_problem": summary.helper_tokens, "peak_base_rows": summary.peak_base_rows})
-    return results
+    options = GridOptions(benches=["synthetic"], methods=["bon", "kvrescue", "full"], budgets=[plan["budget"]],
+                          ns=[plan["n"]], seeds=[0], evictor="rkv", models={r: f"random-{r}" for r in shapes},
+                          scorer="prm", settings=settings, out=Path("unused"), devices=(device,),
+                          dtype=str(dtype).removeprefix("torch."))
+    end = check.deadline(1.0)
+    warm = replace(options, settings=replace(settings, synthetic_steps=(plan["synthetic"][0], 1)))
+    check.measure("problems", {"method": "kvrescue", "cuda_graphs": False, "warm_up": True}, end, lambda: problems_rate(
+        warm, models(), replace(problem_set, problems=problems[:1]), "kvrescue", plan, end), interrupt=False)
+    for i, (method, graphs) in enumerate(PROBLEM_RUNS):
+        record = {"method": method, "cuda_graphs": graphs, "n": plan["n"],
+                  "budget": None if method == "full" else plan["budget"], "synthetic_steps": list(plan["synthetic"])}
+        if graphs and not device.startswith("cuda"):
+            check.add("problems", {**record, "skipped": "CUDA graphs need a GPU"})
+            continue
+        share = time.perf_counter() + (end - time.perf_counter()) / (len(PROBLEM_RUNS) - i)
+        check.measure("problems", record, end, lambda: problems_rate(
+            replace(options, cuda_graphs=graphs), models(), problem_set, method, plan, share), interrupt=False)
+
+
+# -- recording ----------------------------------------------------------------------------------------
+@contextmanager
+def interrupted_at(deadline: float | None) -> Iterator[Callable[[], bool]]:
+    """Run the body until `deadline` (None: no limit) at most: then it is interrupted (KeyboardInterrupt in
+    this thread) and the context ends normally; the yielded function tells whether that happened. A real
+    Ctrl-C propagates."""
+    lock, state = threading.Lock(), {"done": False, "fired": False}
+
+    def fire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                _thread.interrupt_main()
+
+    timer = threading.Timer(max(0.0, deadline - time.perf_counter()), fire) if deadline is not None else None
+    if timer is not None:
+        timer.start()
+    try:
+        yield lambda: state["fired"]
+        with lock:
+            state["done"] = True
+    except KeyboardInterrupt:
+        with lock:
+            state["done"] = True
+        if not state["fired"]:
+            raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+class Check:
+    """The report being measured: each measurement is recorded, printed and written as soon as it ends."""
+
+    def __init__(self, out: Path, report: dict, budget_s: float) -> None:
+        self.out, self.report, self.budget_s = out, report, budget_s
+        self.started = time.perf_counter()
+
+    def deadline(self, share: float) -> float:
+        """The time by which `share` of the budget has passed."""
+        return self.started + share * self.budget_s
+
+    def measure(self, section: str, record: dict, start_by: float, fn: Callable[[], dict],
+                skip: str | None = None, interrupt: bool = True) -> None:
+        """Record `record` with what `fn` measured, or with why it was skipped (`skip`, or past `start_by`).
+        `fn` is interrupted at the end of the budget unless it bounds itself (`interrupt` False); an error
+        is recorded, not raised."""
+        now = time.perf_counter()
+        if skip is None and now > start_by:
+            skip = f"not started: {now - self.started:.0f} s of the {self.budget_s:.0f} s budget had passed"
+        if skip is not None:
+            self.add(section, {**record, "skipped": skip})
+            return
+        result: dict = {}
+        try:
+            with interrupted_at(self.deadline(1.0) if interrupt else None) as cut:
+                result = fn()
+            if cut() and not result:
+                result = {"skipped": f"interrupted at the end of the {self.budget_s:.0f} s budget"}
+        except Exception as err:  # noqa: BLE001 - one failed measurement must not cost the others
+            traceback.print_exc()
+            result = {"skipped": f"failed: {type(err).__name__}: {err}"[:300]}
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        self.add(section, {**record, **result, "seconds_taken": time.perf_counter() - now})
+
+    def add(self, section: str, record: dict) -> None:
+        """Keep one result (a list entry, or the section itself for roofline and logits), write, print."""
+        if section in ("roofline", "logits"):
+            self.report[section] = record
+        else:
+            self.report.setdefault(section, []).append(record)
+        self.report["elapsed_s"] = time.perf_counter() - self.started
+        self.out.write_text(json.dumps(self.report, indent=2) + "\n")
+        print(f"[{self.report['elapsed_s']:6.1f} s] {section}: {describe(section, record)}", flush=True)
+
+
+def describe(section: str, r: dict) -> str:
+    """One line for one result."""
+    if section == "roofline":
+        what = "copy bandwidth"
+    elif section == "logits":
+        what = f"{r.get('shape', '')} {r.get('dtype', '')}"
+    elif section == "decode":
+        budget = f" B={r['budget']}" if r["budget"] else ""
+        what = (f"{r['engine']} rows={r['rows']} ctx={r['context']} {r['evictor']}{budget}"
+                f" graphs={'on' if r['cuda_graphs'] else 'off'}")
+    else:
+        budget = f" B={r['budget']}" if r.get("budget") else ""
+        what = f"{r['method']}{budget} graphs={'on' if r['cuda_graphs'] else 'off'}{' (warm-up)' if r.get('warm_up') else ''}"
+    if "skipped" in r:
+        return f"{what}: skipped ({r['skipped']})"
+    if section == "roofline":
+        return f"{what}: {r['bytes_per_s'] / 1e9:.1f} GB/s"
+    if section == "logits":
+        return (f"{what}: ok={r['ok']} forward max|d|={r['forward']['max_abs']:.2e} top1={r['forward']['top1_agreement']:.3f}, "
+                f"decode max|d|={r['prefill_then_decode']['max_abs']:.2e} top1={r['prefill_then_decode']['top1_agreement']:.3f}")
+    if section == "decode":
+        share = f" ({100 * r['of_roofline']:.1f}% of roofline)" if r["of_roofline"] is not None else ""
+        return f"{what}: {r['tokens_per_s']:.1f} tok/s{share}"
+    cut = f", {r['problems']} finished before the cut" if r["cut"] else ""
+    return f"{what}: {r['problems']} problems in {r['seconds']:.1f} s = {r['problems_per_min']:.2f}/min{cut}"
+
+
+def table(report: dict) -> str:
+    """Every result, one line each, grouped by section."""
+    lines = ["", f"gpu_check on {report['device']} ({report['dtype']}), {report.get('elapsed_s', 0):.0f} s:"]
+    for section in ("roofline", "logits", "decode", "problems"):
+        found = report.get(section)
+        if found is None:
+            continue
+        lines.append(f"  {section}")
+        lines += [f"    {describe(section, r)}" for r in (found if isinstance(found, list) else [found])]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -328,8 +492,8 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (always cpu with --tiny)")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--skip", default="", help="comma list of sections to leave out: logits,decode,problems")
-    parser.add_argument("--budget-s", type=float, default=450.0,
-                        help="decode measurements not started by then (from the start) are listed as skipped")
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="seconds from the start within which every measurement starts and ends (see the top)")
     args = parser.parse_args()
     device = "cpu" if args.tiny else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -337,28 +501,18 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     report: dict = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or "cpu",
                     "torch": torch.__version__, "tiny": args.tiny, "dtype": str(dtype).removeprefix("torch."),
-                    "flash_attn": flash_attn_with_kvcache is not None, "seconds": {}}
-    started = time.perf_counter()
-
-    def section(name: str, fn) -> None:
-        if name in skip:
-            return
-        t = time.perf_counter()
-        report[name] = fn()
-        report["seconds"][name] = time.perf_counter() - t
-        args.out.write_text(json.dumps(report, indent=2) + "\n")  # each section lands even if a later one fails
-        print(f"{name}: {report['seconds'][name]:.1f} s", file=sys.stderr)
-
-    section("roofline", lambda: copy_bandwidth(device, args.tiny))
-    bandwidth = report["roofline"]["bytes_per_s"]
-    section("logits", lambda: check_logits(device, dtype, args.tiny, plan))
-    section("problems", lambda: measure_problems(device, dtype, args.tiny, plan, graphs=True))
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    section("decode", lambda: measure_decode(device, dtype, args.tiny, plan, bandwidth, started + args.budget_s))
-    report["seconds"]["total"] = time.perf_counter() - started
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} in {report['seconds']['total']:.1f} s", file=sys.stderr)
+                    "flash_attn": flash_attn_with_kvcache is not None, "budget_s": args.budget_s}
+    check = Check(args.out, report, args.budget_s)
+    end = check.deadline(1.0)
+    check.measure("roofline", {}, end, lambda: copy_bandwidth(device, args.tiny))
+    if "logits" not in skip:
+        check.measure("logits", {}, end, lambda: check_logits(device, dtype, args.tiny, plan))
+    if "decode" not in skip:
+        decode_section(check, device, dtype, args.tiny, plan)
+    if "problems" not in skip:
+        problems_section(check, device, dtype, args.tiny, plan)
+    print(table(report), flush=True)
+    print(f"wrote {args.out} in {time.perf_counter() - check.started:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

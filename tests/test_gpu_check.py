@@ -1,26 +1,85 @@
-"""`benchmarks/gpu_check.py --tiny`: the one-call GPU check runs end to end on the CPU with tiny shapes."""
+"""`benchmarks/gpu_check.py --tiny`: the one-call GPU check runs end to end on the CPU with tiny shapes,
+its roofline arithmetic is right, and its time budget bounds every section."""
 
+import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+# The tiny shape's engine in fp32, counted here from its config: embeddings + untied head + 2 layers + final norm.
+H, KV, INTER, VOCAB, LAYERS = 64, 32, 128, 1024, 2
+TINY_WEIGHT_BYTES = 4 * (2 * VOCAB * H + LAYERS * (H * H + H + 2 * (H * KV + KV) + H * H + 3 * H * INTER + 2 * H) + H)
+TINY_ENTRY_BYTES = 2 * LAYERS * KV * 4  # K and V of one token, all layers, fp32
+
+
+def gpu_check(tmp_path: Path, *args: str) -> tuple[dict, list[str]]:
+    out = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *args], capture_output=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return json.loads(out.read_text()), done.stdout.decode().splitlines()
 
 
 def test_gpu_check_tiny_runs_end_to_end(tmp_path):
-    out = tmp_path / "check.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out)], capture_output=True, timeout=600)
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    report = json.loads(out.read_text())
-    assert report["tiny"] and report["roofline"]["bytes_per_s"] > 0
+    report, lines = gpu_check(tmp_path, "--budget-s", "600")
+    bandwidth = report["roofline"]["bytes_per_s"]
+    assert report["tiny"] and bandwidth == 2 * report["roofline"]["bytes"] / report["roofline"]["seconds"]
     logits = report["logits"]
     assert logits["ok"], logits
     assert logits["prefill_then_decode"]["top1_agreement"] == 1.0
     measured = [d for d in report["decode"] if "skipped" not in d]
     assert {d["engine"] for d in measured} == {"kvrescue", "transformers-generate"}
     assert {d["evictor"] for d in measured} == {"rkv", "none"}
-    assert all(d["tokens_per_s"] > 0 and 0 < d["of_roofline"] for d in measured)
+    assert len(measured) == 2 * 2 * 3  # rows x contexts x (rkv, none, generate)
+    for d in measured:  # every step reads the weights and each row's mean cache once
+        steps = 4
+        mean_read = d["context"] + steps / 2 if d["evictor"] == "none" else d["budget"] + 64
+        assert d["step_bytes"] == TINY_WEIGHT_BYTES + d["rows"] * mean_read * TINY_ENTRY_BYTES
+        assert d["roofline_tokens_per_s"] == pytest.approx(d["rows"] * bandwidth / d["step_bytes"])
+        assert d["of_roofline"] == pytest.approx(d["tokens_per_s"] / d["roofline_tokens_per_s"])
     assert all(d["skipped"] == "CUDA graphs need a GPU" for d in report["decode"] if d["cuda_graphs"])
-    assert [(p["method"], p["problems"]) for p in report["problems"]] == [("bon", 4), ("kvrescue", 4), ("full", 4)]
-    assert all(p["problems_per_min"] > 0 for p in report["problems"])
+    runs = {(p["method"], p["cuda_graphs"]): p for p in report["problems"] if not p.get("warm_up")}
+    assert set(runs) == {("bon", True), ("bon", False), ("full", False), ("kvrescue", False), ("kvrescue", True)}
+    assert runs[("bon", True)]["skipped"] == runs[("kvrescue", True)]["skipped"] == "CUDA graphs need a GPU"
+    for method in ("bon", "full", "kvrescue"):
+        p = runs[(method, False)]
+        assert p["problems"] == 4 and not p["cut"]
+        assert p["problems_per_min"] == pytest.approx(4 * 60 / p["seconds"])
+        # synthetic steps 4:2, N = 2: every candidate is 4 tokens, every problem 2 steps
+        assert p["base_tokens_per_problem"] == 2 * 2 * 4
+        assert p["helper_tokens_per_problem"] == (16 if method == "kvrescue" else 0)
+    # one flushed progress line per measurement, then the table repeats every one of them
+    progress = [line for line in lines if line.startswith("[")]
+    assert len(progress) == 2 + len(report["decode"]) + len(report["problems"])
+    table = lines[len(progress):]
+    assert sum(" tok/s " in line for line in table) == len(measured)
+    assert any("full graphs=off: 4 problems" in line for line in table)
+
+
+def test_budget_bounds_every_section(tmp_path):
+    report, lines = gpu_check(tmp_path, "--budget-s", "0")
+    records = [report["roofline"], report["logits"], *report["decode"], *report["problems"]]
+    assert len(records) == 2 + 20 + 6
+    reasons = {r["skipped"].split(":")[0] for r in records}
+    assert reasons == {"not started", "CUDA graphs need a GPU"}
+    assert all(r["of_roofline"] is None for r in report["decode"] if "of_roofline" in r)
+    assert lines[-1].startswith("wrote ")
+
+
+def test_a_measurement_is_interrupted_at_its_deadline():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    start = time.perf_counter()
+    with module.interrupted_at(start + 0.3) as cut:
+        while time.perf_counter() < start + 30:
+            time.sleep(0.01)
+    assert cut() and time.perf_counter() - start < 10
+    with module.interrupted_at(time.perf_counter() + 30) as cut:
+        pass
+    assert not cut()
