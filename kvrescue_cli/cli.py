@@ -288,6 +288,22 @@ def report(
 
 @app.command()
 @one_line_errors
+def view(
+    run_dirs: list[Path] = typer.Argument(..., help="run folders, or folders above them (e.g. runs/)"),
+    out: Path = typer.Option(Path("runs.html"), "--out", "-o", help="the HTML file to write"),
+) -> None:
+    """One self-contained HTML file (no network) to explore runs: report, problem list, step-by-step trajectories."""
+    from kvrescue_cli.view import write_view
+
+    runs, problems = write_view(run_dirs, out)
+    for problem in problems:
+        console.print(f"  {problem.path}: {problem.message}", highlight=False, soft_wrap=True)
+    console.print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB, {len(runs)} runs); open it in a browser",
+                  highlight=False)
+
+
+@app.command()
+@one_line_errors
 def cost(
     base: str = typer.Option("Qwen/Qwen2.5-Math-7B-Instruct", help="base model: Hub id, folder or config.json"),
     helper: str = typer.Option("Qwen/Qwen2.5-Math-1.5B-Instruct", help="helper model: Hub id, folder or config.json"),

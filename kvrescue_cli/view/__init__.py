@@ -1,0 +1,38 @@
+"""`kvrescue view`: one self-contained HTML file to explore run folders.
+
+It holds the report's tables and plot (from `kvrescue_cli.report`, the same code as `kvrescue report`), a
+problem list across every run with filters and search, and a page per problem: the committed trajectory
+step by step (base or helper, scores, every candidate with its finish reason and detector extremes), side
+by side with the same problem under the other runs, aligned by step. `data` builds what the page holds,
+`page` packs it into the HTML template (page.html, page.css, page.js beside this file).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+from kvrescue_cli import report as rep
+from kvrescue_cli.view.data import page_data
+from kvrescue_cli.view.page import render
+
+
+def write_view(paths: Iterable[Path | str], out: Path) -> tuple[list[rep.Run], list[rep.Problem]]:
+    """Read the run folders under `paths` and write the page to `out` atomically.
+
+    Returns the runs shown and the problems met (unusable folders, runs in progress), as `report.load_runs`.
+    """
+    runs, problems = rep.load_runs(paths)
+    html = render(page_data(runs, problems), title=f"kvrescue runs ({len(runs)} run{'s' * (len(runs) != 1)})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(html)
+        os.replace(temporary, out)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    return runs, problems

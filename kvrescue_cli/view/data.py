@@ -1,0 +1,95 @@
+"""What the explorer page holds: the report (same code and numbers as `kvrescue report`) and every trace.
+
+The page's data is one JSON object:
+    report      `report.to_json` of the runs, parsed (the numbers `kvrescue report --format json` prints).
+    tables      the report's tables as HTML, cells formatted by `report.fmt` (as the rich tables show them).
+    plot        accuracy vs budget as inline SVG (`report.plot`), or null with `plot_note` saying why.
+    runs        one record per run: id (its index), folder, bench, method, evictor, n, budget, seed,
+                scorer, synthetic, in_progress (why it is unfinished, or null), label.
+    problems    one record per (bench, idx) seen in any run: bench, idx, problem, gt, gt_norm.
+    traces      per run (same order as `runs`), its traces without the problem's text and answer
+                (kept once in `problems`) nor `output` (the steps joined).
+"""
+
+from __future__ import annotations
+
+import html
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from kvrescue_cli import report as rep
+from kvrescue_cli.outputs import Trace
+
+SHARED_FIELDS = ("problem", "gt", "gt_norm", "output")
+
+
+def run_label(run: rep.Run) -> str:
+    """method[evictor] B=.. N=.. seed=.., with a * when the run is in progress."""
+    c = run.config
+    method = c.method if c.evictor in ("rkv", "none") else f"{c.method}[{c.evictor}]"
+    budget = "" if c.budget is None else f" B={c.budget}"
+    return f"{method}{budget} N={c.n} s{c.seed}" + ("*" if run.in_progress else "")
+
+
+def tables_html(tables: list[rep.Table]) -> str:
+    """The report's tables as HTML; every cell is `report.fmt` of the value, escaped."""
+    out = []
+    for t in tables:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in t.columns)
+        body = "".join(
+            "<tr>" + "".join(f'<td class="{"text" if k == "text" else "num"}">{html.escape(rep.fmt(v, k))}</td>'
+                             for v, k in zip(row, t.kinds)) + "</tr>"
+            for row in t.rows)
+        notes = "".join(f"<li>{html.escape(n)}</li>" for n in t.notes)
+        out.append(f'<section class="report-table" data-name="{html.escape(t.name)}"><h3>{html.escape(t.title)}</h3>'
+                   f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+                   + (f"<ul class=\"notes\">{notes}</ul>" if notes else "") + "</section>")
+    return "".join(out)
+
+
+def plot_svg(runs: list[rep.Run]) -> tuple[str | None, str | None]:
+    """(the accuracy-vs-budget figure as an <svg> element, None) or (None, why there is none)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = rep.plot(runs, Path(tmp) / "plot.svg")
+        except rep.ReportError as e:
+            return None, str(e)
+        svg = path.read_text(encoding="utf-8")
+    return svg[svg.index("<svg"):], None
+
+
+def trace_record(trace: Trace) -> dict[str, Any]:
+    """A trace as the page keeps it: everything but what `problems` holds once."""
+    record = asdict(trace)
+    for name in SHARED_FIELDS:
+        del record[name]
+    return record
+
+
+def page_data(runs: list[rep.Run], problems: list[rep.Problem]) -> dict[str, Any]:
+    """Everything the page shows, as plain JSON data (see the module docstring)."""
+    tables = rep.build_tables(runs, problems)
+    svg, plot_note = plot_svg(runs)
+    shown: dict[tuple[str, int], dict[str, Any]] = {}
+    for run in runs:
+        bench = run.config.bench_name()
+        for t in run.traces:
+            shown.setdefault((bench, t.idx), {"bench": bench, "idx": t.idx, "problem": t.problem, "gt": t.gt,
+                                              "gt_norm": t.gt_norm})
+    return {
+        "report": orjson.loads(rep.to_json(tables, runs, problems)),
+        "tables": tables_html(tables),
+        "plot": svg,
+        "plot_note": plot_note,
+        "runs": [{"id": i, "folder": rep._shown(run.path), "bench": run.config.bench_name(),
+                  "method": run.config.method, "evictor": run.config.evictor, "n": run.config.n,
+                  "budget": run.config.budget, "seed": run.config.seed, "scorer": run.config.scorer,
+                  "synthetic": run.config.synthetic, "in_progress": run.in_progress, "label": run_label(run)}
+                 for i, run in enumerate(runs)],
+        "problems": [shown[key] for key in sorted(shown)],
+        "traces": [[trace_record(t) for t in sorted(run.traces, key=lambda t: t.idx)] for run in runs],
+    }

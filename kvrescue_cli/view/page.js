@@ -1,0 +1,320 @@
+"use strict";
+// kvrescue view: the report, a problem list across runs, and a problem page per (bench, idx).
+// Every text that comes from a trace or a problem file is set with textContent, never parsed as markup.
+
+const METHOD_ORDER = ["full", "helper", "bon", "interleave", "kvrescue"];
+const PAGE_ROWS = 100;
+const STEP_ROWS = 100;
+const KV = { data: null };
+window.KV = KV;
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (key === "class") node.className = value;
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else node.setAttribute(key, value === true ? "" : value);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : String(child));
+  }
+  return node;
+}
+
+function svgEl(tag, attrs, ...children) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, value);
+  for (const child of children) node.append(child);
+  return node;
+}
+
+async function unpack() {
+  const text = document.getElementById("kv-data").textContent.trim();
+  const binary = atob(text);
+  const bytes = new Uint8Array(binary.length);
+  for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+  return JSON.parse(await new Response(stream).text());
+}
+
+function methodRank(method) {
+  const i = METHOD_ORDER.indexOf(method);
+  return i < 0 ? METHOD_ORDER.length : i;
+}
+
+function index(data) {
+  data.traceOf = data.traces.map(ts => new Map(ts.map(t => [t.idx, t])));
+  data.runOrder = data.runs.slice().sort((a, b) =>
+    methodRank(a.method) - methodRank(b.method) || a.method.localeCompare(b.method) ||
+    (a.budget ?? -1) - (b.budget ?? -1) || a.n - b.n || a.seed - b.seed || a.bench.localeCompare(b.bench));
+  // A column of the problem list is a run label; its cell for a problem is the run of that label on the problem's bench.
+  data.labels = [...new Set(data.runOrder.map(r => r.label))];
+  data.runAt = new Map(data.runs.map(r => [r.bench + "\u0000" + r.label, r]));
+  data.benches = [...new Set(data.problems.map(p => p.bench))].sort();
+  data.methods = [...new Set(data.runOrder.map(r => r.method))];
+}
+
+// ------------------------------------------------------------------------------------------
+// Formatting
+// ------------------------------------------------------------------------------------------
+
+function score(value) {
+  return value === null || value === undefined ? "—" : value.toFixed(3);
+}
+
+function num(value, digits) {
+  return value === null || value === undefined ? "—" : value.toFixed(digits);
+}
+
+function verdict(run, trace) {
+  if (!trace) return el("span", { class: "muted", title: "not in this run" }, "–");
+  if (trace.stop === "skipped" || trace.stop === "failed")
+    return el("span", { class: "muted verdict", title: trace.skip_reason }, trace.stop);
+  if (run.synthetic) return el("span", { class: "muted verdict", title: "synthetic run: no accuracy" }, "n/a");
+  return trace.correct ? el("span", { class: "verdict ok", title: "correct" }, "✓")
+                       : el("span", { class: "verdict bad", title: "incorrect" }, "✗");
+}
+
+function badge(source) {
+  return el("span", { class: "badge " + source }, source);
+}
+
+// ------------------------------------------------------------------------------------------
+// Report
+// ------------------------------------------------------------------------------------------
+
+function showReport(app, data) {
+  const plot = el("section", { class: "plot" }, el("h3", {}, "Accuracy vs KV budget"));
+  if (data.plot) {
+    const holder = el("div");
+    holder.innerHTML = data.plot;  // made by report.plot (matplotlib), not from trace text
+    plot.append(holder);
+  } else {
+    plot.append(el("p", { class: "muted" }, "No plot: " + data.plot_note));
+  }
+  const tables = el("div", { id: "report-tables" });
+  tables.innerHTML = data.tables;  // made by view.data.tables_html, every cell escaped
+  app.append(el("h2", {}, "Report"),
+             el("p", { class: "muted" }, "The numbers of kvrescue report, from the same code; * marks runs in progress."),
+             plot, tables);
+}
+
+// ------------------------------------------------------------------------------------------
+// Problem list
+// ------------------------------------------------------------------------------------------
+
+const listState = { bench: "", method: "", verdict: "any", search: "", page: 0 };
+
+function shownLabels(data) {
+  return data.labels.filter(label => data.runOrder.some(r => r.label === label &&
+    (!listState.method || r.method === listState.method) && (!listState.bench || r.bench === listState.bench)));
+}
+
+function cellsOf(data, problem, labels) {
+  return labels.map(label => {
+    const run = data.runAt.get(problem.bench + "\u0000" + label);
+    return { run, trace: run ? data.traceOf[run.id].get(problem.idx) : undefined };
+  });
+}
+
+function keep(problem, cells) {
+  const needle = listState.search.trim().toLowerCase();
+  if (listState.bench && problem.bench !== listState.bench) return false;
+  if (needle && !(String(problem.idx) === needle || problem.problem.toLowerCase().includes(needle) ||
+                  problem.gt.toLowerCase().includes(needle))) return false;
+  const graded = cells.filter(c => c.trace && !c.run.synthetic).map(c => c.trace.correct);
+  if (listState.verdict === "correct") return graded.length > 0 && graded.every(v => v);
+  if (listState.verdict === "incorrect") return graded.length > 0 && graded.every(v => !v);
+  if (listState.verdict === "disagree") return graded.includes(true) && graded.includes(false);
+  return cells.some(c => c.trace);
+}
+
+function select(name, options, value, onchange) {
+  return el("label", {}, name + " ",
+    el("select", { name, onchange: e => onchange(e.target.value) },
+       options.map(([v, text]) => el("option", { value: v, selected: v === value }, text))));
+}
+
+function showProblems(app, data) {
+  const rerender = patch => { Object.assign(listState, patch); route(); };
+  const search = el("input", { type: "search", name: "search", placeholder: "search problem text, answer or idx",
+                               value: listState.search });
+  search.addEventListener("input", () => { listState.search = search.value; listState.page = 0; drawTable(); });
+  const filters = el("div", { class: "filters" },
+    select("bench", [["", "all benches"], ...data.benches.map(b => [b, b])], listState.bench,
+           v => rerender({ bench: v, page: 0 })),
+    select("method", [["", "all methods"], ...data.methods.map(m => [m, m])], listState.method,
+           v => rerender({ method: v, page: 0 })),
+    select("verdict", [["any", "any verdict"], ["correct", "correct in every run shown"],
+                       ["incorrect", "incorrect in every run shown"], ["disagree", "runs disagree"]],
+           listState.verdict, v => rerender({ verdict: v, page: 0 })),
+    search);
+  const holder = el("div");
+  app.append(el("h2", {}, "Problems"), filters, holder);
+
+  function drawTable() {
+    holder.replaceChildren();
+    const labels = shownLabels(data);
+    const rows = [];
+    for (const problem of data.problems) {
+      const cells = cellsOf(data, problem, labels);
+      if (keep(problem, cells)) rows.push([problem, cells]);
+    }
+    const pages = Math.max(1, Math.ceil(rows.length / PAGE_ROWS));
+    listState.page = Math.min(listState.page, pages - 1);
+    const first = listState.page * PAGE_ROWS;
+    const pager = el("div", { class: "pager" },
+      el("button", { disabled: listState.page === 0, onclick: () => { listState.page--; drawTable(); } }, "‹ prev"),
+      el("span", { id: "list-count" }, rows.length ? `${first + 1}–${Math.min(first + PAGE_ROWS, rows.length)} of ${rows.length} problems`
+                                                   : "no problem matches"),
+      el("button", { disabled: listState.page >= pages - 1, onclick: () => { listState.page++; drawTable(); } }, "next ›"));
+    const head = el("tr", {}, el("th", {}, "bench"), el("th", {}, "idx"), el("th", {}, "problem"), el("th", {}, "answer"),
+                    labels.map(label => el("th", { title: "verdict, steps, base / helper tokens" }, label)));
+    const body = rows.slice(first, first + PAGE_ROWS).map(([problem, cells]) =>
+      el("tr", { "data-bench": problem.bench, "data-idx": problem.idx,
+                 onclick: () => { location.hash = `#p/${encodeURIComponent(problem.bench)}/${problem.idx}`; } },
+         el("td", {}, problem.bench), el("td", { class: "num" }, problem.idx),
+         el("td", { class: "problem-text", title: problem.problem }, problem.problem),
+         el("td", { class: "tex" }, problem.gt),
+         cells.map(({ run, trace }) => el("td", { class: "num" },
+           run ? verdict(run, trace) : "",
+           trace ? el("div", { class: "cell-stats" },
+                      `${trace.n_steps} st · ${trace.tokens.base} / ${trace.tokens.helper} tok`) : ""))));
+    holder.append(pager, el("table", { id: "problem-list" }, el("thead", {}, head), el("tbody", {}, body)));
+  }
+  drawTable();
+}
+
+// ------------------------------------------------------------------------------------------
+// Problem page
+// ------------------------------------------------------------------------------------------
+
+const pickedRuns = new Map();  // "bench/idx" -> Set of run ids shown side by side
+
+function cacheChart(run, trace) {
+  const rows = trace.steps.map(s => s.base_rows);
+  if (!rows.length || rows.some(v => v === null || v === undefined))
+    return el("div", { class: "muted chart-note" },
+              run.method === "helper" ? "no base model" : "base cache length per step not recorded in this trace");
+  const width = 260, height = 56, pad = 14;
+  const top = Math.max(...rows, run.budget || 0, 1);
+  const x = i => pad + (rows.length === 1 ? 0 : i * (width - 2 * pad) / (rows.length - 1));
+  const y = v => height - 4 - v * (height - 16) / top;
+  const chart = svgEl("svg", { class: "chart", width, height, viewBox: `0 0 ${width} ${height}` });
+  if (run.budget) chart.append(svgEl("line", { class: "budget", x1: pad, x2: width - pad, y1: y(run.budget), y2: y(run.budget) }));
+  chart.append(svgEl("polyline", { points: rows.map((v, i) => `${x(i)},${y(v)}`).join(" ") }));
+  const label = svgEl("text", { x: pad, y: 9 });
+  label.textContent = `base cache rows per step (max ${Math.max(...rows)}${run.budget ? ", B = " + run.budget : ""})`;
+  chart.append(label);
+  return chart;
+}
+
+function candidatesTable(cands) {
+  return el("table", { class: "candidates" },
+    el("thead", {}, el("tr", {}, ["source", "score", "tokens", "finish", "max H̄", "min ρ", "fired at", ""].map(h => el("th", {}, h)))),
+    el("tbody", {}, cands.map(c => el("tr", { class: c.committed ? "committed" : null },
+      el("td", {}, badge(c.source)), el("td", { class: "num" }, score(c.score)), el("td", { class: "num" }, c.tokens),
+      el("td", { class: c.finish === "entropy" || c.finish === "repetition" ? "fired" : null }, c.finish),
+      el("td", { class: "num" }, num(c.max_mean_entropy, 2)), el("td", { class: "num" }, num(c.min_gzip_ratio, 3)),
+      el("td", { class: "num" }, c.fired_at ?? "—"), el("td", {}, c.committed ? "committed" : "")))),
+    el("caption", { class: "muted" }, "Candidate texts are not recorded in traces; the committed one is the step's text."));
+}
+
+function stepCell(trace, i) {
+  if (!trace || i >= trace.steps.length) return el("td", { class: "step empty" });
+  const step = trace.steps[i];
+  const cands = trace.candidates[i] || [];
+  const stopped = cands.filter(c => c.finish === "entropy" || c.finish === "repetition").length;
+  const details = el("div", { class: "cands", hidden: true });
+  const toggle = el("button", { class: "link", onclick: () => {
+    if (!details.firstChild) details.append(candidatesTable(cands));
+    details.hidden = !details.hidden;
+  } }, `${cands.length} candidates`);
+  return el("td", { class: "step " + step.source, "data-source": step.source },
+    el("div", { class: "step-meta" }, badge(step.source),
+       el("span", { class: "score", title: "score of the committed candidate" }, "score " + score(step.score)),
+       el("span", { class: "muted" }, `${step.tokens} tok`),
+       stopped ? el("span", { class: "fired", title: "base candidates the detector stopped" }, `detector stopped ${stopped}`) : null,
+       step.no_survivor ? el("span", { class: "fired" }, "no survivor") : null,
+       toggle),
+    el("div", { class: "tex step-text" }, step.text),
+    details);
+}
+
+function showProblem(app, data, bench, idx) {
+  const problem = data.problems.find(p => p.bench === bench && p.idx === idx);
+  if (!problem) { app.append(el("p", {}, `No problem ${bench} #${idx} in these runs.`)); return; }
+  const runs = data.runOrder.filter(r => r.bench === bench && data.traceOf[r.id].has(idx));
+  const key = bench + "/" + idx;
+  if (!pickedRuns.has(key)) {
+    const firstOfMethod = runs.filter((r, i) => runs.findIndex(o => o.method === r.method) === i);
+    pickedRuns.set(key, new Set((runs.length <= 4 ? runs : firstOfMethod).map(r => r.id)));
+  }
+  const picked = pickedRuns.get(key);
+  app.append(el("p", {}, el("a", { href: "#problems" }, "‹ all problems")),
+    el("div", { class: "problem-head" },
+       el("h2", {}, `${bench} #${idx}`),
+       el("div", { class: "tex", id: "problem-text" }, problem.problem),
+       el("div", {}, "answer: ", el("span", { class: "tex" }, problem.gt), el("span", { class: "muted" }, "  normalised: "),
+          el("span", { class: "tex" }, problem.gt_norm))),
+    el("div", { class: "run-picker" }, "side by side:", runs.map(r => el("label", {},
+      el("input", { type: "checkbox", checked: picked.has(r.id), "data-run": r.id, onchange: e => {
+        e.target.checked ? picked.add(r.id) : picked.delete(r.id); route();
+      } }), " " + r.label))));
+  const shown = runs.filter(r => picked.has(r.id));
+  const traces = shown.map(r => data.traceOf[r.id].get(idx));
+  const longest = Math.max(0, ...traces.map(t => t.steps.length));
+  const head = el("tr", {}, el("th", { class: "stepno" }, "step"), shown.map((r, j) => {
+    const t = traces[j];
+    return el("th", { class: "run", "data-run": r.id },
+      el("div", {}, r.label, " ", verdict(r, t)),
+      el("div", { class: "cell-stats" }, `pred ${JSON.stringify(t.pred)} · stop ${t.stop} · ${t.n_steps} steps`),
+      el("div", { class: "cell-stats" }, `tokens: base ${t.tokens.base}, helper ${t.tokens.helper}, prm ${t.tokens.prm}` +
+                                        ` · peak base rows ${t.peak_base_rows}`),
+      r.in_progress ? el("div", { class: "cell-stats" }, "* in progress: " + r.in_progress) : null,
+      cacheChart(r, t));
+  }));
+  const body = el("tbody");
+  let drawn = 0;
+  const more = el("button", { onclick: () => drawSteps() });
+  function drawSteps() {
+    const upto = Math.min(longest, drawn + STEP_ROWS);
+    for (let i = drawn; i < upto; i++)
+      body.append(el("tr", { "data-step": i }, el("td", { class: "stepno" }, i + 1), traces.map(t => stepCell(t, i))));
+    drawn = upto;
+    more.hidden = drawn >= longest;
+    more.textContent = `show ${Math.min(STEP_ROWS, longest - drawn)} more steps (${longest - drawn} left)`;
+  }
+  drawSteps();
+  app.append(el("div", { class: "side" }, el("table", { id: "side-by-side" }, el("thead", {}, head), body)), more);
+}
+
+// ------------------------------------------------------------------------------------------
+// Routing
+// ------------------------------------------------------------------------------------------
+
+function route() {
+  const app = document.getElementById("app");
+  app.replaceChildren();
+  const hash = decodeURIComponent(location.hash.slice(1));
+  const match = hash.match(/^p\/(.+)\/(\d+)$/);
+  document.getElementById("nav-report").classList.toggle("current", hash === "" || hash === "report");
+  document.getElementById("nav-problems").classList.toggle("current", hash.startsWith("p"));
+  if (match) showProblem(app, KV.data, match[1], Number(match[2]));
+  else if (hash === "problems") showProblems(app, KV.data);
+  else showReport(app, KV.data);
+  window.scrollTo(0, 0);
+}
+
+unpack().then(data => {
+  index(data);
+  KV.data = data;
+  window.addEventListener("hashchange", route);
+  route();
+  document.body.dataset.ready = "true";
+}).catch(err => {
+  document.getElementById("app").replaceChildren(el("p", { class: "bad" }, "Could not unpack the runs: " + err));
+  document.body.dataset.ready = "error";
+});

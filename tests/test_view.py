@@ -1,0 +1,287 @@
+"""`kvrescue view`: the page's data against the traces and `kvrescue report`, bad input, and the page itself in
+a real headless chromium (driven through chromium-driver by selenium): tables, problem list, problem page,
+no network request, untrusted text shown as text."""
+
+import base64
+import gzip
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from kvrescue_cli.cli import app
+from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, read_traces, run_dir
+
+MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct"),
+          "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
+ROLES = {"full": ("base", "prm"), "bon": ("base", "prm"), "kvrescue": ("base", "helper", "prm")}
+DUCKS = ("Janet’s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
+         "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck "
+         "egg. How much in dollars does she make every day at the farmers' market?")
+ROBE = "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many bolts in total does it take?"
+HOSTILE = 'Simplify $\\frac{1}{2}+\\frac{1}{4}$. </script><img src=x onerror="window.pwned=1"><b>bold</b>'
+USES = "She eats 3 eggs and bakes with 4, so she uses $3 + 4 = 7$ eggs a day.\n\n"
+LOOP = "The remainder is 16 - 7 = 7 eggs. " * 12 + "\n\n"
+
+# Per method and problem: (correct, pred, steps), each step (source, text, score, a base candidate the detector stopped).
+TRAJECTORIES = {
+    "full": {0: (True, "18", [("base", USES, 0.93, None), ("base", "She sells 16 - 7 = 9 eggs for $2 each.\n\n", 0.90, None),
+                              ("base", "She makes 9 \\times 2 = 18 dollars: \\boxed{18}", 0.95, None)]),
+             1: (True, "3", [("base", "White fiber: 2 / 2 = 1 bolt, so 2 + 1 = \\boxed{3} bolts.", 0.97, None)])},
+    "bon": {0: (False, "14", [("base", USES, 0.91, None), ("base", LOOP, 0.41, None),
+                              ("base", "So she makes 7 \\times 2 = \\boxed{14} dollars.", 0.22, None)]),
+            1: (True, "3", [("base", "2 + 1 = \\boxed{3}", 0.88, None)])},
+    "kvrescue": {0: (True, "18", [("base", USES, 0.91, None),
+                                  ("helper", "The remainder is 16 - 7 = 9 eggs, which she sells.\n\n", 0.88, "repetition"),
+                                  ("base", "She sells 9 eggs at $2 each: 9 \\times 2 = 18.\n\n", 0.90, "entropy"),
+                                  ("helper", "She makes \\boxed{18} dollars every day.", 0.94, None)]),
+                 1: (True, "3", [("base", "2 + 1 = \\boxed{3}", 0.86, None)])},
+}
+
+
+def candidates(method: str, source: str, score: float, stopped: str | None, tokens: int) -> list[Candidate]:
+    """N = 2 per model: the committed one first among its source's, then the others (one stopped by the detector
+    when `stopped` names its test)."""
+    detector = method == "kvrescue"
+    out = []
+    for src, count in (("base", 2), ("helper", 2 if method == "kvrescue" else 0)):
+        for k in range(count):
+            committed = src == source and k == 0
+            fired = src == "base" and not committed and stopped is not None and k == 1
+            out.append(Candidate(
+                src, None if fired else (score if committed else round(score - 0.2 - 0.1 * k, 3)),
+                tokens if not fired else 180, stopped if fired else "step",
+                (7.6 if stopped == "entropy" and fired else 2.1) if detector and src == "base" else None,
+                (0.15 if stopped == "repetition" and fired else 0.42) if detector and src == "base" else None,
+                180 if fired else None, committed))
+    return out
+
+
+def make_trace(method: str, idx: int, problem: str, gt: str, correct: bool, pred: str, steps: list) -> Trace:
+    recorded, cands = [], []
+    for source, text, score, stopped in steps:
+        tokens = len(text.split()) + 2
+        recorded.append(Step(text, source, score, tokens))
+        cands.append(candidates(method, source, score, stopped, tokens))
+    per_model = {src: sum(c.tokens for cs in cands for c in cs if c.source == src) for src in ("base", "helper")}
+    return Trace(idx, problem, gt, gt, recorded, cands, "".join(s.text for s in recorded), pred, correct, False, "eos",
+                 None, Tokens(base=per_model["base"], base_prefill=60, helper=per_model["helper"], prm=200),
+                 len(recorded), {"wall_s": 1.5, "started_at": 1000.0 + idx, "finished_at": 1001.5 + idx}, 150, 0)
+
+
+def write_run(root: Path, method: str, bench: str, traces: list[Trace], finished: bool = True) -> Path:
+    budget = None if method == "full" else 64
+    cfg = RunConfig(bench, method, budget, 2, "rkv" if budget else "none", 0, {r: MODELS[r] for r in ROLES[method]},
+                    "prm", False, {"temperature": 0.8})
+    path = run_dir(root, cfg)
+    with RunFolder.open(path, cfg, total=len(traces) + (0 if finished else 1)) as folder:
+        for trace in traces:
+            folder.append(trace)
+        if finished:
+            folder.write_summary()
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory) -> Path:
+    """gsm8k: full, bon and kvrescue on two problems (bon loops on the first); math500: a bon run in progress
+    on a problem whose text tries to inject markup; a folder with a config but no traces."""
+    root = tmp_path_factory.mktemp("runs")
+    for method, problems in TRAJECTORIES.items():
+        write_run(root, method, "gsm8k", [make_trace(method, idx, (DUCKS, ROBE)[idx], ("18", "3")[idx], *spec)
+                                          for idx, spec in problems.items()])
+    write_run(root, "bon", "math500", [make_trace("bon", 7, HOSTILE, "\\frac{3}{4}", False, "1",
+                                                  [("base", "It is $1$.", 0.3, None)])], finished=False)
+    empty = RunConfig("math500", "full", None, 2, "none", 0, {"base": MODELS["base"]}, "prm")
+    RunFolder.open(run_dir(root, empty), empty, total=3).close()
+    return root
+
+
+@pytest.fixture(scope="module")
+def page(runs_root, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("view") / "runs.html"
+    result = CliRunner().invoke(app, ["view", str(runs_root), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "no finished problems yet" in result.output and "in progress" in result.output
+    return out
+
+
+def unpack(html: str) -> dict:
+    packed = re.search(r'<script type="application/octet-stream" id="kv-data">([^<]*)</script>', html).group(1)
+    return orjson.loads(gzip.decompress(base64.b64decode(packed)))
+
+
+def cli_stdout(*args: str) -> str:
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_page_holds_the_report_json_and_every_trace(page, runs_root):
+    data = unpack(page.read_text(encoding="utf-8"))
+    assert data["report"] == orjson.loads(cli_stdout("report", str(runs_root), "--format", "json"))
+    assert len(data["runs"]) == 4 and len(data["traces"]) == 4
+    for run, traces in zip(data["runs"], data["traces"]):
+        recorded = read_traces(Path(run["folder"]) / "traces.jsonl")
+        for mine, trace in zip(traces, sorted(recorded, key=lambda t: t.idx)):
+            expected = asdict(trace)
+            assert {k: expected[k] for k in mine} == mine
+            assert {p["problem"] for p in data["problems"] if p["idx"] == trace.idx and p["bench"] == run["bench"]} \
+                == {trace.problem}
+    in_progress = [r for r in data["runs"] if r["in_progress"]]
+    assert [(r["bench"], r["method"]) for r in in_progress] == [("math500", "bon")] and in_progress[0]["label"].endswith("*")
+    assert data["plot"].startswith("<svg") and data["plot_note"] is None
+
+
+def test_untrusted_text_cannot_leave_the_data_element(page):
+    html = page.read_text(encoding="utf-8")
+    assert html.count("</script>") == 2 and "onerror" not in html
+    assert 'http-equiv="Content-Security-Policy" content="default-src \'none\';' in html
+
+
+def test_no_usable_run_is_a_one_line_error_and_writes_nothing(tmp_path):
+    out = tmp_path / "runs.html"
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(app, ["view", str(tmp_path / "empty"), "--out", str(out)])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: no usable run folders") and len(result.output.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# In a real browser
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver_path):
+        pytest.skip("chromium and chromium-driver are not installed (scripts/browser.sh installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1500,1000",
+                f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    yield driver
+    driver.quit()
+
+
+def open_page(browser, page: Path, hash_: str = "") -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get("about:blank")  # a fresh document: no state left by an earlier test
+    browser.get(page.as_uri() + hash_)
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.body.dataset.ready"))
+    assert browser.execute_script("return document.body.dataset.ready") == "true"
+
+
+@pytest.fixture(autouse=True)
+def no_script_errors(request):
+    """Every browser test ends with an empty console: no script error, no blocked request."""
+    yield
+    if "browser" in request.fixturenames:
+        assert request.getfixturevalue("browser").get_log("browser") == []
+
+
+def texts(elements) -> list[str]:
+    return [e.get_attribute("textContent") for e in elements]
+
+
+def test_report_tables_equal_the_report_and_nothing_is_fetched(browser, page, runs_root):
+    from selenium.webdriver.common.by import By
+
+    browser.get_log("performance"), browser.get_log("browser")  # drop what came before
+    open_page(browser, page)
+    events = [json.loads(entry["message"])["message"] for entry in browser.get_log("performance")]
+    requests = [e["params"] for e in events if e["method"] == "Network.requestWillBeSent"]
+    assert {r["request"]["url"] for r in requests if r["documentURL"].startswith(page.as_uri())} == {page.as_uri()}
+    assert browser.get_log("browser") == []  # no request blocked by the page's Content-Security-Policy either
+    assert browser.execute_script("return window.KV.data.report") == \
+        orjson.loads(cli_stdout("report", str(runs_root), "--format", "json"))
+    # Every rendered table equals `kvrescue report --format md`, cell by cell.
+    markdown = cli_stdout("report", str(runs_root), "--format", "md")
+    expected = []
+    for block in markdown.split("### ")[1:]:
+        lines = [line for line in block.splitlines() if line.startswith("| ")]
+        expected.append([[c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines])
+    shown = []
+    for section in browser.find_elements(By.CSS_SELECTOR, "#report-tables section"):
+        shown.append([texts(section.find_elements(By.CSS_SELECTOR, "thead th"))] +
+                     [texts(row.find_elements(By.TAG_NAME, "td")) for row in section.find_elements(By.CSS_SELECTOR, "tbody tr")])
+    assert shown == expected
+    assert browser.find_elements(By.CSS_SELECTOR, ".plot svg")
+
+
+def test_problem_list_filters_and_search(browser, page):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    open_page(browser, page, "#problems")
+    rows = lambda: [(r.get_attribute("data-bench"), int(r.get_attribute("data-idx")))  # noqa: E731
+                    for r in browser.find_elements(By.CSS_SELECTOR, "#problem-list tbody tr")]
+    assert rows() == [("gsm8k", 0), ("gsm8k", 1), ("math500", 7)]
+    Select(browser.find_element(By.NAME, "verdict")).select_by_value("disagree")
+    assert rows() == [("gsm8k", 0)]
+    Select(browser.find_element(By.NAME, "verdict")).select_by_value("any")
+    Select(browser.find_element(By.NAME, "method")).select_by_value("kvrescue")
+    assert rows() == [("gsm8k", 0), ("gsm8k", 1)]
+    assert texts(browser.find_elements(By.CSS_SELECTOR, "#problem-list thead th"))[4:] == ["kvrescue B=64 N=2 s0"]
+    Select(browser.find_element(By.NAME, "method")).select_by_value("")
+    browser.find_element(By.NAME, "search").send_keys("robe")
+    assert rows() == [("gsm8k", 1)]
+    # The hostile problem text is shown as text, and nothing in it ran.
+    browser.find_element(By.NAME, "search").clear()
+    browser.find_element(By.NAME, "search").send_keys("simplify")
+    assert texts(browser.find_elements(By.CSS_SELECTOR, "#problem-list td.problem-text")) == [HOSTILE]
+    assert browser.execute_script("return window.pwned") is None
+
+
+def test_problem_page_shows_each_runs_steps_side_by_side(browser, page):
+    from selenium.webdriver.common.by import By
+
+    open_page(browser, page, "#problems")
+    browser.find_element(By.CSS_SELECTOR, '#problem-list tr[data-bench="gsm8k"][data-idx="0"]').click()
+    assert browser.find_element(By.ID, "problem-text").get_attribute("textContent") == DUCKS
+    headers = browser.find_elements(By.CSS_SELECTOR, "#side-by-side th.run")
+    methods = ["full", "bon", "kvrescue"]
+    assert [h.get_attribute("textContent").split(" ")[0] for h in headers] == methods
+    rows = browser.find_elements(By.CSS_SELECTOR, "#side-by-side tbody tr")
+    assert len(rows) == max(len(TRAJECTORIES[m][0][2]) for m in methods)
+    for i, row in enumerate(rows):
+        cells = row.find_elements(By.CSS_SELECTOR, "td.step")
+        for method, cell in zip(methods, cells):
+            steps = TRAJECTORIES[method][0][2]
+            if i >= len(steps):
+                assert cell.get_attribute("textContent") == ""
+                continue
+            source, text, score, stopped = steps[i]
+            assert cell.get_attribute("data-source") == source
+            assert cell.find_element(By.CSS_SELECTOR, ".step-text").get_attribute("textContent") == text
+            assert cell.find_element(By.CSS_SELECTOR, ".score").text == f"score {score:.3f}"
+            assert ("detector stopped 1" in cell.text) == (stopped is not None)
+    # The kvrescue column's second step: the helper rescued it; its 4 candidates, the base one stopped by the detector.
+    rescued = rows[1].find_elements(By.CSS_SELECTOR, "td.step")[2]
+    rescued.find_element(By.CSS_SELECTOR, "button.link").click()
+    cand_rows = rescued.find_elements(By.CSS_SELECTOR, "table.candidates tbody tr")
+    expected = candidates("kvrescue", "helper", 0.88, "repetition", len(TRAJECTORIES["kvrescue"][0][2][1][1].split()) + 2)
+    assert [texts(r.find_elements(By.TAG_NAME, "td")) for r in cand_rows] == [
+        [c.source, "—" if c.score is None else f"{c.score:.3f}", str(c.tokens), c.finish,
+         "—" if c.max_mean_entropy is None else f"{c.max_mean_entropy:.2f}",
+         "—" if c.min_gzip_ratio is None else f"{c.min_gzip_ratio:.3f}",
+         "—" if c.fired_at is None else str(c.fired_at), "committed" if c.committed else ""] for c in expected]
+    screenshot = os.environ.get("KVRESCUE_VIEW_SCREENSHOT")
+    if screenshot:  # README's picture: KVRESCUE_VIEW_SCREENSHOT=docs/view.png pytest tests/test_view.py
+        browser.set_window_size(1400, 860)
+        browser.save_screenshot(screenshot)
