@@ -52,7 +52,8 @@ from kvrescue_cli.engine.model import CausalLM, ModelArgs, ProcessRewardModel, T
 from kvrescue_cli.engine.random_checkpoints import build_tokenizer
 from kvrescue_cli.engine.sampling import SamplingParams, sample
 from kvrescue_cli.outputs import Trace
-from kvrescue_cli.runs import Cell, GridOptions, decode
+from kvrescue_cli.decoding import decode
+from kvrescue_cli.grid import Cell, GridOptions
 from kvrescue_cli.search import SearchSettings
 
 # Hugging Face config values (config.json) of the models whose shapes are measured.

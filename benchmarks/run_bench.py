@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-import kvrescue_cli.runs as runs
+import kvrescue_cli.decoding as decoding
 from kvrescue_cli.engine.model import Transformer
 from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine.smollm import smollm2_folder
@@ -53,8 +53,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     Transformer.prefill = timed(Transformer.prefill, "forward")
     Transformer.decode = timed(Transformer.decode, "forward")
-    runs.grade = timed(runs.grade, "grade")
-    runs.load_roles = timed(runs.load_roles, "load")
+    decoding.grade = timed(decoding.grade, "grade")
+    decoding.load_roles = timed(decoding.load_roles, "load")
     model = str(smollm2_folder())
     table = Table(title=f"run_bench: SmolLM2-135M base+helper, helper-loglik, gsm8k x{args.limit}, "
                         f"B={args.budget}, N={args.n}, {args.threads} threads")

@@ -36,7 +36,7 @@ from kvrescue_cli.outputs import Trace
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-    from kvrescue_cli.runs import Cell, GridOptions
+    from kvrescue_cli.grid import Cell, GridOptions
 
 STRIKES = 2          # worker deaths a problem may be part of before it is recorded as failed
 DEVICE_RESTARTS = 3  # deaths after which a device gets no new worker
@@ -129,7 +129,7 @@ def worker_main(conn: Connection, options: GridOptions, device: str, threads: in
     _die_with_parent()
     import torch
 
-    from kvrescue_cli import runs
+    from kvrescue_cli import decoding
 
     if device == "cpu":
         torch.set_num_threads(threads)
@@ -137,7 +137,7 @@ def worker_main(conn: Connection, options: GridOptions, device: str, threads: in
         torch.cuda.set_device(device)
     try:
         try:
-            models = runs.load_roles(options, device)
+            models = decoding.load_roles(options, device)
         except InputError as err:
             conn.send(("error", str(err)))
             return
@@ -146,7 +146,7 @@ def worker_main(conn: Connection, options: GridOptions, device: str, threads: in
             message = conn.recv()
             if message[0] == "stop":
                 return
-            runs.decode(options, message[1], models, _pull(conn),
+            decoding.decode(options, message[1], models, _pull(conn),
                         lambda trace, tokens: conn.send(("trace", trace, tokens)))
             conn.send(("idle",))
     except EOFError:

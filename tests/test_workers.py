@@ -185,7 +185,7 @@ def test_a_problem_that_kills_two_workers_is_recorded_as_failed_and_no_worker_le
     from kvrescue_cli import workers
     from kvrescue_cli.data import ProblemSet
     from kvrescue_cli.outputs import RunConfig, summarize
-    from kvrescue_cli.runs import Cell, GridOptions
+    from kvrescue_cli.grid import Cell, GridOptions
     from kvrescue_cli.search import SearchSettings
 
     options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",

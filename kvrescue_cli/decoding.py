@@ -1,0 +1,153 @@
+"""One device group's work: load the grid's models on it, and decode a cell's problems with them.
+
+The same code runs in the `kvrescue run` process (one device) and in every worker (two or more groups).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Callable, Iterable, Iterator
+
+from grader import grade
+from kvrescue_cli.cost import Architecture, ModelConfigError, load_config
+from kvrescue_cli.data import Problem
+from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
+from kvrescue_cli.engine.prm import PRMScorer
+from kvrescue_cli.engine.runner import Runner
+from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
+from kvrescue_cli.errors import InputError
+from kvrescue_cli.grid import Cell, GridOptions, roles_needed
+from kvrescue_cli.outputs import Candidate, Tokens, Trace
+from kvrescue_cli.prompts import generation_prompt
+from kvrescue_cli.search import METHODS, Controller, Finished
+
+CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
+
+
+def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool, timed_out: bool) -> Trace:
+    """The traces.jsonl record of one decoded problem."""
+    state = finished.state
+    candidates = []
+    for cands in state.history:
+        candidates.append([
+            Candidate(
+                source=c.source, score=c.score, tokens=len(c.tokens), finish=c.finish,
+                max_mean_entropy=c.detector.max_mean_entropy if c.detector else None,
+                min_gzip_ratio=c.detector.min_ratio if c.detector else None,
+                fired_at=c.detector.fired_at if c.detector else None,
+                committed=c.committed,
+            )
+            for c in cands
+        ])
+    tokens = Tokens(base=state.generated["base"], base_prefill=state.prefilled["base"],
+                    helper=state.generated["helper"], helper_prefill=state.prefilled["helper"],
+                    prm=finished.scorer_tokens)
+    now = time.time()
+    return Trace(
+        idx=state.idx, problem=problem.problem, gt=problem.gt, gt_norm=gt_norm,
+        steps=state.steps, candidates=candidates, output=finished.output,
+        pred=pred, correct=correct, timed_out=timed_out, stop=state.stop, skip_reason=None, tokens=tokens,
+        n_steps=len(state.steps),
+        timings={"wall_s": finished.wall_s, "started_at": state.started, "finished_at": now},
+        peak_base_rows=finished.peak_base_rows, prm_truncations=finished.scorer_truncations,
+    )
+
+
+
+def refuse_large_on_cpu(role: str, name: str) -> None:
+    """A one-line error, before any weights are read, for a model too large to decode on a CPU."""
+    try:
+        params = Architecture.from_config(name, load_config(name)).params
+    except (ModelConfigError, KeyError, TypeError, ValueError):  # no usable config: the loader says why
+        return
+    if params > CPU_PARAMS:
+        raise InputError(f"{role} model {name} has {params / 1e9:.1f}B parameters, too many for a CPU run; "
+                         "use --device cuda, --preset cpu-demo, or smaller local models with --base/--helper/--prm")
+
+
+def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
+    """Every model the grid needs, loaded once on `device`; base and helper must share a tokenizer."""
+    loaded: dict[str, LoadedModel] = {}
+    by_name: dict[str, LoadedModel] = {}
+    for role in sorted(roles_needed(options.methods, options.scorer)):
+        name = options.models[role]
+        if device == "cpu":
+            refuse_large_on_cpu(role, name)
+        try:
+            if name not in by_name:
+                by_name[name] = load_model(name, options.dtype, device)
+        except ModelLoadError as err:
+            raise InputError(f"{role} model: {err}; on a CPU without the Hub try --preset cpu-demo, "
+                             "or give local folders with --base/--helper/--prm") from None
+        loaded[role] = by_name[name]
+    if "prm" in loaded and not loaded["prm"].is_prm:
+        raise InputError(f"--prm {options.models['prm']} has no PRM head (score.0/score.2 weights); "
+                         "give a process reward model, or --prm helper-loglik for the named alternative scorer")
+    policy = [loaded[r] for r in ("base", "helper") if r in loaded]
+    if len(policy) == 2 and policy[0].tokenizer.get_vocab() != policy[1].tokenizer.get_vocab():
+        raise InputError("base and helper tokenizers differ; KV-Rescue commits the same tokens to both models")
+    return loaded
+
+
+def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel]) -> dict[str, Runner]:
+    """Fresh caches for one cell: the base evicted or full, the helper full."""
+    spec, s = METHODS[cell.method], options.settings
+    per_problem = s.context_cap + 2 * cell.n * s.max_step_tokens
+    runners: dict[str, Runner] = {}
+    if spec.base:
+        base = models["base"]
+        cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, max_append=s.max_step_tokens,
+                                        rows=s.batch * (cell.n + 1))
+                 if spec.evicted else FullCache.for_model(base.net, s.batch * per_problem, max_rows=s.batch * (2 * cell.n + 2)))
+        runners["base"] = Runner(base, cache, cuda_graphs=options.cuda_graphs)
+    if spec.helper:
+        helper = models["helper"]
+        cache = FullCache.for_model(helper.net, s.batch * per_problem, max_rows=s.batch * (2 * cell.n + 2))
+        runners["helper"] = Runner(helper, cache)
+    return runners
+
+
+def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel]) -> Scorer:
+    s = options.settings
+    if options.scorer == "prm":
+        return PRMScorer(models["prm"], max_problems=s.batch, max_candidates=s.batch * 2 * cell.n,
+                         max_step_tokens=s.max_step_tokens)
+    helper = models["helper"]
+    tokens = s.batch * (2 * s.context_cap + 2 * cell.n * s.max_step_tokens)
+    cache = FullCache.for_model(helper.net, tokens, max_rows=s.batch * (2 * cell.n + 2))
+    return HelperLoglik(Runner(helper, cache))
+
+
+def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], problems: Iterable[Problem],
+           emit: Callable[[Trace, int], None]) -> None:
+    """Decode `problems` of one cell, pulled lazily (so they may come from a shared queue), and `emit`
+    each one's trace with the tokens it generated: skipped ones when pulled, decoded ones as they finish."""
+    policy = models["base" if METHODS[cell.method].base else "helper"]
+    cap = options.settings.context_cap
+    by_idx: dict[int, Problem] = {}
+
+    def work() -> Iterator[tuple[int, str, list[int]]]:
+        for problem in problems:
+            prompt = policy.tokenizer.encode(generation_prompt(policy.tokenizer, problem.problem),
+                                             add_special_tokens=False)
+            if len(prompt) >= cap:
+                gt_norm = grade("", problem.gt, cell.problems.grading_bench).gt
+                emit(Trace.skipped(problem.idx, problem.problem, problem.gt, gt_norm,
+                                   f"prompt has {len(prompt)} tokens, context cap is {cap}"), 0)
+            else:
+                by_idx[problem.idx] = problem
+                yield problem.idx, problem.problem, prompt
+
+    def record(finished: Finished) -> None:
+        problem = by_idx.pop(finished.state.idx)
+        verdict = grade(finished.output, problem.gt, cell.problems.grading_bench)
+        emit(trace_of(finished, problem, verdict.gt, verdict.pred, verdict.correct, verdict.timed_out),
+             sum(finished.state.generated.values()))
+
+    settings = replace(options.settings, method=cell.method, n=cell.n, seed=cell.seed)
+    controller = Controller(settings, _runners(options, cell, models), _scorer(options, cell, models),
+                            set(policy.eos_ids))
+    controller.run(work(), record)

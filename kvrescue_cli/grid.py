@@ -1,0 +1,93 @@
+"""The grid `kvrescue run` was asked for: its validated options and its cells (configurations)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrescue_cli.data import ProblemSet
+from kvrescue_cli.errors import InputError
+from kvrescue_cli.search import METHODS, SearchSettings
+
+EVICTORS = ("rkv", "snapkv", "streaming", "none")
+MIN_BUDGET = 16
+SCORERS = ("prm", "helper-loglik")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration of the grid."""
+
+    problems: ProblemSet
+    method: str
+    budget: int | None
+    n: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class GridOptions:
+    """Everything `kvrescue run` was asked for, validated."""
+
+    benches: list[str]
+    methods: list[str]
+    budgets: list[int]
+    ns: list[int]
+    seeds: list[int]
+    evictor: str
+    models: dict[str, str]
+    scorer: str
+    settings: SearchSettings
+    out: Path
+    limit: int | None = None
+    data_dir: Path | None = None
+    problem_field: str | None = None
+    answer_field: str | None = None
+    overwrite: bool = False
+    devices: tuple[str, ...] = ("cpu",)  # one device decodes in this process; more, one worker process each
+    dtype: str = "float32"
+    shard: tuple[int, int] | None = None  # (i, k): every k-th problem from the i-th
+    cuda_graphs: bool = True  # the evicted base's decode step as CUDA graphs (on a GPU)
+
+    def check(self) -> None:
+        """One-line errors for options that can't run."""
+        for method in self.methods:
+            if method not in METHODS:
+                raise InputError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
+        if self.evictor not in EVICTORS:
+            raise InputError(f"unknown evictor '{self.evictor}': use one of {', '.join(EVICTORS)}")
+        if self.scorer not in SCORERS:
+            raise InputError(f"unknown scorer '{self.scorer}': use a PRM, or one of {', '.join(SCORERS[1:])}")
+        for budget in self.budgets:
+            if budget < MIN_BUDGET:
+                raise InputError(f"--budget {budget} is below the smallest supported budget {MIN_BUDGET}")
+        for n in self.ns:
+            if n < 1:
+                raise InputError(f"--n {n}: need at least one candidate per model")
+        if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
+            raise InputError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 <= i < k")
+
+    def cells(self, problem_sets: list[ProblemSet]) -> list[Cell]:
+        """The grid; methods without an evicted cache run once whatever the budget list."""
+        cells, seen = [], set()
+        for problems, method, budget, n, seed in itertools.product(
+            problem_sets, self.methods, self.budgets, self.ns, self.seeds
+        ):
+            cell = Cell(problems, method, budget if METHODS[method].evicted else None, n, seed)
+            key = (problems.name, method, cell.budget, n, seed)
+            if key not in seen:
+                seen.add(key)
+                cells.append(cell)
+        return cells
+
+
+def roles_needed(methods: list[str], scorer: str) -> set[str]:
+    """Which models the grid needs: base, helper, prm."""
+    roles = set()
+    for method in methods:
+        spec = METHODS[method]
+        roles |= {"base"} if spec.base else set()
+        roles |= {"helper"} if spec.helper else set()
+    roles.add("prm" if scorer == "prm" else "helper")
+    return roles
