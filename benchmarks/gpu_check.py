@@ -45,15 +45,15 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kvrescue_cli.data import Problem, ProblemSet
+from kvrescue_cli.decoding import decode
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.graphs import SPAN_STEP, StaticDecode, flash_attn_with_kvcache
 from kvrescue_cli.engine.loader import LoadedModel, _build
 from kvrescue_cli.engine.model import CausalLM, ModelArgs, ProcessRewardModel, Transformer
 from kvrescue_cli.engine.random_checkpoints import build_tokenizer
 from kvrescue_cli.engine.sampling import SamplingParams, sample
-from kvrescue_cli.outputs import Trace
-from kvrescue_cli.decoding import decode
 from kvrescue_cli.grid import Cell, GridOptions
+from kvrescue_cli.outputs import Trace
 from kvrescue_cli.search import SearchSettings
 
 # Hugging Face config values (config.json) of the models whose shapes are measured.
