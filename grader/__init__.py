@@ -8,10 +8,12 @@
 (math500 `solution`, gsm8k `answer` after `####`, aime24/amc23 `answer`, olympiadbench
 `final_answer[0]`). Known benches: `BENCHES`; any other name is graded like gsm8k.
 
-String and numeric comparisons run in the calling process. Comparisons that need sympy run in worker
-processes (`grader.sandbox`), each under a hard wall-clock `timeout`; one that overruns is killed,
-scores incorrect and reports `timed_out=True`. The workers persist between calls (started on first
-need); `shutdown()` stops them.
+String and numeric comparisons run in the calling process. Comparisons that need sympy, and whole
+items whose output and answer together exceed `IN_PROCESS_MAX_INPUT` characters (so that extraction
+too is bounded), run in confined worker processes (`grader.sandbox`), each under a hard wall-clock
+`timeout`; one that overruns is killed, scores incorrect and reports `timed_out=True`. No text is ever
+evaluated as code: strings no parser accepts are compared as strings only (`grader.symbolic`). The
+workers persist between calls (started on first need); `shutdown()` stops them.
 """
 
 from __future__ import annotations
@@ -22,24 +24,27 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from grader.equal import math_equal
-from grader.extract import cut_at_stop_words, prediction
 from grader.ground_truth import BENCHES, normalise_gt, raw_answer
-from grader.sandbox import SymbolicPool
+from grader.pipeline import normalise
+from grader.sandbox import Request, SymbolicPool
 
 __all__ = ["BENCHES", "GradeResult", "grade", "grade_many", "normalise_gt", "raw_answer", "shutdown"]
 
 # Longer pred+gt pairs skip the in-process pass (one of its regexes backtracks cubically on long text)
 # and are compared in a worker, under the time limit.
 _IN_PROCESS_MAX_CHARS = 1000
+# Longer output+gt pairs are graded whole in a worker (extraction runs at about 2 s per MB of boxed
+# text), so that the time limit covers extraction too.
+IN_PROCESS_MAX_INPUT = 20_000
 
 
 @dataclass(frozen=True)
 class GradeResult:
     correct: bool
-    pred: str  # normalised prediction
-    gt: str  # normalised ground truth
-    timed_out: bool = False
-    symbolic: bool = False  # the verdict needed the sympy path (in a worker process)
+    pred: str  # normalised prediction ("" when a whole-item grading timed out)
+    gt: str  # normalised ground truth (likewise)
+    timed_out: bool = False  # no verdict within the limit (or the worker died): scored incorrect
+    symbolic: bool = False  # graded (at least in part) in a worker process
 
 
 class _NeedsSymbolic(Exception):
@@ -50,18 +55,27 @@ def _defer(_a: str, _b: str) -> bool:
     raise _NeedsSymbolic
 
 
-def _prepare(output: str, gt: str, bench: str) -> GradeResult | tuple[str, str]:
-    """A finished result when no sympy is needed, else the normalised (pred, gt) pair to compare."""
-    gt_norm = normalise_gt(gt, bench)
-    if cut_at_stop_words(output) in ("", "error"):  # the harness keeps no prediction for these
+def _prepare(output: str, gt: str, bench: str) -> GradeResult | Request:
+    """A finished result when no worker is needed, else the worker request that finishes it."""
+    if len(output) + len(gt) > IN_PROCESS_MAX_INPUT:
+        return ("grade", output, gt, bench)
+    pred, gt_norm = normalise(output, gt, bench)
+    if pred is None:
         return GradeResult(False, "", gt_norm)
-    pred = prediction(output, gt_norm)
     if len(pred) + len(gt_norm) > _IN_PROCESS_MAX_CHARS:
-        return pred, gt_norm
+        return ("compare", pred, gt_norm)
     try:
         return GradeResult(math_equal(pred, gt_norm, _defer), pred, gt_norm)
     except _NeedsSymbolic:
-        return pred, gt_norm
+        return ("compare", pred, gt_norm)
+
+
+def _finish(request: Request, reply: dict | None) -> GradeResult:
+    if request[0] == "compare":
+        pred, gt_norm = request[1:]
+    else:
+        pred, gt_norm = (reply["pred"], reply["gt"]) if reply else ("", "")
+    return GradeResult(bool(reply and reply["correct"]), pred, gt_norm, timed_out=reply is None, symbolic=True)
 
 
 _pool = SymbolicPool()
@@ -70,15 +84,14 @@ atexit.register(_pool.close)
 
 
 def grade_many(items: Iterable[tuple[str, str, str]], workers: int = 1, timeout: float = 3.0) -> list[GradeResult]:
-    """Grade (output, gt, bench) items; sympy comparisons are spread over `workers` processes."""
+    """Grade (output, gt, bench) items; worker requests are spread over `workers` processes."""
     prepared = [_prepare(output, gt, bench) for output, gt, bench in items]
     pending = [i for i, p in enumerate(prepared) if isinstance(p, tuple)]
     if pending:
         with _pool_lock:
-            verdicts = _pool.compare([prepared[i] for i in pending], timeout, max(1, workers))
-        for i, verdict in zip(pending, verdicts):
-            pred, gt_norm = prepared[i]
-            prepared[i] = GradeResult(bool(verdict), pred, gt_norm, timed_out=verdict is None, symbolic=True)
+            replies = _pool.run([prepared[i] for i in pending], timeout, max(1, workers))
+        for i, reply in zip(pending, replies):
+            prepared[i] = _finish(prepared[i], reply)
     return prepared
 
 

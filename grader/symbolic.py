@@ -1,9 +1,11 @@
 """Symbolic equality with sympy, as the reference `symbolic_equal` does it.
 
 Imported only inside sandbox workers: parsing and simplification can take unbounded time and memory.
-Each string is parsed by the first of sympy's `parse_latex`, sympy's `parse_expr` and
-`latex2sympy2_extended.latex2sympy` that accepts it (each tried with `\\\\` collapsed to `\\`, then
-as given); a string no parser accepts stays a string.
+Each string is parsed by the first of sympy's `parse_latex`, sympy's `parse_expr` (screened, below)
+and `latex2sympy2_extended.latex2sympy` that accepts it (each tried with `\\\\` collapsed to `\\`,
+then as given). A string no parser accepts is only ever compared as a string: the reference hands it
+on to `N()` and `.equals()`, which `sympify` it, that is, evaluate it as Python with every builtin.
+Nothing is lost for real answers: `sympify` fails on them just as `parse_expr` did.
 """
 
 from __future__ import annotations
@@ -71,20 +73,32 @@ def _parse_expr(text: str) -> Any:
     return parse_expr(text, global_dict=dict(_NAMESPACE))
 
 
-def _parse(text: str) -> Any:
-    for parser in (parse_latex, _parse_expr, latex2sympy):
+def _latex2sympy(text: str) -> Any:
+    # The reference's latex2sympy2 has no token for U+2212 (the Unicode minus sign); the fork reads it
+    # as "-", which would grade "− 5" equal to "-5" where the reference does not.
+    if "\u2212" in text:
+        raise ValueError("refused: U+2212 is no operator for the reference's latex2sympy")
+    return latex2sympy(text)
+
+
+def parse(text: str) -> Any:
+    """The sympy object of the first parser that accepts `text`, or None when none does."""
+    for parser in (parse_latex, _parse_expr, _latex2sympy):
         for candidate in (text.replace("\\\\", "\\"), text):
             try:
                 return parser(candidate)
             except Exception:
                 pass
-    return text
+    return None
 
 
 def symbolic_equal(a_text: str, b_text: str) -> bool:
     """Equal as parsed expressions: same, simplifies to zero difference, equivalent equations,
-    numerically close (rel 1e-4), or same-shape matrices equal after rounding to 3 decimals."""
-    a, b = _parse(a_text), _parse(b_text)
+    numerically close (rel 1e-4), or same-shape matrices equal after rounding to 3 decimals.
+    When either side does not parse, only the reference's string comparison applies."""
+    a, b = parse(a_text), parse(b_text)
+    if a is None or b is None:
+        return (a_text if a is None else str(a)) == (b_text if b is None else str(b))
     checks = (
         lambda: str(a) == str(b) or a == b,
         lambda: a.equals(b) or simplify(a - b) == 0,

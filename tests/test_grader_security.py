@@ -1,0 +1,172 @@
+"""Grading never executes its input, and its workers are confined and distrusted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from grader import grade, grade_many
+from grader.sandbox import SymbolicPool
+
+# Each payload, evaluated as Python, creates {p}; each survives strip_string and is refused by every
+# parser (the reference then hands it to sympify). `__name__` first keeps parse_latex from reading a prefix.
+PAYLOADS = {
+    "import": "__import__('pathlib').Path('{p}').mkdir()",
+    "open": "(__name__,open)[1]('{p}','w').write('1')",
+    "lambda": "(lambda:__import__('pathlib').Path('{p}').mkdir())()",
+    "getattr": "(__name__,getattr)[1](__import__('pathlib'),'Path')('{p}').mkdir()",
+    "attribute_chain": "__import__('pathlib').Path('{p}').parent.joinpath('pwned').mkdir()",
+    "exec": "exec(\"__import__('pathlib').Path('{p}').mkdir()\")",
+    "eval": "eval(\"__import__('pathlib').Path('{p}').mkdir()\")",
+    "builtins_lookup": "(__name__,globals)[1]()['__builtins__']['__import__']('pathlib').Path('{p}').mkdir()",
+    "text_wrapper": "\\text{__import__('pathlib').Path('{p}').mkdir()}",
+}
+
+
+@pytest.fixture
+def marker():
+    folder = Path(tempfile.mkdtemp(prefix="kvrsec"))
+    yield folder / "pwned"
+    for leftover in folder.iterdir():
+        leftover.rmdir() if leftover.is_dir() else leftover.unlink()
+    folder.rmdir()
+
+
+@pytest.mark.parametrize("side", ["prediction", "answer"])
+@pytest.mark.parametrize("name", sorted(PAYLOADS))
+def test_payload_is_never_executed(name: str, side: str, marker: Path) -> None:
+    payload = PAYLOADS[name].replace("{p}", str(marker))
+    output = "The answer is $\\boxed{" + (payload if side == "prediction" else "x+1") + "}$."
+    gt = payload if side == "answer" else "x+1"
+    result = grade(output, gt, "math500", timeout=10.0)
+    assert not marker.exists(), f"{name} ran on the {side} side"
+    assert not result.timed_out
+    assert not result.correct
+
+
+def test_unicode_minus_is_not_a_minus_sign() -> None:
+    """The reference's latex2sympy has no U+2212 token, so '\u22125' is not -5 there; nor here."""
+    items = [("\\boxed{\u22125}", "-5", "gsm8k"), ("\\boxed{-5}", "\u22125", "gsm8k"),
+             ("\\boxed{x\u22121}", "x-1", "math500"), ("\\boxed{\u22125}", "\u22125", "gsm8k")]
+    assert [r.correct for r in grade_many(items, timeout=10.0)] == [False, False, False, True]
+
+
+CONFINED_PROBE = textwrap.dedent("""
+    import json, os, socket, subprocess, sys
+    from grader.confine import confine
+    keep = os.dup(1)
+    existing = sys.argv[1]
+    layers = confine(keep)
+
+    def blocked(action):
+        try:
+            action()
+        except (OSError, MemoryError):
+            return True
+        return False
+
+    def append():
+        with open(existing, "a") as f:
+            f.write("more")
+
+    result = {
+        "layers": layers,
+        "spawn": blocked(lambda: subprocess.run(["true"])),
+        "fork": blocked(os.fork),
+        "create": blocked(lambda: open(existing + ".new", "w")),
+        "append": blocked(append),
+        "mkdir": blocked(lambda: os.mkdir(existing + ".dir")),
+        "unlink": blocked(lambda: os.unlink(existing)),
+        "socket": blocked(lambda: socket.socket()),
+        "signal_parent": blocked(lambda: os.kill(os.getppid(), 0)),
+        "memory": blocked(lambda: bytearray(5 << 30)),
+        "read": not blocked(lambda: open(existing).read()),
+        "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+        "keep": keep,
+    }
+    os.write(keep, json.dumps(result).encode())
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="confinement is Linux-only")
+def test_confined_process_can_do_nothing_but_compute(tmp_path: Path) -> None:
+    existing = tmp_path / "existing.txt"
+    existing.write_text("data")
+    inherited = open(tmp_path / "inherited", "w")  # an extra descriptor the probe inherits
+    done = subprocess.run([sys.executable, "-c", CONFINED_PROBE, str(existing)], capture_output=True,
+                          pass_fds=(inherited.fileno(),), cwd=Path(__file__).resolve().parents[1], timeout=120)
+    inherited.close()
+    assert done.returncode == 0, done.stderr.decode()
+    result = json.loads(done.stdout)
+    assert result["layers"] == {"limits": True, "syscall_filter": True}
+    for action in ("spawn", "fork", "create", "append", "mkdir", "unlink", "socket", "signal_parent", "memory",
+                   "read"):
+        assert result[action], action
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.txt", "inherited"]
+    assert existing.read_text() == "data"
+    # stdin, stdout and stderr (both /dev/null by now), the kept channel, and the listing's own descriptor
+    assert [fd for fd in result["fds"] if fd not in (0, 1, 2, result["keep"])] in ([], [max(result["fds"])])
+
+
+def test_grading_workers_report_confinement() -> None:
+    pool = SymbolicPool()
+    try:
+        [reply] = pool.run([("compare", "x^2+2x+1", "(x+1)^2")], timeout=10.0)
+        assert set(reply) == {"id", "correct"} and reply["correct"] is True
+        assert pool.confinement == [{"limits": True, "syscall_filter": True}]
+    finally:
+        pool.close()
+
+
+# Workers that answer outside the protocol; the parent must take none of it as a verdict.
+ROGUE_WORKERS = {
+    "bare_verdict": 'print("true", flush=True)',
+    "wrong_id": 'print(json.dumps({"id": "0" * 32, "correct": True}), flush=True)',
+    "extra_key": 'print(json.dumps({"id": rid, "correct": True, "pred": "x"}), flush=True)',
+    "not_bool": 'print(json.dumps({"id": rid, "correct": 1}), flush=True)',
+    "two_lines": 'print(json.dumps({"id": rid, "correct": True}) + "\\n" + json.dumps({"id": rid, "correct": True}), flush=True)',
+    "huge": 'print(json.dumps({"id": rid, "correct": True, "pad": "x" * 10_000_000}), flush=True)',
+    "silent_exit": "sys.exit(0)",
+}
+
+
+@pytest.mark.parametrize("behaviour", sorted(ROGUE_WORKERS))
+def test_parent_trusts_only_a_well_formed_verdict_for_its_request(behaviour: str) -> None:
+    script = textwrap.dedent("""
+        import json, sys
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            kind, rid, *args = json.loads(line)
+            if args[0] == "honest":
+                print(json.dumps({"id": rid, "correct": True}), flush=True)
+                continue
+    """) + "    " + ROGUE_WORKERS[behaviour] + "\n"
+    pool = SymbolicPool(command=[sys.executable, "-c", script])
+    try:
+        start = time.monotonic()
+        replies = pool.run([("compare", "rogue", "1"), ("compare", "honest", "1")], timeout=30.0)
+        assert replies[0] is None
+        assert replies[1] is not None and replies[1]["correct"] is True
+        assert time.monotonic() - start < 25.0  # refused on sight, not at the deadline
+    finally:
+        pool.close()
+
+
+def test_whole_item_grading_is_bounded_by_the_timeout() -> None:
+    """A 4 MB output (extraction alone takes seconds) ends within the limit, as a timeout."""
+    grade("\\boxed{x^2}", "x*x", "math500")  # a warm worker: start-up is not part of the limit
+    output = "\\boxed{" + "x+1 " * 1_000_000 + "}"
+    start = time.monotonic()
+    result = grade(output, "5", "math500", timeout=1.0)
+    assert time.monotonic() - start < 4.0
+    assert result.timed_out and not result.correct and result.symbolic
+    long_but_easy = "reasoning " * 5_000 + "so \\boxed{5}"
+    result = grade(long_but_easy, "5", "math500", timeout=10.0)
+    assert (result.correct, result.pred, result.gt, result.symbolic) == (True, "5", "5", True)
