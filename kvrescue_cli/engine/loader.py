@@ -1,14 +1,17 @@
 """Load Qwen2/Llama/PRM checkpoints into the engine: local folders, Hub ids, or GGUF files."""
 
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+import torch.distributed as dist
+from safetensors import safe_open
 
 from kvrescue_cli.engine.model import CausalLM, ModelArgs, ProcessRewardModel, Transformer, hf_to_engine_state_dict
+from kvrescue_cli.engine.tp import Shard, make_shard, shard_degree, shard_weight
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -53,17 +56,24 @@ class LoadedModel:
         return self.net(input_ids.to(self.device)).float()
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
-    """Load a local folder (config.json + safetensors + tokenizer), a GGUF file, or a Hugging Face Hub id."""
-    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+def load_model(
+    path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu", *, tp: int = 1, exact_heads: bool = False
+) -> LoadedModel:
+    """Load a local folder (config.json + safetensors + tokenizer), a GGUF file, or a Hugging Face Hub id.
+
+    With tp = K > 1 this rank reads only its shard of the weights (tp.py says how each model is split).
+    """
+    if tp > 1 and not (dist.is_initialized() and dist.get_world_size() == tp):
+        raise ModelLoadError(f"model {path!r}: --tp {tp} needs torch.distributed initialised with {tp} ranks")
+    place = dict(dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype, device=device, tp=tp, exact_heads=exact_heads)
     p = Path(path).expanduser()
     if p.is_dir():
-        return _load_folder(p, torch_dtype, device, str(path))
+        return _load_folder(p, str(path), **place)
     if p.is_file() and p.suffix == ".gguf":
-        return _load_gguf(p, torch_dtype, device)
+        return _load_gguf(p, **place)
     if p.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
         raise ModelLoadError(f"model {path!r}: not a folder with config.json, a .gguf file, or a Hub id (owner/name)")
-    return _load_folder(_hub_download(str(path)), torch_dtype, device, str(path))
+    return _load_folder(_hub_download(str(path)), str(path), **place)
 
 
 def _hub_download(repo_id: str) -> Path:
@@ -94,20 +104,45 @@ def _eos_ids(cfg: dict[str, Any], gen_cfg: dict[str, Any], tokenizer: Any) -> li
     return ids
 
 
-def _build(sd: dict[str, torch.Tensor], cfg: dict[str, Any], dtype: torch.dtype, device: str) -> Transformer:
+class _RankWeights(Mapping):
+    """A checkpoint's tensors as this rank holds them: each read (only its part) when accessed.
+
+    `sources` maps Hugging Face names to tensors or safetensors slices."""
+
+    def __init__(self, sources: Mapping[str, Any], args: ModelArgs, shard: Shard) -> None:
+        self.sources, self.args, self.shard = sources, args, shard
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return shard_weight(name, self.sources[name], self.args, self.shard)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def _build(
+    sources: Mapping[str, Any], cfg: dict[str, Any], dtype: torch.dtype, device: str, tp: int = 1, exact_heads: bool = False
+) -> Transformer:
+    """The engine network of a checkpoint's tensors, as this rank of `tp` holds it."""
     args = ModelArgs.from_hf(cfg)
-    is_prm = "score.0.weight" in sd or any("ProcessRewardModel" in a for a in cfg.get("architectures") or [])
-    if is_prm and "score.0.weight" not in sd:
+    is_prm = "score.0.weight" in sources or any("ProcessRewardModel" in a for a in cfg.get("architectures") or [])
+    if is_prm and "score.0.weight" not in sources:
         raise ModelLoadError("checkpoint declares a process reward model but has no score.0/score.2 head weights")
+    try:
+        shard = make_shard(shard_degree(args, tp, exact_heads=exact_heads)) if tp > 1 else Shard()
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     with torch.device("meta"):
-        net: Transformer = ProcessRewardModel(args) if is_prm else CausalLM(args)
-    net.load_state_dict(hf_to_engine_state_dict(sd, args), assign=True)
+        net: Transformer = ProcessRewardModel(args, shard) if is_prm else CausalLM(args, shard)
+    net.load_state_dict(hf_to_engine_state_dict(_RankWeights(sources, args, shard), args), assign=True)
     if isinstance(net, CausalLM):
         net.tie_weights()
     return net.to(device=device, dtype=dtype).eval()
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, device: str, name: str) -> LoadedModel:
+def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
     from transformers import AutoTokenizer
 
     cfg_path = folder / "config.json"
@@ -117,25 +152,25 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: str, name: str) -> Lo
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"model {name!r}: {folder} has no .safetensors weights")
-    sd: dict[str, torch.Tensor] = {}
+    sources = {}
     for f in files:
-        sd.update(load_file(f))
-    net = _build(sd, cfg, dtype, device)
-    del sd
+        handle = safe_open(f, framework="pt")
+        sources.update({key: handle.get_slice(key) for key in handle.keys()})
+    net = _build(sources, cfg, **place)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     gen_path = folder / "generation_config.json"
     gen_cfg = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     return LoadedModel(net, tokenizer, cfg, name, _eos_ids(cfg, gen_cfg, tokenizer))
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+def _load_gguf(path: Path, **place: Any) -> LoadedModel:
     """Dequantise a GGUF file through transformers' GGUF loader, then map its weights into the engine."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)
-    net = _build(dict(hf.state_dict()), cfg, dtype, device)
+    net = _build(dict(hf.state_dict()), cfg, **place)
     gen_cfg = hf.generation_config.to_dict()
     del hf
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

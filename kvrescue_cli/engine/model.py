@@ -1,7 +1,9 @@
 """One compact decoder for the Qwen2 and Llama families (gpt-fast style), plus the LM and PRM heads.
 
 Attention is delegated to a `KVCache` so the same decoder serves the evicting base, the full-context
-helper and the PRM; without a cache it runs a plain causal forward.
+helper and the PRM; without a cache it runs a plain causal forward. Under tensor parallelism (`tp.py`)
+a network holds one rank's shard: its `args` are the shapes that rank computes (its heads, its MLP
+columns), and `shard` does the all-reduces and the logits' all-gather.
 """
 
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kvrescue_cli.engine.caches import KVCache
+from kvrescue_cli.engine.tp import Shard, local_args
 
 
 @dataclass
@@ -83,9 +86,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    def __init__(self, args: ModelArgs, layer: int, shard: Shard) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.shard = layer, shard
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
@@ -102,41 +105,72 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
         else:
             y = cache.attend(self.layer, q, k, v)
-        return self.wo(y.transpose(1, 2).reshape(R, T, q_size))
+        return self.shard.all_reduce(self.wo(y.transpose(1, 2).reshape(R, T, q_size)))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, shard: Shard) -> None:
         super().__init__()
+        self.shard = shard
         self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.shard.all_reduce(self.w2(F.silu(gate) * up))
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    def __init__(self, args: ModelArgs, layer: int, shard: Shard) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, layer)
+        self.attention = Attention(args, layer, shard)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = FeedForward(args, shard)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class VocabEmbedding(nn.Module):
+    """The token embedding, or this rank's rows of it (vocab-parallel: lookups summed over the ranks)."""
+
+    def __init__(self, vocab_size: int, dim: int, shard: Shard) -> None:
+        super().__init__()
+        self.shard = shard
+        self.start, rows = shard.rows(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.shard.all_reduce(torch.where(mine[..., None], x, 0.0))
+
+
+class VocabHead(nn.Module):
+    """The LM head, or this rank's rows of it (vocab-parallel: logits gathered from the ranks)."""
+
+    def __init__(self, vocab_size: int, dim: int, shard: Shard) -> None:
+        super().__init__()
+        self.shard, self.vocab_size = shard, vocab_size
+        self.weight = nn.Parameter(torch.empty(shard.rows(vocab_size)[1], dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.shard.all_gather(F.linear(h, self.weight))[..., : self.vocab_size]
+
+
 class Decoder(nn.Module):
     """Embedding, blocks and final norm: tokens in, normalised hidden states out."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, shard: Shard) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.tok_embeddings = VocabEmbedding(args.vocab_size, args.dim, shard)
+        self.layers = nn.ModuleList(Block(args, i, shard) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
@@ -148,12 +182,15 @@ class Decoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A decoder with a head that maps hidden states [..., dim] to outputs [..., out]."""
+    """A decoder with a head that maps hidden states [..., dim] to outputs [..., out].
 
-    def __init__(self, args: ModelArgs, head: nn.Module) -> None:
+    `args` are the checkpoint's shapes; the network keeps the shapes its rank computes (`local_args`).
+    """
+
+    def __init__(self, args: ModelArgs, head: nn.Module, shard: Shard = Shard()) -> None:
         super().__init__()
-        self.args = args
-        self.decoder = Decoder(args)
+        self.args, self.shard = local_args(args, shard.size), shard
+        self.decoder = Decoder(self.args, shard)
         self.head = head
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -191,8 +228,8 @@ class Transformer(nn.Module):
 class CausalLM(Transformer):
     """Decoder + language-model head (tied to the embedding when the checkpoint says so)."""
 
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args, nn.Linear(args.dim, args.vocab_size, bias=False))
+    def __init__(self, args: ModelArgs, shard: Shard = Shard()) -> None:
+        super().__init__(args, VocabHead(args.vocab_size, args.dim, shard), shard)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -204,8 +241,9 @@ class CausalLM(Transformer):
 class ProcessRewardModel(Transformer):
     """Qwen2ForProcessRewardModel: decoder + score head Linear(H,H) -> ReLU -> Linear(H,2)."""
 
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args, nn.Sequential(nn.Linear(args.dim, args.dim), nn.ReLU(), nn.Linear(args.dim, 2)))
+    def __init__(self, args: ModelArgs, shard: Shard = Shard()) -> None:
+        score = nn.Sequential(nn.Linear(args.dim, args.dim), nn.ReLU(), nn.Linear(args.dim, 2))  # replicated
+        super().__init__(args, score, shard)
 
 
 def hf_to_engine_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:

@@ -1,0 +1,128 @@
+"""Tensor parallelism in the engine's own decoder, Megatron style (after gpt-fast's tp.py).
+
+The K ranks of a tensor-parallel group run every forward together. A model is sharded over d ranks:
+- q/k/v and gate/up are column-parallel (rank r holds query heads r*Hq/d.., its KV heads and 1/d of
+  the MLP columns), o and down are row-parallel, each followed by one all-reduce;
+- the embedding and the LM head are vocab-parallel (rank r holds rows r*ceil(V/d)..; the embedding
+  all-reduces, the head all-gathers the logits): replicated, they would be 2 x 152064 x 8192 bf16 =
+  5 GB of each 40 GB device for the 72B base, where sharded they take 0.6 GB;
+- norms and the PRM's score head (H x H and H x 2) are replicated.
+
+d is the largest divisor of K that divides the query heads and the MLP width and either divides
+the KV heads or is a multiple of them; in the latter case d / Hkv consecutive ranks hold the same KV
+head (KV-head replication, as vLLM does when TP exceeds the KV head count). With d < K, the K/d
+subgroups of d consecutive ranks each hold a whole copy and compute the same thing, so every rank
+holds 1/d of the model. In the paper's setting (K = 8) the 72B base (64/8 heads) is sharded 8 ways,
+the 7B PRM (28/4) 4 ways, the 1.5B helper (12/2) 4 ways with each KV head on two ranks. The base's
+evicting cache scores each KV head with its whole query group, so a base must have d = K without
+replication (`exact_heads`): anything else is refused before loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from kvrescue_cli.engine.model import ModelArgs
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's place in the d ranks that share one copy of a model (d = 1: not sharded)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # the torch.distributed process group of the d ranks
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the shard's ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' x concatenated along the last dimension, rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def rows(self, n: int) -> tuple[int, int]:
+        """(start, count) of this rank's rows of a dimension of n split into d equal padded parts."""
+        per = -(-n // self.size)
+        return self.rank * per, per
+
+    def kv_heads(self, n_kv_heads: int) -> tuple[int, int]:
+        """(first, count) of the KV heads this rank holds (one, shared by d / Hkv ranks, when d > Hkv)."""
+        if self.size > n_kv_heads:
+            return self.rank // (self.size // n_kv_heads), 1
+        per = n_kv_heads // self.size
+        return self.rank * per, per
+
+
+def shard_degree(args: ModelArgs, k: int, *, exact_heads: bool = False) -> int:
+    """The d ranks of a K-rank group that one copy of this model spans (see the module docstring)."""
+    if exact_heads:
+        if args.n_heads % k or args.n_kv_heads % k or args.intermediate_size % k:
+            raise ValueError(
+                f"--tp {k} must divide the base's {args.n_heads} query heads, {args.n_kv_heads} KV heads and "
+                f"MLP width {args.intermediate_size} (its evicting cache compresses each rank's own KV heads)"
+            )
+        return k
+    return max(
+        d for d in range(1, k + 1)
+        if k % d == 0 and args.n_heads % d == 0 and args.intermediate_size % d == 0
+        and (args.n_kv_heads % d == 0 or d % args.n_kv_heads == 0)
+    )
+
+
+def local_args(args: ModelArgs, d: int) -> ModelArgs:
+    """The shapes one rank computes when a model is sharded over d ranks (vocab and width stay whole)."""
+    return replace(args, n_heads=args.n_heads // d, n_kv_heads=max(args.n_kv_heads // d, 1),
+                   intermediate_size=args.intermediate_size // d)
+
+
+_groups: dict[int, Any] = {}
+
+
+def make_shard(d: int) -> Shard:
+    """This process's Shard of a model sharded over d ranks of the initialised torch.distributed group."""
+    if d == 1:
+        return Shard()
+    k, rank = dist.get_world_size(), dist.get_rank()
+    if d not in _groups:
+        # every rank creates every subgroup, in the same order (torch.distributed requires it)
+        subgroups = [dist.new_group(list(range(s, s + d))) for s in range(0, k, d)]
+        _groups[d] = subgroups[rank // d] if d < k else dist.group.WORLD
+    return Shard(rank % d, d, _groups[d])
+
+
+def shard_weight(name: str, weight: Any, args: ModelArgs, shard: Shard) -> torch.Tensor:
+    """This rank's part of a Hugging Face checkpoint tensor `name`, read from `weight` (a tensor or a
+    safetensors slice, so only that part is read from disk). `args` are the checkpoint's shapes."""
+    if shard.size == 1:
+        return weight[:]
+    r, hd = shard.rank, args.head_dim
+    q_cols, mlp_cols = args.n_heads // shard.size * hd, args.intermediate_size // shard.size
+    kv_first, kv_count = shard.kv_heads(args.n_kv_heads)
+    leaf = name.rsplit(".", 2)[-2]  # q_proj, o_proj, embed_tokens, ...
+    if leaf == "q_proj":  # column-parallel: rows of the weight (and of the bias)
+        return weight[r * q_cols:(r + 1) * q_cols]
+    if leaf in ("k_proj", "v_proj"):
+        return weight[kv_first * hd:(kv_first + kv_count) * hd]
+    if leaf in ("gate_proj", "up_proj"):
+        return weight[r * mlp_cols:(r + 1) * mlp_cols]
+    if leaf == "o_proj":  # row-parallel: columns
+        return weight[:, r * q_cols:(r + 1) * q_cols]
+    if leaf == "down_proj":
+        return weight[:, r * mlp_cols:(r + 1) * mlp_cols]
+    if leaf in ("embed_tokens", "lm_head"):  # vocab-parallel, the last part padded with zero rows
+        start, rows = shard.rows(args.vocab_size)
+        part = weight[start:start + rows]
+        return torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])])
+    return weight[:]

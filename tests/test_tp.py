@@ -1,0 +1,103 @@
+"""Tensor parallelism: two gloo ranks (real subprocesses) compute what one device computes.
+
+The base (Qwen2, 4/2 heads, vocab 515: the vocab-parallel head pads its last shard) is sharded over
+both ranks; the helper (Llama, tied embeddings, 4/1 heads) replicates its single KV head on both; the
+PRM is sharded with its score head replicated. One workload (tests/tp_scenario.py) runs on each rank
+and in this process; fp32 outputs must agree within 1e-5 and the evicting cache must keep the same
+positions per layer and KV head.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrescue_cli.engine.model import ModelArgs
+from kvrescue_cli.engine.random_checkpoints import write_random_checkpoint
+from kvrescue_cli.engine.tp import local_args, shard_degree
+from tests import tp_scenario
+
+TOL = 1e-5
+SHAPE = dict(hidden_size=64, num_layers=2, intermediate_size=128, init_std=0.1)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> list[Path]:
+    tmp = tmp_path_factory.mktemp("tp")
+    return [
+        write_random_checkpoint(tmp / "base", "qwen2", num_heads=4, num_kv_heads=2, vocab_size=515, seed=11, **SHAPE),
+        write_random_checkpoint(tmp / "helper", "llama", num_heads=4, num_kv_heads=1, seed=12, **SHAPE),
+        write_random_checkpoint(tmp / "prm", "prm", num_heads=4, num_kv_heads=2, seed=13, **SHAPE),
+    ]
+
+
+@pytest.fixture(scope="module")
+def results(checkpoints, tmp_path_factory) -> tuple[dict, list[dict]]:
+    """(one device's outputs, each of two ranks' outputs)."""
+    tmp = tmp_path_factory.mktemp("tp_run")
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests.tp_scenario", str(rank), "2", str(tmp / "rendezvous"),
+                          str(tmp / f"rank{rank}.pt"), *map(str, checkpoints)], cwd=ROOT, stderr=subprocess.PIPE)
+        for rank in range(2)
+    ]
+    single = tp_scenario.run(*checkpoints)
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-3000:]
+    return single, [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+def _close(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.shape == y.shape and (x - y).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("key", ["full", "bounded", "helper"])
+def test_cached_prefill_and_decode_logits_equal_one_device(results, key) -> None:
+    single, ranks = results
+    for rank in ranks:
+        _close(rank[key], single[key])
+
+
+def test_plain_logits_and_prm_scores_equal_one_device(results) -> None:
+    single, ranks = results
+    for rank in ranks:
+        _close([rank["plain"]], [single["plain"]])
+        _close(torch.tensor(rank["prm_plain"] + rank["prm_cached"]), torch.tensor(single["prm_plain"] + single["prm_cached"]))
+
+
+def test_each_rank_keeps_the_positions_one_device_keeps_for_its_kv_heads(results) -> None:
+    """Every compression, every layer and row: rank r's KV head equals one device's head r."""
+    single, ranks = results
+    assert len(single["kept"]) >= 3
+    for r, rank in enumerate(ranks):
+        for mine, whole in zip(rank["kept"], single["kept"], strict=True):
+            assert whole.shape[2] == 2 and mine.shape[2] == 1
+            assert torch.equal(mine, whole[:, :, r : r + 1])
+
+
+def test_each_model_is_split_as_planned(results) -> None:
+    """(query heads, KV heads, ranks per copy) each rank computes: helper's one KV head is on both."""
+    assert results[1][0]["shapes"] == {"base": (2, 1, 2), "helper": (2, 1, 2), "prm": (2, 1, 2)}
+    assert results[0]["shapes"] == {"base": (4, 2, 1), "helper": (4, 1, 1), "prm": (4, 2, 1)}
+    # each rank holds little more than half (norms, the PRM head and the helper's KV head are whole)
+    assert results[1][0]["parameters"] < 0.6 * results[0]["parameters"]
+
+
+def _args(heads: int, kv_heads: int, intermediate: int) -> ModelArgs:
+    return ModelArgs(vocab_size=152064, dim=128 * heads, intermediate_size=intermediate, n_layers=1,
+                     n_heads=heads, n_kv_heads=kv_heads, head_dim=128)
+
+
+def test_shard_degrees_of_the_papers_setting() -> None:
+    """K = 8: the 72B base 8 ways, the 7B PRM (28/4) 4 ways, the 1.5B helper (12/2) 4 ways, its KV heads on 2 ranks each."""
+    base, prm, helper = _args(64, 8, 29568), _args(28, 4, 18944), _args(12, 2, 8960)
+    assert shard_degree(base, 8, exact_heads=True) == 8
+    assert shard_degree(prm, 8) == 4 and shard_degree(helper, 8) == 4
+    assert (local_args(helper, 4).n_heads, local_args(helper, 4).n_kv_heads) == (3, 1)
+    assert shard_degree(_args(7, 7, 700), 8) == 1  # nothing divides: a whole copy per rank
+    with pytest.raises(ValueError, match="--tp 8 must divide the base's 28 query heads, 4 KV heads"):
+        shard_degree(prm, 8, exact_heads=True)
