@@ -7,6 +7,7 @@ import torch
 
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.graphs import StaticDecode
 from kvrescue_cli.engine.evict import gather_positions, rkv_keep, snapkv_keep, streaming_keep
 from kvrescue_cli.engine.loader import load_model
 
@@ -97,6 +98,31 @@ def test_an_append_longer_than_the_room_grows_the_buffer(net):
         d.append([d.cache.create()], [ids])
     torch.testing.assert_close(drivers[0].logits[0], drivers[1].logits[0], rtol=1e-4, atol=1e-5)
     assert cache.capacity == 320 and cache.physical_length(0) == 16 and cache.peak_length(0) == 300
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_row_is_compressed_exactly_when_it_reaches_b_prime(net, static):
+    budget = 16
+    b_prime = budget + 128
+    cache = BoundedCache.for_model(net, budget=budget, max_append=8)
+    d = Driver(net, cache)
+    at, below = cache.create(), cache.create()
+    d.append([at, below], [prompt(b_prime), prompt(b_prime - 1)])  # a prefill that ends on B' and one short of it
+    assert (cache.physical_length(at), cache.physical_length(below)) == (budget, b_prime - 1)
+    row = cache.create()
+    d.append([row], [prompt(b_prime - 3)])
+    step = StaticDecode(net, cache, graphs=False) if static else None
+    lengths = []
+    with torch.inference_mode():
+        for _ in range(3 + 127 + 1):  # one token at a time
+            if step is not None:
+                step([row], [5])
+            else:
+                net.decode(torch.tensor([5]), cache, [row])
+            lengths.append(cache.physical_length(row))
+    # B' - 2, B' - 1, then the token that makes B' entries compresses to B; B + 1 .. B' - 1; B again
+    assert lengths == [b_prime - 2, b_prime - 1, budget, *range(budget + 1, b_prime), budget]
+    assert cache.peak_length(row) == b_prime and cache.length(row) == b_prime - 3 + len(lengths)
 
 
 @pytest.mark.parametrize("budget", [16, 24])

@@ -1,5 +1,6 @@
 """`kvrescue grade` and `kvrescue bench` through real subprocesses of the installed console script."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,8 @@ KVRESCUE = [str(Path(sys.executable).parent / "kvrescue")]  # the console script
 EXAMPLE = ROOT / "examples" / "gsm8k_outputs.jsonl"
 
 
-def kvrescue(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*KVRESCUE, *args], input=stdin, capture_output=True, timeout=300)
+def kvrescue(*args: str, stdin: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVRESCUE, *args], input=stdin, capture_output=True, timeout=300, env=env)
 
 
 def test_grade_example_file_to_stdout():
@@ -79,9 +80,10 @@ def test_grade_out_file_is_written_whole(tmp_path):
 
 def test_bench_lists_sizes_and_sources():
     folder = need_shared(BENCHMARKS)
-    done = kvrescue("bench", "--data-dir", str(folder))
+    done = kvrescue("bench", "--data-dir", str(folder), env={**os.environ, "COLUMNS": "400"})  # one line per row
     assert done.returncode == 0, done.stderr.decode()
-    text = done.stderr.decode()
-    for name, size in {"math500": 500, "gsm8k": 1319, "aime24": 30, "amc23": 40, "olympiadbench": 675}.items():
-        assert name in text and str(size) in text
-    assert "gsm8k.jsonl" in text
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in done.stderr.decode().splitlines() if line.startswith("│")]
+    sizes = {"math500": 500, "gsm8k": 1319, "aime24": 30, "amc23": 40, "olympiadbench": 675}
+    assert {row[0]: int(row[1]) for row in cells} == sizes
+    assert {row[0]: row[2] for row in cells} == {name: "problem" if name == "math500" else "question" for name in sizes}
+    assert all(row[3].endswith(f"{row[0]}.jsonl") for row in cells)

@@ -112,3 +112,14 @@ def test_empty_pieces_keep_the_ratio():
         det.update(tok, 1.0)
     before = det.min_ratio
     assert det.update("", 1.0) is None and det.min_ratio == before
+
+
+def test_entropy_is_reported_when_both_tests_fire_on_the_same_token():
+    config = DetectorConfig(tau_ent=1.0, ent_window=2, min_tokens=3, tau_cmp=0.3, cmp_chars=100)
+    det = Detector(config)
+    assert [det.update("a" * 40, 5.0) for _ in range(2)] == [None, None]  # 80 characters, 2 tokens: neither checked
+    assert det.update("a" * 40, 5.0) == "entropy"  # token 3: mean entropy 5 > 1 and ratio 0.24 < 0.3 together
+    assert (det.fired, det.fired_at) == ("entropy", 3)
+    assert det.min_ratio == gzip_ratio("a" * 100) < 0.3 and det.max_mean_entropy == 5.0
+    det = Detector(config)  # the same text with low entropy: the repetition test alone
+    assert [det.update("a" * 40, 0.5) for _ in range(3)] == [None, None, "repetition"]

@@ -172,6 +172,16 @@ def test_record_round_trip():
     assert Trace.from_dict(orjson.loads(orjson.dumps(s))) == s
 
 
+def test_early_exits_count_both_detector_reasons():
+    t = trace(0, "bbbb", exits=3)  # steps 0-2: the second base candidate stopped by the entropy test
+    t.candidates[1][1] = Candidate("base", None, 900, "repetition", 2.0, 0.1, 900)
+    t.candidates[3][1] = Candidate("base", 0.3, 512, "length", 2.0, 0.5)  # a length cap is no early exit
+    assert summarize([t], config()).early_exit_rate == pytest.approx(3 / 8)
+    only_repetition = trace(1, "bb")
+    only_repetition.candidates[0][1] = Candidate("base", None, 900, "repetition", 2.0, 0.1, 900)
+    assert summarize([only_repetition], config()).early_exit_rate == pytest.approx(1 / 4)
+
+
 def test_summary_numbers_by_hand():
     traces = [
         trace(0, "bh", correct=True, exits=1, started=0, wall=10),       # 2 steps, 1 helper

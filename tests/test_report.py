@@ -48,10 +48,10 @@ def make_trace(idx: int, correct: bool, sources: str, ent: float = 1.0) -> Trace
 
 def write_run(root: Path, method: str, *, bench: str = "math500", n: int = 8, budget: int | None = 64, seed: int = 0,
               correct: set[int] = frozenset(), sources=lambda i: "bh", problems: int = 10, finished: bool = True,
-              synthetic: bool = False, ent=lambda i: 1.0) -> Path:
+              synthetic: bool = False, ent=lambda i: 1.0, evictor: str = "rkv", base: str | None = None) -> Path:
     budget = budget if method in ("bon", "interleave", "kvrescue") else None
-    cfg = RunConfig(bench, method, budget, n, "rkv" if budget else "none", seed,
-                    {r: MODELS[r] for r in ROLES[method]}, "prm", synthetic,
+    models = {r: MODELS[r] for r in ROLES[method]} | ({"base": ModelRef(base)} if base and "base" in ROLES[method] else {})
+    cfg = RunConfig(bench, method, budget, n, evictor if budget else "none", seed, models, "prm", synthetic,
                     {"temperature": 0.8, "detector": {"tau_ent": 7.0, "tau_cmp": 0.18} if method == "kvrescue" else None})
     path = run_dir(root, cfg)
     with RunFolder.open(path, cfg, total=problems) as rf:
@@ -154,6 +154,47 @@ def test_recovery_when_full_equals_bon(tmp_path):
     assert rec["recovery"] is None and "no eviction loss to recover" in rec["reason"]
 
 
+def test_recovery_pairs_the_bon_and_full_runs_of_the_same_evictor_and_base_model(tmp_path):
+    w = lambda *a, **k: write_run(tmp_path, *a, **k)  # noqa: E731
+    other = "Qwen/Qwen2.5-Math-1.5B-Instruct"
+    w("full", correct=set(range(8)))                                    # 0.8
+    w("full", base=other, correct=set(range(6)))                        # 0.6
+    w("bon", correct=set(range(4)))                                     # 0.4 rkv
+    w("bon", evictor="snapkv", correct=set(range(2)))                   # 0.2 snapkv
+    w("bon", base=other, correct=set(range(1)))                         # 0.1 rkv, the other base
+    w("kvrescue", correct=set(range(7)))                                # 0.7 rkv
+    w("kvrescue", evictor="snapkv", correct=set(range(5)))              # 0.5 snapkv
+    w("kvrescue", base=other, correct=set(range(3)))                    # 0.3 rkv, the other base
+    w("kvrescue", evictor="streaming", correct=set(range(5)))           # no streaming bon
+    rec = {(r["evictor"], r["base"]): r for r in report_json(tmp_path)["recovery"]}
+    base = MODELS["base"].id
+    assert rec[("rkv", base)]["recovery"] == pytest.approx((0.7 - 0.4) / (0.8 - 0.4))
+    assert rec[("snapkv", base)]["recovery"] == pytest.approx((0.5 - 0.2) / (0.8 - 0.2))
+    assert rec[("rkv", other)]["recovery"] == pytest.approx((0.3 - 0.1) / (0.6 - 0.1))
+    assert rec[("streaming", base)]["recovery"] is None
+    assert rec[("streaming", base)]["reason"] == "no bon run for math500 at N=8, B=64"
+
+
+def test_a_duplicate_run_folder_is_left_out_with_a_note(tmp_path):
+    import shutil
+
+    first = write_run(tmp_path / "a", "bon", correct=set(range(4)))
+    copy = tmp_path / "b" / first.relative_to(tmp_path / "a")
+    shutil.copytree(first, copy)
+    other = tmp_path / "c" / first.relative_to(tmp_path / "a")  # the same row and seed, another temperature
+    shutil.copytree(first, other)
+    config = orjson.loads((other / "config.json").read_bytes())
+    config["config"]["settings"]["temperature"] = 0.6
+    (other / "config.json").write_bytes(orjson.dumps(config))
+    runs, problems = load_runs([tmp_path])
+    assert [r.path for r in runs] == [first] and runs[0].summary.accuracy == pytest.approx(0.4)
+    notes = {p.path: p.message for p in problems}
+    assert notes[str(copy)] == f"a copy of {first}; left out"
+    assert notes[str(other)] == f"same bench, method, N, budget and seed as {first} with other settings; left out"
+    data = report_json(tmp_path / "a", tmp_path / "b")
+    assert table(data, "accuracy")["rows"][0][-1]["seeds"] == 1
+
+
 def test_decode_cost_and_ablation(runs_root):
     data = report_json(runs_root)
     cost = rows_by(table(data, "cost"), "bench", "method", "N", "budget")
@@ -240,7 +281,11 @@ def test_markdown_csv_and_table_formats(runs_root):
     assert "* no summary.json: running or interrupted" in rich.stderr
 
 
-def test_plot_is_a_valid_png(runs_root, tmp_path):
+def test_plot_draws_the_accuracies(runs_root, tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)  # keep the figure to read what was plotted
     png = tmp_path / "fig" / "pareto.png"
     result = CliRunner().invoke(app, ["report", str(runs_root), "--plot", str(png)])
     assert result.exit_code == 0, result.output
@@ -248,6 +293,22 @@ def test_plot_is_a_valid_png(runs_root, tmp_path):
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", head[16:24])
     assert 800 <= width <= 2000 and 300 <= height <= 800      # two benches side by side
+    (fig,) = drawn
+    plotted = {}
+    for ax in fig.axes:
+        curves = {c.get_label(): [(x, pytest.approx(y)) for x, y in zip(*c.lines[0].get_data())] for c in ax.containers}
+        levels = {line.get_label(): pytest.approx(line.get_ydata()[0]) for line in ax.get_lines()
+                  if not line.get_label().startswith("_")}
+        plotted[ax.get_title()] = {**curves, **levels}
+    assert plotted == {
+        "gsm8k": {"bon N=8": [(64, 80.0)], "kvrescue N=8": [(64, 90.0)]},
+        "math500": {"full N=1": 80.0, "full N=8": 75.0, "helper N=1": 40.0, "helper N=8": 50.0,
+                    "bon N=1": [(64, 30.0)], "bon N=8": [(64, 45.0), (128, 50.0)], "interleave N=8 *": [(64, 40.0)],
+                    "kvrescue N=2": [(64, 30.0)], "kvrescue N=8": [(64, 65.0), (128, 70.0)]},
+    }
+    bars = {c.get_label(): c.lines[2][0].get_segments() for c in fig.axes[1].containers}
+    (low, high), _ = [(seg[0][1], seg[1][1]) for seg in bars["bon N=8"]]  # seed std at B=64, one seed at B=128
+    assert (high - low) / 2 == pytest.approx(100 * sample_std(0.4, 0.5))
 
 
 def test_subprocess_cli_json(runs_root):

@@ -41,10 +41,17 @@ def test_queue_hands_out_in_order_and_requeues_a_dead_workers_problems():
     assert queue.empty
 
 
-def test_devices_resolve_here():
-    assert resolve_devices("auto") == ("cpu",)  # no GPU in CI
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_devices_resolve_against_the_visible_gpus(monkeypatch, gpus):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert resolve_devices("auto") == (("cuda:0", "cuda:1") if gpus else ("cpu",))
     assert resolve_devices("cpu,cpu") == ("cpu", "cpu")
-    for bad in ("tpu", "cuda:7", ""):
+    if gpus:
+        assert resolve_devices("cuda") == ("cuda:0",) and resolve_devices("cuda:1,cpu") == ("cuda:1", "cpu")
+    for bad in ("tpu", "cuda:2", "cuda:x", "", *(() if gpus else ("cuda",))):
         with pytest.raises(InputError):
             resolve_devices(bad)
 
