@@ -7,7 +7,6 @@ import gzip
 import json
 import os
 import re
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from typer.testing import CliRunner
 
 from kvrescue_cli.cli import app
 from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, read_traces, run_dir
+from kvrescue_cli.view.browser import chromium_paths, headless_chromium, open_view
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct"),
           "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
@@ -96,7 +96,7 @@ def runs_root(tmp_path_factory) -> Path:
     for method, problems in TRAJECTORIES.items():
         write_run(root, method, "gsm8k", [make_trace(method, idx, (DUCKS, ROBE)[idx], ("18", "3")[idx], *spec)
                                           for idx, spec in problems.items()])
-    write_run(root, "bon", "math500", [make_trace("bon", 7, HOSTILE, "\\frac{3}{4}", False, "1",
+    write_run(root, "bon", "math500", [make_trace("bon", 123, HOSTILE, "\\frac{3}{4}", False, "1",
                                                   [("base", "It is $1$.", 0.3, None)])], finished=False)
     empty = RunConfig("math500", "full", None, 2, "none", 0, {"base": MODELS["base"]}, "prm")
     RunFolder.open(run_dir(root, empty), empty, total=3).close()
@@ -112,8 +112,8 @@ def page(runs_root, tmp_path_factory) -> Path:
     return out
 
 
-def unpack(html: str) -> dict:
-    packed = re.search(r'<script type="application/octet-stream" id="kv-data">([^<]*)</script>', html).group(1)
+def unpack(html: str, element_id: str) -> object:
+    packed = re.search(f'<script type="application/octet-stream" id="{element_id}">([^<]*)</script>', html).group(1)
     return orjson.loads(gzip.decompress(base64.b64decode(packed)))
 
 
@@ -124,16 +124,24 @@ def cli_stdout(*args: str) -> str:
 
 
 def test_page_holds_the_report_json_and_every_trace(page, runs_root):
-    data = unpack(page.read_text(encoding="utf-8"))
+    html = page.read_text(encoding="utf-8")
+    data = unpack(html, "kv-data")
     assert data["report"] == orjson.loads(cli_stdout("report", str(runs_root), "--format", "json"))
-    assert len(data["runs"]) == 4 and len(data["traces"]) == 4
-    for run, traces in zip(data["runs"], data["traces"]):
-        recorded = read_traces(Path(run["folder"]) / "traces.jsonl")
-        for mine, trace in zip(traces, sorted(recorded, key=lambda t: t.idx)):
+    assert len(data["runs"]) == 4 and len(data["rows"]) == 4
+    for run, rows in zip(data["runs"], data["rows"]):
+        recorded = sorted(read_traces(Path(run["folder"]) / "traces.jsonl"), key=lambda t: t.idx)
+        chunks = sorted(int(c) for c in re.findall(f'id="kv-run-{run["id"]}-([0-9]+)"', html))
+        assert chunks == sorted({t.idx // data["chunk"] for t in recorded})
+        details = [trace for c in chunks for trace in unpack(html, f'kv-run-{run["id"]}-{c}')]
+        assert len(details) == len(rows) == len(recorded)
+        for row, mine, trace in zip(rows, details, recorded):
             expected = asdict(trace)
-            assert {k: expected[k] for k in mine} == mine
-            assert {p["problem"] for p in data["problems"] if p["idx"] == trace.idx and p["bench"] == run["bench"]} \
-                == {trace.problem}
+            assert mine == {k: v for k, v in expected.items() if k not in ("problem", "gt", "gt_norm", "output")}
+            assert row == {"idx": trace.idx, "correct": trace.correct, "stop": trace.stop,
+                           "skip_reason": trace.skip_reason, "n_steps": trace.n_steps,
+                           "tokens": {"base": trace.tokens.base, "helper": trace.tokens.helper}}
+            assert [(p["problem"], p["gt"], p["gt_norm"]) for p in data["problems"]
+                    if p["idx"] == trace.idx and p["bench"] == run["bench"]] == [(trace.problem, trace.gt, trace.gt_norm)]
     in_progress = [r for r in data["runs"] if r["in_progress"]]
     assert [(r["bench"], r["method"]) for r in in_progress] == [("math500", "bon")] and in_progress[0]["label"].endswith("*")
     assert data["plot"].startswith("<svg") and data["plot_note"] is None
@@ -141,7 +149,7 @@ def test_page_holds_the_report_json_and_every_trace(page, runs_root):
 
 def test_untrusted_text_cannot_leave_the_data_element(page):
     html = page.read_text(encoding="utf-8")
-    assert html.count("</script>") == 2 and "onerror" not in html
+    assert html.count("</script>") == 2 + len(re.findall('id="kv-run-', html)) and "onerror" not in html
     assert 'http-equiv="Content-Security-Policy" content="default-src \'none\';' in html
 
 
@@ -161,30 +169,11 @@ def test_no_usable_run_is_a_one_line_error_and_writes_nothing(tmp_path):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver_path):
+    if chromium_paths() is None:
         pytest.skip("chromium and chromium-driver are not installed (scripts/browser.sh installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1500,1000",
-                f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver = headless_chromium(tmp_path_factory.mktemp("chromium"))
     yield driver
     driver.quit()
-
-
-def open_page(browser, page: Path, hash_: str = "") -> None:
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    browser.get("about:blank")  # a fresh document: no state left by an earlier test
-    browser.get(page.as_uri() + hash_)
-    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.body.dataset.ready"))
-    assert browser.execute_script("return document.body.dataset.ready") == "true"
 
 
 @pytest.fixture(autouse=True)
@@ -203,7 +192,7 @@ def test_report_tables_equal_the_report_and_nothing_is_fetched(browser, page, ru
     from selenium.webdriver.common.by import By
 
     browser.get_log("performance"), browser.get_log("browser")  # drop what came before
-    open_page(browser, page)
+    open_view(browser, page)
     events = [json.loads(entry["message"])["message"] for entry in browser.get_log("performance")]
     requests = [e["params"] for e in events if e["method"] == "Network.requestWillBeSent"]
     assert {r["request"]["url"] for r in requests if r["documentURL"].startswith(page.as_uri())} == {page.as_uri()}
@@ -228,10 +217,10 @@ def test_problem_list_filters_and_search(browser, page):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    open_page(browser, page, "#problems")
+    open_view(browser, page, "#problems")
     rows = lambda: [(r.get_attribute("data-bench"), int(r.get_attribute("data-idx")))  # noqa: E731
                     for r in browser.find_elements(By.CSS_SELECTOR, "#problem-list tbody tr")]
-    assert rows() == [("gsm8k", 0), ("gsm8k", 1), ("math500", 7)]
+    assert rows() == [("gsm8k", 0), ("gsm8k", 1), ("math500", 123)]
     Select(browser.find_element(By.NAME, "verdict")).select_by_value("disagree")
     assert rows() == [("gsm8k", 0)]
     Select(browser.find_element(By.NAME, "verdict")).select_by_value("any")
@@ -245,14 +234,19 @@ def test_problem_list_filters_and_search(browser, page):
     browser.find_element(By.NAME, "search").clear()
     browser.find_element(By.NAME, "search").send_keys("simplify")
     assert texts(browser.find_elements(By.CSS_SELECTOR, "#problem-list td.problem-text")) == [HOSTILE]
+    open_view(browser, page, "#p/math500/123")  # its trace is in the run's third detail chunk
+    assert browser.find_element(By.ID, "problem-text").get_attribute("textContent") == HOSTILE
+    assert texts(browser.find_elements(By.CSS_SELECTOR, "#side-by-side .step-text")) == ["It is $1$."]
     assert browser.execute_script("return window.pwned") is None
 
 
 def test_problem_page_shows_each_runs_steps_side_by_side(browser, page):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
-    open_page(browser, page, "#problems")
+    open_view(browser, page, "#problems")
     browser.find_element(By.CSS_SELECTOR, '#problem-list tr[data-bench="gsm8k"][data-idx="0"]').click()
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.body.dataset.drawn") == "p/gsm8k/0")
     assert browser.find_element(By.ID, "problem-text").get_attribute("textContent") == DUCKS
     headers = browser.find_elements(By.CSS_SELECTOR, "#side-by-side th.run")
     methods = ["full", "bon", "kvrescue"]

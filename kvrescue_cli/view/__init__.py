@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from kvrescue_cli import report as rep
-from kvrescue_cli.view.data import page_data
+from kvrescue_cli.view.data import detail_chunks, page_data
 from kvrescue_cli.view.page import render
 
 
@@ -25,7 +25,8 @@ def write_view(paths: Iterable[Path | str], out: Path) -> tuple[list[rep.Run], l
     Returns the runs shown and the problems met (unusable folders, runs in progress), as `report.load_runs`.
     """
     runs, problems = rep.load_runs(paths)
-    html = render(page_data(runs, problems), title=f"kvrescue runs ({len(runs)} run{'s' * (len(runs) != 1)})")
+    html = render(page_data(runs, problems), [detail_chunks(run) for run in runs],
+                  title=f"kvrescue runs ({len(runs)} run{'s' * (len(runs) != 1)})")
     out.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:

@@ -1,14 +1,18 @@
 """What the explorer page holds: the report (same code and numbers as `kvrescue report`) and every trace.
 
-The page's data is one JSON object:
+The page unpacks one index when it opens:
     report      `report.to_json` of the runs, parsed (the numbers `kvrescue report --format json` prints).
     tables      the report's tables as HTML, cells formatted by `report.fmt` (as the rich tables show them).
     plot        accuracy vs budget as inline SVG (`report.plot`), or null with `plot_note` saying why.
     runs        one record per run: id (its index), folder, bench, method, evictor, n, budget, seed,
                 scorer, synthetic, in_progress (why it is unfinished, or null), label.
     problems    one record per (bench, idx) seen in any run: bench, idx, problem, gt, gt_norm.
-    traces      per run (same order as `runs`), its traces without the problem's text and answer
-                (kept once in `problems`) nor `output` (the steps joined).
+    rows        per run (same order as `runs`), per trace what the problem list shows: idx, correct, stop,
+                skip_reason, n_steps, tokens.base, tokens.helper.
+    chunk       problems per detail chunk.
+The traces themselves travel as detail chunks, unpacked only when a problem page needs them: per run, the
+traces with idx // chunk == c, without the problem's text and answer (kept once in `problems`) nor `output`
+(the steps joined).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvrescue_cli import report as rep
 from kvrescue_cli.outputs import Trace
 
 SHARED_FIELDS = ("problem", "gt", "gt_norm", "output")
+CHUNK = 50
 
 
 def run_label(run: rep.Run) -> str:
@@ -70,8 +75,22 @@ def trace_record(trace: Trace) -> dict[str, Any]:
     return record
 
 
+def list_row(trace: Trace) -> dict[str, Any]:
+    """What the problem list shows of a trace."""
+    return {"idx": trace.idx, "correct": trace.correct, "stop": trace.stop, "skip_reason": trace.skip_reason,
+            "n_steps": trace.n_steps, "tokens": {"base": trace.tokens.base, "helper": trace.tokens.helper}}
+
+
+def detail_chunks(run: rep.Run) -> dict[int, list[dict[str, Any]]]:
+    """The run's traces by chunk number (idx // CHUNK), each chunk in idx order."""
+    chunks: dict[int, list[dict[str, Any]]] = {}
+    for trace in sorted(run.traces, key=lambda t: t.idx):
+        chunks.setdefault(trace.idx // CHUNK, []).append(trace_record(trace))
+    return chunks
+
+
 def page_data(runs: list[rep.Run], problems: list[rep.Problem]) -> dict[str, Any]:
-    """Everything the page shows, as plain JSON data (see the module docstring)."""
+    """The index the page unpacks when it opens, as plain JSON data (see the module docstring)."""
     tables = rep.build_tables(runs, problems)
     svg, plot_note = plot_svg(runs)
     shown: dict[tuple[str, int], dict[str, Any]] = {}
@@ -91,5 +110,6 @@ def page_data(runs: list[rep.Run], problems: list[rep.Problem]) -> dict[str, Any
                   "synthetic": run.config.synthetic, "in_progress": run.in_progress, "label": run_label(run)}
                  for i, run in enumerate(runs)],
         "problems": [shown[key] for key in sorted(shown)],
-        "traces": [[trace_record(t) for t in sorted(run.traces, key=lambda t: t.idx)] for run in runs],
+        "rows": [[list_row(t) for t in sorted(run.traces, key=lambda t: t.idx)] for run in runs],
+        "chunk": CHUNK,
     }

@@ -5,7 +5,7 @@
 const METHOD_ORDER = ["full", "helper", "bon", "interleave", "kvrescue"];
 const PAGE_ROWS = 100;
 const STEP_ROWS = 100;
-const KV = { data: null };
+const KV = { data: null, readyAt: null };  // readyAt: ms from navigation start to the first view drawn
 window.KV = KV;
 
 function el(tag, attrs, ...children) {
@@ -30,9 +30,8 @@ function svgEl(tag, attrs, ...children) {
   return node;
 }
 
-async function unpack() {
-  const text = document.getElementById("kv-data").textContent.trim();
-  const binary = atob(text);
+async function unpack(id) {
+  const binary = atob(document.getElementById(id).textContent.trim());
   const bytes = new Uint8Array(binary.length);
   for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
   const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
@@ -45,7 +44,7 @@ function methodRank(method) {
 }
 
 function index(data) {
-  data.traceOf = data.traces.map(ts => new Map(ts.map(t => [t.idx, t])));
+  data.traceOf = data.rows.map(rows => new Map(rows.map(t => [t.idx, t])));  // what the list shows of each trace
   data.runOrder = data.runs.slice().sort((a, b) =>
     methodRank(a.method) - methodRank(b.method) || a.method.localeCompare(b.method) ||
     (a.budget ?? -1) - (b.budget ?? -1) || a.n - b.n || a.seed - b.seed || a.bench.localeCompare(b.bench));
@@ -54,6 +53,14 @@ function index(data) {
   data.runAt = new Map(data.runs.map(r => [r.bench + "\u0000" + r.label, r]));
   data.benches = [...new Set(data.problems.map(p => p.bench))].sort();
   data.methods = [...new Set(data.runOrder.map(r => r.method))];
+}
+
+const chunks = new Map();  // "run-chunk" -> Promise of Map idx -> full trace
+
+function detail(runId, idx) {
+  const key = `${runId}-${Math.floor(idx / KV.data.chunk)}`;
+  if (!chunks.has(key)) chunks.set(key, unpack("kv-run-" + key).then(traces => new Map(traces.map(t => [t.idx, t]))));
+  return chunks.get(key).then(traces => traces.get(idx));
 }
 
 // ------------------------------------------------------------------------------------------
@@ -243,7 +250,7 @@ function stepCell(trace, i) {
     details);
 }
 
-function showProblem(app, data, bench, idx) {
+async function showProblem(app, data, bench, idx, current) {
   const problem = data.problems.find(p => p.bench === bench && p.idx === idx);
   if (!problem) { app.append(el("p", {}, `No problem ${bench} #${idx} in these runs.`)); return; }
   const runs = data.runOrder.filter(r => r.bench === bench && data.traceOf[r.id].has(idx));
@@ -264,7 +271,8 @@ function showProblem(app, data, bench, idx) {
         e.target.checked ? picked.add(r.id) : picked.delete(r.id); route();
       } }), " " + r.label))));
   const shown = runs.filter(r => picked.has(r.id));
-  const traces = shown.map(r => data.traceOf[r.id].get(idx));
+  const traces = await Promise.all(shown.map(r => detail(r.id, idx)));
+  if (!current()) return;  // another view was asked for meanwhile
   const longest = Math.max(0, ...traces.map(t => t.steps.length));
   const head = el("tr", {}, el("th", { class: "stepno" }, "step"), shown.map((r, j) => {
     const t = traces[j];
@@ -295,24 +303,30 @@ function showProblem(app, data, bench, idx) {
 // Routing
 // ------------------------------------------------------------------------------------------
 
-function route() {
+let routed = 0;
+
+// Draws the view the location's fragment names; document.body.dataset.drawn names it once it is complete.
+async function route() {
+  const mine = ++routed;
   const app = document.getElementById("app");
   app.replaceChildren();
+  delete document.body.dataset.drawn;
   const hash = decodeURIComponent(location.hash.slice(1));
   const match = hash.match(/^p\/(.+)\/(\d+)$/);
   document.getElementById("nav-report").classList.toggle("current", hash === "" || hash === "report");
   document.getElementById("nav-problems").classList.toggle("current", hash.startsWith("p"));
-  if (match) showProblem(app, KV.data, match[1], Number(match[2]));
+  if (match) await showProblem(app, KV.data, match[1], Number(match[2]), () => mine === routed);
   else if (hash === "problems") showProblems(app, KV.data);
   else showReport(app, KV.data);
-  window.scrollTo(0, 0);
+  if (mine === routed) document.body.dataset.drawn = hash;
 }
 
-unpack().then(data => {
+unpack("kv-data").then(async data => {
   index(data);
   KV.data = data;
-  window.addEventListener("hashchange", route);
-  route();
+  window.addEventListener("hashchange", () => { route(); window.scrollTo(0, 0); });
+  await route();
+  KV.readyAt = performance.now();
   document.body.dataset.ready = "true";
 }).catch(err => {
   document.getElementById("app").replaceChildren(el("p", { class: "bad" }, "Could not unpack the runs: " + err));

@@ -1,8 +1,9 @@
 """The explorer as one self-contained HTML file: template, style and script inline, data gzip-compressed.
 
-The data travels base64-encoded inside a `<script type="application/octet-stream">` element (so nothing in
-a model's output can close the script or inject markup) and is unpacked in the browser with the built-in
-`DecompressionStream`. A Content-Security-Policy forbids every network request.
+Each packed piece travels base64-encoded inside a `<script type="application/octet-stream">` element (so
+nothing in a model's output can close the script or inject markup) and is unpacked in the browser with the
+built-in `DecompressionStream`: the index when the page opens, a run's detail chunk when a problem page needs
+it. A Content-Security-Policy forbids every network request.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ def packed(data: Any) -> str:
     return base64.b64encode(gzip.compress(orjson.dumps(data), compresslevel=9, mtime=0)).decode("ascii")
 
 
-def render(data: Any, title: str) -> str:
-    """The whole page for `data` (see `view.data.page_data`)."""
+def render(index: Any, details: list[dict[int, Any]], title: str) -> str:
+    """The whole page: `index` (see `view.data.page_data`) and, per run, its detail chunks by number."""
     page, style, script = (_template(name) for name in TEMPLATE_FILES)
-    parts = {"title": html.escape(title), "style": style, "script": script, "data": packed(data)}
-    return re.sub(r"\{\{(title|style|script|data)\}\}", lambda m: parts[m.group(1)], page)
+    chunks = "\n".join(f'<script type="application/octet-stream" id="kv-run-{run}-{number}">{packed(chunk)}</script>'
+                       for run, by_number in enumerate(details) for number, chunk in by_number.items())
+    parts = {"title": html.escape(title), "style": style, "script": script, "data": packed(index), "details": chunks}
+    return re.sub(r"\{\{(title|style|script|data|details)\}\}", lambda m: parts[m.group(1)], page)

@@ -1,0 +1,159 @@
+"""`kvrescue view` on big runs: the page's size, the time to build it and to open it in headless chromium.
+
+    .venv/bin/python benchmarks/view_bench.py [--problems 500] [--methods bon,kvrescue,full] [--budgets 64]
+        [--n 8] [--steps 24] [--step-tokens 60] [--rounds 3]
+
+Run folders are written with the project's writer (`RunFolder`): per problem a number of committed steps drawn
+around --steps (from a quarter to twice as many), each step's text --step-tokens words from the bundled GSM8K
+solutions, and N candidates per model and step (2N for kvrescue and interleave), with full-precision floats for
+scores and detector statistics as real traces have. Baselines measured in the same
+run, interleaved round by round: building the page vs `kvrescue report --format json` on the same folders
+(the page is that report plus the traces, packed), and opening the page vs opening the page of a one-problem run
+(the browser's fixed cost). Medians over --rounds; figures are printed as a table and as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvrescue_cli import report as rep
+from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, run_dir
+from kvrescue_cli.view import write_view
+from kvrescue_cli.view.browser import headless_chromium, open_view
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct"),
+          "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
+HELPED = ("kvrescue", "interleave")
+
+
+def vocabulary() -> list[str]:
+    words = []
+    for line in (ROOT / "examples" / "data" / "gsm8k.jsonl").read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        words += (record["question"] + " " + record["answer"]).split()
+    return words
+
+
+def make_trace(rng: random.Random, words: list[str], method: str, idx: int, args: argparse.Namespace) -> Trace:
+    steps, cands = [], []
+    for _ in range(rng.randint(max(1, args.steps // 4), 2 * args.steps)):
+        per_source = {"base": 0 if method == "helper" else args.n, "helper": args.n if method in HELPED + ("helper",) else 0}
+        detector = method == "kvrescue"
+        options = [Candidate(src, rng.random(), rng.randint(5, 2 * args.step_tokens),
+                             rng.choice(("step", "step", "step", "repetition")) if src == "base" and detector else "step",
+                             rng.uniform(0.5, 8) if src == "base" and detector else None,
+                             rng.uniform(0.1, 0.6) if src == "base" and detector else None)
+                   for src, count in per_source.items() for _ in range(count)]
+        for c in options:
+            if c.finish == "repetition":
+                c.score, c.fired_at = None, c.tokens
+        winner = max((c for c in options if c.score is not None), key=lambda c: c.score)
+        winner.committed = True
+        text = " ".join(rng.choice(words) for _ in range(args.step_tokens)) + "\n\n"
+        steps.append(Step(text, winner.source, winner.score, winner.tokens))
+        cands.append(options)
+    problem = " ".join(rng.choice(words) for _ in range(60))
+    return Trace(idx, problem, "18", "18", steps, cands, "".join(s.text for s in steps), "18", rng.random() < 0.6,
+                 False, "eos", None, Tokens(base=sum(c.tokens for cs in cands for c in cs if c.source == "base"),
+                                            helper=sum(c.tokens for cs in cands for c in cs if c.source == "helper")),
+                 len(steps), {"wall_s": 1.0, "started_at": 1000.0 + idx, "finished_at": 1001.0 + idx}, 192, 0)
+
+
+def write_runs(root: Path, problems: int, args: argparse.Namespace) -> list[Path]:
+    rng, words, paths = random.Random(0), vocabulary(), []
+    for method in args.methods.split(","):
+        for budget in ([None] if method in ("full", "helper") else [int(b) for b in args.budgets.split(",")]):
+            roles = {"full": ("base",), "bon": ("base",), "helper": ("helper",)}.get(method, ("base", "helper"))
+            config = RunConfig("math500", method, budget, args.n, "none" if budget is None else "rkv", 0,
+                               {r: MODELS[r] for r in (*roles, "prm")}, "prm", False)
+            with RunFolder.open(run_dir(root, config), config, total=problems) as folder:
+                for idx in range(problems):
+                    folder.append(make_trace(rng, words, method, idx, args))
+                folder.write_summary()
+            paths.append(run_dir(root, config))
+    return paths
+
+
+def median_ms(samples: list[float]) -> float:
+    return round(1000 * statistics.median(samples), 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problems", type=int, default=500)
+    parser.add_argument("--methods", default="bon,kvrescue,full")
+    parser.add_argument("--budgets", default="64")
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=24, help="committed steps per problem, on average about")
+    parser.add_argument("--step-tokens", type=int, default=60, help="words per committed step")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    console = Console(stderr=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        start = time.perf_counter()
+        big, small = write_runs(tmp / "big", args.problems, args), write_runs(tmp / "small", 1, args)
+        console.print(f"wrote {len(big)} run folders in {time.perf_counter() - start:.1f} s", highlight=False)
+        traces_bytes = sum((p / "traces.jsonl").stat().st_size for p in big)
+        build, report_json, open_big, open_small, drawn_big, list_ms, problem_ms = [], [], [], [], [], [], []
+        driver = headless_chromium(tmp / "profile")
+        try:
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                runs, notes = rep.load_runs(big)
+                rep.to_json(rep.build_tables(runs, notes), runs, notes)
+                report_json.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                write_view(big, tmp / "big.html")
+                build.append(time.perf_counter() - start)
+                write_view(small, tmp / "small.html")
+                for page, walls, drawn in ((tmp / "small.html", open_small, []), (tmp / "big.html", open_big, drawn_big)):
+                    start = time.perf_counter()
+                    drawn.append(open_view(driver, page) / 1000)
+                    walls.append(time.perf_counter() - start)
+                # Drawing a view is synchronous in route(): time it inside the page.
+                list_ms.append(driver.execute_script(
+                    "history.replaceState(null, '', '#problems'); const t = performance.now(); route();"
+                    "return performance.now() - t;") / 1000)
+                problem_ms.append(driver.execute_script(
+                    "history.replaceState(null, '', '#p/math500/0'); const t = performance.now(); route();"
+                    "return performance.now() - t;") / 1000)
+        finally:
+            driver.quit()
+        size = (tmp / "big.html").stat().st_size
+        figures = {
+            "problems": args.problems, "runs": len(big), "n": args.n, "steps_mean": args.steps,
+            "step_tokens": args.step_tokens, "traces_mb": round(traces_bytes / 1e6, 2), "page_mb": round(size / 1e6, 2),
+            "page_vs_traces": round(size / traces_bytes, 3),
+            "build_ms": median_ms(build), "report_json_ms": median_ms(report_json),
+            "build_vs_report_json": round(statistics.median(build) / statistics.median(report_json), 2),
+            "open_ms": median_ms(open_big), "open_one_problem_ms": median_ms(open_small),
+            "open_vs_one_problem": round(statistics.median(open_big) / statistics.median(open_small), 2),
+            "first_view_drawn_ms": median_ms(drawn_big), "problem_list_ms": median_ms(list_ms),
+            "problem_page_ms": median_ms(problem_ms), "rounds": args.rounds,
+        }
+    table = Table(title=f"view_bench: {args.problems} problems x {len(big)} runs, N={args.n}, ~{args.steps} steps "
+                        f"of {args.step_tokens} words, median of {args.rounds} rounds")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        table.add_row(key, str(value))
+    console.print(table)
+    print(json.dumps(figures))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
