@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import html
 import tempfile
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +68,9 @@ def plot_svg(runs: list[rep.Run]) -> tuple[str | None, str | None]:
 
 
 def trace_record(trace: Trace) -> dict[str, Any]:
-    """A trace as the page keeps it: everything but what `problems` holds once."""
-    record = asdict(trace)
-    for name in SHARED_FIELDS:
-        del record[name]
-    return record
+    """A trace as the page keeps it: everything but what `problems` holds once (its steps, candidates and
+    tokens stay dataclasses, which orjson writes as objects)."""
+    return {f.name: getattr(trace, f.name) for f in fields(trace) if f.name not in SHARED_FIELDS}
 
 
 def list_row(trace: Trace) -> dict[str, Any]:
