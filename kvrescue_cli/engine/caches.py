@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrescue_cli.engine.attention import attend_padded
+from kvrescue_cli.engine.attention import FLASH_BLOCK, attend_paged, merge_partials, use_flash
 
 
 class KVCache(ABC):
@@ -57,14 +57,26 @@ class KVCache(ABC):
 
 
 @dataclass
+class _SharedPrefixes:
+    """Groups of a forward's rows that share their first blocks: each group's queries attend to the shared
+    blocks in one pass (cascade attention), which reads those blocks once for the whole group."""
+
+    table: torch.Tensor  # [G, W] each group's shared blocks
+    lengths: torch.Tensor  # [G] tokens in them (whole blocks, all cached)
+    members: torch.Tensor  # [G, n] each group's rows (indices into the forward), padded with its first row
+    rows: torch.Tensor  # [M] every grouped row (index into the forward)
+    slots: torch.Tensor  # [M] its place in the groups' flattened members (group * n + member)
+
+
+@dataclass
 class _Forward:
     """Metadata of the forward in progress, computed once in `begin` and read by every layer."""
 
-    blocks: torch.Tensor  # [R * nb] block ids covering every row's cached + new tokens, row by row
-    kv_lengths: torch.Tensor  # [R] cached tokens before this forward
-    new_lengths: torch.Tensor  # [R]
+    table: torch.Tensor  # [R, W] each row's blocks past its group's shared prefix (all of them if ungrouped)
+    cached: torch.Tensor  # [R] cached tokens in those blocks before this forward
     slots: torch.Tensor  # [N] flat slot (block * block_size + offset) of each valid new token
     valid: torch.Tensor | None  # [N] flat (row * T + t) index of each valid new token; None when all are
+    shared: _SharedPrefixes | None  # None without cascade or when no two rows share a block
 
 
 @dataclass
@@ -80,6 +92,13 @@ class FullCache(KVCache):
     copies that block (copy-on-write), so memory per problem is O(context + candidates x step length).
     K/V live in two preallocated pools [layers, blocks, block_size, kv_heads, head_dim]; each row has
     a block table row in a preallocated [max_rows, max_row_tokens / block_size] tensor.
+
+    Attention reads the blocks in place through the block table (`attend_paged`: flash-attn on a GPU,
+    else torch), each row only its own blocks. With `cascade`, rows of a forward that share their first
+    blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
+    attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
+    another, and the two results are merged exactly by their log-sum-exp. Blocks are FLASH_BLOCK tokens
+    when flash-attn serves the model (its paged cache needs that), else 16.
     """
 
     def __init__(
@@ -92,11 +111,13 @@ class FullCache(KVCache):
         max_rows: int = 1024,
         max_row_tokens: int = 8192,
         block_size: int = 16,
+        cascade: bool = True,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.cascade = cascade
         self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.table = torch.zeros(max_rows, -(-max_row_tokens // block_size), dtype=torch.long, device=device)
@@ -110,8 +131,8 @@ class FullCache(KVCache):
     def for_model(cls, model: torch.nn.Module, max_tokens: int, **kw) -> "FullCache":
         """A cache for `model` (a `Decoder` owner) with room for `max_tokens` tokens in all rows together."""
         a = model.args
-        block_size = kw.pop("block_size", 16)
         p = next(model.parameters())
+        block_size = kw.pop("block_size", FLASH_BLOCK if use_flash(p) else 16)
         kw.setdefault("dtype", p.dtype)
         kw.setdefault("device", p.device)
         return cls(a.n_layers, a.n_kv_heads, a.head_dim, -(-max_tokens // block_size), block_size=block_size, **kw)
@@ -208,31 +229,92 @@ class FullCache(KVCache):
             self.table[torch.tensor(changed_rows, device=dev), torch.tensor(changed_idx, device=dev)] = (
                 torch.tensor(changed_blocks, device=dev)
             )
+        groups = self._shared_prefixes(rows, lengths) if self.cascade else []
+        skipped = [0] * len(rows)  # shared blocks each row reads through its group
+        for members, shared in groups:
+            for i in members:
+                skipped[i] = shared
         kv_lengths = torch.tensor(lengths, device=dev)
         new_lengths = torch.tensor(list(n_new), device=dev)
+        skipped_t = torch.tensor(skipped, device=dev)
         T = max(n_new)
-        nb = -(-max(l + n for l, n in zip(lengths, n_new)) // bs)
-        table = self.table[torch.tensor(list(rows), device=dev), :nb]
+        row_blocks = [-(-(l + n) // bs) for l, n in zip(lengths, n_new)]
+        rows_t = torch.tensor(list(rows), device=dev)
+        table = self.table[rows_t, : max(row_blocks)]
+        # Own blocks cover the padded queries' keys too (cached + T): a paged kernel may read that far.
+        own_width = max(-(-(l + T) // bs) - s for l, s in zip(lengths, skipped))
+        own = skipped_t[:, None] + torch.arange(own_width, device=dev)
         positions = kv_lengths[:, None] + torch.arange(T, device=dev)
         valid = torch.arange(T, device=dev)[None, :] < new_lengths[:, None]
         pos = positions[valid]
         slots = table[valid.nonzero()[:, 0], pos // bs] * bs + pos % bs
         flat_valid = None if min(n_new) == T else valid.flatten().nonzero()[:, 0]
-        self.fwd = _Forward(table.flatten(), kv_lengths, new_lengths, slots, flat_valid)
+        self.fwd = _Forward(
+            table.gather(1, own.clamp_max(table.shape[1] - 1)),
+            kv_lengths - skipped_t * bs,
+            slots,
+            flat_valid,
+            self._group_tensors(rows_t, groups) if groups else None,
+        )
         return positions
+
+    def _shared_prefixes(self, rows: Sequence[int], lengths: list[int]) -> list[tuple[list[int], int]]:
+        """Groups of the forward's rows (indices into `rows`) holding the same first block, each with the
+        number of full cached blocks all its rows share. A row's block list only changes at its end, so
+        rows holding the same block at index j hold the same blocks before it."""
+        by_first: dict[int, list[int]] = {}
+        for i, (row, length) in enumerate(zip(rows, lengths)):
+            if length >= self.block_size:
+                by_first.setdefault(self.rows[row].blocks[0], []).append(i)
+        groups = []
+        for members in by_first.values():
+            if len(members) > 1:
+                first = self.rows[rows[members[0]]].blocks
+                shared = min(lengths[i] for i in members) // self.block_size
+                for i in members[1:]:
+                    blocks = self.rows[rows[i]].blocks
+                    low = 1  # the first block is shared: find the last shared index by bisection
+                    while low < shared:
+                        mid = (low + shared + 1) // 2
+                        low, shared = (mid, shared) if blocks[mid - 1] == first[mid - 1] else (low, mid - 1)
+                groups.append((members, shared))
+        return groups
+
+    def _group_tensors(self, rows: torch.Tensor, groups: list[tuple[list[int], int]]) -> _SharedPrefixes:
+        n = max(len(members) for members, _ in groups)
+        dev = rows.device
+        members = torch.tensor([m + [m[0]] * (n - len(m)) for m, _ in groups], device=dev)
+        widest = max(shared for _, shared in groups)
+        return _SharedPrefixes(
+            table=self.table[rows[members[:, 0]], :widest],
+            lengths=torch.tensor([shared * self.block_size for _, shared in groups], device=dev),
+            members=members,
+            rows=torch.tensor([i for m, _ in groups for i in m], device=dev),
+            slots=torch.tensor([g * n + j for g, (m, _) in enumerate(groups) for j in range(len(m))], device=dev),
+        )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         f = self.fwd
-        R, T, heads_dim = q.shape[0], q.shape[2], self.k.shape[3:]
-        for new, pool in ((k, self.k[layer]), (v, self.v[layer])):
+        R, Hq, T, D = q.shape
+        kp, vp = self.k[layer], self.v[layer]
+        heads_dim = kp.shape[2:]
+        for new, pool in ((k, kp), (v, vp)):
             new = new.transpose(1, 2).reshape(R * T, *heads_dim)
             if f.valid is not None:
                 new = new.index_select(0, f.valid)
             pool.view(-1, *heads_dim).index_copy_(0, f.slots, new)
-        # index_select on the block axis is much cheaper than advanced indexing with the [R, nb] table.
-        kr = self.k[layer].index_select(0, f.blocks).view(R, -1, *heads_dim).transpose(1, 2)
-        vr = self.v[layer].index_select(0, f.blocks).view(R, -1, *heads_dim).transpose(1, 2)
-        return attend_padded(q, kr, vr, f.kv_lengths, f.new_lengths)
+        out, lse = attend_paged(q, kp, vp, f.table, f.cached, causal=True)
+        s = f.shared
+        if s is None:
+            return out
+        G, n = s.members.shape
+        # Each group's rows' queries, side by side, attend to the group's shared blocks in one pass.
+        grouped = q[s.members].transpose(1, 2).reshape(G, Hq, n * T, D)
+        shared_out, shared_lse = attend_paged(grouped, kp, vp, s.table, s.lengths, causal=False)
+        shared_out = shared_out.view(G, Hq, n, T, D).transpose(1, 2).reshape(G * n, Hq, T, D)[s.slots]
+        shared_lse = shared_lse.view(G, Hq, n, T).transpose(1, 2).reshape(G * n, Hq, T)[s.slots]
+        out[s.rows] = merge_partials(out[s.rows], lse[s.rows], shared_out, shared_lse)
+        return out
 
     def end(self) -> None:
         self.fwd = None

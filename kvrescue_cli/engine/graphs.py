@@ -20,21 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrescue_cli.engine.attention import attend_padded
+from kvrescue_cli.engine.attention import attend_padded, flash_attn_with_kvcache, use_flash
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.model import Transformer
 
-try:
-    from flash_attn import flash_attn_with_kvcache
-except ImportError:
-    flash_attn_with_kvcache = None
-
 SPAN_STEP = 256  # span granularity of a `none` cache (one graph per span reached)
-
-
-def use_flash(q: torch.Tensor) -> bool:
-    """flash-attn serves half-precision queries on a GPU when it is installed."""
-    return flash_attn_with_kvcache is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def bucket(rows: int) -> int:

@@ -1,0 +1,114 @@
+"""The full cache's paged and cascade attention against the former gather path (fp32, < 1e-5): decode and
+multi-token appends, ragged lengths, forks of forks, copy-on-write of a partial last block, GQA groups 1-7;
+and the flash-attn call (block tables, lengths, causal alignment, log-sum-exp) against a plain-torch
+implementation of flash_attn_with_kvcache's documented semantics."""
+
+import pytest
+import torch
+
+from kvrescue_cli.engine import attention
+from kvrescue_cli.engine.caches import FullCache
+from tests.gather_reference import gather_attend
+
+TOL = 1e-5
+HKV, D, BLOCK = 2, 8, 4
+
+
+def forward(caches, rows, n_new, heads, generator, layer=0):
+    """One forward appending random k/v to `rows` of every cache (same inputs); each cache's output is checked
+    against the gather path at every valid query. Returns the cascade groups' shared token counts per cache."""
+    T = max(n_new)
+    q = torch.randn(len(rows), heads, T, D, generator=generator)
+    k, v = torch.randn(2, len(rows), HKV, T, D, generator=generator)
+    valid = torch.arange(T)[None, :] < torch.tensor(n_new)[:, None]
+    shared = []
+    for cache in caches:
+        cached = [cache.length(r) for r in rows]
+        cache.begin(rows, n_new)
+        got = cache.attend(layer, q, k, v)
+        s = cache.fwd.shared
+        shared.append(sorted(s.lengths.tolist()) if s is not None else [])
+        cache.end()
+        want = gather_attend(cache, layer, rows, cached, q)
+        assert (got - want).transpose(1, 2)[valid].abs().max() < TOL
+    return shared
+
+
+def scenario(caches, heads, generator):
+    """Ragged prefill, forks with a partial last block, forks of forks, ragged appends to forks, decode,
+    adopt and release, driven identically on every cache (row ids agree since all start empty)."""
+    a, b, c = (cache_rows := [[x.create() for _ in range(3)] for x in caches])[0]
+    assert all(r == [a, b, c] for r in cache_rows)
+    forward(caches, [a, b, c], [9, 4, 13], heads, generator)
+    children = [x.fork(a, 3) for x in caches][0]  # a holds 9 tokens: blocks 0-1 shared, block 2 copied on write
+    assert forward(caches, children + [b], [1] * 4, heads, generator)[0] == [8]
+    forward(caches, [children[1]], [2], heads, generator)
+    grandchildren = [x.fork(children[1], 2) for x in caches][0]  # 12 tokens: 3 full blocks, 2 shared with a's line
+    rows = [children[0], *grandchildren, children[2], c, a]
+    assert forward(caches, rows, [3, 1, 5, 2, 4, 2], heads, generator)[0] == [8]
+    for _ in range(6):
+        forward(caches, rows, [1] * len(rows), heads, generator)
+    assert forward(caches, grandchildren, [1, 1], heads, generator)[0] == [12]
+    for x in caches:
+        x.adopt(a, grandchildren[0])
+        x.release([children[0], children[2], grandchildren[1]])
+    assert forward(caches, [a, b, children[1], c], [2, 1, 3, 1], heads, generator)[0] == [12]  # a is a grandchild now
+
+
+def make_caches():
+    return [FullCache(1, HKV, D, 256, max_rows=16, block_size=BLOCK, cascade=cascade) for cascade in (True, False)]
+
+
+@pytest.mark.parametrize("group", range(1, 8))
+def test_paged_and_cascade_equal_the_gather_path(group) -> None:
+    scenario(make_caches(), HKV * group, torch.Generator().manual_seed(group))
+
+
+def test_cascade_with_a_prefix_longer_than_one_chunk_and_many_groups() -> None:
+    """Several problems, each with candidates forked from a prefix of several torch chunks, in one forward;
+    the longest query set is sliced (SCORE_BYTES) without changing the result."""
+    generator = torch.Generator().manual_seed(9)
+    caches = [FullCache(2, HKV, D, 2048, max_rows=64, block_size=16, cascade=cascade) for cascade in (True, False)]
+    lengths = [300, 517, 41]
+    parents = [[x.create() for _ in lengths] for x in caches][0]
+    forward(caches, parents, lengths, HKV * 3, generator, layer=1)
+    rows = [child for p in parents for child in [x.fork(p, 4) for x in caches][0]]
+    assert forward(caches, rows, [1] * len(rows), HKV * 3, generator, layer=1)[0] == [32, 288, 512]
+    attention.SCORE_BYTES, saved = 1 << 12, attention.SCORE_BYTES
+    try:
+        forward(caches, rows, [5] * len(rows), HKV * 3, generator, layer=1)
+    finally:
+        attention.SCORE_BYTES = saved
+
+
+def reference_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, return_softmax_lse):
+    """flash_attn_with_kvcache's documented semantics in plain torch, paged: q [B, Sq, Hq, D], caches [blocks,
+    block_size, Hkv, D]; row b's keys are the first cache_seqlens[b] entries of its blocks block_table[b];
+    query head h uses KV head h // g; causal aligns the queries to the end of the keys (query i sees keys
+    j <= i + seqlen_k - Sq). Returns out [B, Sq, Hq, D] and the softmax log-sum-exp [B, Hq, Sq]."""
+    assert return_softmax_lse and block_table.dtype == cache_seqlens.dtype == torch.int32
+    outs, lses = [], []
+    g = q.shape[2] // k_cache.shape[2]
+    for b in range(q.shape[0]):
+        n, Sq = int(cache_seqlens[b]), q.shape[1]
+        k = k_cache[block_table[b].long()].flatten(0, 1)[:n].repeat_interleave(g, dim=1).transpose(0, 1)
+        v = v_cache[block_table[b].long()].flatten(0, 1)[:n].repeat_interleave(g, dim=1).transpose(0, 1)
+        scores = q[b].transpose(0, 1) @ k.transpose(1, 2) / q.shape[-1] ** 0.5  # [Hq, Sq, n]
+        if causal:
+            scores = scores.masked_fill(torch.arange(n)[None, :] > torch.arange(Sq)[:, None] + n - Sq, float("-inf"))
+        outs.append((scores.softmax(-1) @ v).transpose(0, 1))
+        lses.append(scores.logsumexp(-1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("group", [1, 6])
+def test_the_flash_attn_call_equals_the_gather_path(group, monkeypatch) -> None:
+    """The flash-attn path only runs on a GPU with flash-attn installed; its calls are checked here through
+    a plain-torch flash_attn_with_kvcache."""
+    calls = []
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(kw["causal"])
+                        or reference_flash_attn_with_kvcache(*a, **kw))
+    monkeypatch.setattr(attention, "use_flash", lambda x: True)
+    monkeypatch.setattr(attention, "FLASH_BLOCK", BLOCK)
+    scenario(make_caches(), HKV * group, torch.Generator().manual_seed(20 + group))
+    assert set(calls) == {True, False}  # the rows' own blocks (causal) and the shared prefixes
