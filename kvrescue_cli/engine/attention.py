@@ -105,8 +105,8 @@ def _attend_paged_torch(q, k_pool, v_pool, table, cached, causal):
     owner, index = (torch.arange(chunks.shape[1], device=q.device)[None, :] < n_chunks[:, None]).nonzero(as_tuple=True)
     blocks = chunks[owner, index].flatten()
     L = per_chunk * block_size
-    keys = k_pool.index_select(0, blocks).view(-1, L, Hkv, D).permute(0, 2, 3, 1)  # [P, Hkv, D, L]
-    values = v_pool.index_select(0, blocks).view(-1, L, Hkv, D).transpose(1, 2)  # [P, Hkv, L, D]
+    keys = k_pool.index_select(0, blocks).view(-1, L, Hkv, D)
+    values = v_pool.index_select(0, blocks).view(-1, L, Hkv, D)
     position = index[:, None] * L + torch.arange(L, device=q.device)  # [P, L]
     t = torch.arange(T, device=q.device)
     horizon = cached[:, None] + t if causal else (cached - 1)[:, None].expand(S, T)  # last key each query sees
@@ -124,11 +124,13 @@ def _attend_paged_torch(q, k_pool, v_pool, table, cached, causal):
 
 
 def _softmax_over_chunks(q, keys, values, owner, position, horizon):
-    """q [S, Hkv, M, D] (pre-scaled) over chunk p's keys [P, Hkv, D, L] for sequence owner[p]; key l of
-    chunk p is at position[p, l], visible to query m of its sequence up to horizon[s, m].
+    """q [S, Hkv, M, D] (pre-scaled) over chunk p's keys and values [P, L, Hkv, D] for sequence owner[p];
+    key l of chunk p is at position[p, l], visible to query m of its sequence up to horizon[s, m].
     Returns out [S, Hkv, M, D] and lse [S, Hkv, M] (fp32)."""
-    S, Hkv, M, _ = q.shape
-    scores = (q.index_select(0, owner) @ keys).float()  # [P, Hkv, M, L]
+    S, Hkv, M, D = q.shape
+    q = q.index_select(0, owner)
+    # One matmul per KV head: a head's keys are a strided matrix BLAS reads as is (a 4-d matmul would copy them).
+    scores = torch.stack([q[:, h] @ keys[:, :, h].transpose(1, 2) for h in range(Hkv)], 1).float()  # [P, Hkv, M, L]
     hidden = position[:, None, :] > horizon.index_select(0, owner)[:, :, None]  # [P, M, L]
     scores.masked_fill_(hidden[:, None], float("-inf"))
     chunk_peak = scores.amax(-1)
@@ -137,6 +139,7 @@ def _softmax_over_chunks(q, keys, values, owner, position, horizon):
     peak = peak.nan_to_num(neginf=0.0)  # a query with no visible key: its sums stay 0
     weights = (scores - peak.index_select(0, owner)[..., None]).exp_()
     total = scores.new_zeros(S, Hkv, M).index_add_(0, owner, weights.sum(-1))
-    mixed = (weights.to(values.dtype) @ values).float()
-    out = scores.new_zeros(S, Hkv, M, values.shape[-1]).index_add_(0, owner, mixed)
+    weights = weights.to(values.dtype)
+    mixed = torch.stack([weights[:, h] @ values[:, :, h] for h in range(Hkv)], 1).float()  # [P, Hkv, M, D]
+    out = scores.new_zeros(S, Hkv, M, D).index_add_(0, owner, mixed)
     return out / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None], peak + total.log()
