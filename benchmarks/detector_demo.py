@@ -21,7 +21,7 @@ import torch
 from kvrescue_cli.detect import Detector, DetectorConfig
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.loader import LoadedModel, load_model
-from kvrescue_cli.engine.smollm import smollm2_folder
+from kvrescue_cli.smollm import smollm2_folder
 from kvrescue_cli.engine.steps import append_tokens, generate_steps
 
 SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."

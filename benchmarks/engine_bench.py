@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from kvrescue_cli.engine import FullCache, load_model
 from kvrescue_cli.engine.prm import PRMScorer, prm_scores
-from kvrescue_cli.engine.random_checkpoints import SAMPLE_TEXT, write_random_checkpoint
+from kvrescue_cli.random_checkpoints import SAMPLE_TEXT, write_random_checkpoint
 from kvrescue_cli.engine.sampling import SamplingParams, sample
 from kvrescue_cli.engine.steps import append_tokens
 
@@ -174,7 +174,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         qwen = write_random_checkpoint(Path(tmp) / "qwen2-100m", "qwen2", **QWEN_100M)
         if not args.skip_smollm:
-            from kvrescue_cli.engine.smollm import smollm2_folder
+            from kvrescue_cli.smollm import smollm2_folder
 
             bench_decode("SmolLM2-135M-Instruct", smollm2_folder(), args, bw, flops)
         bench_decode("random Qwen2 ~100M", qwen, args, bw, flops)

@@ -50,7 +50,7 @@ from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.graphs import SPAN_STEP, StaticDecode, flash_attn_with_kvcache
 from kvrescue_cli.engine.loader import LoadedModel, _build
 from kvrescue_cli.engine.model import CausalLM, ModelArgs, ProcessRewardModel, Transformer
-from kvrescue_cli.engine.random_checkpoints import build_tokenizer
+from kvrescue_cli.random_checkpoints import build_tokenizer
 from kvrescue_cli.engine.sampling import SamplingParams, sample
 from kvrescue_cli.grid import Cell, GridOptions
 from kvrescue_cli.outputs import Trace

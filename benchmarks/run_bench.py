@@ -23,7 +23,7 @@ from rich.table import Table
 import kvrescue_cli.decoding as decoding
 from kvrescue_cli.engine.model import Transformer
 from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.engine.smollm import smollm2_folder
+from kvrescue_cli.smollm import smollm2_folder
 from kvrescue_cli.runs import GridOptions, run_grid
 from kvrescue_cli.search import SearchSettings
 

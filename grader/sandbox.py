@@ -34,8 +34,10 @@ _STARTUP_LIMIT_S = 120.0
 _READY_MAX_BYTES = 256
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this worker when its parent dies, even mid-computation (no-op elsewhere)."""
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies, even mid-computation (no-op elsewhere).
+
+    Used by the grading workers and by `kvrescue run`'s decode workers."""
     parent = os.getppid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, ctypes.c_ulong(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
@@ -47,7 +49,7 @@ def _die_with_parent() -> None:
 
 def serve() -> None:
     """Worker loop: answer JSON request lines on stdin with JSON reply lines until EOF."""
-    _die_with_parent()
+    die_with_parent()
     sys.dont_write_bytecode = True
     # Keep the answer channel to ourselves: anything a library prints goes to stderr (later /dev/null).
     answers = os.fdopen(os.dup(1), "w", encoding="utf-8")

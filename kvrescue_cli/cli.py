@@ -6,9 +6,7 @@ Machine-readable results go to stdout or files; tables, progress and errors go t
 from __future__ import annotations
 
 import functools
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -18,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.outputs import write_atomic
 
 app = typer.Typer(help="KV-Rescue batch evaluation", no_args_is_help=True, add_completion=False)
 # Logs and pipes get the whole table rather than 80 truncated columns.
@@ -51,14 +50,7 @@ def write_jsonl_atomically(records: list[dict], out: Path | None) -> None:
         sys.stdout.buffer.flush()
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(payload)
-        os.replace(temporary, out)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    write_atomic(out, payload)
 
 
 @app.command()
@@ -198,7 +190,7 @@ def run(
 
     models = dict(DEFAULT_MODELS)
     if preset == "cpu-demo":
-        from kvrescue_cli.engine.smollm import smollm2_folder
+        from kvrescue_cli.smollm import smollm2_folder
 
         try:
             demo = str(smollm2_folder())
@@ -274,12 +266,12 @@ def report(
 
     if format not in ("table", "md", "csv", "json"):
         raise InputError(f"unknown --format '{format}': use table, md, csv or json")
-    runs, problems = rep.load_runs(run_dirs)
-    tables = rep.build_tables(runs, problems)
+    runs, notes = rep.load_runs(run_dirs)
+    tables = rep.build_tables(runs, notes)
     if format == "table":
         rep.print_rich(tables, console)
     elif format == "json":
-        sys.stdout.buffer.write(rep.to_json(tables, runs, problems))
+        sys.stdout.buffer.write(rep.to_json(tables, runs, notes))
     else:
         sys.stdout.write(rep.to_markdown(tables) if format == "md" else rep.to_csv(tables))
     if plot is not None:
@@ -295,9 +287,9 @@ def view(
     """One self-contained HTML file (no network) to explore runs: report, problem list, step-by-step trajectories."""
     from kvrescue_cli.view import write_view
 
-    runs, problems = write_view(run_dirs, out)
-    for problem in problems:
-        console.print(f"  {problem.path}: {problem.message}", highlight=False, soft_wrap=True)
+    runs, notes = write_view(run_dirs, out)
+    for note in notes:
+        console.print(f"  {note.path}: {note.message}", highlight=False, soft_wrap=True)
     console.print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB, {len(runs)} runs); open it in a browser",
                   highlight=False)
 
@@ -314,7 +306,8 @@ def cost(
     format: str = typer.Option("table", "--format", help="table (rich, stderr) or json (stdout)"),
 ) -> None:
     """KV memory and decode FLOPs of the evicted base and the full helper (the paper's Appendix D)."""
-    from kvrescue_cli.cost import Architecture, cost_json, cost_rows, estimate, load_config
+    from kvrescue_cli.cost import Architecture, cost_json, cost_rows, estimate
+    from kvrescue_cli.model_config import load_config
 
     if format not in ("table", "json"):
         raise InputError(f"unknown --format '{format}': use table or json")

@@ -17,100 +17,55 @@ Conventions (they reproduce the paper's Table 4):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import orjson
 
-from kvrescue_cli.errors import InputError
+from kvrescue_cli.engine.bounded import SLACK
+from kvrescue_cli.model_config import ModelArgs, ModelConfigError
 
-WINDOW = 128
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
-
-
-class ModelConfigError(InputError):
-    """A model config that can't be found or read; the message is one line."""
 
 
 @dataclass
 class Architecture:
-    """The decoder shape numbers cost depends on."""
+    """The decoder shape numbers cost depends on: a model's `ModelArgs` and its weights' bytes per element."""
 
     name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied_embeddings: bool
-    qkv_bias: bool
+    args: ModelArgs
     dtype_bytes: int
 
     @classmethod
     def from_config(cls, name: str, cfg: dict[str, Any]) -> Architecture:
         """Read a Hugging Face config.json dict (Qwen2 / Llama style)."""
         try:
-            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            return cls(
-                name=name,
-                layers=int(cfg["num_hidden_layers"]),
-                hidden=hidden,
-                heads=heads,
-                kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                intermediate=int(cfg["intermediate_size"]),
-                vocab=int(cfg["vocab_size"]),
-                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-                dtype_bytes=DTYPE_BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2),
-            )
+            args = ModelArgs.from_hf(cfg)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelConfigError(f"{name}: config.json lacks or mangles {e} (need a Qwen2/Llama decoder config)") from None
+        return cls(name, args, DTYPE_BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2))
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        a = self.args
+        return 2 * a.n_layers * a.n_kv_heads * a.head_dim * self.dtype_bytes
 
     @property
     def params(self) -> int:
         """Total parameters: embeddings, decoder layers, final norm, LM head (unless tied)."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attn = self.hidden * (q + 2 * kv) + q * self.hidden + (q + 2 * kv if self.qkv_bias else 0)
-        layer = attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
-        embed = self.vocab * self.hidden
-        return self.layers * layer + self.hidden + embed * (1 if self.tied_embeddings else 2)
+        a = self.args
+        q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        attn = a.dim * (q + 2 * kv) + q * a.dim + (q + 2 * kv if a.qkv_bias else 0)
+        layer = attn + 3 * a.dim * a.intermediate_size + 2 * a.dim
+        embed = a.vocab_size * a.dim
+        return a.n_layers * layer + a.dim + embed * (1 if a.tie_word_embeddings else 2)
 
     @property
     def dense_flops(self) -> int:
         return 2 * self.params
 
     def attention_flops(self, context: int) -> int:
-        return 4 * self.layers * self.heads * self.head_dim * context
-
-
-def load_config(model: str) -> dict[str, Any]:
-    """config.json of a local folder, a config.json path, or a Hub model id."""
-    path = Path(model)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.exists():
-        try:
-            return orjson.loads(path.read_bytes())
-        except orjson.JSONDecodeError as e:
-            raise ModelConfigError(f"{path}: not valid JSON ({e})") from None
-    if Path(model).suffix == ".gguf":
-        raise ModelConfigError(f"{model}: a GGUF file has no config.json; give the original model folder or Hub id")
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise ModelConfigError(f"{model}: no such folder or config.json, and not a Hub id (owner/name)")
-    try:
-        from huggingface_hub import hf_hub_download
-        return orjson.loads(Path(hf_hub_download(model, "config.json")).read_bytes())
-    except Exception as e:  # the Hub client raises many kinds (offline, 404, gated, timeouts)
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelConfigError(f"{model}: could not fetch config.json from the Hugging Face Hub ({reason}); "
-                               "pass a local model folder or config.json instead") from None
+        a = self.args
+        return 4 * a.n_layers * a.n_heads * a.head_dim * context
 
 
 @dataclass
@@ -145,9 +100,9 @@ class Cost:
 
 
 def estimate(base: Architecture, helper: Architecture, budget: int = 64, context: int = 4096,
-             n: int = 8, alpha: float = 2.9, window: int = WINDOW) -> Cost:
+             n: int = 8, alpha: float = 2.9, slack: int = SLACK) -> Cost:
     """Memory and FLOPs per decoded token for the evicted base, the full base and the helper."""
-    bp = budget + window
+    bp = budget + slack
     kept = min(context, bp)
     base_decode = base.dense_flops + base.attention_flops(kept)
     helper_decode = helper.dense_flops + helper.attention_flops(context)

@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
 from grader import grade
-from kvrescue_cli.cost import Architecture, ModelConfigError, load_config
+from kvrescue_cli.cost import Architecture
 from kvrescue_cli.data import Problem
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
@@ -22,7 +22,9 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import Cell, GridOptions, roles_needed
 from kvrescue_cli.outputs import Candidate, Tokens, Trace
 from kvrescue_cli.prompts import generation_prompt
-from kvrescue_cli.search import METHODS, Controller, Finished
+from kvrescue_cli.methods import METHODS
+from kvrescue_cli.model_config import ModelConfigError, load_config
+from kvrescue_cli.search import Controller, Finished
 
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrescue_cli.data import ProblemSet
+from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET
 from kvrescue_cli.errors import InputError
-from kvrescue_cli.search import METHODS, SearchSettings
+from kvrescue_cli.methods import METHODS
+from kvrescue_cli.search import SearchSettings
 
-EVICTORS = ("rkv", "snapkv", "streaming", "none")
-MIN_BUDGET = 16
 SCORERS = ("prm", "helper-loglik")
 
 

@@ -11,8 +11,8 @@ from kvrescue_cli import decoding, workers
 from kvrescue_cli.data import GENERIC, data_dir, load_problems
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.grid import Cell, GridOptions, roles_needed
+from kvrescue_cli.methods import METHODS
 from kvrescue_cli.outputs import ModelRef, RunConfig, RunFolder, Summary, Trace, run_dir
-from kvrescue_cli.search import METHODS
 
 
 def cell_config(options: GridOptions, cell: Cell) -> RunConfig:

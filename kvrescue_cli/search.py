@@ -20,27 +20,9 @@ from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.sampling import SamplingParams, sample
 from kvrescue_cli.engine.steps import CandidateStep, StepLimits
 from kvrescue_cli.engine.scoring import Scorer
+from kvrescue_cli.methods import METHODS, Method
 from kvrescue_cli.outputs import Step
 from kvrescue_cli.prompts import STEP_DELIMITER
-
-
-@dataclass(frozen=True)
-class Method:
-    """What a method samples and screens (DESIGN section 2)."""
-
-    base: bool
-    helper: bool
-    evicted: bool
-    detector: bool
-
-
-METHODS: dict[str, Method] = {
-    "kvrescue": Method(base=True, helper=True, evicted=True, detector=True),
-    "interleave": Method(base=True, helper=True, evicted=True, detector=False),
-    "bon": Method(base=True, helper=False, evicted=True, detector=False),
-    "full": Method(base=True, helper=False, evicted=False, detector=False),
-    "helper": Method(base=False, helper=True, evicted=False, detector=False),
-}
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,8 @@ of `cell`, asking for them; ("problem", Problem) or ("none",) the answer to "wan
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import sys
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
@@ -29,6 +27,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from grader import grade
+from grader.sandbox import die_with_parent
 from kvrescue_cli.data import Problem
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.outputs import Trace
@@ -109,11 +108,6 @@ class WorkQueue:
 
 
 # -- the worker process -----------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
-
 def _pull(conn: Connection) -> Iterator[Problem]:
     while True:
         conn.send(("want",))
@@ -126,7 +120,7 @@ def _pull(conn: Connection) -> Iterator[Problem]:
 def worker_main(conn: Connection, options: GridOptions, device: str, threads: int) -> None:
     """Load the grid's models on `device` once, then decode what the parent hands out until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
     import torch
 
     from kvrescue_cli import decoding

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrescue_cli.engine.random_checkpoints import write_random_checkpoint
+from kvrescue_cli.random_checkpoints import write_random_checkpoint
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, init_std=0.1)
 

@@ -5,7 +5,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvrescue_cli.cli import app
-from kvrescue_cli.cost import Architecture, ModelConfigError, estimate, load_config
+from kvrescue_cli.cost import Architecture, estimate
+from kvrescue_cli.model_config import ModelConfigError, load_config
 
 # Values from each model's config.json on the Hugging Face Hub.
 QWEN_MATH_7B = {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,

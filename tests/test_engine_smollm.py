@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvrescue_cli.engine import FullCache, load_model
-from kvrescue_cli.engine.smollm import smollm2_folder, smollm2_gguf
+from kvrescue_cli.smollm import smollm2_folder, smollm2_gguf
 
 
 @pytest.mark.slow

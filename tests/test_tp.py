@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrescue_cli.engine.model import ModelArgs
-from kvrescue_cli.engine.random_checkpoints import write_random_checkpoint
+from kvrescue_cli.model_config import ModelArgs
+from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.engine.tp import local_args, shard_degree
 from tests import tp_scenario
 

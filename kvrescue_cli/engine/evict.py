@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 WINDOW = 8  # observation window alpha: the last 8 positions, always kept
+MIN_BUDGET = 2 * WINDOW  # the smallest budget B any evictor accepts
 
 
 def importance(keys: Tensor, queries: Tensor, *, kernel: int = 7) -> Tensor:
@@ -108,7 +109,7 @@ def streaming_keep(length: int, budget: int, *, sink: int = 4) -> Tensor:
     return keep_top(streaming_scores(length, sink=sink), budget)
 
 
-POLICIES = ("rkv", "snapkv", "streaming", "none")
+EVICTORS = ("rkv", "snapkv", "streaming", "none")
 
 
 def keep_positions(policy: str, keys: Tensor, queries: Tensor, budget: int) -> Tensor:
@@ -120,7 +121,7 @@ def keep_positions(policy: str, keys: Tensor, queries: Tensor, budget: int) -> T
     if policy == "streaming":
         kept = streaming_keep(keys.shape[-2], budget).to(keys.device)
         return kept.expand(*keys.shape[:-2], budget)
-    raise ValueError(f"policy {policy!r} does not compress; choose one of {POLICIES[:-1]}")
+    raise ValueError(f"policy {policy!r} does not compress; choose one of {EVICTORS[:-1]}")
 
 
 def gather_positions(x: Tensor, kept: Tensor) -> Tensor:

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from kvrescue_cli.engine.model import CausalLM, ModelArgs, ProcessRewardModel, Transformer, hf_to_engine_state_dict
+from kvrescue_cli.engine.model import CausalLM, ProcessRewardModel, Transformer, hf_to_engine_state_dict
 from kvrescue_cli.engine.tp import Shard, make_shard, shard_degree, shard_weight
+from kvrescue_cli.model_config import ModelArgs, unsupported
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -126,6 +127,8 @@ def _build(
     sources: Mapping[str, Any], cfg: dict[str, Any], dtype: torch.dtype, device: str, tp: int = 1, exact_heads: bool = False
 ) -> Transformer:
     """The engine network of a checkpoint's tensors, as this rank of `tp` holds it."""
+    if unsupported(cfg):
+        raise ValueError(unsupported(cfg))
     args = ModelArgs.from_hf(cfg)
     is_prm = "score.0.weight" in sources or any("ProcessRewardModel" in a for a in cfg.get("architectures") or [])
     if is_prm and "score.0.weight" not in sources:

@@ -6,57 +6,13 @@ a network holds one rank's shard: its `args` are the shapes that rank computes (
 columns), and `shard` does the all-reduces and the logits' all-gather.
 """
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.tp import Shard, local_args
-
-
-@dataclass
-class ModelArgs:
-    """Shape and numerics of a decoder, read from a Hugging Face config.json."""
-
-    vocab_size: int
-    dim: int
-    intermediate_size: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    qkv_bias: bool = False
-    tie_word_embeddings: bool = False
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
-        """Args from a config.json dict (Qwen2, Llama and Qwen2 PRM architectures)."""
-        model_type = cfg.get("model_type")
-        if model_type not in ("qwen2", "llama"):
-            raise ValueError(f"unsupported model_type {model_type!r}: this engine runs qwen2 and llama checkpoints")
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-            raise ValueError(f"unsupported rope_scaling {scaling}: only plain RoPE is implemented")
-        n_heads = cfg["num_attention_heads"]
-        params = cfg.get("rope_parameters") or {}
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            dim=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            n_layers=cfg["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-            rope_theta=float(cfg.get("rope_theta", params.get("rope_theta", 10000.0))),
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
+from kvrescue_cli.model_config import ModelArgs
 
 
 class RMSNorm(nn.Module):

@@ -15,14 +15,12 @@ import torch
 
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import LoadedModel
+from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.engine.steps import append_tokens
 from kvrescue_cli.prompts import STEP_DELIMITER, SYSTEM_PROMPT, chatml
 
 STEP_TAG = "<extra_0>"
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
-Request = tuple[int, str, list[int]]  # (problem key, candidate text, candidate tokens in the policy's tokenizer)
-
-
 def prm_step_text(text: str) -> str:
     """A generated step as the PRM sees it: cut at an end-of-text marker, without the `\\n\\n` delimiter."""
     for marker in END_MARKERS:

@@ -13,7 +13,7 @@ import torch
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.steps import append_tokens
 
-Request = tuple[int, str, list[int]]  # (problem key, candidate text, candidate tokens)
+Request = tuple[int, str, list[int]]  # (problem key, candidate text, candidate tokens in the policy models' tokenizer)
 
 
 class Scorer(Protocol):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from kvrescue_cli.engine.model import ModelArgs
+    from kvrescue_cli.model_config import ModelArgs
 
 
 @dataclass(frozen=True)

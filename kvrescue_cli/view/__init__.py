@@ -9,31 +9,23 @@ by side with the same problem under the other runs, aligned by step. `data` buil
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 from kvrescue_cli import report as rep
+from kvrescue_cli.outputs import write_atomic
 from kvrescue_cli.view.data import detail_chunks, page_data
 from kvrescue_cli.view.page import render
 
 
-def write_view(paths: Iterable[Path | str], out: Path) -> tuple[list[rep.Run], list[rep.Problem]]:
+def write_view(paths: Iterable[Path | str], out: Path) -> tuple[list[rep.Run], list[rep.FolderNote]]:
     """Read the run folders under `paths` and write the page to `out` atomically.
 
-    Returns the runs shown and the problems met (unusable folders, runs in progress), as `report.load_runs`.
+    Returns the runs shown and the notes on folders (unusable folders, runs in progress), as `report.load_runs`.
     """
-    runs, problems = rep.load_runs(paths)
-    html = render(page_data(runs, problems), [detail_chunks(run) for run in runs],
+    runs, notes = rep.load_runs(paths)
+    html = render(page_data(runs, notes), [detail_chunks(run) for run in runs],
                   title=f"kvrescue runs ({len(runs)} run{'s' * (len(runs) != 1)})")
     out.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(html)
-        os.replace(temporary, out)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-    return runs, problems
+    write_atomic(out, html.encode("utf-8"))
+    return runs, notes

@@ -87,9 +87,9 @@ def detail_chunks(run: rep.Run) -> dict[int, list[dict[str, Any]]]:
     return chunks
 
 
-def page_data(runs: list[rep.Run], problems: list[rep.Problem]) -> dict[str, Any]:
+def page_data(runs: list[rep.Run], notes: list[rep.FolderNote]) -> dict[str, Any]:
     """The index the page unpacks when it opens, as plain JSON data (see the module docstring)."""
-    tables = rep.build_tables(runs, problems)
+    tables = rep.build_tables(runs, notes)
     svg, plot_note = plot_svg(runs)
     shown: dict[tuple[str, int], dict[str, Any]] = {}
     for run in runs:
@@ -98,11 +98,11 @@ def page_data(runs: list[rep.Run], problems: list[rep.Problem]) -> dict[str, Any
             shown.setdefault((bench, t.idx), {"bench": bench, "idx": t.idx, "problem": t.problem, "gt": t.gt,
                                               "gt_norm": t.gt_norm})
     return {
-        "report": orjson.loads(rep.to_json(tables, runs, problems)),
+        "report": orjson.loads(rep.to_json(tables, runs, notes)),
         "tables": tables_html(tables),
         "plot": svg,
         "plot_note": plot_note,
-        "runs": [{"id": i, "folder": rep._shown(run.path), "bench": run.config.bench_name(),
+        "runs": [{"id": i, "folder": rep.shown(run.path), "bench": run.config.bench_name(),
                   "method": run.config.method, "evictor": run.config.evictor, "n": run.config.n,
                   "budget": run.config.budget, "seed": run.config.seed, "scorer": run.config.scorer,
                   "synthetic": run.config.synthetic, "in_progress": run.in_progress, "label": run_label(run)}

@@ -1,0 +1,24 @@
+"""What each `--method` samples and screens (DESIGN section 2), read by the controller, the grid and the report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Method:
+    """What a method samples and screens."""
+
+    base: bool
+    helper: bool
+    evicted: bool
+    detector: bool
+
+
+METHODS: dict[str, Method] = {
+    "kvrescue": Method(base=True, helper=True, evicted=True, detector=True),
+    "interleave": Method(base=True, helper=True, evicted=True, detector=False),
+    "bon": Method(base=True, helper=False, evicted=True, detector=False),
+    "full": Method(base=True, helper=False, evicted=False, detector=False),
+    "helper": Method(base=False, helper=True, evicted=False, detector=False),
+}

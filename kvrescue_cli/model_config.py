@@ -1,0 +1,94 @@
+"""A decoder's Hugging Face config.json: found, read and parsed here once, for the engine and for `kvrescue cost`.
+
+No torch here, so `kvrescue cost` stays quick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from kvrescue_cli.errors import InputError
+
+FAMILIES = ("qwen2", "llama")
+
+
+class ModelConfigError(InputError):
+    """A model config that can't be found or read; the message is one line."""
+
+
+@dataclass
+class ModelArgs:
+    """Shape and numerics of a decoder, read from a Hugging Face config.json."""
+
+    vocab_size: int
+    dim: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """Args from a config.json dict (Qwen2, Llama and Qwen2 PRM architectures).
+
+        Raises KeyError, TypeError or ValueError for a missing or mangled field; `unsupported` says whether
+        the engine can run it.
+        """
+        n_heads = int(cfg["num_attention_heads"])
+        params = cfg.get("rope_parameters") or {}
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            dim=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            n_layers=int(cfg["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_heads),
+            rope_theta=float(cfg.get("rope_theta", params.get("rope_theta", 10000.0))),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+def unsupported(cfg: dict[str, Any]) -> str | None:
+    """Why the engine can't run a model with this config (another family, scaled RoPE), or None."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        return f"unsupported model_type {model_type!r}: this engine runs qwen2 and llama checkpoints"
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+        return f"unsupported rope_scaling {scaling}: only plain RoPE is implemented"
+    return None
+
+
+def load_config(model: str) -> dict[str, Any]:
+    """config.json of a local folder, a config.json path, or a Hub model id."""
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.exists():
+        try:
+            return orjson.loads(path.read_bytes())
+        except orjson.JSONDecodeError as e:
+            raise ModelConfigError(f"{path}: not valid JSON ({e})") from None
+    if Path(model).suffix == ".gguf":
+        raise ModelConfigError(f"{model}: a GGUF file has no config.json; give the original model folder or Hub id")
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ModelConfigError(f"{model}: no such folder or config.json, and not a Hub id (owner/name)")
+    try:
+        from huggingface_hub import hf_hub_download
+        return orjson.loads(Path(hf_hub_download(model, "config.json")).read_bytes())
+    except Exception as e:  # the Hub client raises many kinds (offline, 404, gated, timeouts)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelConfigError(f"{model}: could not fetch config.json from the Hugging Face Hub ({reason}); "
+                               "pass a local model folder or config.json instead") from None

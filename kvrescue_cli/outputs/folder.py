@@ -1,0 +1,270 @@
+"""A run folder on disk: created or resumed under a lock, traces appended and fsync'd, files written atomically."""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from kvrescue_cli.errors import InputError
+from kvrescue_cli.outputs.records import RunConfig, Trace
+from kvrescue_cli.outputs.summary import Summary, summarize
+
+FORMAT = 1
+CONFIG, TRACES, SUMMARY, LOCK = "config.json", "traces.jsonl", "summary.json", ".lock"
+
+
+class RunFolderError(InputError):
+    """A run folder problem that the user must fix; the message is one line."""
+
+
+class TornTraceWarning(UserWarning):
+    """The last traces line was cut by a crash and has been dropped."""
+
+
+def run_dir(root: Path | str, config: RunConfig) -> Path:
+    """The deterministic folder of `config` under `root`."""
+    return Path(root) / config.bench_name() / config.folder_name()
+
+
+def environment(devices: list[str] | None = None) -> dict[str, Any]:
+    """Versions, host and git state, recorded in config.json but never compared."""
+    versions = {}
+    for lib in ("kvrescue", "torch", "transformers", "safetensors", "tokenizers", "numpy", "sympy"):
+        try:
+            versions[lib] = importlib.metadata.version(lib)
+        except importlib.metadata.PackageNotFoundError:
+            versions[lib] = None
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "host": socket.gethostname(),
+        "devices": devices or [],
+        "versions": versions,
+        "git": _git_state(),
+    }
+
+
+def _git_state() -> dict[str, Any]:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    cwd=root, capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": dirty if commit else None}
+
+
+def write_atomic(path: Path, payload: bytes) -> None:
+    """Write `payload` to a temporary file in the same folder, fsync it, then rename it over `path`:
+    readers see the old file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON atomically (`write_atomic`)."""
+    write_atomic(path, orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON file; a missing or unreadable file is a one-line `RunFolderError`."""
+    try:
+        return orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise RunFolderError(f"{path}: missing") from None
+    except orjson.JSONDecodeError as e:
+        raise RunFolderError(f"{path}: not valid JSON ({e})") from None
+
+
+def read_traces(path: Path, repair: bool = False) -> list[Trace]:
+    """Read traces.jsonl. A torn last line is dropped with a warning (and cut from the file when
+    `repair`); any other bad line, or a duplicate idx, raises `RunFolderError` naming the line."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    traces: list[Trace] = []
+    seen: dict[int, int] = {}
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            raise RunFolderError(f"{path}:{no}: empty line")
+        trace = _parse_line(line)
+        if trace is None:
+            raise RunFolderError(f"{path}:{no}: corrupt traces line (not a valid trace record)")
+        if trace.idx in seen:
+            raise RunFolderError(f"{path}:{no}: duplicate idx {trace.idx} (first on line {seen[trace.idx]})")
+        seen[trace.idx] = no
+        traces.append(trace)
+    if tail:
+        no = len(lines) + 1
+        trace = _parse_line(tail)
+        if trace is not None and trace.idx not in seen:
+            # A complete record that only lost its newline: keep it.
+            traces.append(trace)
+            if repair:
+                with open(path, "ab") as f:
+                    f.write(b"\n")
+                    os.fsync(f.fileno())
+        else:
+            warnings.warn(f"{path}:{no}: dropped a torn last line ({len(tail)} bytes) left by an "
+                          "interrupted write", TornTraceWarning, stacklevel=2)
+            if repair:
+                with open(path, "r+b") as f:
+                    f.truncate(len(data) - len(tail))
+                    os.fsync(f.fileno())
+    return traces
+
+
+def _parse_line(line: bytes) -> Trace | None:
+    try:
+        return Trace.from_dict(orjson.loads(line))
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+class RunFolder:
+    """An open run folder: resumes or starts a configuration, appends traces, writes the summary.
+
+    Holds an exclusive lock on the folder while open, so two runs can't write the same folder.
+    """
+
+    def __init__(self, path: Path, config: RunConfig, traces: list[Trace], lock_fd: int) -> None:
+        self.path = path
+        self.config = config
+        self.traces = traces
+        self.done: set[int] = {t.idx for t in traces}
+        self._lock_fd = lock_fd
+        self._fd: int | None = os.open(path / TRACES, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    @classmethod
+    def open(cls, path: Path | str, config: RunConfig, *, total: int | None = None,
+             devices: list[str] | None = None, overwrite: bool = False,
+             shard: tuple[int, int] | None = None) -> RunFolder:
+        """Open `path` for `config`: create it, or resume it if it holds the same configuration.
+
+        A different configuration raises `RunFolderError` unless `overwrite`, which clears the
+        folder's traces and summary whatever it held. `total` is the number of problems this
+        invocation selected (recorded so that a report can tell a finished run from a partial one);
+        `shard` (i, k) says it holds every k-th problem from the i-th (a report merges the shards).
+        """
+        path = Path(path)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunFolderError(f"{path}: cannot use as a run folder ({e.strerror})") from None
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            raise RunFolderError(f"{path}: another kvrescue process is writing this run folder") from None
+        try:
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            created = now
+            if overwrite:
+                (path / SUMMARY).unlink(missing_ok=True)
+                (path / TRACES).unlink(missing_ok=True)
+            elif (path / CONFIG).exists():
+                stored = read_json(path / CONFIG)
+                if stored.get("config") != config.to_dict():
+                    diff = _config_diff(stored.get("config"), config.to_dict())
+                    raise RunFolderError(f"{path} holds a different configuration ({diff}); "
+                                         "use --overwrite to replace it")
+                created = stored.get("run", {}).get("created_at", now)
+            elif (path / TRACES).exists():
+                raise RunFolderError(f"{path} has traces but no config.json; use --overwrite to replace it")
+            traces = read_traces(path / TRACES, repair=True)
+            write_json_atomic(path / CONFIG, {
+                "format": FORMAT,
+                "hash": config.digest(),
+                "config": config.to_dict(),
+                "run": {"total": total, "shard": list(shard) if shard else None, "created_at": created,
+                        "updated_at": now},
+                "environment": environment(devices),
+            })
+            return cls(path, config, traces, lock_fd)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+
+    def append(self, trace: Trace) -> None:
+        """Write one finished problem: one line, flushed and fsync'd before returning."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: run folder is closed")
+        if trace.idx in self.done:
+            raise ValueError(f"{self.path}: idx {trace.idx} is already recorded")
+        trace.check()
+        line = memoryview(orjson.dumps(trace, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+        while line:
+            line = line[os.write(self._fd, line):]
+        os.fsync(self._fd)
+        self.traces.append(trace)
+        self.done.add(trace.idx)
+
+    def write_summary(self) -> Summary:
+        """Compute the summary from all traces so far and write summary.json atomically."""
+        total = read_json(self.path / CONFIG).get("run", {}).get("total")
+        summary = summarize(self.traces, self.config, total)
+        write_json_atomic(self.path / SUMMARY, asdict(summary))
+        return summary
+
+    def close(self) -> None:
+        """Close the traces file and release the folder lock."""
+        if self._fd is not None:
+            os.close(self._fd)
+            os.close(self._lock_fd)
+            self._fd = None
+
+    def __enter__(self) -> RunFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _config_diff(old: Any, new: dict[str, Any]) -> str:
+    if not isinstance(old, dict):
+        return "unreadable stored config"
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            a, b = old.get(key), new.get(key)
+            if isinstance(a, dict) and isinstance(b, dict):
+                diffs += [f"{key}.{k}: {a.get(k)!r} -> {b.get(k)!r}"
+                          for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            else:
+                diffs.append(f"{key}: {a!r} -> {b!r}")
+    return ", ".join(diffs)

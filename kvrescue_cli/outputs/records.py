@@ -1,0 +1,180 @@
+"""The records of a run folder: one `Trace` per problem (its `Step`s, `Candidate`s and `Tokens`) and the
+`RunConfig` identity that names the folder. Every field is documented in `kvrescue_cli.outputs`."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+SOURCES = ("base", "helper")
+FINISHES = ("step", "eos", "length", "entropy", "repetition")
+DETECTOR_FINISHES = ("entropy", "repetition")
+STOPS = ("eos", "context", "steps", "skipped", "failed")
+UNDECODED = ("skipped", "failed")
+
+
+@dataclass
+class Step:
+    """One committed reasoning step."""
+
+    text: str
+    source: str
+    score: float | None
+    tokens: int
+    no_survivor: bool = False
+
+
+@dataclass
+class Candidate:
+    """One sampled candidate for a step (committed or not)."""
+
+    source: str
+    score: float | None
+    tokens: int
+    finish: str
+    max_mean_entropy: float | None = None
+    min_gzip_ratio: float | None = None
+    fired_at: int | None = None
+    committed: bool = False
+
+
+@dataclass
+class Tokens:
+    """Token counts per model for one problem."""
+
+    base: int = 0
+    base_prefill: int = 0
+    helper: int = 0
+    helper_prefill: int = 0
+    prm: int = 0
+
+
+@dataclass
+class Trace:
+    """Everything recorded about one finished (or skipped) problem."""
+
+    idx: int
+    problem: str
+    gt: str
+    gt_norm: str
+    steps: list[Step]
+    candidates: list[list[Candidate]]
+    output: str
+    pred: str
+    correct: bool
+    timed_out: bool
+    stop: str
+    skip_reason: str | None
+    tokens: Tokens
+    n_steps: int
+    timings: dict[str, float]
+    peak_base_rows: int
+    prm_truncations: int
+
+    @classmethod
+    def skipped(cls, idx: int, problem: str, gt: str, gt_norm: str, reason: str) -> Trace:
+        """The record of a problem that was not decoded (e.g. its prompt exceeds the context cap)."""
+        now = time.time()
+        return cls(idx, problem, gt, gt_norm, [], [], "", "", False, False, "skipped", reason,
+                   Tokens(), 0, {"wall_s": 0.0, "started_at": now, "finished_at": now}, 0, 0)
+
+    @classmethod
+    def failed(cls, idx: int, problem: str, gt: str, gt_norm: str, error: str) -> Trace:
+        """The record of a problem given up on because decoding it killed worker processes."""
+        trace = cls.skipped(idx, problem, gt, gt_norm, error)
+        trace.stop = "failed"
+        return trace
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trace:
+        """Rebuild a trace from its JSON form (raises KeyError/TypeError/ValueError if malformed)."""
+        d = dict(d)
+        d["steps"] = [Step(**s) for s in d["steps"]]
+        d["candidates"] = [[Candidate(**c) for c in cs] for cs in d["candidates"]]
+        d["tokens"] = Tokens(**d["tokens"])
+        trace = cls(**d)
+        trace.check()
+        return trace
+
+    def check(self) -> None:
+        """Raise ValueError when the record breaks the format's invariants."""
+        problems = []
+        if self.stop not in STOPS:
+            problems.append(f"stop {self.stop!r} not in {STOPS}")
+        if self.n_steps != len(self.steps):
+            problems.append(f"n_steps {self.n_steps} != {len(self.steps)} steps")
+        if len(self.candidates) != len(self.steps):
+            problems.append(f"{len(self.candidates)} candidate lists for {len(self.steps)} steps")
+        if self.stop in UNDECODED and not self.skip_reason:
+            problems.append(f"{self.stop} without skip_reason")
+        for i, (step, cands) in enumerate(zip(self.steps, self.candidates)):
+            if step.source not in SOURCES:
+                problems.append(f"step {i}: source {step.source!r}")
+            if sum(c.committed for c in cands) != 1:
+                problems.append(f"step {i}: {sum(c.committed for c in cands)} committed candidates")
+            for c in cands:
+                if c.source not in SOURCES or c.finish not in FINISHES:
+                    problems.append(f"step {i}: candidate source/finish {c.source!r}/{c.finish!r}")
+        missing = {"wall_s", "started_at", "finished_at"} - set(self.timings)
+        if missing:
+            problems.append(f"timings lack {sorted(missing)}")
+        if problems:
+            raise ValueError(f"trace idx {self.idx}: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model as given (Hub id, local folder or GGUF file) and its resolved revision, if known."""
+
+    id: str
+    revision: str | None = None
+
+
+@dataclass
+class RunConfig:
+    """The identity of a run: every setting that changes its results.
+
+    `settings` holds the rest of them (sampling, detector thresholds, caps, dtype, data checksum, ...);
+    values must be JSON-serialisable. Versions, host, devices and `--limit` are not identity.
+    """
+
+    bench: str
+    method: str
+    budget: int | None
+    n: int
+    evictor: str
+    seed: int
+    models: dict[str, ModelRef]
+    scorer: str
+    synthetic: bool = False
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The identity as plain JSON data."""
+        return orjson.loads(orjson.dumps(asdict(self), option=orjson.OPT_SORT_KEYS))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        d = dict(d)
+        d["models"] = {k: ModelRef(**v) for k, v in d["models"].items()}
+        return cls(**d)
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of the identity."""
+        return hashlib.sha256(orjson.dumps(self.to_dict(), option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+    def folder_name(self) -> str:
+        """`<method>-<evictor>-b<budget>-n<N>-s<seed>-<hash8>`; budget `full` when there is none."""
+        budget = "full" if self.budget is None else str(self.budget)
+        return f"{self.method}-{self.evictor}-b{budget}-n{self.n}-s{self.seed}-{self.digest()[:8]}"
+
+    def bench_name(self) -> str:
+        """The bench as a folder name: a known name as is, a JSONL path by its file stem."""
+        stem = Path(self.bench).stem if self.bench.endswith(".jsonl") else self.bench
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem) or "bench"

@@ -1,0 +1,23 @@
+"""`kvrescue report`: the paper's tables and Figure 5 from run folders.
+
+Every number is computed from traces with `outputs.summarize` (summary.json is not trusted, only used
+to tell finished runs from running or interrupted ones). Conventions:
+- A *row* aggregates the seeds of one configuration (bench, method, evictor, N, budget, models,
+  scorer); its value is the mean over seeds of each run's number, with the sample standard deviation
+  (n - 1) where there are two seeds or more.
+- Runs still in progress (no summary.json, fewer problems than selected, or traces newer than the
+  summary) are included and marked with `*`.
+- Recovery = (A_kvrescue - A_bon) / (A_full - A_bon) for the same bench, N, budget, evictor and
+  base model (full: same bench, N and base model); it is n/a, with the reason, when one is missing.
+- Oracle-of-two: per seed present in both, a problem counts correct when `bon` (N = 1) or `helper`
+  (N = 1) solved it, over the problems both recorded; the share of the eviction loss it recovers is
+  (A_oracle - A_bon) / (A_full - A_bon) with `full` at N = 1.
+"""
+
+from kvrescue_cli.report.load import FolderNote, ReportError, Run, load_runs
+from kvrescue_cli.report.numbers import QUANTILES, Table
+from kvrescue_cli.report.render import fmt, plot, print_rich, to_csv, to_json, to_markdown
+from kvrescue_cli.report.tables import build_tables, shown
+
+__all__ = ["QUANTILES", "FolderNote", "ReportError", "Run", "Table", "build_tables", "fmt", "load_runs", "plot",
+           "print_rich", "shown", "to_csv", "to_json", "to_markdown"]

@@ -1,0 +1,196 @@
+"""The report's tables (the paper's Tables 1, 2 and 5, Figure 6, oracle, calibration) as raw values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvrescue_cli.report.load import FolderNote, Run
+from kvrescue_cli.report.numbers import (
+    QUANTILES, Row, Table, budget_rank, find_row, method_rank, quantiles, thresholds, group_rows, oracle, recovery,
+)
+
+
+def setup_title(setup: tuple[str, str | None]) -> str:
+    scorer, prm = setup
+    return f"scorer {scorer}" + (f" ({prm})" if prm and prm != scorer else "")
+
+
+def row_label(row: Row, rows: list[Row]) -> list[str]:
+    """method (with its evictor when not the default), and models when the setup has several."""
+    k = row.key
+    label = k.method if k.evictor in ("rkv", "none") else f"{k.method}[{k.evictor}]"
+    bases = {r.key.base for r in rows if r.key.base}
+    helpers = {r.key.helper for r in rows if r.key.helper}
+    extra = []
+    if len(bases) > 1 and k.base:
+        extra.append(f"base={k.base}")
+    if len(helpers) > 1 and k.helper:
+        extra.append(f"helper={k.helper}")
+    return [label + (f" ({', '.join(extra)})" if extra else "")]
+
+
+def build_tables(runs: list[Run], notes: list[FolderNote]) -> list[Table]:
+    """Every table of the report, in display order."""
+    tables = [runs_table(runs, notes)]
+    for setup, rows in group_rows(runs).items():
+        title = setup_title(setup)
+        tables += [accuracy_table(rows, title), recovery_table(rows, title), cost_table(rows, title),
+                   ablation_table(rows, title), helper_share_table(rows, title), oracle_table(rows, title),
+                   calibration_table(rows, title)]
+    return [t for t in tables if t.rows]
+
+
+def runs_table(runs: list[Run], notes: list[FolderNote]) -> Table:
+    t = Table("runs", "Run folders", ["folder", "bench", "method", "evictor", "N", "budget", "seed", "problems",
+                                      "accuracy", "status"],
+              ["text", "text", "text", "text", "int", "int", "int", "text", "pct", "text"])
+    for r in sorted(runs, key=lambda r: str(r.path)):
+        s = r.summary
+        t.rows.append([shown(r.path), r.config.bench_name(), s.method, s.evictor, s.n, s.budget, s.seed,
+                       f"{s.problems}/{s.total if s.total is not None else '?'}", s.accuracy,
+                       f"* {r.in_progress}" if r.in_progress else ("synthetic" if s.synthetic else "done")])
+    t.notes = [f"{p.path}: {p.message}" for p in notes if not p.message.startswith("in progress:")]
+    return t
+
+
+def shown(path: Path) -> str:
+    """A path as the user would type it: relative to the working folder when under it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def accuracy_table(rows: list[Row], setup: str) -> Table:
+    """Rows method x budget, columns benches (Table 5)."""
+    benches = sorted({r.key.bench for r in rows})
+    t = Table("accuracy", f"Accuracy, mean ± std over seeds — {setup}", ["method", "N", "budget", *benches],
+              ["text", "int", "int", *["pct"] * len(benches)])
+    keys = sorted({(r.key.method, r.key.evictor, r.key.n, r.key.budget, r.key.base, r.key.helper) for r in rows},
+                  key=lambda k: (method_rank(k[0]), k[0], k[1], k[2], budget_rank(k[3]), k[4] or "", k[5] or ""))
+    for method, evictor, n, budget, base, helper in keys:
+        cells = [find_row(rows, bench=b, method=method, evictor=evictor, n=n, budget=budget, base=base, helper=helper)
+                 for b in benches]
+        first = next(c for c in cells if c)
+        t.rows.append([*row_label(first, rows), n, budget, *(c.stat("accuracy") if c else None for c in cells)])
+    if any(r.partial for r in rows):
+        t.notes.append("* includes runs still in progress")
+    if any(r.runs[0].config.synthetic for r in rows):
+        t.notes.append("synthetic runs (random checkpoints) report no accuracy")
+    return t
+
+
+def recovery_table(rows: list[Row], setup: str) -> Table:
+    """Recovery per (bench, N, budget) and its average per budget."""
+    recs = recovery(rows)
+    benches = sorted({r["bench"] for r in recs})
+    t = Table("recovery", f"Recovery (A_kvrescue - A_bon) / (A_full - A_bon) — {setup}",
+              ["evictor", "N", "budget", *benches, "mean"], ["text", "int", "int", *["pct"] * len(benches), "pct"])
+    settings = sorted({(r["evictor"], r["n"], r["budget"], r["base"]) for r in recs},
+                      key=lambda s: (s[0], s[1], budget_rank(s[2]), s[3] or ""))
+    for evictor, n, budget, base in settings:
+        cells = {r["bench"]: r for r in recs if (r["evictor"], r["n"], r["budget"], r["base"]) == (evictor, n, budget, base)}
+        vals = [cells[b]["recovery"] if b in cells else None for b in benches]
+        known = [v for v in vals if v is not None]
+        t.rows.append([evictor, n, budget, *vals, sum(known) / len(known) if known else None])
+        for b in benches:
+            if b in cells and cells[b]["reason"]:
+                t.notes.append(f"n/a {b}, N={n}, B={budget}: {cells[b]['reason']}")
+    for budget in sorted({r["budget"] for r in recs}, key=budget_rank):
+        known = [r["recovery"] for r in recs if r["budget"] == budget and r["recovery"] is not None]
+        t.notes.append(f"average recovery at B={budget}: "
+                       + (f"{100 * sum(known) / len(known):.1f}% over {len(known)} setting{'s' * (len(known) > 1)}" if known
+                          else "n/a (no setting has kvrescue, bon and full)"))
+    if any(r["in_progress"] for r in recs):
+        t.notes.append("* includes runs still in progress")
+    return t
+
+
+def _pair_rows(rows: list[Row], methods: tuple[str, ...]) -> list[Row]:
+    return [r for r in rows if r.key.method in methods]
+
+
+def cost_table(rows: list[Row], setup: str) -> Table:
+    """Decode cost (Table 1): bon vs kvrescue per budget, and the relative change in base tokens."""
+    t = Table("cost", f"Decode cost per problem — {setup}",
+              ["bench", "method", "N", "budget", "steps", "output tokens", "base tokens", "helper tokens",
+               "Δ base tokens vs bon"],
+              ["text", "text", "int", "int", "num", "num", "num", "num", "rel"])
+    for row in _pair_rows(rows, ("bon", "kvrescue")):
+        k = row.key
+        change = None
+        if k.method == "kvrescue":
+            bon = find_row(rows, bench=k.bench, method="bon", evictor=k.evictor, n=k.n, budget=k.budget, base=k.base)
+            b, kv = (bon.stat("base_tokens").mean if bon else None), row.stat("base_tokens").mean
+            change = (kv - b) / b if b and kv is not None else None
+        t.rows.append([k.bench, *row_label(row, rows), k.n, k.budget, row.stat("mean_steps"),
+                       row.stat("mean_output_tokens"), row.stat("base_tokens"), row.stat("helper_tokens"), change])
+    return t
+
+
+def ablation_table(rows: list[Row], setup: str) -> Table:
+    """Ablation (Table 2): bon, interleave, kvrescue."""
+    t = Table("ablation", f"Ablation — {setup}",
+              ["bench", "method", "N", "budget", "accuracy", "degeneration", "base tokens", "steps", "early exit"],
+              ["text", "text", "int", "int", "pct", "pct", "num", "num", "pct"])
+    for row in _pair_rows(rows, ("bon", "interleave", "kvrescue")):
+        k = row.key
+        t.rows.append([k.bench, *row_label(row, rows), k.n, k.budget, row.stat("accuracy"),
+                       row.stat("degeneration_rate"), row.stat("base_tokens"), row.stat("mean_steps"),
+                       row.stat("early_exit_rate")])
+    t.notes.append("degeneration: share of incorrect trajectories with >= 256 committed steps; "
+                   "early exit: share of base candidates stopped by the detector")
+    return t
+
+
+def helper_share_table(rows: list[Row], setup: str) -> Table:
+    """Helper share of committed steps by budget (rows) and N (columns) (Figure 6)."""
+    picked = _pair_rows(rows, ("interleave", "kvrescue"))
+    ns = sorted({r.key.n for r in picked})
+    t = Table("helper_share", f"Helper share of committed steps — {setup}",
+              ["bench", "method", "budget", *[f"N={n}" for n in ns]], ["text", "text", "int", *["pct"] * len(ns)])
+    for bench, method, evictor, budget, base, helper in sorted(
+            {(r.key.bench, r.key.method, r.key.evictor, r.key.budget, r.key.base, r.key.helper) for r in picked},
+            key=lambda k: (k[0], method_rank(k[1]), k[2], budget_rank(k[3]), k[4] or "", k[5] or "")):
+        cells = [find_row(picked, bench=bench, method=method, evictor=evictor, budget=budget, n=n, base=base,
+                       helper=helper) for n in ns]
+        first = next(c for c in cells if c)
+        t.rows.append([bench, *row_label(first, rows), budget,
+                       *(c.stat("helper_step_share") if c else None for c in cells)])
+    return t
+
+
+def oracle_table(rows: list[Row], setup: str) -> Table:
+    recs = oracle(rows)
+    t = Table("oracle", f"Oracle of two (bon N=1 or helper N=1 solved it) — {setup}",
+              ["bench", "budget", "seeds", "bon", "helper", "oracle", "full", "loss recovered"],
+              ["text", "int", "int", "pct", "pct", "pct", "pct", "pct"])
+    for r in recs:
+        t.rows.append([r["bench"], r["budget"], r["seeds"], r["bon"], r["helper_acc"], r["oracle"], r["full"],
+                       r["recovered"]])
+        if r["reason"]:
+            t.notes.append(f"n/a {r['bench']}, B={r['budget']}: {r['reason']}")
+    return t
+
+
+def calibration_table(rows: list[Row], setup: str) -> Table:
+    """Quantiles of per-candidate max mean entropy and min gzip ratio, committed vs not."""
+    t = Table("calibration", f"Detector calibration (base candidates) — {setup}",
+              ["bench", "method", "N", "budget", "statistic", "committed", "count",
+               *[f"q{round(100 * q)}" for q in QUANTILES], "threshold", "beyond"],
+              ["text", "text", "int", "int", "text", "text", "int", *["ratio"] * len(QUANTILES), "ratio", "pct"])
+    for row in rows:
+        run = row.runs[0]
+        tau_ent, tau_cmp = thresholds(run)
+        cands = [c for r in row.runs for t_ in r.traces for cs in t_.candidates for c in cs if c.source == "base"]
+        for stat, tau, beyond in (("max_mean_entropy", tau_ent, lambda v: v > tau_ent),
+                                  ("min_gzip_ratio", tau_cmp, lambda v: v < tau_cmp)):
+            for committed in (True, False):
+                vals = [getattr(c, stat) for c in cands if c.committed == committed and getattr(c, stat) is not None]
+                if not vals:
+                    continue
+                t.rows.append([row.key.bench, *row_label(row, rows), row.key.n, row.key.budget, stat,
+                               "yes" if committed else "no",
+                               len(vals), *quantiles(vals), tau, sum(map(beyond, vals)) / len(vals)])
+    t.notes.append("beyond: share past the threshold (entropy > tau_ent, gzip ratio < tau_cmp)")
+    return t
