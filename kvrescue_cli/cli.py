@@ -6,6 +6,7 @@ Machine-readable results go to stdout or files; tables, progress and errors go t
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -42,6 +43,17 @@ def main() -> None:
     """kvrescue: evicted-KV reasoning with a full-context helper and a PRM."""
 
 
+def check_output_file(out: Path | None, option: str) -> None:
+    """Refuse, before any work, an output path that can't become a file."""
+    if out is None:
+        return
+    if out.is_dir():
+        raise InputError(f"{option} {out}: is a directory, not a file")
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise InputError(f"{option} {out}: {parent} is a file, not a folder")
+
+
 def write_jsonl_atomically(records: list[dict], out: Path | None) -> None:
     """JSONL to stdout, or to `out` through a temporary file renamed at the end (never half-written)."""
     payload = b"".join(orjson.dumps(record) + b"\n" for record in records)
@@ -69,6 +81,9 @@ def grade(
     from kvrescue_cli.jsonl import read_jsonl
 
     check_bench(bench)
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise InputError(f"--timeout {timeout}: need a positive number of seconds")
+    check_output_file(out, "--out")
     rows = read_jsonl(source)
     name = "<stdin>" if source == "-" else source
     graded, tally = grade_records(rows, source=name, bench=bench, output_field=output_field,
@@ -299,9 +314,9 @@ def view(
 def cost(
     base: str = typer.Option("Qwen/Qwen2.5-Math-7B-Instruct", help="base model: Hub id, folder or config.json"),
     helper: str = typer.Option("Qwen/Qwen2.5-Math-1.5B-Instruct", help="helper model: Hub id, folder or config.json"),
-    budget: int = typer.Option(64, min=1, help="KV budget B (the cache peaks at B' = B + 128)"),
-    context: int = typer.Option(4096, min=1, help="context length L"),
-    n: int = typer.Option(8, min=1, help="candidates per model"),
+    budget: int = typer.Option(64, min=1, max=1 << 24, help="KV budget B (the cache peaks at B' = B + 128)"),
+    context: int = typer.Option(4096, min=1, max=1 << 24, help="context length L"),
+    n: int = typer.Option(8, min=1, max=1 << 10, help="candidates per model"),
     alpha: float = typer.Option(2.9, min=0.0, help="eviction overhead in units of B' attention (paper: 2.9)"),
     format: str = typer.Option("table", "--format", help="table (rich, stderr) or json (stdout)"),
 ) -> None:

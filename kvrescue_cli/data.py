@@ -96,16 +96,18 @@ def load_problems(
             rows, source = read_jsonl(path), str(path)
         else:
             rows, source = _hub_rows(spec), source_of(bench, None)
-        usual = rows and spec.problem_field in rows[0][1]
-        field_name = problem_field or (spec.problem_field if usual else _guess_problem_field(rows, source))
-        name = bench
+        name, usual_field = bench, spec.problem_field
     else:
         path = Path(bench)
+        if path.is_dir():
+            raise InputError("is a directory, not a JSONL file", path=path)
         if not path.is_file():
             known = ", ".join(BENCHES)
             raise InputError(f"unknown benchmark '{bench}': use one of {known} or a path to a JSONL file")
-        rows, source, name = read_jsonl(path), str(path), path.stem
-        field_name = problem_field or _guess_problem_field(rows, source)
+        rows, source, name, usual_field = read_jsonl(path), str(path), path.stem, None
+    if not rows:
+        raise InputError("no problems in file", path=source)
+    field_name = problem_field or (usual_field if usual_field in rows[0][1] else _guess_problem_field(rows, source))
     treatment = grading_bench(name)
     problems = [
         _problem(position, line, record, source, field_name, answer_field, treatment)
@@ -129,19 +131,27 @@ def _problem(
 def raw_gt(record: dict, bench: str, field: str | None, source: str, line: int) -> str:
     """The raw final answer: `field` when the record has it, else derived from the benchmark's own fields."""
     if field is not None and field in record:
-        return str(record[field])
+        return _answer_text(record[field], field, source, line)
     if bench == GENERIC:
         raise InputError(f"missing field '{field or 'answer'}'", path=source, line=line)
     try:
-        return raw_answer(record, bench)
+        answer = raw_answer(record, bench)
     except (KeyError, IndexError, TypeError, AttributeError):
         missing = f"field '{field}' missing and no" if field else "no"
         raise InputError(f"{missing} {bench} answer field to derive the answer from", path=source, line=line) from None
+    except ValueError as err:  # the field is there but holds no final answer
+        raise InputError(f"cannot derive the {bench} answer: {err}", path=source, line=line) from None
+    return _answer_text(answer, f"{bench} answer", source, line)
+
+
+def _answer_text(value: object, field: str, source: str, line: int) -> str:
+    """A raw answer as text: strings as they are, numbers as `str()` does; anything else is an error."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise InputError(f"field '{field}' is {type(value).__name__}, not a string or number", path=source, line=line)
+    return str(value)
 
 
 def _guess_problem_field(rows: list[tuple[int, dict]], source: str) -> str:
-    if not rows:
-        raise InputError("no problems in file", path=source)
     line, first = rows[0]
     for name in ("problem", "question"):
         if name in first:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET
+from kvrescue_cli.engine.loader import DTYPES
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.search import SearchSettings
@@ -59,9 +60,14 @@ class GridOptions:
             raise InputError(f"unknown evictor '{self.evictor}': use one of {', '.join(EVICTORS)}")
         if self.scorer not in SCORERS:
             raise InputError(f"unknown scorer '{self.scorer}': use a PRM, or one of {', '.join(SCORERS[1:])}")
+        cap = self.settings.context_cap
         for budget in self.budgets:
             if budget < MIN_BUDGET:
                 raise InputError(f"--budget {budget} is below the smallest supported budget {MIN_BUDGET}")
+            if budget > cap and any(METHODS[m].evicted for m in self.methods):
+                raise InputError(f"--budget {budget} is above --context-cap {cap}: a cache that large never evicts")
+        if self.dtype not in DTYPES:
+            raise InputError(f"unknown --dtype '{self.dtype}': use one of {', '.join(DTYPES)}")
         for n in self.ns:
             if n < 1:
                 raise InputError(f"--n {n}: need at least one candidate per model")

@@ -33,6 +33,8 @@ def read_jsonl(source: str | Path) -> list[tuple[int, dict]]:
     if str(source) == "-":
         return list(_lines(sys.stdin.buffer, "<stdin>"))
     path = Path(source)
+    if path.is_dir():
+        raise InputError("is a directory, not a JSONL file", path=path)
     if not path.is_file():
         raise InputError("no such file", path=path)
     with path.open("rb") as stream:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvrescue_cli.engine.model import CausalLM, ProcessRewardModel, Transformer, hf_to_engine_state_dict
 from kvrescue_cli.engine.tp import Shard, make_shard, shard_degree, shard_weight
@@ -66,6 +66,8 @@ def load_model(
     """
     if tp > 1 and not (dist.is_initialized() and dist.get_world_size() == tp):
         raise ModelLoadError(f"model {path!r}: --tp {tp} needs torch.distributed initialised with {tp} ranks")
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     place = dict(dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype, device=device, tp=tp, exact_heads=exact_heads)
     p = Path(path).expanduser()
     if p.is_dir():
@@ -151,19 +153,40 @@ def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"model {name!r}: {folder} has no config.json")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = _read_json(cfg_path, name)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"model {name!r}: {folder} has no .safetensors weights")
     sources = {}
     for f in files:
-        handle = safe_open(f, framework="pt")
+        try:
+            handle = safe_open(f, framework="pt")
+        except (SafetensorError, OSError) as e:  # empty, truncated header, or not safetensors at all
+            raise ModelLoadError(f"model {name!r}: {f} is not a readable safetensors file ({e})") from None
         sources.update({key: handle.get_slice(key) for key in handle.keys()})
-    net = _build(sources, cfg, **place)
+    try:
+        net = _build(sources, cfg, **place)
+    except ModelLoadError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:
+        reason = " ".join(str(e).split())[:300]
+        raise ModelLoadError(f"model {name!r}: the weights in {folder} do not fit its config.json "
+                             f"({type(e).__name__}: {reason})") from None
     tokenizer = AutoTokenizer.from_pretrained(folder)
     gen_path = folder / "generation_config.json"
-    gen_cfg = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    gen_cfg = _read_json(gen_path, name) if gen_path.is_file() else {}
     return LoadedModel(net, tokenizer, cfg, name, _eos_ids(cfg, gen_cfg, tokenizer))
+
+
+def _read_json(path: Path, name: str) -> dict[str, Any]:
+    """A JSON object file of a model folder; anything else is a `ModelLoadError` naming it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"model {name!r}: {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"model {name!r}: {path} is not a JSON object")
+    return data
 
 
 def _load_gguf(path: Path, **place: Any) -> LoadedModel:

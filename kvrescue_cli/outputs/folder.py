@@ -199,6 +199,8 @@ class RunFolder:
                 (path / TRACES).unlink(missing_ok=True)
             elif (path / CONFIG).exists():
                 stored = read_json(path / CONFIG)
+                if not isinstance(stored, dict):
+                    raise RunFolderError(f"{path / CONFIG}: not a JSON object; use --overwrite to replace it")
                 if stored.get("config") != config.to_dict():
                     diff = _config_diff(stored.get("config"), config.to_dict())
                     raise RunFolderError(f"{path} holds a different configuration ({diff}); "

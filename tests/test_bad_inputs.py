@@ -1,0 +1,167 @@
+"""Every bad input is a one-line error (naming what is wrong) with exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrescue_cli.data import load_problems
+from kvrescue_cli.engine.loader import ModelLoadError, load_model
+from kvrescue_cli.errors import InputError
+from kvrescue_cli.outputs import CONFIG, ModelRef, RunConfig, RunFolder, RunFolderError
+
+KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
+OUTPUT = {"output": "so \\boxed{2}", "gt": "2"}
+
+
+def one_line_error(*args: str, cwd: Path) -> str:
+    """Run kvrescue; assert exit status 2 and a single `error:` line on stderr, and return that line."""
+    done = subprocess.run([KVRESCUE, *args], capture_output=True, timeout=300, cwd=cwd)
+    lines = done.stderr.decode().strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), done.stderr.decode()
+    return lines[0]
+
+
+def write_jsonl(path: Path, *records: dict) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+GRADE_CASES = {
+    "out_is_a_directory": ([OUTPUT], ["--out", "folder"], "--out folder: is a directory"),
+    "out_under_a_file": ([OUTPUT], ["--out", "plain/x.jsonl"], "plain is a file, not a folder"),
+    "timeout_zero": ([OUTPUT], ["--timeout", "0"], "--timeout 0.0: need a positive number"),
+    "timeout_nan": ([OUTPUT], ["--timeout", "nan"], "--timeout nan: need a positive number"),
+    "timeout_inf": ([OUTPUT], ["--timeout", "inf"], "--timeout inf: need a positive number"),
+    "gsm8k_answer_without_marker": ([{"output": "2", "answer": "two"}], ["--bench", "gsm8k"],
+                                    "in.jsonl:1: cannot derive the gsm8k answer"),
+    "math_solution_without_box": ([{"output": "2", "solution": "it is 2"}], ["--bench", "math500"],
+                                  "in.jsonl:1: cannot derive the math500 answer"),
+    "gt_is_a_list": ([OUTPUT, {"output": "2", "gt": [2]}], [], "in.jsonl:2: field 'gt' is list, not a string or number"),
+    "gt_is_null": ([{"output": "2", "gt": None}], [], "in.jsonl:1: field 'gt' is NoneType"),
+    "gt_is_a_bool": ([{"output": "2", "gt": True}], [], "in.jsonl:1: field 'gt' is bool"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRADE_CASES))
+def test_grade_bad_input(case: str, tmp_path: Path) -> None:
+    records, args, message = GRADE_CASES[case]
+    write_jsonl(tmp_path / "in.jsonl", *records)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "plain").write_text("a file")
+    bench = [] if "--bench" in args else ["--bench", "gsm8k"]
+    assert message in one_line_error("grade", "in.jsonl", *bench, *args, cwd=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "in.jsonl", "plain"]  # nothing written
+
+
+def test_grade_of_a_directory_says_so(tmp_path: Path) -> None:
+    assert one_line_error("grade", ".", "--bench", "gsm8k", cwd=tmp_path) == "error: .: is a directory, not a JSONL file"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--context", "99999999999999999999"], "--context"),
+    (["--budget", "99999999999999999999"], "--budget"),
+])
+def test_cost_out_of_range_is_a_usage_error(args: list[str], message: str, qwen2_dir: Path, tmp_path: Path) -> None:
+    done = subprocess.run([KVRESCUE, "cost", "--base", str(qwen2_dir), "--helper", str(qwen2_dir), "--format", "json",
+                           *args], capture_output=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2 and b"Traceback" not in done.stderr and message.encode() in done.stderr
+    assert done.stdout == b""
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--dtype", "int8"], "error: unknown --dtype 'int8': use one of float32"),
+    (["--budget", "99999999999999999999"], "error: --budget 99999999999999999999 is above --context-cap 4096"),
+])
+def test_run_bad_options(args: list[str], message: str, qwen2_dir: Path, tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "p.jsonl", {"question": "1+1?", "answer": "2"})
+    line = one_line_error("run", "--bench", "p.jsonl", "--base", str(qwen2_dir), "--helper", str(qwen2_dir),
+                          "--prm", "helper-loglik", "--method", "kvrescue", "--device", "cpu", "--out", "out", *args,
+                          cwd=tmp_path)
+    assert line.startswith(message)
+    assert not (tmp_path / "out").exists()
+
+
+def _broken_copy(source: Path, target: Path, damage: str) -> Path:
+    shutil.copytree(source, target)
+    weights = target / "model.safetensors"
+    if damage == "config_not_json":
+        (target / "config.json").write_text("{oops")
+    elif damage == "config_not_an_object":
+        (target / "config.json").write_text("[1, 2]")
+    elif damage == "empty_weights":
+        weights.write_bytes(b"")
+    elif damage == "truncated_weights":
+        weights.write_bytes(weights.read_bytes()[:-4096])
+    elif damage == "weights_do_not_fit":
+        config = json.loads((target / "config.json").read_text())
+        config["hidden_size"] *= 2
+        (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("config_not_json", "config.json is not valid JSON"),
+    ("config_not_an_object", "config.json is not a JSON object"),
+    ("empty_weights", "model.safetensors is not a readable safetensors file"),
+    ("truncated_weights", "model.safetensors is not a readable safetensors file"),
+    ("weights_do_not_fit", "do not fit its config.json (RuntimeError"),
+])
+def test_damaged_model_folder_is_a_one_line_load_error(damage: str, message: str, qwen2_dir: Path, tmp_path: Path):
+    folder = _broken_copy(qwen2_dir, tmp_path / damage, damage)
+    with pytest.raises(ModelLoadError) as caught:
+        load_model(folder)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_damaged_model_folder_through_run(qwen2_dir: Path, tmp_path: Path) -> None:
+    folder = _broken_copy(qwen2_dir, tmp_path / "broken", "truncated_weights")
+    write_jsonl(tmp_path / "p.jsonl", {"question": "1+1?", "answer": "2"})
+    line = one_line_error("run", "--bench", "p.jsonl", "--base", str(folder), "--helper", str(folder), "--prm",
+                          "helper-loglik", "--method", "bon", "--device", "cpu", "--out", "out", cwd=tmp_path)
+    assert "model.safetensors is not a readable safetensors file" in line
+
+
+def test_unknown_dtype_is_a_load_error(qwen2_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="unknown dtype 'int8'"):
+        load_model(qwen2_dir, "int8")
+
+
+def test_empty_problem_file_is_the_same_error_with_or_without_problem_field(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    messages = []
+    for field in (None, "question"):
+        with pytest.raises(InputError) as caught:
+            load_problems(str(empty), problem_field=field)
+        messages.append(str(caught.value))
+    assert messages == [f"{empty}: no problems in file"] * 2
+
+
+def test_directory_given_as_a_problem_file_says_so(tmp_path: Path) -> None:
+    folder = tmp_path / "set.jsonl"
+    folder.mkdir()
+    with pytest.raises(InputError, match="set.jsonl: is a directory, not a JSONL file"):
+        load_problems(str(folder))
+
+
+def test_problem_answer_that_is_not_text_or_number(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", {"question": "q", "answer": "1"}, {"question": "q", "answer": {"x": 1}})
+    with pytest.raises(InputError, match=r"p.jsonl:2: field 'answer' is dict, not a string or number"):
+        load_problems(str(path))
+
+
+def test_run_folder_whose_config_is_not_an_object(tmp_path: Path) -> None:
+    config = RunConfig("gsm8k", "bon", None, 2, "none", 0, {"base": ModelRef("m")}, "prm")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / CONFIG).write_text("[1, 2, 3]")
+    with pytest.raises(RunFolderError, match="config.json: not a JSON object; use --overwrite"):
+        RunFolder.open(folder, config)
+    with RunFolder.open(folder, config, overwrite=True) as opened:
+        assert opened.traces == []
