@@ -27,7 +27,7 @@ def forward(caches, rows, n_new, heads, generator, layer=0):
         cache.begin(rows, n_new)
         got = cache.attend(layer, q, k, v)
         s = cache.fwd.shared
-        shared.append(sorted(s.lengths.tolist()) if s is not None else [])
+        shared.append(sorted(s.keys.cached.tolist()) if s is not None else [])
         cache.end()
         want = gather_attend(cache, layer, rows, cached, q)
         assert (got - want).transpose(1, 2)[valid].abs().max() < TOL
@@ -112,3 +112,16 @@ def test_the_flash_attn_call_equals_the_gather_path(group, monkeypatch) -> None:
     monkeypatch.setattr(attention, "FLASH_BLOCK", BLOCK)
     scenario(make_caches(), HKV * group, torch.Generator().manual_seed(20 + group))
     assert set(calls) == {True, False}  # the rows' own blocks (causal) and the shared prefixes
+
+
+def test_attention_bench_counts_the_blocks_each_variant_reads() -> None:
+    """benchmarks/attention_bench.py at a tiny shape: 2 problems with prefixes of 40 tokens (2 full blocks of 16
+    and 8 tokens), 3 candidates each 5 tokens into their step, one decode step."""
+    from benchmarks.attention_bench import HELPER, measure_shape
+
+    shape = measure_shape("cpu", torch.float32, context=40, problems=2, n=3, step=5, repeats=1)
+    block = 2 * 16 * HELPER["kv_heads"] * HELPER["head_dim"] * 4 * HELPER["layers"]
+    assert shape["gather"]["kv_bytes_read"] == 6 * 3 * block  # 6 rows x 3 blocks (46 tokens)
+    assert shape["paged"]["kv_bytes_read"] == 6 * 3 * block
+    assert shape["cascade"]["kv_bytes_read"] == (2 * 2 + 6 * 1) * block  # 2 shared blocks per problem, 1 own each
+    assert all(shape[v]["ms_per_layer"] > 0 < shape[v]["speedup_vs_gather"] for v in ("gather", "paged", "cascade"))

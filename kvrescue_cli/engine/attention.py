@@ -1,6 +1,8 @@
 """Attention kernels shared by the caches: masked attention over padded rows, and attention over a block
 table (paged, with the log-sum-exp that lets partial results over disjoint key sets be merged exactly)."""
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -52,33 +54,67 @@ def attend_padded(
     return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(R, Hq, T, D)
 
 
-def attend_paged(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    table: torch.Tensor,
-    cached: torch.Tensor,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of S sequences' queries over keys read in place from pool blocks through a block table
-    (flash_attn_with_kvcache's semantics), with no padding of the keys to the longest sequence.
+@dataclass
+class PagedKeys:
+    """Where S sequences' keys lie in pool blocks, for `attend_paged`; built once per forward (`paged_keys`)
+    and read by every layer. flash-attn reads `table` in place; the torch path reads chunks of whole blocks."""
 
-    q: [S, Hq, T, D]. k_pool, v_pool: [blocks, block_size, Hkv, D]; Hq a multiple of Hkv.
-    table: LongTensor [S, W]: sequence s's key j lives in block table[s, j // block_size] at offset
-    j % block_size; entries past its keys may hold any block id.
-    cached: LongTensor [S]. Causal: sequence s has cached[s] + T keys and query t sees keys
-    0..cached[s] + t (the last T keys are the queries' own). Not causal: every query sees keys 0..cached[s] - 1.
+    table: torch.Tensor  # [S, W] sequence s's key j is in block table[s, j // block_size] (past its keys: any id)
+    cached: torch.Tensor  # [S] cached keys of each sequence
+    causal: bool  # the queries are each sequence's last keys (else they see exactly the cached keys)
+    blocks: torch.Tensor | None = None  # torch path: the blocks of every chunk read, chunk after chunk; None: flash
+    owner: torch.Tensor | None = None  # [P] the sequence of each chunk
+    hidden: torch.Tensor | None = None  # [P, T, L] key l of chunk p is invisible to query t of its sequence
+
+
+def paged_keys(k_pool: torch.Tensor, table: torch.Tensor, cached: torch.Tensor, queries: int,
+               causal: bool) -> PagedKeys:
+    """The keys of S sequences with `queries` queries each, in pools like `k_pool` [blocks, block_size, Hkv, D]
+    (flash_attn_with_kvcache's semantics). Causal: sequence s has cached[s] + queries keys and query t sees
+    keys 0..cached[s] + t (the last `queries` keys are the queries' own). Not causal: every query sees
+    keys 0..cached[s] - 1. flash-attn serves FLASH_BLOCK-token blocks; other sizes take the torch path."""
+    block_size = k_pool.shape[1]
+    if use_flash(k_pool) and block_size % FLASH_BLOCK == 0:
+        return PagedKeys(table, cached, causal)
+    per_chunk = max(1, CHUNK_TOKENS // block_size)
+    L = per_chunk * block_size
+    n_chunks = -(-(cached + queries * causal) // L)
+    width = -(-table.shape[1] // per_chunk) * per_chunk
+    chunks = F.pad(table, (0, width - table.shape[1])).view(table.shape[0], -1, per_chunk)
+    owner, index = (torch.arange(chunks.shape[1], device=table.device) < n_chunks[:, None]).nonzero(as_tuple=True)
+    position = index[:, None] * L + torch.arange(L, device=table.device)  # [P, L]
+    if causal:
+        horizon = cached.index_select(0, owner)[:, None] + torch.arange(queries, device=table.device)  # [P, T]
+        hidden = position[:, None, :] > horizon[:, :, None]
+    else:
+        hidden = (position >= cached.index_select(0, owner)[:, None])[:, None, :].expand(-1, queries, -1)
+    return PagedKeys(table, cached, causal, chunks[owner, index].flatten(), owner, hidden)
+
+
+def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 keys: PagedKeys) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of S sequences' queries q [S, Hq, T, D] over their keys in pools [blocks, block_size, Hkv, D]
+    (Hq a multiple of Hkv), read through the block table with no padding to the longest sequence.
     Returns out [S, Hq, T, D] and lse [S, Hq, T] (fp32 log of each query's softmax denominator), so that
-    results over disjoint key sets merge exactly (`merge_partials`). flash-attn serves pools of
-    FLASH_BLOCK-token blocks; other block sizes take the torch path.
-    """
-    if use_flash(q) and k_pool.shape[1] % FLASH_BLOCK == 0:
+    results over disjoint key sets merge exactly (`merge_partials`)."""
+    if keys.blocks is None:
         out, lse = flash_attn_with_kvcache(
-            q.transpose(1, 2), k_pool, v_pool, cache_seqlens=(cached + q.shape[2] * causal).int(),
-            block_table=table.int(), causal=causal, return_softmax_lse=True,
+            q.transpose(1, 2), k_pool, v_pool, cache_seqlens=(keys.cached + q.shape[2] * keys.causal).int(),
+            block_table=keys.table.int(), causal=keys.causal, return_softmax_lse=True,
         )
         return out.transpose(1, 2), lse
-    return _attend_paged_torch(q, k_pool, v_pool, table, cached, causal)
+    S, Hq, T, D = q.shape
+    Hkv = k_pool.shape[2]
+    P, L = keys.hidden.shape[0], keys.hidden.shape[2]
+    k = k_pool.index_select(0, keys.blocks).view(P, L, Hkv, D)
+    v = v_pool.index_select(0, keys.blocks).view(P, L, Hkv, D)
+    # GQA: the g query heads of KV head j (heads j*g .. j*g+g-1) attend together over head j.
+    qg = q.view(S, Hkv, Hq // Hkv, T, D) * D**-0.5
+    step = max(1, SCORE_BYTES // (4 * P * Hq * L))  # queries per slice
+    parts = [_softmax_over_chunks(qg[:, :, :, t : t + step], k, v, keys.owner, keys.hidden[:, t : t + step])
+             for t in range(0, T, step)]
+    out, lse = parts[0] if len(parts) == 1 else (torch.cat(p, dim=3) for p in zip(*parts))
+    return out.reshape(S, Hq, T, D).to(q.dtype), lse.reshape(S, Hq, T)
 
 
 def merge_partials(
@@ -91,55 +127,24 @@ def merge_partials(
     return (out_a * a + out_b * b).to(out_a.dtype)
 
 
-def _attend_paged_torch(q, k_pool, v_pool, table, cached, causal):
-    """`attend_paged` in torch: the keys are cut into chunks of CHUNK_TOKENS (whole blocks), only the
-    chunks that hold a sequence's keys are read, and the softmax runs over each sequence's chunks."""
-    S, Hq, T, D = q.shape
-    block_size, Hkv = k_pool.shape[1], k_pool.shape[2]
-    g = Hq // Hkv
-    per_chunk = max(1, CHUNK_TOKENS // block_size)
-    lengths = cached + T if causal else cached
-    n_chunks = -(-lengths // (per_chunk * block_size))
-    width = -(-table.shape[1] // per_chunk) * per_chunk
-    chunks = F.pad(table, (0, width - table.shape[1])).view(S, -1, per_chunk)
-    owner, index = (torch.arange(chunks.shape[1], device=q.device)[None, :] < n_chunks[:, None]).nonzero(as_tuple=True)
-    blocks = chunks[owner, index].flatten()
-    L = per_chunk * block_size
-    keys = k_pool.index_select(0, blocks).view(-1, L, Hkv, D)
-    values = v_pool.index_select(0, blocks).view(-1, L, Hkv, D)
-    position = index[:, None] * L + torch.arange(L, device=q.device)  # [P, L]
-    t = torch.arange(T, device=q.device)
-    horizon = cached[:, None] + t if causal else (cached - 1)[:, None].expand(S, T)  # last key each query sees
-    # GQA: the g query heads of KV head j become g*T query rows over head j, as in `attend_padded`.
-    qg = q.reshape(S, Hkv, g * T, D) * D**-0.5
-    horizon = horizon[:, None].expand(S, g, T).reshape(S, g * T)
-    P = blocks.numel() // per_chunk
-    step = max(1, SCORE_BYTES // max(1, 4 * P * Hkv * L))
-    parts = [
-        _softmax_over_chunks(qg[:, :, m : m + step], keys, values, owner, position, horizon[:, m : m + step])
-        for m in range(0, g * T, step)
-    ]
-    out = torch.cat([p[0] for p in parts], dim=2).view(S, Hq, T, D)
-    return out.to(q.dtype), torch.cat([p[1] for p in parts], dim=2).view(S, Hq, T)
-
-
-def _softmax_over_chunks(q, keys, values, owner, position, horizon):
-    """q [S, Hkv, M, D] (pre-scaled) over chunk p's keys and values [P, L, Hkv, D] for sequence owner[p];
-    key l of chunk p is at position[p, l], visible to query m of its sequence up to horizon[s, m].
-    Returns out [S, Hkv, M, D] and lse [S, Hkv, M] (fp32)."""
-    S, Hkv, M, D = q.shape
-    q = q.index_select(0, owner)
+def _softmax_over_chunks(q, keys, values, owner, hidden):
+    """q [S, Hkv, g, T, D] (pre-scaled) over chunk p's keys and values [P, L, Hkv, D] for sequence owner[p],
+    key l of chunk p hidden from query t where hidden[p, t, l]. Returns out [S, Hkv, g, T, D] and lse
+    [S, Hkv, g, T] (fp32)."""
+    S, Hkv, g, T, D = q.shape
+    P, L = hidden.shape[0], hidden.shape[2]
+    q = q.index_select(0, owner).view(P, Hkv, g * T, D)
     # One matmul per KV head: a head's keys are a strided matrix BLAS reads as is (a 4-d matmul would copy them).
-    scores = torch.stack([q[:, h] @ keys[:, :, h].transpose(1, 2) for h in range(Hkv)], 1).float()  # [P, Hkv, M, L]
-    hidden = position[:, None, :] > horizon.index_select(0, owner)[:, :, None]  # [P, M, L]
-    scores.masked_fill_(hidden[:, None], float("-inf"))
+    scores = torch.stack([q[:, h] @ keys[:, :, h].transpose(1, 2) for h in range(Hkv)], 1).float()  # [P, Hkv, gT, L]
+    scores.view(P, Hkv, g, T, L).masked_fill_(hidden[:, None, None], float("-inf"))
     chunk_peak = scores.amax(-1)
-    peak = scores.new_full((S, Hkv, M), float("-inf"))
+    peak = scores.new_full((S, Hkv, g * T), float("-inf"))
     peak.scatter_reduce_(0, owner[:, None, None].expand_as(chunk_peak), chunk_peak, "amax")
     peak = peak.nan_to_num(neginf=0.0)  # a query with no visible key: its sums stay 0
     weights = (scores - peak.index_select(0, owner)[..., None]).exp_()
-    total = scores.new_zeros(S, Hkv, M).index_add_(0, owner, weights.sum(-1))
+    total = scores.new_zeros(S, Hkv, g * T).index_add_(0, owner, weights.sum(-1))
     weights = weights.to(values.dtype)
-    mixed = torch.stack([weights[:, h] @ values[:, :, h] for h in range(Hkv)], 1).float()  # [P, Hkv, M, D]
-    out = scores.new_zeros(S, Hkv, M, D).index_add_(0, owner, mixed)
-    return out / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None], peak + total.log()
+    mixed = torch.stack([weights[:, h] @ values[:, :, h] for h in range(Hkv)], 1).float()  # [P, Hkv, gT, D]
+    out = scores.new_zeros(S, Hkv, g * T, D).index_add_(0, owner, mixed)
+    out = out / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
+    return out.view(S, Hkv, g, T, D), (peak + total.log()).view(S, Hkv, g, T)

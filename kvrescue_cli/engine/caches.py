@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrescue_cli.engine.attention import FLASH_BLOCK, attend_paged, merge_partials, use_flash
+from kvrescue_cli.engine.attention import FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys, use_flash
 
 
 class KVCache(ABC):
@@ -56,13 +56,18 @@ class KVCache(ABC):
         """The forward is finished (an evicting cache compresses rows here)."""
 
 
+def block_size_for(x: torch.Tensor) -> int:
+    """Tokens per block of a full cache holding tensors like `x`: FLASH_BLOCK when flash-attn serves them
+    (its paged cache needs it), else 16."""
+    return FLASH_BLOCK if use_flash(x) else 16
+
+
 @dataclass
 class _SharedPrefixes:
     """Groups of a forward's rows that share their first blocks: each group's queries attend to the shared
     blocks in one pass (cascade attention), which reads those blocks once for the whole group."""
 
-    table: torch.Tensor  # [G, W] each group's shared blocks
-    lengths: torch.Tensor  # [G] tokens in them (whole blocks, all cached)
+    keys: PagedKeys  # each group's shared blocks (whole blocks, all cached)
     members: torch.Tensor  # [G, n] each group's rows (indices into the forward), padded with its first row
     rows: torch.Tensor  # [M] every grouped row (index into the forward)
     slots: torch.Tensor  # [M] its place in the groups' flattened members (group * n + member)
@@ -72,8 +77,7 @@ class _SharedPrefixes:
 class _Forward:
     """Metadata of the forward in progress, computed once in `begin` and read by every layer."""
 
-    table: torch.Tensor  # [R, W] each row's blocks past its group's shared prefix (all of them if ungrouped)
-    cached: torch.Tensor  # [R] cached tokens in those blocks before this forward
+    own: PagedKeys  # each row's blocks past its group's shared prefix (all of them if ungrouped)
     slots: torch.Tensor  # [N] flat slot (block * block_size + offset) of each valid new token
     valid: torch.Tensor | None  # [N] flat (row * T + t) index of each valid new token; None when all are
     shared: _SharedPrefixes | None  # None without cascade or when no two rows share a block
@@ -97,8 +101,7 @@ class FullCache(KVCache):
     else torch), each row only its own blocks. With `cascade`, rows of a forward that share their first
     blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
     attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
-    another, and the two results are merged exactly by their log-sum-exp. Blocks are FLASH_BLOCK tokens
-    when flash-attn serves the model (its paged cache needs that), else 16.
+    another, and the two results are merged exactly by their log-sum-exp.
     """
 
     def __init__(
@@ -132,7 +135,7 @@ class FullCache(KVCache):
         """A cache for `model` (a `Decoder` owner) with room for `max_tokens` tokens in all rows together."""
         a = model.args
         p = next(model.parameters())
-        block_size = kw.pop("block_size", FLASH_BLOCK if use_flash(p) else 16)
+        block_size = kw.pop("block_size", block_size_for(p))
         kw.setdefault("dtype", p.dtype)
         kw.setdefault("device", p.device)
         return cls(a.n_layers, a.n_kv_heads, a.head_dim, -(-max_tokens // block_size), block_size=block_size, **kw)
@@ -249,12 +252,12 @@ class FullCache(KVCache):
         pos = positions[valid]
         slots = table[valid.nonzero()[:, 0], pos // bs] * bs + pos % bs
         flat_valid = None if min(n_new) == T else valid.flatten().nonzero()[:, 0]
+        own_table = table.gather(1, own.clamp_max(table.shape[1] - 1))
         self.fwd = _Forward(
-            table.gather(1, own.clamp_max(table.shape[1] - 1)),
-            kv_lengths - skipped_t * bs,
+            paged_keys(self.k[0], own_table, kv_lengths - skipped_t * bs, T, causal=True),
             slots,
             flat_valid,
-            self._group_tensors(rows_t, groups) if groups else None,
+            self._group_tensors(rows_t, groups, T) if groups else None,
         )
         return positions
 
@@ -280,37 +283,43 @@ class FullCache(KVCache):
                 groups.append((members, shared))
         return groups
 
-    def _group_tensors(self, rows: torch.Tensor, groups: list[tuple[list[int], int]]) -> _SharedPrefixes:
+    def _group_tensors(self, rows: torch.Tensor, groups: list[tuple[list[int], int]], T: int) -> _SharedPrefixes:
         n = max(len(members) for members, _ in groups)
         dev = rows.device
         members = torch.tensor([m + [m[0]] * (n - len(m)) for m, _ in groups], device=dev)
         widest = max(shared for _, shared in groups)
+        lengths = torch.tensor([shared * self.block_size for _, shared in groups], device=dev)
         return _SharedPrefixes(
-            table=self.table[rows[members[:, 0]], :widest],
-            lengths=torch.tensor([shared * self.block_size for _, shared in groups], device=dev),
+            keys=paged_keys(self.k[0], self.table[rows[members[:, 0]], :widest], lengths, n * T, causal=False),
             members=members,
             rows=torch.tensor([i for m, _ in groups for i in m], device=dev),
             slots=torch.tensor([g * n + j for g, (m, _) in enumerate(groups) for j in range(len(m))], device=dev),
         )
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots."""
         f = self.fwd
-        R, Hq, T, D = q.shape
-        kp, vp = self.k[layer], self.v[layer]
-        heads_dim = kp.shape[2:]
-        for new, pool in ((k, kp), (v, vp)):
+        R, _, T, _ = k.shape
+        heads_dim = self.k.shape[3:]
+        for new, pool in ((k, self.k[layer]), (v, self.v[layer])):
             new = new.transpose(1, 2).reshape(R * T, *heads_dim)
             if f.valid is not None:
                 new = new.index_select(0, f.valid)
             pool.view(-1, *heads_dim).index_copy_(0, f.slots, new)
-        out, lse = attend_paged(q, kp, vp, f.table, f.cached, causal=True)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.store(layer, k, v)
+        f = self.fwd
+        _, Hq, T, D = q.shape
+        kp, vp = self.k[layer], self.v[layer]
+        out, lse = attend_paged(q, kp, vp, f.own)
         s = f.shared
         if s is None:
             return out
         G, n = s.members.shape
         # Each group's rows' queries, side by side, attend to the group's shared blocks in one pass.
         grouped = q[s.members].transpose(1, 2).reshape(G, Hq, n * T, D)
-        shared_out, shared_lse = attend_paged(grouped, kp, vp, s.table, s.lengths, causal=False)
+        shared_out, shared_lse = attend_paged(grouped, kp, vp, s.keys)
         shared_out = shared_out.view(G, Hq, n, T, D).transpose(1, 2).reshape(G * n, Hq, T, D)[s.slots]
         shared_lse = shared_lse.view(G, Hq, n, T).transpose(1, 2).reshape(G * n, Hq, T)[s.slots]
         out[s.rows] = merge_partials(out[s.rows], lse[s.rows], shared_out, shared_lse)
