@@ -61,7 +61,8 @@ def filled_cache(cascade: bool, problems: int, n: int, context: int, step: int, 
     kv_heads, dim = HELPER["kv_heads"], HELPER["head_dim"]
     blocks = problems * (-(-context // bs) + n * (-(-step // bs) + 3))
     cache = FullCache(layers, kv_heads, dim, blocks, max_rows=problems * (n + 1),
-                      max_row_tokens=context + step + 2 * bs, block_size=bs, cascade=cascade, dtype=dtype, device=device)
+                      max_row_tokens=context + step + 2 * bs, block_size=bs, cascade=cascade, dtype=dtype,
+                      device=device)
     generator = torch.Generator(device).manual_seed(0)
 
     def fill(rows: list[int], tokens: int) -> None:
