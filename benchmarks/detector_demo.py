@@ -14,10 +14,10 @@ import argparse
 import json
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 
+from kvrescue_cli.data import BUNDLED
 from kvrescue_cli.detect import Detector, DetectorConfig
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.loader import LoadedModel, load_model
@@ -25,7 +25,7 @@ from kvrescue_cli.smollm import smollm2_folder
 from kvrescue_cli.engine.steps import append_tokens, generate_steps
 
 SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
-GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks" / "gsm8k.jsonl"
+GSM8K = BUNDLED / "gsm8k.jsonl"
 
 
 def run_problem(model: LoadedModel, question: str, idx: int, policy: str, args) -> tuple[Counter, list[float], list[float]]:

@@ -23,15 +23,15 @@ import json
 import re
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from kvrescue_cli.data import BUNDLED
 from kvrescue_cli.detect import Detector
 from kvrescue_cli.engine.bounded import SLACK, BoundedCache
 from kvrescue_cli.engine.model import CausalLM, ModelArgs
 
-MATH500 = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks" / "math500.jsonl"
+MATH500 = BUNDLED / "math500.jsonl"
 QWEN_7B = dict(n_layers=28, n_kv_heads=4, head_dim=128, bytes=2)  # Qwen2.5-Math-7B, bf16
 
 

@@ -1,6 +1,6 @@
 """Grader throughput: the 2,564 self-check outputs plus the 141 grader vectors, with 1 and 2 workers.
 
-    .venv/bin/python benchmarks/grade_bench.py [--shared ../shared]
+    .venv/bin/python benchmarks/grade_bench.py
 
 For each worker count it grades the whole set twice: cold (sympy workers started inside the timing)
 and warm (workers already running). It prints items/s, the share of items that needed the sympy path
@@ -15,18 +15,21 @@ import time
 from pathlib import Path
 
 from grader import BENCHES, grade_many, raw_answer, shutdown
+from kvrescue_cli.data import BUNDLED
+
+VECTORS = Path(__file__).resolve().parents[1] / "tests" / "data" / "grader_vectors.jsonl"
 
 Item = tuple[str, str, str]
 
 
-def load_items(shared: Path) -> tuple[list[Item], list[Item]]:
-    """Self-check items (each problem's raw answer, boxed) and the vector items."""
+def load_items() -> tuple[list[Item], list[Item]]:
+    """Self-check items (each bundled problem's raw answer, boxed) and the vector items (tests/data)."""
     selfcheck = []
     for bench in BENCHES:
-        for line in (shared / "benchmarks" / f"{bench}.jsonl").read_text(encoding="utf-8").splitlines():
+        for line in (BUNDLED / f"{bench}.jsonl").read_text(encoding="utf-8").splitlines():
             raw = raw_answer(json.loads(line), bench)
             selfcheck.append((f"The answer is $\\boxed{{{raw}}}$.", raw, bench))
-    vectors = [json.loads(line) for line in (shared / "grader_vectors.jsonl").read_text(encoding="utf-8").splitlines()]
+    vectors = [json.loads(line) for line in (VECTORS).read_text(encoding="utf-8").splitlines()]
     return selfcheck, [(v["output"], v["gt"], v["bench"]) for v in vectors]
 
 
@@ -47,9 +50,8 @@ def report(label: str, items: list[Item], workers: int, seconds: float, results:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shared", type=Path, default=Path(__file__).resolve().parents[1].parent / "shared")
-    args = parser.parse_args()
-    selfcheck, vectors = load_items(args.shared)
+    parser.parse_args()
+    selfcheck, vectors = load_items()
     items = selfcheck + vectors
     for workers in (1, 2):
         shutdown()

@@ -100,23 +100,22 @@ def grade(
 @app.command()
 @one_line_errors
 def bench(
-    data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl files (else $KVRESCUE_DATA_DIR, else the Hub)"),
+    data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl files (else $KVRESCUE_DATA_DIR, else the bundled copies)"),
 ) -> None:
-    """List the benchmarks, their sizes and where each is loaded from."""
-    from kvrescue_cli.data import BENCHES
+    """List the benchmarks, their sizes and where each is read from (provenance: kvrescue_cli/benchmarks/SOURCES.md)."""
+    from kvrescue_cli.data import BENCHES, bench_file, load_problems, source_of
     from kvrescue_cli.data import data_dir as resolve_data_dir
-    from kvrescue_cli.data import load_problems, source_of
 
     folder = resolve_data_dir(data_dir)
     table = Table(title="benchmarks")
-    for column in ("bench", "problems", "problem field", "source"):
+    for column in ("bench", "problems", "problem field", "licence", "source"):
         table.add_column(column)
     for name, spec in BENCHES.items():
-        size = str(spec.size)
-        if folder is not None:
-            present = (folder / f"{name}.jsonl").is_file()
-            size = str(len(load_problems(name, folder=folder).problems)) if present else "missing"
-        table.add_row(name, size, spec.problem_field, source_of(name, folder))
+        path = bench_file(name, folder)
+        size = str(spec.size) if path is None else "missing"
+        if path is not None and path.is_file():
+            size = str(len(load_problems(name, folder=folder).problems))
+        table.add_row(name, size, spec.problem_field, spec.licence, source_of(name, folder))
     console.print(table)
 
 
@@ -188,7 +187,7 @@ def run(
                                      help="on a GPU, run the evicted base's decode step as CUDA graphs"),
     batch: Optional[int] = typer.Option(None, min=1, help="problems in flight (default: 4 on CPU, 64 on GPU)"),
     overwrite: bool = typer.Option(False, help="replace a run folder holding a different configuration"),
-    data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl (else $KVRESCUE_DATA_DIR, else the Hub)"),
+    data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl (else $KVRESCUE_DATA_DIR, else the bundled copies, else the Hub)"),
     problem_field: Optional[str] = typer.Option(None, help="problem field of a custom JSONL"),
     answer_field: Optional[str] = typer.Option(None, help="answer field of a custom JSONL"),
     synthetic_steps: Optional[str] = typer.Option(None, help="LEN:COUNT: end every step after LEN tokens and every "

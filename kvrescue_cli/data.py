@@ -1,4 +1,9 @@
-"""Problem sets: the five benchmarks by name (a data folder, else the Hugging Face Hub) or any JSONL file."""
+"""Problem sets: the five benchmarks by name, or any JSONL file.
+
+A benchmark name is read from `--data-dir` / $KVRESCUE_DATA_DIR when given, else from the copy bundled in
+this package (`kvrescue_cli/benchmarks/`, provenance and licences in its SOURCES.md), else from the Hugging
+Face Hub through `datasets` (only when the bundled file is absent).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.jsonl import read_jsonl, require_field
 
 DATA_DIR_ENV = "KVRESCUE_DATA_DIR"
+BUNDLED = Path(__file__).resolve().parent / "benchmarks"
 GENERIC = "generic"
 
 
@@ -24,16 +30,18 @@ class BenchSpec:
     hub_repo: str
     hub_config: str | None
     hub_split: str
+    licence: str  # as stated upstream (kvrescue_cli/benchmarks/SOURCES.md)
 
 
 BENCHES: dict[str, BenchSpec] = {
     spec.name: spec
     for spec in (
-        BenchSpec("math500", 500, "problem", "HuggingFaceH4/MATH-500", None, "test"),
-        BenchSpec("gsm8k", 1319, "question", "openai/gsm8k", "main", "test"),
-        BenchSpec("aime24", 30, "question", "HuggingFaceH4/aime_2024", None, "train"),
-        BenchSpec("amc23", 40, "question", "math-ai/amc23", None, "test"),
-        BenchSpec("olympiadbench", 675, "question", "Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train"),
+        BenchSpec("math500", 500, "problem", "HuggingFaceH4/MATH-500", None, "test", "MIT"),
+        BenchSpec("gsm8k", 1319, "question", "openai/gsm8k", "main", "test", "MIT"),
+        BenchSpec("aime24", 30, "question", "HuggingFaceH4/aime_2024", None, "train", "none stated (MAA problems)"),
+        BenchSpec("amc23", 40, "question", "math-ai/amc23", None, "test", "none stated (MAA problems)"),
+        BenchSpec("olympiadbench", 675, "question", "Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train",
+                  "none stated"),
     )
 }
 
@@ -57,7 +65,7 @@ class ProblemSet:
 
 
 def data_dir(explicit: Path | None) -> Path | None:
-    """The benchmark folder: `--data-dir`, else $KVRESCUE_DATA_DIR, else None (the Hub)."""
+    """The benchmark folder asked for: `--data-dir`, else $KVRESCUE_DATA_DIR, else None (bundled, then the Hub)."""
     if explicit is not None:
         return explicit
     env = os.environ.get(DATA_DIR_ENV)
@@ -69,11 +77,20 @@ def grading_bench(name: str) -> str:
     return name if name in BENCHES else GENERIC
 
 
+def bench_file(name: str, folder: Path | None) -> Path | None:
+    """The JSONL a benchmark is read from: in `folder` when given, else the bundled copy; None: the Hub."""
+    if folder is not None:
+        return folder / f"{name}.jsonl"
+    bundled = BUNDLED / f"{name}.jsonl"
+    return bundled if bundled.is_file() else None
+
+
 def source_of(name: str, folder: Path | None) -> str:
     """Where `load_problems(name)` would read a benchmark from."""
     spec = BENCHES[name]
-    if folder is not None:
-        return str(folder / f"{name}.jsonl")
+    path = bench_file(name, folder)
+    if path is not None:
+        return f"bundled: {path}" if folder is None else str(path)
     config = f" ({spec.hub_config})" if spec.hub_config else ""
     return f"hub: {spec.hub_repo}{config} [{spec.hub_split}]"
 
@@ -86,11 +103,11 @@ def load_problems(
     answer_field: str | None = None,
     limit: int | None = None,
 ) -> ProblemSet:
-    """A benchmark by name (from `folder` or the Hub) or a JSONL file by path."""
+    """A benchmark by name (from `folder`, else bundled, else the Hub) or a JSONL file by path."""
     if bench in BENCHES:
         spec = BENCHES[bench]
-        if folder is not None:
-            path = folder / f"{bench}.jsonl"
+        path = bench_file(bench, folder)
+        if path is not None:
             if not path.is_file():
                 raise InputError(f"benchmark '{bench}' not found in the data folder", path=path)
             rows, source = read_jsonl(path), str(path)

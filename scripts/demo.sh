@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/kvrescue run --preset cpu-demo --data-dir examples/data --bench gsm8k --limit 4 \
+.venv/bin/kvrescue run --preset cpu-demo --bench gsm8k --limit 4 \
     --method bon,kvrescue,full --budget 64 --n 2 --out runs/demo
 .venv/bin/kvrescue report runs/demo

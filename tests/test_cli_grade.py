@@ -8,7 +8,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.shared import BENCHMARKS, need_shared
+from kvrescue_cli.data import BUNDLED
 
 ROOT = Path(__file__).resolve().parents[1]
 KVRESCUE = [str(Path(sys.executable).parent / "kvrescue")]  # the console script installed beside this python
@@ -36,8 +36,7 @@ def test_grade_reads_stdin_in_a_pipeline():
 
 
 def test_grade_benchmark_native_records_derive_the_answer(tmp_path):
-    folder = need_shared(BENCHMARKS)
-    rows = [orjson.loads(line) for line in (folder / "gsm8k.jsonl").read_bytes().splitlines()[:3]]
+    rows = [orjson.loads(line) for line in (BUNDLED / "gsm8k.jsonl").read_bytes().splitlines()[:3]]
     for row in rows:
         row["output"] = "\\boxed{" + row["answer"].split("####")[1].strip() + "}"
     source = tmp_path / "native.jsonl"
@@ -78,12 +77,27 @@ def test_grade_out_file_is_written_whole(tmp_path):
     assert len(out.read_bytes().splitlines()) == 8
 
 
-def test_bench_lists_sizes_and_sources():
-    folder = need_shared(BENCHMARKS)
-    done = kvrescue("bench", "--data-dir", str(folder), env={**os.environ, "COLUMNS": "400"})  # one line per row
+def bench_table(*args: str) -> list[list[str]]:
+    """`kvrescue bench` cells, one list per row (no $KVRESCUE_DATA_DIR, wide enough for one line per row)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVRESCUE_DATA_DIR"} | {"COLUMNS": "400"}
+    done = kvrescue("bench", *args, env=env)
     assert done.returncode == 0, done.stderr.decode()
-    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in done.stderr.decode().splitlines() if line.startswith("│")]
-    sizes = {"math500": 500, "gsm8k": 1319, "aime24": 30, "amc23": 40, "olympiadbench": 675}
-    assert {row[0]: int(row[1]) for row in cells} == sizes
-    assert {row[0]: row[2] for row in cells} == {name: "problem" if name == "math500" else "question" for name in sizes}
-    assert all(row[3].endswith(f"{row[0]}.jsonl") for row in cells)
+    return [[c.strip() for c in line.split("│")[1:-1]] for line in done.stderr.decode().splitlines() if line.startswith("│")]
+
+
+SIZES = {"math500": 500, "gsm8k": 1319, "aime24": 30, "amc23": 40, "olympiadbench": 675}
+
+
+def test_bench_lists_the_bundled_sets_with_sizes_and_licences():
+    cells = bench_table()
+    assert {row[0]: int(row[1]) for row in cells} == SIZES
+    assert {row[0]: row[2] for row in cells} == {name: "problem" if name == "math500" else "question" for name in SIZES}
+    assert {row[0]: row[3] for row in cells}["gsm8k"] == "MIT"
+    assert all(row[4] == f"bundled: {BUNDLED / row[0]}.jsonl" for row in cells)
+
+
+def test_bench_data_dir_overrides_the_bundled_sets(tmp_path):
+    (tmp_path / "gsm8k.jsonl").write_bytes(b"".join((BUNDLED / "gsm8k.jsonl").read_bytes().splitlines(True)[:5]))
+    cells = {row[0]: row for row in bench_table("--data-dir", str(tmp_path))}
+    assert cells["gsm8k"][1] == "5" and cells["gsm8k"][4] == str(tmp_path / "gsm8k.jsonl")
+    assert cells["math500"][1] == "missing"

@@ -2,24 +2,25 @@
 
 import pytest
 
-from kvrescue_cli.data import BENCHES, load_problems
+from kvrescue_cli.data import BENCHES, BUNDLED, load_problems, source_of
 from kvrescue_cli.errors import InputError
-from tests.shared import BENCHMARKS, need_shared
 
 SIZES = {"math500": 500, "gsm8k": 1319, "aime24": 30, "amc23": 40, "olympiadbench": 675}
 
 
 @pytest.mark.parametrize("name", sorted(SIZES))
-def test_each_benchmark_loads_with_its_size_and_answers(name):
-    folder = need_shared(BENCHMARKS)
-    problems = load_problems(name, folder=folder).problems
+def test_each_benchmark_loads_bundled_with_its_size_and_answers(name, monkeypatch):
+    monkeypatch.delenv("KVRESCUE_DATA_DIR", raising=False)
+    loaded = load_problems(name)
+    assert loaded.source == str(BUNDLED / f"{name}.jsonl") and source_of(name, None).startswith("bundled: ")
+    problems = loaded.problems
     assert len(problems) == SIZES[name] == BENCHES[name].size
     assert [p.idx for p in problems] == list(range(SIZES[name]))
     assert all(p.problem.strip() and p.gt.strip() for p in problems)
 
 
 def test_raw_answers_follow_each_benchmarks_rule():
-    folder = need_shared(BENCHMARKS)
+    folder = BUNDLED
     assert load_problems("gsm8k", folder=folder).problems[0].gt.strip() == "18"
     assert load_problems("amc23", folder=folder).problems[0].gt == "27.0"
     assert load_problems("math500", folder=folder, limit=3).problems[2].gt  # from the solution's last \boxed{}

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from kvrescue_cli.detect import Detector, DetectorConfig, gzip_ratio
-from tests.shared import BENCHMARKS, need_shared
+from kvrescue_cli.data import BUNDLED
 
 
 
@@ -19,7 +19,7 @@ def pieces(text: str) -> list[str]:
 
 
 def solutions(min_chars: int = 0) -> list[str]:
-    with open(need_shared(BENCHMARKS) / "math500.jsonl") as f:
+    with open(BUNDLED / "math500.jsonl") as f:
         rows = [json.loads(line) for line in f]
     return [r["solution"] for r in rows if len(r["solution"]) >= min_chars]
 

@@ -1,17 +1,14 @@
-"""The 141 worked vectors from running the official Qwen2.5-Math code (../shared/grader_vectors.jsonl)."""
+"""The 141 worked vectors from running the official Qwen2.5-Math code (tests/data/grader_vectors.jsonl)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from grader import GradeResult, grade_many
-from tests.shared import SHARED
-
-VECTORS_PATH = SHARED / "grader_vectors.jsonl"
-if not VECTORS_PATH.exists():
-    pytest.skip(f"shared grader vectors not found at {VECTORS_PATH}", allow_module_level=True)
+VECTORS_PATH = Path(__file__).parent / "data" / "grader_vectors.jsonl"
 
 VECTORS = [json.loads(line) for line in VECTORS_PATH.read_text(encoding="utf-8").splitlines() if line.strip()]
 

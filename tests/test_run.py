@@ -265,8 +265,7 @@ def test_a_7b_model_on_a_cpu_is_refused_before_loading(problems, tmp_path):
 @pytest.mark.slow
 def test_cpu_demo_preset_on_smollm2(tmp_path):
     """The README's main job, shrunk: SmolLM2-135M base and helper with the helper-loglik scorer."""
-    data = Path(__file__).resolve().parents[1] / "examples" / "data"
-    done = kvrescue_run("--preset", "cpu-demo", "--data-dir", str(data), "--bench", "gsm8k", "--limit", "1",
+    done = kvrescue_run("--preset", "cpu-demo", "--bench", "gsm8k", "--limit", "1",
                         "--method", "kvrescue", "--budget", "16", "--n", "1", "--max-steps", "3",
                         "--max-step-tokens", "48", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr.decode()[-3000:]
