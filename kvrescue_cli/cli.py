@@ -313,26 +313,33 @@ def view(
 def cost(
     base: str = typer.Option("Qwen/Qwen2.5-Math-7B-Instruct", help="base model: Hub id, folder or config.json"),
     helper: str = typer.Option("Qwen/Qwen2.5-Math-1.5B-Instruct", help="helper model: Hub id, folder or config.json"),
+    prm: Optional[str] = typer.Option(None, help="PRM (Hub id, folder or config.json) to count in the per-device plan"),
     budget: int = typer.Option(64, min=1, max=1 << 24, help="KV budget B (the cache peaks at B' = B + 128)"),
     context: int = typer.Option(4096, min=1, max=1 << 24, help="context length L"),
     n: int = typer.Option(8, min=1, max=1 << 10, help="candidates per model"),
     alpha: float = typer.Option(2.9, min=0.0, help="eviction overhead in units of B' attention (paper: 2.9)"),
+    tp: int = typer.Option(1, "--tp", min=1, max=1 << 10, help="devices each model is sharded over (per-device plan)"),
+    batch: int = typer.Option(1, min=1, max=1 << 20, help="problems decoded at once (per-device plan)"),
     format: str = typer.Option("table", "--format", help="table (rich, stderr) or json (stdout)"),
 ) -> None:
-    """KV memory and decode FLOPs of the evicted base and the full helper (the paper's Appendix D)."""
-    from kvrescue_cli.cost import Architecture, cost_json, cost_rows, estimate
+    """KV memory and decode FLOPs of the evicted base and the full helper (the paper's Appendix D), and
+    each device's weights and KV under --tp."""
+    from kvrescue_cli.cost import Architecture, cost_json, cost_rows, device_plan, estimate, plan_rows
     from kvrescue_cli.model_config import load_config
 
     if format not in ("table", "json"):
         raise InputError(f"unknown --format '{format}': use table or json")
-    result = estimate(Architecture.from_config(base, load_config(base)),
-                      Architecture.from_config(helper, load_config(helper)), budget, context, n, alpha)
+    archs = {role: Architecture.from_config(name, load_config(name))
+             for role, name in (("base", base), ("helper", helper), ("prm", prm)) if name}
+    result = estimate(archs["base"], archs["helper"], budget, context, n, alpha)
+    tokens = {"base": batch * n * min(context, result.physical_budget), "helper": batch * n * context, "prm": batch * context}
+    plan = device_plan({role: (arch, tokens[role]) for role, arch in archs.items()}, tp)
     if format == "json":
-        sys.stdout.buffer.write(cost_json(result))
+        sys.stdout.buffer.write(cost_json(result, plan, tp))
         return
     table = Table(title=f"cost: base {base}, helper {helper}, B={budget}, L={context}, N={n}")
     table.add_column("quantity")
     table.add_column("value", justify="right")
-    for name, value in cost_rows(result):
+    for name, value in cost_rows(result) + plan_rows(plan, tp):
         table.add_row(name, value)
     console.print(table)

@@ -12,6 +12,11 @@ Conventions (they reproduce the paper's Table 4):
   than full-KV attention.
 - rho = helper decode FLOPs / base decode FLOPs per token at context L (helper attends over L,
   the evicted base over min(L, B')).
+- Per device under tensor parallelism over K devices (`--tp K`, engine/tp.py): each model is split over
+  d ranks (d = K for the base), so one rank holds 1/d of its heads and MLP columns, its KV heads (or one
+  replicated KV head), ceil(vocab / d) embedding and LM-head rows, and whole norms (and PRM score head);
+  it caches K/V for its own KV heads of every row: the evicted base N rows of B' entries, the helper N
+  rows of L tokens and the PRM one row of L tokens, per problem decoded at once.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any
 import orjson
 
 from kvrescue_cli.engine.bounded import SLACK
+from kvrescue_cli.engine.tp import local_args, shard_degree
+from kvrescue_cli.errors import InputError
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
@@ -34,6 +41,7 @@ class Architecture:
     name: str
     args: ModelArgs
     dtype_bytes: int
+    score_head: bool = False  # a process reward model: Linear(H, H), Linear(H, 2) in place of the LM head
 
     @classmethod
     def from_config(cls, name: str, cfg: dict[str, Any]) -> Architecture:
@@ -42,22 +50,35 @@ class Architecture:
             args = ModelArgs.from_hf(cfg)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelConfigError(f"{name}: config.json lacks or mangles {e} (need a Qwen2/Llama decoder config)") from None
-        return cls(name, args, DTYPE_BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2))
+        prm = any("ProcessRewardModel" in a for a in cfg.get("architectures") or [])
+        return cls(name, args, DTYPE_BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2), prm)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        a = self.args
-        return 2 * a.n_layers * a.n_kv_heads * a.head_dim * self.dtype_bytes
+        return self.rank_kv_bytes_per_token(1)
 
     @property
     def params(self) -> int:
-        """Total parameters: embeddings, decoder layers, final norm, LM head (unless tied)."""
-        a = self.args
+        """Total parameters: embeddings, decoder layers, final norm, LM head (unless tied) or PRM head."""
+        return self.rank_params(1)
+
+    def rank_kv_bytes_per_token(self, d: int) -> int:
+        """K + V bytes of one token on one of d ranks (its KV heads, at least one)."""
+        a = local_args(self.args, d)
+        return 2 * a.n_layers * a.n_kv_heads * a.head_dim * self.dtype_bytes
+
+    def rank_params(self, d: int) -> int:
+        """Parameters one of d ranks holds (d = 1: the whole model)."""
+        a = local_args(self.args, d)
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         attn = a.dim * (q + 2 * kv) + q * a.dim + (q + 2 * kv if a.qkv_bias else 0)
         layer = attn + 3 * a.dim * a.intermediate_size + 2 * a.dim
-        embed = a.vocab_size * a.dim
-        return a.n_layers * layer + a.dim + embed * (1 if a.tie_word_embeddings else 2)
+        embed = -(-a.vocab_size // d) * a.dim
+        if self.score_head:
+            head = a.dim * a.dim + a.dim + 2 * a.dim + 2
+        else:
+            head = 0 if a.tie_word_embeddings else embed
+        return a.n_layers * layer + a.dim + embed + head
 
     @property
     def dense_flops(self) -> int:
@@ -128,6 +149,40 @@ def estimate(base: Architecture, helper: Architecture, budget: int = 64, context
     )
 
 
+@dataclass
+class OnDevice:
+    """One model's share of each device under `--tp K`: its weights and the K/V of its cached tokens."""
+
+    role: str
+    name: str
+    ranks: int          # d: the devices one copy spans
+    weight_bytes: int
+    kv_bytes: int
+
+
+def device_plan(models: dict[str, tuple[Architecture, int]], tp: int = 1) -> list[OnDevice]:
+    """Per-device memory of role -> (architecture, tokens its cache holds); the `base` must split evenly
+    (a --tp its heads cannot split is a one-line error)."""
+    plan = []
+    for role, (arch, tokens) in models.items():
+        a = arch.args
+        try:
+            d = shard_degree(a.n_heads, a.n_kv_heads, a.intermediate_size, tp, exact_heads=role == "base")
+        except ValueError as e:
+            raise InputError(f"{arch.name}: {e}") from None
+        plan.append(OnDevice(role, arch.name, d, arch.rank_params(d) * arch.dtype_bytes,
+                             tokens * arch.rank_kv_bytes_per_token(d)))
+    return plan
+
+
+def plan_rows(plan: list[OnDevice], tp: int) -> list[tuple[str, str]]:
+    """(quantity, value) rows for display."""
+    rows = [(f"per device, --tp {tp}: {m.role} ({m.ranks} rank{'s' if m.ranks > 1 else ''} per copy) weights / KV",
+             f"{_bytes(m.weight_bytes)} / {_bytes(m.kv_bytes)}") for m in plan]
+    total = sum(m.weight_bytes + m.kv_bytes for m in plan)
+    return rows + [(f"per device, --tp {tp}: total", _bytes(total))]
+
+
 def cost_rows(c: Cost) -> list[tuple[str, str]]:
     """(quantity, value) rows for display."""
     return [
@@ -148,8 +203,9 @@ def cost_rows(c: Cost) -> list[tuple[str, str]]:
     ]
 
 
-def cost_json(c: Cost) -> bytes:
-    return orjson.dumps(asdict(c), option=orjson.OPT_INDENT_2) + b"\n"
+def cost_json(c: Cost, plan: list[OnDevice], tp: int) -> bytes:
+    data = {**asdict(c), "tp": tp, "devices": [asdict(m) for m in plan]}
+    return orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n"
 
 
 def _si(x: float, unit: str = "") -> str:

@@ -87,17 +87,13 @@ def test_each_model_is_split_as_planned(results) -> None:
     assert results[1][0]["parameters"] < 0.6 * results[0]["parameters"]
 
 
-def _args(heads: int, kv_heads: int, intermediate: int) -> ModelArgs:
-    return ModelArgs(vocab_size=152064, dim=128 * heads, intermediate_size=intermediate, n_layers=1,
-                     n_heads=heads, n_kv_heads=kv_heads, head_dim=128)
-
-
 def test_shard_degrees_of_the_papers_setting() -> None:
     """K = 8: the 72B base 8 ways, the 7B PRM (28/4) 4 ways, the 1.5B helper (12/2) 4 ways, its KV heads on 2 ranks each."""
-    base, prm, helper = _args(64, 8, 29568), _args(28, 4, 18944), _args(12, 2, 8960)
-    assert shard_degree(base, 8, exact_heads=True) == 8
-    assert shard_degree(prm, 8) == 4 and shard_degree(helper, 8) == 4
+    assert shard_degree(64, 8, 29568, 8, exact_heads=True) == 8
+    assert shard_degree(28, 4, 18944, 8) == 4 and shard_degree(12, 2, 8960, 8) == 4
+    helper = ModelArgs(vocab_size=151936, dim=1536, intermediate_size=8960, n_layers=28, n_heads=12, n_kv_heads=2,
+                       head_dim=128)
     assert (local_args(helper, 4).n_heads, local_args(helper, 4).n_kv_heads) == (3, 1)
-    assert shard_degree(_args(7, 7, 700), 8) == 1  # nothing divides: a whole copy per rank
+    assert shard_degree(7, 7, 700, 8) == 1  # nothing divides: a whole copy per rank
     with pytest.raises(ValueError, match="--tp 8 must divide the base's 28 query heads, 4 KV heads"):
-        shard_degree(prm, 8, exact_heads=True)
+        shard_degree(28, 4, 18944, 8, exact_heads=True)

@@ -136,7 +136,8 @@ def _build(
     if is_prm and "score.0.weight" not in sources:
         raise ModelLoadError("checkpoint declares a process reward model but has no score.0/score.2 head weights")
     try:
-        shard = make_shard(shard_degree(args, tp, exact_heads=exact_heads)) if tp > 1 else Shard()
+        d = shard_degree(args.n_heads, args.n_kv_heads, args.intermediate_size, tp, exact_heads=exact_heads)
+        shard = make_shard(d) if tp > 1 else Shard()
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
     with torch.device("meta"):

@@ -65,20 +65,18 @@ class Shard:
         return self.rank * per, per
 
 
-def shard_degree(args: ModelArgs, k: int, *, exact_heads: bool = False) -> int:
-    """The d ranks of a K-rank group that one copy of this model spans (see the module docstring)."""
+def shard_degree(heads: int, kv_heads: int, width: int, k: int, *, exact_heads: bool = False) -> int:
+    """The d ranks of a K-rank group that one copy of a model with these query heads, KV heads and MLP
+    width spans (see the module docstring); with `exact_heads`, K itself or a ValueError."""
     if exact_heads:
-        if args.n_heads % k or args.n_kv_heads % k or args.intermediate_size % k:
+        if heads % k or kv_heads % k or width % k:
             raise ValueError(
-                f"--tp {k} must divide the base's {args.n_heads} query heads, {args.n_kv_heads} KV heads and "
-                f"MLP width {args.intermediate_size} (its evicting cache compresses each rank's own KV heads)"
+                f"--tp {k} must divide the base's {heads} query heads, {kv_heads} KV heads and MLP width "
+                f"{width} (its evicting cache compresses each rank's own KV heads)"
             )
         return k
-    return max(
-        d for d in range(1, k + 1)
-        if k % d == 0 and args.n_heads % d == 0 and args.intermediate_size % d == 0
-        and (args.n_kv_heads % d == 0 or d % args.n_kv_heads == 0)
-    )
+    return max(d for d in range(1, k + 1)
+               if k % d == 0 and heads % d == 0 and width % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0))
 
 
 def local_args(args: ModelArgs, d: int) -> ModelArgs:
