@@ -9,12 +9,14 @@ import time
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
+import torch
+
 from grader import grade
-from kvrescue_cli.cost import Architecture
+from kvrescue_cli.cost import Architecture, OnDevice, device_plan
 from kvrescue_cli.data import Problem
-from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.bounded import SLACK, BoundedCache
 from kvrescue_cli.engine.caches import FullCache
-from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
+from kvrescue_cli.engine.loader import DTYPES, LoadedModel, ModelLoadError, load_model
 from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
@@ -24,7 +26,7 @@ from kvrescue_cli.outputs import Candidate, Tokens, Trace
 from kvrescue_cli.prompts import generation_prompt
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelConfigError, load_config
-from kvrescue_cli.search import Controller, Finished
+from kvrescue_cli.search import Controller, Finished, SearchSettings
 
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
 
@@ -70,10 +72,57 @@ def refuse_large_on_cpu(role: str, name: str) -> None:
                          "use --device cuda, --preset cpu-demo, or smaller local models with --base/--helper/--prm")
 
 
+def _full_tokens(s: SearchSettings, n: int) -> int:
+    """Token room of a full-context cache for `batch` problems of N candidates (base `full`, helper)."""
+    return s.batch * (s.context_cap + 2 * n * s.max_step_tokens)
+
+
+def _loglik_tokens(s: SearchSettings, n: int) -> int:
+    """Token room of the helper-loglik scorer's cache."""
+    return s.batch * (2 * s.context_cap + 2 * n * s.max_step_tokens)
+
+
+def _cache_tokens(options: GridOptions, role: str) -> int:
+    """K/V entries the caches of the grid's largest cell hold for `role` (what `_runners`/`_scorer` build)."""
+    s, n = options.settings, max(options.ns)
+    methods = [METHODS[m] for m in options.methods]
+    if role == "base":
+        evicted = s.batch * (n + 1) * (max(options.budgets) + SLACK + s.max_step_tokens)
+        return max([evicted if m.evicted else _full_tokens(s, n) for m in methods if m.base])
+    if role == "prm":
+        return PRMScorer.cache_tokens(s.batch, s.batch * 2 * n, s.max_step_tokens)
+    return max(_loglik_tokens(s, n) if options.scorer == "helper-loglik" else 0, _full_tokens(s, n))
+
+
+def memory_plan(options: GridOptions, tp: int = 1) -> list[OnDevice] | None:
+    """Each device's share of the grid's models and of the caches of its largest cell, in the run's
+    dtype; None when a model has no readable config (the loader then says why)."""
+    try:
+        archs = {role: Architecture.from_config(options.models[role], load_config(options.models[role]))
+                 for role in sorted(roles_needed(options.methods, options.scorer))}
+    except (ModelConfigError, KeyError, TypeError, ValueError):
+        return None
+    size = DTYPES[options.dtype].itemsize
+    return device_plan({role: (replace(a, dtype_bytes=size), _cache_tokens(options, role)) for role, a in archs.items()}, tp)
+
+
+def refuse_what_does_not_fit(options: GridOptions, free_bytes: int, tp: int = 1) -> None:
+    """A one-line error, before any weights are read, when the memory plan needs more than `free_bytes`."""
+    plan = memory_plan(options, tp) or []
+    need = sum(m.weight_bytes + m.kv_bytes for m in plan)
+    if need > free_bytes:
+        parts = ", ".join(f"{m.role} {m.weight_bytes / 2**30:.1f} + KV {m.kv_bytes / 2**30:.1f}" for m in plan)
+        dtype = ", --dtype bfloat16" if DTYPES[options.dtype].itemsize > 2 else ""
+        raise InputError(f"the models and caches need {need / 2**30:.1f} GiB per device ({parts}) but "
+                         f"{free_bytes / 2**30:.1f} GiB is free; lower --batch or --n{dtype}, or use larger devices")
+
+
 def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     """Every model the grid needs, loaded once on `device`; base and helper must share a tokenizer."""
     loaded: dict[str, LoadedModel] = {}
     by_name: dict[str, LoadedModel] = {}
+    if device.startswith("cuda"):
+        refuse_what_does_not_fit(options, torch.cuda.mem_get_info(torch.device(device))[0])
     for role in sorted(roles_needed(options.methods, options.scorer)):
         name = options.models[role]
         if device == "cpu":
@@ -97,17 +146,16 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
 def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel]) -> dict[str, Runner]:
     """Fresh caches for one cell: the base evicted or full, the helper full."""
     spec, s = METHODS[cell.method], options.settings
-    per_problem = s.context_cap + 2 * cell.n * s.max_step_tokens
     runners: dict[str, Runner] = {}
     if spec.base:
         base = models["base"]
         cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, max_append=s.max_step_tokens,
                                         rows=s.batch * (cell.n + 1))
-                 if spec.evicted else FullCache.for_model(base.net, s.batch * per_problem, max_rows=s.batch * (2 * cell.n + 2)))
+                 if spec.evicted else FullCache.for_model(base.net, _full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
         runners["base"] = Runner(base, cache, cuda_graphs=options.cuda_graphs)
     if spec.helper:
         helper = models["helper"]
-        cache = FullCache.for_model(helper.net, s.batch * per_problem, max_rows=s.batch * (2 * cell.n + 2))
+        cache = FullCache.for_model(helper.net, _full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
         runners["helper"] = Runner(helper, cache)
     return runners
 
@@ -118,8 +166,7 @@ def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel]) ->
         return PRMScorer(models["prm"], max_problems=s.batch, max_candidates=s.batch * 2 * cell.n,
                          max_step_tokens=s.max_step_tokens)
     helper = models["helper"]
-    tokens = s.batch * (2 * s.context_cap + 2 * cell.n * s.max_step_tokens)
-    cache = FullCache.for_model(helper.net, tokens, max_rows=s.batch * (2 * cell.n + 2))
+    cache = FullCache.for_model(helper.net, _loglik_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
     return HelperLoglik(Runner(helper, cache))
 
 

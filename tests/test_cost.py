@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 from kvrescue_cli.cli import app
 from kvrescue_cli.cost import Architecture, estimate
 from kvrescue_cli.model_config import ModelConfigError, load_config
+from kvrescue_cli.errors import InputError
 
 # Values from each model's config.json on the Hugging Face Hub.
 QWEN_MATH_7B = {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -91,3 +92,80 @@ def test_missing_or_bad_configs_are_one_line_errors(tmp_path, monkeypatch):
     assert result.exit_code != 0
     assert "nobody/no-such-model-kvrescue: could not fetch config.json" in result.stderr
     assert "Traceback" not in result.output and result.stderr.count("\n") == 1
+
+
+QWEN_MATH_PRM_7B = {**QWEN_MATH_7B, "architectures": ["Qwen2ForProcessRewardModel"]}
+
+
+def test_rank_params_split_heads_mlp_and_vocab():
+    """One of d ranks: 1/d of q, o, the MLP and the vocab rows; its KV heads (one, replicated, past Hkv)."""
+    a = arch(QWEN_MATH_1_5B)
+    assert a.rank_params(1) == a.params
+    layer = (1536 * 384 + 384) + 2 * (1536 * 128 + 128) + 384 * 1536 + 3 * 1536 * 2240 + 2 * 1536  # 3 q heads, 1 KV
+    assert a.rank_params(4) == 28 * layer + 1536 + 37984 * 1536                                    # tied: one matrix
+    assert a.rank_kv_bytes_per_token(4) == a.kv_bytes_per_token // 2                              # 1 of 2 KV heads
+    prm = arch(QWEN_MATH_PRM_7B)  # the score head replaces the LM head
+    assert prm.params == arch(QWEN_MATH_7B).params - 152064 * 3584 + 3584 * 3584 + 3584 + 2 * 3584 + 2
+
+
+def test_cli_cost_tp_prints_each_devices_plan(tmp_path):
+    """The paper's Table 3 setting: the 72B base, the 1.5B helper and the 7B PRM over 8 devices."""
+    for name, cfg in (("base", QWEN_72B), ("helper", QWEN_MATH_1_5B), ("prm", QWEN_MATH_PRM_7B)):
+        (tmp_path / f"{name}.json").write_bytes(orjson.dumps(cfg))
+    args = ["cost", "--base", str(tmp_path / "base.json"), "--helper", str(tmp_path / "helper.json"),
+            "--prm", str(tmp_path / "prm.json"), "--tp", "8", "--batch", "2"]
+    result = CliRunner().invoke(app, args + ["--format", "json"])
+    assert result.exit_code == 0, result.output
+    plan = {m["role"]: m for m in orjson.loads(result.stdout)["devices"]}
+    assert [plan[r]["ranks"] for r in ("base", "helper", "prm")] == [8, 4, 4]
+    assert plan["base"]["weight_bytes"] == 2 * arch(QWEN_72B).rank_params(8)
+    assert plan["base"]["kv_bytes"] == 2 * 8 * 192 * 320 * 1024 // 8      # batch x N x B' x one of 8 KV heads
+    assert plan["helper"]["kv_bytes"] == 2 * 8 * 4096 * 14 * 1024         # batch x N x L x one of 2 KV heads
+    assert plan["prm"]["kv_bytes"] == 2 * 4096 * 14 * 1024                # batch x L x one of 4 KV heads
+    table = CliRunner().invoke(app, args)
+    assert "base (8 ranks per copy) weights / KV" in table.stderr and "total" in table.stderr
+    wrong = CliRunner().invoke(app, ["cost", "--base", str(tmp_path / "prm.json"), "--helper",
+                                     str(tmp_path / "helper.json"), "--tp", "8"])
+    assert wrong.exit_code == 2 and wrong.stderr.count("\n") == 1
+    assert "--tp 8 must divide the base's 28 query heads, 4 KV heads" in wrong.stderr
+
+
+def test_a_run_that_does_not_fit_the_free_device_memory_is_refused(tmp_path):
+    """The paper's Table 3 models in bf16, N = 8, B = 64, 8 problems at once: one 40 GB device is far too
+    small, eight fit (about 25 GiB each); the check reads only config.json files."""
+    from kvrescue_cli.decoding import refuse_what_does_not_fit
+    from kvrescue_cli.grid import GridOptions
+    from kvrescue_cli.search import SearchSettings
+
+    models = {}
+    for role, cfg in (("base", QWEN_72B), ("helper", QWEN_MATH_1_5B), ("prm", QWEN_MATH_PRM_7B)):
+        (tmp_path / role).mkdir()
+        (tmp_path / role / "config.json").write_bytes(orjson.dumps(cfg))
+        models[role] = str(tmp_path / role)
+    options = GridOptions(benches=["math500"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv",
+                          models=models, scorer="prm", settings=SearchSettings(batch=8), out=tmp_path, dtype="bfloat16")
+    with pytest.raises(InputError, match=r"need 175\.0 GiB per device \(base 135\.4 \+ KV 15\.5, .*40\.0 GiB is free; lower --batch or --n, or"):
+        refuse_what_does_not_fit(options, 40 * 2**30)
+    refuse_what_does_not_fit(options, 40 * 2**30, tp=8)
+    with pytest.raises(InputError, match=r"need 2\d\.\d GiB per device"):
+        refuse_what_does_not_fit(options, 20 * 2**30, tp=8)
+
+
+def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir, tmp_path):
+    """The K/V the plan counts per role is what the run's caches allocate, on the random checkpoints."""
+    from kvrescue_cli.data import ProblemSet
+    from kvrescue_cli.decoding import _runners, _scorer, load_roles, memory_plan
+    from kvrescue_cli.grid import Cell, GridOptions
+    from kvrescue_cli.search import SearchSettings
+
+    models = {"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}
+    options = GridOptions(benches=["t"], methods=["kvrescue"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
+                          models=models, scorer="prm", settings=SearchSettings(batch=3, max_step_tokens=64,
+                                                                               context_cap=256), out=tmp_path)
+    loaded = load_roles(options, "cpu")
+    cell = Cell(ProblemSet("t", "generic", "t.jsonl", []), "kvrescue", 16, 2, 0)
+    caches = {role: runner.cache for role, runner in _runners(options, cell, loaded).items()}
+    caches["prm"] = _scorer(options, cell, loaded).cache
+    for m in memory_plan(options):
+        built = caches[m.role].k.nbytes + caches[m.role].v.nbytes
+        assert m.kv_bytes <= built <= m.kv_bytes * 1.1, m.role  # FullCache rounds up to whole blocks

@@ -21,6 +21,10 @@ from kvrescue_cli.prompts import STEP_DELIMITER, SYSTEM_PROMPT, chatml
 
 STEP_TAG = "<extra_0>"
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+WINDOW = 4096  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)
+BLOCK = 16  # the PRM cache's block size
+
+
 def prm_step_text(text: str) -> str:
     """A generated step as the PRM sees it: cut at an end-of-text marker, without the `\\n\\n` delimiter."""
     for marker in END_MARKERS:
@@ -81,6 +85,11 @@ class PRMScorer:
 
     name = "prm"
 
+    @staticmethod
+    def cache_tokens(max_problems: int, max_candidates: int, max_step_tokens: int, window: int = WINDOW) -> int:
+        """Token room of the cache a scorer builds by default."""
+        return max_problems * (window + BLOCK) + max_candidates * (max_step_tokens + BLOCK + 1)
+
     def __init__(
         self,
         prm: LoadedModel,
@@ -88,7 +97,7 @@ class PRMScorer:
         max_problems: int = 32,
         max_candidates: int = 512,
         max_step_tokens: int = 512,
-        window: int = 4096,
+        window: int = WINDOW,
         candidate_tokens: int | None = None,
         system: str = SYSTEM_PROMPT,
     ) -> None:
@@ -98,11 +107,10 @@ class PRMScorer:
         self.prm = prm
         self.window = window
         self.system = system
-        block = 16
-        room = candidate_tokens if candidate_tokens is not None else max_candidates * (max_step_tokens + block + 1)
+        room = candidate_tokens if candidate_tokens is not None else max_candidates * (max_step_tokens + BLOCK + 1)
         self.cache = FullCache.for_model(
-            prm.net, max_problems * (window + block) + room, block_size=block,
-            max_rows=max_problems + max_candidates, max_row_tokens=window + block,
+            prm.net, max_problems * (window + BLOCK) + room, block_size=BLOCK,
+            max_rows=max_problems + max_candidates, max_row_tokens=window + BLOCK,
         )
         self.problems: dict[int, _Problem] = {}
 
