@@ -10,11 +10,20 @@ from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.graphs import StaticDecode
 from kvrescue_cli.engine.evict import gather_positions, rkv_keep, snapkv_keep, streaming_keep
 from kvrescue_cli.engine.loader import load_model
+from kvrescue_cli.random_checkpoints import write_random_checkpoint
+from tests.conftest import TINY
 
 
 @pytest.fixture(scope="module")
 def net(qwen2_dir):
     return load_model(qwen2_dir).net
+
+
+@pytest.fixture(scope="module")
+def one_layer_net(tmp_path_factory):
+    """A one-layer model: the pools' layer dimension has size 1 (a fork once wrote from a view of its target)."""
+    folder = write_random_checkpoint(tmp_path_factory.mktemp("one_layer"), "qwen2", seed=4, **{**TINY, "num_layers": 1})
+    return load_model(folder).net
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -233,7 +242,9 @@ def test_logical_positions_survive_compression(net):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-def test_a_fork_never_changes_its_parent(net):
+@pytest.mark.parametrize("model", ["net", "one_layer_net"])
+def test_a_fork_never_changes_its_parent(model, request):
+    net = request.getfixturevalue(model)
     cache = BoundedCache.for_model(net, budget=16)
     d = Driver(net, cache)
     parent = cache.create()

@@ -123,11 +123,13 @@ class BoundedCache(KVCache):
         children = [self.create() for _ in range(n)]
         parent = self.rows[row]
         if children:
+            # The sources are copied out first: an indexed write may not read a view of the pool it writes
+            # (torch refuses it when the view and the written rows could overlap, e.g. with one layer).
             dst = torch.tensor([self.rows[c].slot for c in children], device=self.k.device)
             p = parent.physical
-            self.k[:, dst, :, :p] = self.k[:, parent.slot, None, :, :p]
-            self.v[:, dst, :, :p] = self.v[:, parent.slot, None, :, :p]
-            self.q[:, dst] = self.q[:, parent.slot, None]
+            self.k[:, dst, :, :p] = self.k[:, parent.slot, None, :, :p].clone()
+            self.v[:, dst, :, :p] = self.v[:, parent.slot, None, :, :p].clone()
+            self.q[:, dst] = self.q[:, parent.slot, None].clone()
         for c in children:
             r = self.rows[c]
             r.physical, r.logical, r.peak = parent.physical, parent.logical, parent.peak
