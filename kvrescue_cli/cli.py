@@ -178,8 +178,11 @@ def run(
     max_steps: int = typer.Option(1024, min=1),
     context_cap: int = typer.Option(4096, min=16),
     devices: str = typer.Option("auto", "--devices", "--device",
-                                help="auto (every visible GPU, else the CPU), cpu, cuda:N, or a comma list: one "
-                                "worker process per device (cpu,cpu: two CPU workers)"),
+                                help="auto (every visible GPU, else the CPU), cpu, cuda:N, or a comma list: two or "
+                                "more run as Ray actors, one per device (cpu,cpu: two CPU workers)"),
+    ray_address: Optional[str] = typer.Option(None, help="join this Ray cluster (auto: the one this node belongs "
+                                              "to) and run one actor per device there (--devices auto: every GPU "
+                                              "it offers)"),
     shard: Optional[str] = typer.Option(None, help="i/k: decode every k-th problem from the i-th (multi-node runs; "
                                         "kvrescue report merges the shards)"),
     dtype: Optional[str] = typer.Option(None, help="float32, float16 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)"),
@@ -215,7 +218,7 @@ def run(
     elif preset is not None:
         raise InputError(f"unknown preset '{preset}': the only preset is cpu-demo")
     models.update({k: v for k, v in {"base": base, "helper": helper, "prm": prm}.items() if v})
-    device_list = resolve_devices(devices)
+    device_list = resolve_devices(devices, ray_address)
     on_gpu = device_list[0].startswith("cuda")
     settings = SearchSettings(
         sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
@@ -230,7 +233,7 @@ def run(
         seeds=_comma_list(seed, int, "--seed"), evictor=evictor, models=models,
         scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
-        overwrite=overwrite, devices=device_list, shard=_shard(shard), cuda_graphs=cuda_graphs, dtype=dtype or ("bfloat16" if on_gpu else "float32"),
+        overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, dtype=dtype or ("bfloat16" if on_gpu else "float32"),
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())

@@ -200,3 +200,21 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
     controller = Controller(settings, _runners(options, cell, models), _scorer(options, cell, models),
                             set(policy.eos_ids))
     controller.run(work(), record)
+
+
+class InProcess:
+    """One device decoding in this process, its models loaded once: the executor without Ray."""
+
+    def __init__(self, options: GridOptions, device: str) -> None:
+        self.options = options
+        self.device = device
+        self.models = load_roles(options, device)
+
+    def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None]) -> None:
+        """Decode `problems` of `cell` here, emitting every problem's trace once."""
+        if problems:
+            decode(self.options, cell, self.models, problems, emit)
+
+    def record(self) -> dict:
+        """The executor, for config.json."""
+        return {"kind": "in-process", "devices": [self.device]}

@@ -46,7 +46,8 @@ class GridOptions:
     problem_field: str | None = None
     answer_field: str | None = None
     overwrite: bool = False
-    devices: tuple[str, ...] = ("cpu",)  # one device decodes in this process; more, one worker process each
+    devices: tuple[str, ...] = ("cpu",)  # one device decodes in this process; more, one Ray actor per group
+    ray_address: str | None = None  # a Ray cluster to run the actors on (else a private local instance)
     dtype: str = "float32"
     shard: tuple[int, int] | None = None  # (i, k): every k-th problem from the i-th
     cuda_graphs: bool = True  # the evicted base's decode step as CUDA graphs (on a GPU)

@@ -9,7 +9,6 @@ from rich.progress import Progress
 
 from kvrescue_cli import decoding, workers
 from kvrescue_cli.data import GENERIC, data_dir, load_problems
-from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.grid import Cell, GridOptions, roles_needed
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.outputs import ModelRef, RunConfig, RunFolder, Summary, Trace, run_dir
@@ -40,13 +39,14 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
     )
 
 
-def run_cell(options: GridOptions, cell: Cell, models: dict[str, LoadedModel] | workers.WorkerPool,
+def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcess | workers.RayWorkers,
              progress: Progress) -> Summary:
-    """Decode the cell's missing problems into its run folder and return its summary: in this process
-    with loaded `models`, or on the worker processes of a `WorkerPool`."""
+    """Decode the cell's missing problems into its run folder on `executor` (this process, or Ray actors)
+    and return its summary."""
     config = cell_config(options, cell)
     problems = cell.problems.problems
     with RunFolder.open(run_dir(options.out, config), config, total=len(problems), devices=list(options.devices),
+                        executor=executor.record(),
                         overwrite=options.overwrite, shard=options.shard) as folder:
         pending = [p for p in problems if p.idx not in folder.done]
         task = progress.add_task(_cell_label(config), total=len(problems), completed=len(problems) - len(pending),
@@ -62,10 +62,7 @@ def run_cell(options: GridOptions, cell: Cell, models: dict[str, LoadedModel] | 
                             speed=f"{generated / max(time.time() - started, 1e-9):.1f} tok/s")
 
         try:
-            if isinstance(models, workers.WorkerPool):
-                models.decode(cell, pending, record)
-            elif pending:
-                decoding.decode(options, cell, models, pending, record)
+            executor.decode(cell, pending, record)
         finally:
             summary = folder.write_summary()
     return summary
@@ -86,13 +83,13 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
         i, k = options.shard
         sets = [replace(problems, problems=problems.problems[i::k]) for problems in sets]
     cells = options.cells(sets)
-    if len(options.devices) == 1:
-        models = decoding.load_roles(options, options.devices[0])
-        return [(cell_config(options, cell), run_cell(options, cell, models, progress)) for cell in cells]
+    if len(options.devices) == 1 and options.ray_address is None:
+        executor = decoding.InProcess(options, options.devices[0])
+        return [(cell_config(options, cell), run_cell(options, cell, executor, progress)) for cell in cells]
 
     def say(message: str) -> None:
         progress.console.print(message, markup=False, highlight=False)
 
-    with workers.WorkerPool(options, say) as pool:
-        pool.start()
-        return [(cell_config(options, cell), run_cell(options, cell, pool, progress)) for cell in cells]
+    with workers.RayWorkers(options, say) as actors:
+        actors.start()
+        return [(cell_config(options, cell), run_cell(options, cell, actors, progress)) for cell in cells]

@@ -1,66 +1,105 @@
-"""Worker processes: one per device, each holding the grid's models, fed problem by problem by the parent.
+"""Workers: one Ray actor per device group, each holding the grid's models, fed problem by problem by the driver.
 
-A worker asks the parent for a problem whenever its controller has a free slot (work stealing: a fast
-worker simply asks more often) and streams each finished problem's trace back; the parent alone writes
-the run folder. Because the parent hands out every problem, it always knows what each worker holds:
-when a worker dies (killed, out of memory, CUDA error) its problems go back to the queue and a fresh
-worker starts on its device. A problem that was in flight when a worker died is afterwards decoded
-alone on a worker, so a second death is its own: it is then recorded as failed with both errors.
+Two or more device groups (or `--ray-address`) run as Ray actors, on a private local Ray instance started
+here and shut down at the end, or on the cluster at `--ray-address`; one device decodes in the `kvrescue
+run` process itself (`decoding.InProcess`). A group is one device today; with tensor parallelism it is K.
 
-Workers are started with the `spawn` method (never `fork`, which is unsafe once CUDA is initialised)
-and die with the parent (PR_SET_PDEATHSIG). They ignore SIGINT: on Ctrl-C the parent stops them.
+An actor asks the driver for a problem whenever its controller has a free slot (work stealing: a fast
+actor simply asks more often) and streams each finished problem's trace back; the driver alone writes
+the run folder. Because the driver hands out every problem, it always knows what each actor holds:
+when an actor dies (killed, out of memory, CUDA error, lost node) its problems go back to the queue and
+a fresh actor is started for its group, at most GROUP_RESTARTS times. A problem that was in flight when
+an actor died is afterwards decoded alone on an actor, so a second death is its own: it is then recorded
+as failed with both errors. Ray's own actor restarts (`max_restarts`) stay off: the driver must see every
+death to requeue and count, and a fresh actor is what a restart would give anyway.
 
-Messages, worker -> parent: ("ready",) models loaded; ("want",) a free slot; ("trace", Trace, tokens);
-("idle",) the cell's problems are done here; ("error", message) a configuration error (stops the run);
-("crash", message) an exception, just before exiting. Parent -> worker: ("run", cell) decode problems
-of `cell`, asking for them; ("problem", Problem) or ("none",) the answer to "want"; ("stop",).
+Messages travel as the results and arguments of `GroupWorker.exchange`, one call in flight per busy
+actor. Actor -> driver: ("ready", placement) models loaded; ("want",) a free slot; ("trace", Trace,
+tokens); ("idle",) the cell's problems are done here; ("error", message) a configuration error (stops
+the run); ("crash", message) an exception (the driver then kills the actor). Driver -> actor: ("run",
+cell) decode problems of `cell`, asking for them; ("problem", Problem) or ("none",) the answer to "want".
 """
 
 from __future__ import annotations
 
 import os
-import signal
+import queue
+import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
-from multiprocessing import get_context
-from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from grader import grade
-from grader.sandbox import die_with_parent
+from kvrescue_cli import decoding
 from kvrescue_cli.data import Problem
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.outputs import Trace
 
 if TYPE_CHECKING:
-    from multiprocessing.process import BaseProcess
-
     from kvrescue_cli.grid import Cell, GridOptions
 
-STRIKES = 2          # worker deaths a problem may be part of before it is recorded as failed
-DEVICE_RESTARTS = 3  # deaths after which a device gets no new worker
+STRIKES = 2          # actor deaths a problem may be part of before it is recorded as failed
+GROUP_RESTARTS = 3   # deaths after which a device group gets no new actor
+OBJECT_STORE = 128 * 2**20  # a private instance's object store: problems and traces are small and travel inline
+RAY_QUIET = dict(include_dashboard=False, log_to_driver=False, logging_level="warning")
 
 
 class WorkersGone(RuntimeError):
     """Every worker died; the run folder holds what finished and the run resumes when re-run."""
 
 
-def resolve_devices(spec: str) -> tuple[str, ...]:
-    """`auto` (every visible GPU, else the CPU), `cpu`, `cuda` (= cuda:0), or a comma list (`cuda:0,cuda:1`, `cpu,cpu`)."""
+def resolve_devices(spec: str, ray_address: str | None = None) -> tuple[str, ...]:
+    """`auto` (every visible GPU, else the CPU), `cpu`, `cuda` (= cuda:0), or a comma list (`cuda:0,cuda:1`,
+    `cpu,cpu`). With `ray_address` (joined here) `auto` is every GPU of the cluster and each entry asks Ray
+    for one device of its kind, `cuda` (any GPU) or `cpu`, on whichever node has one free."""
     import torch
 
+    if ray_address is not None:
+        return _cluster_devices(spec, ray_address)
     if spec == "auto":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return tuple(f"cuda:{i}" for i in range(count)) or ("cpu",)
+    devices = _device_list(spec)
+    for device in devices:
+        if device.startswith("cuda") and int(device[5:]) >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
+            raise InputError(f"--devices {spec!r}: {device} is not a visible GPU")
+    return devices
+
+
+def _device_list(spec: str) -> tuple[str, ...]:
     devices = tuple("cuda:0" if d == "cuda" else d for d in (part.strip() for part in spec.split(",")) if d)
     for device in devices:
         if device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
             raise InputError(f"--devices {spec!r}: {device!r} is not cpu, cuda or cuda:N")
-        if device.startswith("cuda") and int(device[5:]) >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
-            raise InputError(f"--devices {spec!r}: {device} is not a visible GPU")
     if not devices:
         raise InputError("--devices is empty")
     return devices
+
+
+def _cluster_devices(spec: str, address: str) -> tuple[str, ...]:
+    import ray
+
+    try:
+        ray.init(address=address, **RAY_QUIET)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        raise InputError(f"--ray-address {address}: cannot join the Ray cluster ({err})") from None
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if spec == "auto":
+        if not gpus:
+            raise InputError(f"--ray-address {address}: the cluster offers no GPU; name CPU workers with "
+                             "--devices cpu,cpu,...")
+        return ("cuda",) * gpus
+    devices = tuple("cpu" if d == "cpu" else "cuda" for d in _device_list(spec))
+    if devices.count("cuda") > gpus:
+        raise InputError(f"--devices {spec!r}: the cluster at {address} offers {gpus} GPUs")
+    return devices
+
+
+def device_groups(devices: tuple[str, ...], size: int = 1) -> list[tuple[str, ...]]:
+    """The devices in consecutive groups of `size` (tensor parallelism's K; 1 today): one worker per group."""
+    if len(devices) % size:
+        raise InputError(f"{len(devices)} devices do not split into groups of {size}")
+    return [devices[i:i + size] for i in range(0, len(devices), size)]
 
 
 # -- the queue (pure bookkeeping, no processes) -----------------------------------------------------
@@ -107,131 +146,170 @@ class WorkQueue:
         return not self.pending and not any(self.held.values())
 
 
-# -- the worker process -----------------------------------------------------------------------------
-def _pull(conn: Connection) -> Iterator[Problem]:
-    while True:
-        conn.send(("want",))
-        message = conn.recv()
-        if message[0] != "problem":
-            return
-        yield message[1]
+# -- the actor --------------------------------------------------------------------------------------
+class GroupWorker:
+    """A Ray actor: one device group's models, and a thread decoding the problems the driver hands out."""
 
+    def __init__(self, options: GridOptions, group: tuple[str, ...], threads: int) -> None:
+        import ray
+        import torch
 
-def worker_main(conn: Connection, options: GridOptions, device: str, threads: int) -> None:
-    """Load the grid's models on `device` once, then decode what the parent hands out until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
-    import torch
-
-    from kvrescue_cli import decoding
-
-    if device == "cpu":
-        torch.set_num_threads(threads)
-    else:
-        torch.cuda.set_device(device)
-    try:
+        self.options = options
+        self.outbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue = queue.Queue()
+        device = "cpu" if group[0] == "cpu" else "cuda:0"  # Ray shows the actor its own GPUs only
+        if device == "cpu":
+            torch.set_num_threads(threads)
+        else:
+            torch.cuda.set_device(device)
+        placement = {"node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                     "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
         try:
-            models = decoding.load_roles(options, device)
+            self.models = decoding.load_roles(options, device)
+            self.outbox.put(("ready", placement))
         except InputError as err:
-            conn.send(("error", str(err)))
-            return
-        conn.send(("ready",))
+            self.outbox.put(("error", str(err)))
+
+    def exchange(self, replies: list[tuple]) -> list[tuple]:
+        """Take the driver's replies, then wait for this actor's next messages and return them all."""
+        for reply in replies:
+            if reply[0] == "run":
+                threading.Thread(target=self._decode, args=(reply[1],), daemon=True).start()
+            else:
+                self.inbox.put(reply)
+        messages = [self.outbox.get()]
+        while not self.outbox.empty():
+            messages.append(self.outbox.get())
+        return messages
+
+    def _pull(self) -> Iterator[Problem]:
         while True:
-            message = conn.recv()
-            if message[0] == "stop":
+            self.outbox.put(("want",))
+            reply = self.inbox.get()
+            if reply[0] != "problem":
                 return
-            decoding.decode(options, message[1], models, _pull(conn),
-                        lambda trace, tokens: conn.send(("trace", trace, tokens)))
-            conn.send(("idle",))
-    except EOFError:
-        return  # the parent is gone
-    except BaseException as err:
-        conn.send(("crash", f"{type(err).__name__}: {err}"[:2000]))
-        raise SystemExit(1) from None
+            yield reply[1]
+
+    def _decode(self, cell: Cell) -> None:
+        try:
+            decoding.decode(self.options, cell, self.models, self._pull(),
+                            lambda trace, tokens: self.outbox.put(("trace", trace, tokens)))
+            self.outbox.put(("idle",))
+        except BaseException as err:
+            self.outbox.put(("crash", f"{type(err).__name__}: {err}"[:2000]))
 
 
-# -- the parent's side ------------------------------------------------------------------------------
+# -- the driver's side ------------------------------------------------------------------------------
 @dataclass
 class _Worker:
     number: int
-    device: str
-    process: BaseProcess
-    conn: Connection
-    state: str = "loading"  # loading | idle | running
+    group: int
+    devices: tuple[str, ...]
+    actor: Any                # a Ray actor handle of GroupWorker
+    call: Any = None          # the exchange in flight (an ObjectRef), None while idle
+    state: str = "loading"    # loading | idle | running
+    placement: dict | None = None
     last: int | None = None
     error: str | None = None
 
     @property
     def name(self) -> str:
-        return f"worker {self.number} ({self.device}, pid {self.process.pid})"
+        where = self.placement
+        place = "not placed yet" if where is None else (
+            f"on node {where['node']}, " + (f"GPU {','.join(where['gpus'])}, " if where["gpus"] else "")
+            + f"pid {where['pid']}")
+        return f"worker {self.number} ({','.join(self.devices)} {place})"
 
 
-class WorkerPool:
-    """One worker process per device; `start` them before the first cell."""
+def _death(err: Exception) -> str:
+    """Ray's account of an actor's death, without its list of common causes."""
+    text = " ".join(str(err).split())
+    start = text.find("The actor is dead because")
+    return (text[start:] if start >= 0 else text).split(" Some common causes")[0][:500]
+
+
+class RayWorkers:
+    """One Ray actor per device group; `start` them before the first cell, use as a context manager."""
 
     def __init__(self, options: GridOptions, say: Callable[[str], None]) -> None:
         self.options = options
         self.say = say
-        self.context = get_context("spawn")
+        self.groups = device_groups(options.devices)
         self.workers: list[_Worker] = []
         self.deaths: Counter = Counter()
-        self.last_errors: dict[str, str] = {}
+        self.last_errors: dict[int, str] = {}
         self.started = 0  # workers started so far (numbers them)
+        self.private = False  # this run started the Ray instance, and shuts it down
 
-    def __enter__(self) -> WorkerPool:
+    def __enter__(self) -> RayWorkers:
         return self
 
-    def __exit__(self, kind, *rest) -> None:
-        for worker in self.workers:
-            if kind is None and worker.state != "running":
-                try:
-                    worker.conn.send(("stop",))
-                except OSError:
-                    pass
-            else:
-                worker.process.terminate()
-        for worker in self.workers:
-            worker.process.join(10)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
-            worker.conn.close()
-        self.workers = []
+    def __exit__(self, *exc) -> None:
+        import ray
 
-    def _start(self, device: str) -> None:
-        cpu_workers = sum(d == "cpu" for d in self.options.devices)
-        threads = max(1, (os.cpu_count() or 1) // max(cpu_workers, 1))
-        parent, child = self.context.Pipe()
-        process = self.context.Process(target=worker_main, args=(child, self.options, device, threads),
-                                       name=f"kvrescue-worker-{self.started}")
-        process.start()
-        child.close()
-        self.workers.append(_Worker(self.started, device, process, parent))
+        for worker in self.workers:
+            ray.kill(worker.actor, no_restart=True)
+        self.workers = []
+        if self.private:
+            ray.shutdown()
+
+    def _init(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        gpus = [int(d[5:]) for group in self.groups for d in group if d.startswith("cuda:")]
+        if gpus:  # Ray hands its actors exactly the GPUs it sees: those named
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = visible.split(",") if visible else [str(i) for i in range(max(gpus) + 1)]
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in gpus)
+        cpu_groups = sum(group[0] == "cpu" for group in self.groups)
+        ray.init(num_cpus=max(cpu_groups, 1), num_gpus=len(gpus), object_store_memory=OBJECT_STORE, **RAY_QUIET)
+        self.private = True
+
+    def _start(self, group: int) -> None:
+        import ray
+
+        devices = self.groups[group]
+        cpu_groups = sum(g[0] == "cpu" for g in self.groups)
+        threads = max(1, (os.cpu_count() or 1) // max(cpu_groups, 1))
+        on_gpu = devices[0] != "cpu"
+        actor = ray.remote(GroupWorker).options(
+            num_cpus=1, num_gpus=len(devices) if on_gpu else 0, max_restarts=0).remote(self.options, devices, threads)
+        worker = _Worker(self.started, group, devices, actor)
+        worker.call = actor.exchange.remote([])
+        self.workers.append(worker)
         self.started += 1
 
     def start(self) -> None:
-        """Start one worker per device and wait until each holds the models: a configuration error (a
+        """Start one actor per group and wait until each holds the models: a configuration error (a
         missing model, say) raises here, before any run folder is opened."""
-        for device in self.options.devices:
-            self._start(device)
+        self._init()
+        for group in range(len(self.groups)):
+            self._start(group)
         idle = WorkQueue(deque())
         while any(w.state == "loading" for w in self.workers):
             self._wait(idle, None, lambda trace, tokens: None)
         if not self.workers:
             raise WorkersGone(f"no worker could start ({self._errors()})")
 
+    def record(self) -> dict[str, Any]:
+        """The executor, for config.json: Ray's version, the cluster's nodes, where each worker runs."""
+        import ray
+
+        return {"kind": "ray", "ray": ray.__version__, "address": self.options.ray_address or "local",
+                "nodes": sum(node["Alive"] for node in ray.nodes()),
+                "workers": [{"devices": list(w.devices), **(w.placement or {})} for w in self.workers]}
+
     def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None]) -> None:
-        """Decode `problems` of `cell` on the workers, emitting every problem's trace exactly once."""
+        """Decode `problems` of `cell` on the actors, emitting every problem's trace exactly once."""
         queue = WorkQueue(deque(problems))
         slim = replace(cell, problems=replace(cell.problems, problems=[]))
         while True:
             for worker in self.workers:
                 if worker.state == "idle" and queue.pending:
-                    try:
-                        worker.conn.send(("run", slim))
-                        worker.state = "running"
-                    except OSError:
-                        pass  # it just died: its sentinel says so below
+                    worker.call = worker.actor.exchange.remote([("run", slim)])
+                    worker.state = "running"
             if queue.empty and all(w.state != "running" for w in self.workers):
                 return
             if not self.workers:
@@ -240,59 +318,57 @@ class WorkerPool:
             self._wait(queue, cell, emit)
 
     def _errors(self) -> str:
-        return "; ".join(f"{device}: {error}" for device, error in self.last_errors.items())
+        return "; ".join(f"group {group}: {error}" for group, error in self.last_errors.items())
 
     def _wait(self, queue: WorkQueue, cell: Cell | None, emit: Callable[[Trace, int], None]) -> None:
-        """Wait for messages or deaths, then answer the messages and bury the dead."""
-        handles = [w.conn for w in self.workers] + [w.process.sentinel for w in self.workers]
-        ready = set(wait(handles))
-        for worker in list(self.workers):
-            if worker.conn in ready and self._serve(worker, queue, emit):
-                continue
-            if worker.process.sentinel in ready or not worker.process.is_alive():
-                self._bury(worker, queue, cell, emit)
+        """Wait for one actor's messages (or its death), answer them, and bury it if it died."""
+        import ray
 
-    def _serve(self, worker: _Worker, queue: WorkQueue, emit: Callable[[Trace, int], None]) -> bool:
-        """Answer everything `worker` sent; False when its pipe closed (it is dying)."""
+        calls = {w.call: w for w in self.workers if w.call is not None}
+        (done,), _ = ray.wait(list(calls), num_returns=1)
+        worker = calls[done]
+        worker.call = None
         try:
-            while worker.conn.poll():
-                kind, *body = worker.conn.recv()
-                if kind == "want":
-                    problem = queue.take(worker.number)
-                    worker.conn.send(("none",) if problem is None else ("problem", problem))
-                    worker.last = worker.last if problem is None else problem.idx
-                elif kind == "trace":
-                    trace, tokens = body
-                    queue.done(worker.number, trace.idx)
-                    emit(trace, tokens)
-                elif kind in ("ready", "idle"):
-                    worker.state = "idle"
-                elif kind == "crash":
-                    worker.error = body[0]
-                elif kind == "error":
-                    raise InputError(body[0])
-        except (EOFError, OSError):
-            worker.process.join(10)
-            return False
-        return True
+            messages = ray.get(done)
+        except ray.exceptions.RayError as err:
+            self._bury(worker, queue, cell, emit, worker.error or _death(err))
+            return
+        replies = []
+        for kind, *body in messages:
+            if kind == "want":
+                problem = queue.take(worker.number)
+                replies.append(("none",) if problem is None else ("problem", problem))
+                worker.last = worker.last if problem is None else problem.idx
+            elif kind == "trace":
+                trace, tokens = body
+                queue.done(worker.number, trace.idx)
+                emit(trace, tokens)
+            elif kind == "ready":
+                worker.state, worker.placement = "idle", body[0]
+            elif kind == "idle":
+                worker.state = "idle"
+            elif kind == "crash":
+                worker.error = body[0]
+            elif kind == "error":
+                raise InputError(body[0])
+        if worker.error is not None:
+            ray.kill(worker.actor, no_restart=True)
+            self._bury(worker, queue, cell, emit, worker.error)
+        elif worker.state == "running":
+            worker.call = worker.actor.exchange.remote(replies)
 
-    def _bury(self, worker: _Worker, queue: WorkQueue, cell: Cell | None, emit: Callable[[Trace, int], None]) -> None:
-        """Record a dead worker: requeue its problems, fail those struck out, restart its device."""
-        self._serve(worker, queue, emit)  # traces it sent before dying still count
-        worker.process.join(10)
-        code = worker.process.exitcode
-        error = worker.error or (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
-                                 else f"exit status {code}")
+    def _bury(self, worker: _Worker, queue: WorkQueue, cell: Cell | None, emit: Callable[[Trace, int], None],
+              error: str) -> None:
+        """Record a dead actor: requeue its problems, fail those struck out, start a new one for its group."""
         holding = sorted(queue.held.get(worker.number, {}))
         failed = queue.lost(worker.number, error)
         self.workers.remove(worker)
-        worker.conn.close()
-        self.deaths[worker.device] += 1
-        self.last_errors[worker.device] = error
-        restart = self.deaths[worker.device] < DEVICE_RESTARTS
+        self.deaths[worker.group] += 1
+        self.last_errors[worker.group] = error
+        restart = self.deaths[worker.group] < GROUP_RESTARTS
         self.say(f"{worker.name} died ({error}) holding problems {holding or 'none'}; last problem given: "
-                 f"{worker.last}; " + (f"starting a new worker on {worker.device}" if restart
-                                       else f"{worker.device} died {self.deaths[worker.device]} times: no new worker"))
+                 f"{worker.last}; " + ("starting a new worker for its group" if restart
+                                       else f"its group died {self.deaths[worker.group]} times: no new worker"))
         for problem in failed:  # a queue holding problems comes with their cell
             errors = queue.errors[problem.idx]
             gt_norm = grade("", problem.gt, cell.problems.grading_bench).gt
@@ -300,4 +376,4 @@ class WorkerPool:
                               f"killed {len(errors)} workers: " + "; ".join(errors)), 0)
             self.say(f"problem {problem.idx} killed {len(errors)} workers: recorded as failed")
         if restart:
-            self._start(worker.device)
+            self._start(worker.group)

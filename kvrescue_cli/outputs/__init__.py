@@ -7,7 +7,9 @@ config.json
     ``format`` (1), ``hash`` (full identity hash), ``config`` (the identity: every setting that changes
     results, see `RunConfig`), ``run`` (``total``: problems the latest invocation selected, ``shard``:
     ``[i, k]`` of a ``--shard i/k`` run or null, ``created_at``, ``updated_at``), ``environment``
-    (python, platform, host, devices, library versions, git commit and dirty flag). Only ``config`` decides whether a rerun resumes or is refused.
+    (python, platform, host, devices, ``executor``: ``{"kind": "in-process", "devices"}`` or ``{"kind": "ray",
+    "ray": version, "address", "nodes": alive nodes, "workers": [{"devices", "node", "node_id", "pid", "gpus"}]}``,
+    library versions, git commit and dirty flag). Only ``config`` decides whether a rerun resumes or is refused.
 
 traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each problem finishes:
     idx             int: the problem's index in the benchmark file (0-based), unique in the file.

@@ -39,8 +39,9 @@ def run_dir(root: Path | str, config: RunConfig) -> Path:
     return Path(root) / config.bench_name() / config.folder_name()
 
 
-def environment(devices: list[str] | None = None) -> dict[str, Any]:
-    """Versions, host and git state, recorded in config.json but never compared."""
+def environment(devices: list[str] | None = None, executor: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Versions, host, devices, executor (in-process or Ray) and git state, recorded in config.json but never
+    compared."""
     versions = {}
     for lib in ("kvrescue", "torch", "transformers", "safetensors", "tokenizers", "numpy", "sympy"):
         try:
@@ -52,6 +53,7 @@ def environment(devices: list[str] | None = None) -> dict[str, Any]:
         "platform": platform.platform(),
         "host": socket.gethostname(),
         "devices": devices or [],
+        "executor": executor,
         "versions": versions,
         "git": _git_state(),
     }
@@ -171,8 +173,8 @@ class RunFolder:
 
     @classmethod
     def open(cls, path: Path | str, config: RunConfig, *, total: int | None = None,
-             devices: list[str] | None = None, overwrite: bool = False,
-             shard: tuple[int, int] | None = None) -> RunFolder:
+             devices: list[str] | None = None, executor: dict[str, Any] | None = None,
+             overwrite: bool = False, shard: tuple[int, int] | None = None) -> RunFolder:
         """Open `path` for `config`: create it, or resume it if it holds the same configuration.
 
         A different configuration raises `RunFolderError` unless `overwrite`, which clears the
@@ -215,7 +217,7 @@ class RunFolder:
                 "config": config.to_dict(),
                 "run": {"total": total, "shard": list(shard) if shard else None, "created_at": created,
                         "updated_at": now},
-                "environment": environment(devices),
+                "environment": environment(devices, executor),
             })
             return cls(path, config, traces, lock_fd)
         except BaseException:
