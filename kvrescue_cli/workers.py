@@ -264,7 +264,9 @@ class RayWorkers:
             ids = visible.split(",") if visible else [str(i) for i in range(max(gpus) + 1)]
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in gpus)
         cpu_groups = sum(group[0] == "cpu" for group in self.groups)
-        ray.init(num_cpus=max(cpu_groups, 1), num_gpus=len(gpus), object_store_memory=OBJECT_STORE, **RAY_QUIET)
+        # "local": a new instance even where this node belongs to a cluster (joining one takes --ray-address)
+        ray.init(address="local", num_cpus=max(cpu_groups, 1), num_gpus=len(gpus), object_store_memory=OBJECT_STORE,
+                 **RAY_QUIET)
         self.private = True
 
     def _start(self, group: int) -> None:

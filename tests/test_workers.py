@@ -1,4 +1,5 @@
-"""Worker processes over devices (`--devices cpu,cpu`), crash safety, Ctrl-C, and `--shard` merged by the report."""
+"""Ray actors over device groups (`--devices cpu,cpu`, a two-node local cluster), crash safety, Ctrl-C, and
+`--shard` merged by the report."""
 
 import os
 import signal
@@ -102,20 +103,50 @@ def reference(tmp_path_factory, problems, models) -> list[dict]:
     return traces_of(out)
 
 
-def worker_pids(parent: int) -> list[int]:
-    """The spawned worker processes among `parent`'s children (not its resource tracker)."""
-    children = []
-    for task in Path(f"/proc/{parent}/task").iterdir():
-        children += [int(pid) for pid in (task / "children").read_text().split()]
-    found = []
-    for pid in children:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except FileNotFoundError:
-            continue
-        if b"spawn_main" in cmdline:
-            found.append(pid)
+def descendants(root: int) -> list[int]:
+    """Every live process below `root`."""
+    found, todo = [], [root]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(pid) for pid in (task / "children").read_text().split()]
+            except FileNotFoundError:
+                continue
+            found += children
+            todo += children
     return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return b"State:\tZ" not in Path(f"/proc/{pid}/status").read_bytes()
+    except FileNotFoundError:
+        return False
+
+
+def actor_pids(root: int) -> list[int]:
+    """The GroupWorker actor processes below `root` (the Ray nodes it started, and their workers)."""
+    found = []
+    for pid in descendants(root):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::GroupWorker"):
+                found.append(pid)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes of one CPU each on this machine (Ray's own test cluster): an actor on each."""
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, object_store_memory=80 * 2**20,
+                                                              include_dashboard=False))
+    nodes.add_node(num_cpus=1, object_store_memory=80 * 2**20)
+    nodes.wait_for_nodes()
+    yield nodes
+    nodes.shutdown()
 
 
 def wait_for_traces(out: Path, process: subprocess.Popen, lines: int) -> bytes:
@@ -128,39 +159,50 @@ def wait_for_traces(out: Path, process: subprocess.Popen, lines: int) -> bytes:
     raise AssertionError("the run wrote no trace before the deadline")
 
 
-def test_a_killed_worker_costs_nothing_and_two_workers_give_the_one_worker_traces(problems, models, reference, tmp_path):
-    process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def test_two_actors_on_two_nodes_survive_a_sigkill_and_give_the_in_process_traces(problems, models, reference,
+                                                                                  cluster, tmp_path):
+    process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu", "--ray-address",
+                                       cluster.address), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     written = wait_for_traces(tmp_path, process, 1)
-    victims = worker_pids(process.pid)
+    victims = actor_pids(os.getpid())
     assert len(victims) == 2
     os.kill(victims[0], signal.SIGKILL)
     out, err = process.communicate(timeout=600)
     assert process.returncode == 0, err.decode()[-3000:]
     err = err.decode()
-    assert f"pid {victims[0]}) died (killed by SIGKILL)" in err and "last problem given:" in err, err[-3000:]
+    assert f"pid {victims[0]}) died (The actor is dead" in err and "last problem given:" in err, err[-3000:]
     traces = traces_of(tmp_path)
     (path,) = tmp_path.glob("tiny/kvrescue-*/traces.jsonl")
     assert path.read_bytes().startswith(written[: written.rfind(b"\n") + 1])  # nothing written before is lost
     assert sorted(t["idx"] for t in traces) == list(range(4))  # every problem exactly once
     assert comparable(traces) == comparable(reference, approx=True)
     assert orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/summary.json")).read_bytes())["complete"]
+    executor = orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/config.json")).read_bytes())["environment"]["executor"]
+    assert executor["kind"] == "ray" and executor["nodes"] == 2 and executor["address"] == cluster.address
+    assert len({worker["node_id"] for worker in executor["workers"]}) == 2  # one actor on each node
+    assert sorted(worker["pid"] for worker in executor["workers"]) == sorted(victims)
 
 
-def test_ctrl_c_stops_every_worker_and_the_run_resumes(problems, models, reference, tmp_path):
+def test_ctrl_c_stops_every_actor_and_the_private_ray_instance_and_the_run_resumes(problems, models, reference,
+                                                                                   tmp_path):
     process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     wait_for_traces(tmp_path, process, 1)
-    workers = worker_pids(process.pid)
+    ray_processes = descendants(process.pid)  # the private Ray instance's node and its actors
+    assert len(actor_pids(process.pid)) == 2
     os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err.decode()[-3000:]
     assert b"run the same command again to resume" in err
-    for pid in workers:
-        assert not Path(f"/proc/{pid}").exists() or b"State:\tZ" in Path(f"/proc/{pid}/status").read_bytes()
+    deadline = time.time() + 30  # Ray's shutdown ends its processes; the kernel may take a moment to reap
+    while time.time() < deadline and any(alive(pid) for pid in ray_processes):
+        time.sleep(0.1)
+    assert not [pid for pid in ray_processes if alive(pid)]
     done = subprocess.run(command(problems, models, tmp_path, "--devices", "cpu"), capture_output=True, timeout=600)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert comparable(traces_of(tmp_path)) == comparable(reference, approx=True)
+    executor = orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/config.json")).read_bytes())["environment"]["executor"]
+    assert executor == {"kind": "in-process", "devices": ["cpu"]}
 
 
 def test_shards_split_the_problems_and_the_report_merges_them(problems, models, reference, tmp_path):
@@ -186,48 +228,56 @@ def test_shards_split_the_problems_and_the_report_merges_them(problems, models, 
     assert b"shards 1/2 missing" in partial.stdout
 
 
-def test_a_problem_that_kills_two_workers_is_recorded_as_failed_and_no_worker_left_stops_the_run(tmp_path):
-    from multiprocessing import get_context
+def test_a_problem_that_kills_two_actors_is_recorded_as_failed_and_no_actor_left_stops_the_run(models, cluster,
+                                                                                              tmp_path):
+    import ray
 
     from kvrescue_cli import workers
     from kvrescue_cli.data import ProblemSet
-    from kvrescue_cli.outputs import RunConfig, summarize
     from kvrescue_cli.grid import Cell, GridOptions
+    from kvrescue_cli.outputs import RunConfig, summarize
     from kvrescue_cli.search import SearchSettings
 
+    roles = dict(zip(("base", "helper", "prm"), models[1::2]))
     options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
-                          models={"base": "b", "prm": "p"}, scorer="prm", settings=SearchSettings(), out=tmp_path,
-                          devices=("cpu", "cpu"))
+                          models=roles, scorer="prm", settings=SearchSettings(), out=tmp_path, devices=("cpu",),
+                          ray_address=cluster.address)
     cell = Cell(ProblemSet("t", "generic", "t.jsonl", []), "bon", 16, 2, 0)
-    context = get_context("spawn")
-    process = context.Process(target=os._exit, args=(3,))  # a worker that died with exit status 3
-    process.start()
-    process.join()
-    conn, child = context.Pipe()
-    child.close()
     said, emitted = [], []
-    pool = workers.WorkerPool(options, said.append)
-    pool.deaths["cpu"] = workers.DEVICE_RESTARTS - 1  # this death is the device's last: no new worker
-    worker = workers._Worker(0, "cpu", process, conn, state="running")
-    pool.workers = [worker]
-    queue = WorkQueue(deque([problem(7)]))
-    queue.take(5)
-    queue.lost(5, "killed by SIGKILL")  # its first death, in another worker
-    assert queue.take(0).idx == 7
-    pool._bury(worker, queue, cell, lambda trace, tokens: emitted.append(trace))
+    ray.init(address=cluster.address, **workers.RAY_QUIET)
+    try:
+        pool = workers.RayWorkers(options, said.append)
+        pool.start()
+        (worker,) = pool.workers
+        pool.deaths[0] = workers.GROUP_RESTARTS - 1  # this death is the group's last: no new actor
+        queue = WorkQueue(deque([problem(7)]))
+        queue.take(5)
+        queue.lost(5, "killed by SIGKILL")  # its first death, in another actor
+        assert queue.take(worker.number).idx == 7
+        worker.state, worker.call = "running", worker.actor.exchange.remote([])
+        ray.kill(worker.actor)
+        pool._wait(queue, cell, lambda trace, tokens: emitted.append(trace))
+    finally:
+        ray.shutdown()
     (trace,) = emitted
     assert trace.idx == 7 and trace.stop == "failed"
-    assert trace.skip_reason == "killed 2 workers: killed by SIGKILL; exit status 3"
-    assert any("died (exit status 3) holding problems [7]" in s and "no new worker" in s for s in said)
+    assert trace.skip_reason.startswith("killed 2 workers: killed by SIGKILL; The actor is dead because it was "
+                                        "killed by `ray.kill`")
+    assert any(f"pid {worker.placement['pid']}) died (The actor is dead" in s and "holding problems [7]" in s
+               and "no new worker" in s for s in said)
     config = RunConfig("t", "bon", 16, 2, "rkv", 0, {}, "prm")
     assert summarize(emitted, config).failed == 1
-    with pytest.raises(workers.WorkersGone, match="every worker is gone .cpu: exit status 3.; 1 problems"):
+    with pytest.raises(workers.WorkersGone, match="every worker is gone .group 0: The actor is dead.*; 1 problems"):
         pool.decode(cell, [problem(8)], lambda trace, tokens: None)
 
 
-def test_a_model_the_workers_cannot_load_is_a_one_line_error_before_any_run_folder(problems, models, tmp_path):
+def test_a_model_the_actors_cannot_load_or_a_cluster_without_gpus_is_a_one_line_error_before_any_run_folder(
+        problems, models, cluster, tmp_path):
     args = [a if a != models[1] else str(tmp_path / "no-such-model") for a in models]
-    done = subprocess.run(command(problems, args, tmp_path / "runs", "--devices", "cpu,cpu"), capture_output=True,
-                          timeout=300)
+    done = subprocess.run(command(problems, args, tmp_path / "runs", "--devices", "cpu,cpu", "--ray-address",
+                                  cluster.address), capture_output=True, timeout=300)
     assert done.returncode == 2 and b"base model" in done.stderr and b"Traceback" not in done.stderr
+    done = subprocess.run(command(problems, models, tmp_path / "runs", "--ray-address", cluster.address),
+                          capture_output=True, timeout=300)
+    assert done.returncode == 2 and b"the cluster offers no GPU" in done.stderr and b"Traceback" not in done.stderr
     assert not (tmp_path / "runs").exists()
