@@ -27,9 +27,9 @@ from rich.table import Table
 
 from kvrescue_cli import decoding, workers
 from kvrescue_cli.data import Problem, ProblemSet
-from kvrescue_cli.engine.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.grid import Cell, GridOptions
+from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.search import SearchSettings
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, init_std=0.1)
