@@ -251,6 +251,9 @@ class Controller:
                     if runner.cache.length(problem.rows[name]) != problem.context:
                         raise RuntimeError(f"problem {problem.idx}: the {name} cache holds "
                                            f"{runner.cache.length(problem.rows[name])} tokens, the trajectory {problem.context}")
+        if "base" in self.runners:
+            for problem in ready:
+                problem.steps[-1].base_rows = self.runners["base"].rows_held(problem.rows["base"])
 
     def _retire(self, problem: ProblemState) -> Finished:
         peak = 0

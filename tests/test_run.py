@@ -93,6 +93,26 @@ def test_evicted_base_is_bounded(grid):
     assert max(t["peak_base_rows"] for t in traces) <= 16 + 128 + 12 + 64  # B' + one append (prompt or step)
 
 
+def test_each_step_records_the_base_cache_length(grid):
+    for method in METHODS:
+        _, traces, _ = read_folder(grid, method)
+        for trace in traces:
+            rows = [step["base_rows"] for step in trace["steps"]]
+            if method == "helper":
+                assert rows == [None] * len(rows)
+                continue
+            assert max(rows) <= trace["peak_base_rows"]
+            if method == "full":
+                # Nothing evicted: the row holds the prompt and every committed token, but the last step's last
+                # token (sampled, never fed: the problem stopped there).
+                prompt = trace["tokens"]["base_prefill"] - sum(s["tokens"] for s in trace["steps"] if s["source"] == "helper")
+                held = [prompt + sum(s["tokens"] for s in trace["steps"][:i + 1]) for i in range(len(rows))]
+                held[-1] -= 1
+                assert rows == held
+            else:
+                assert max(rows) < 16 + 128  # compressed to B whenever it reaches B' = B + 128
+
+
 def test_same_seed_gives_identical_traces(grid, problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
     done = kvrescue_run("--bench", str(problems), "--method", "kvrescue", "--n", "2", "--limit", "3",
                         "--base", str(qwen2_dir), "--helper", str(llama_dir), "--prm", str(prm_dir),

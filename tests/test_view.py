@@ -27,6 +27,7 @@ DUCKS = ("Janet’s ducks lay 16 eggs per day. She eats three for breakfast ever
 ROBE = "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many bolts in total does it take?"
 HOSTILE = 'Simplify $\\frac{1}{2}+\\frac{1}{4}$. </script><img src=x onerror="window.pwned=1"><b>bold</b>'
 USES = "She eats 3 eggs and bakes with 4, so she uses $3 + 4 = 7$ eggs a day.\n\n"
+PROMPT = 150
 LOOP = "The remainder is 16 - 7 = 7 eggs. " * 12 + "\n\n"
 
 # Per method and problem: (correct, pred, steps), each step (source, text, score, a base candidate the detector stopped).
@@ -64,15 +65,19 @@ def candidates(method: str, source: str, score: float, stopped: str | None, toke
 
 
 def make_trace(method: str, idx: int, problem: str, gt: str, correct: bool, pred: str, steps: list) -> Trace:
-    recorded, cands = [], []
+    """The base cache starts at PROMPT rows and grows by each step; evicted (B = 64) back to B once it reaches B'."""
+    recorded, cands, held, peak = [], [], PROMPT, PROMPT
     for source, text, score, stopped in steps:
         tokens = len(text.split()) + 2
-        recorded.append(Step(text, source, score, tokens))
+        held += tokens
+        peak = max(peak, held)
+        held = 64 if method != "full" and held >= 64 + 128 else held
+        recorded.append(Step(text, source, score, tokens, base_rows=held))
         cands.append(candidates(method, source, score, stopped, tokens))
     per_model = {src: sum(c.tokens for cs in cands for c in cs if c.source == src) for src in ("base", "helper")}
     return Trace(idx, problem, gt, gt, recorded, cands, "".join(s.text for s in recorded), pred, correct, False, "eos",
-                 None, Tokens(base=per_model["base"], base_prefill=60, helper=per_model["helper"], prm=200),
-                 len(recorded), {"wall_s": 1.5, "started_at": 1000.0 + idx, "finished_at": 1001.5 + idx}, 150, 0)
+                 None, Tokens(base=per_model["base"], base_prefill=PROMPT, helper=per_model["helper"], prm=200),
+                 len(recorded), {"wall_s": 1.5, "started_at": 1000.0 + idx, "finished_at": 1001.5 + idx}, peak, 0)
 
 
 def write_run(root: Path, method: str, bench: str, traces: list[Trace], finished: bool = True) -> Path:
@@ -251,6 +256,11 @@ def test_problem_page_shows_each_runs_steps_side_by_side(browser, page):
     headers = browser.find_elements(By.CSS_SELECTOR, "#side-by-side th.run")
     methods = ["full", "bon", "kvrescue"]
     assert [h.get_attribute("textContent").split(" ")[0] for h in headers] == methods
+    for method, header in zip(methods, headers):  # the base cache length per step, as drawn
+        held = [step.base_rows for step in make_trace(method, 0, DUCKS, "18", *TRAJECTORIES[method][0]).steps]
+        points = header.find_element(By.CSS_SELECTOR, "svg.chart polyline").get_attribute("points").split()
+        assert len(points) == len(held)
+        assert f"max {max(held)}" in header.find_element(By.CSS_SELECTOR, "svg.chart text").get_attribute("textContent")
     rows = browser.find_elements(By.CSS_SELECTOR, "#side-by-side tbody tr")
     assert len(rows) == max(len(TRAJECTORIES[m][0][2]) for m in methods)
     for i, row in enumerate(rows):

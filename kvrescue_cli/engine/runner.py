@@ -34,6 +34,11 @@ class Runner:
         batch = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
         return self.model.net.decode(batch, self.cache, rows).float()
 
+    def rows_held(self, row: int) -> int:
+        """Entries this row's cache holds now: its physical length (the logical one for a full cache)."""
+        physical = getattr(self.cache, "physical_length", None)
+        return physical(row) if physical is not None else self.cache.length(row)
+
     def peak_rows(self, row: int) -> int:
         """The largest physical length this row (and the forks it adopted) reached."""
         peak = getattr(self.cache, "peak_length", None)

@@ -23,6 +23,8 @@ traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each prob
         tokens      int: tokens in the step (of the model that produced it).
         no_survivor bool: every candidate was dropped by the detector; the best-scored one was
                     committed anyway.
+        base_rows   int | null: entries the base model's cache row held once the step was committed
+                    (its physical length: at most B' - 1 when evicted); null without a base model.
     candidates      list (one entry per step, aligned with ``steps``) of lists of `Candidate`:
         source      "base" | "helper".
         score       float | null: scorer output; null when the detector dropped it before scoring.

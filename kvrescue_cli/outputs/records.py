@@ -28,6 +28,7 @@ class Step:
     score: float | None
     tokens: int
     no_survivor: bool = False
+    base_rows: int | None = None  # the base cache row's physical length after the commit
 
 
 @dataclass

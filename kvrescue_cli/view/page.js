@@ -200,20 +200,23 @@ function showProblems(app, data) {
 
 const pickedRuns = new Map();  // "bench/idx" -> Set of run ids shown side by side
 
-function cacheChart(run, trace) {
+// The base cache row's length after each committed step, on a scale shared by the runs shown (`top`),
+// a dot per step coloured by its source, the budget B dashed.
+function cacheChart(run, trace, top) {
   const rows = trace.steps.map(s => s.base_rows);
   if (!rows.length || rows.some(v => v === null || v === undefined))
     return el("div", { class: "muted chart-note" },
               run.method === "helper" ? "no base model" : "base cache length per step not recorded in this trace");
-  const width = 260, height = 56, pad = 14;
-  const top = Math.max(...rows, run.budget || 0, 1);
+  const width = 300, height = 64, pad = 6;
   const x = i => pad + (rows.length === 1 ? 0 : i * (width - 2 * pad) / (rows.length - 1));
-  const y = v => height - 4 - v * (height - 16) / top;
+  const y = v => height - 4 - v * (height - 18) / top;
   const chart = svgEl("svg", { class: "chart", width, height, viewBox: `0 0 ${width} ${height}` });
   if (run.budget) chart.append(svgEl("line", { class: "budget", x1: pad, x2: width - pad, y1: y(run.budget), y2: y(run.budget) }));
   chart.append(svgEl("polyline", { points: rows.map((v, i) => `${x(i)},${y(v)}`).join(" ") }));
+  if (rows.length <= 200)
+    rows.forEach((v, i) => chart.append(svgEl("circle", { class: trace.steps[i].source, cx: x(i), cy: y(v), r: 2.2 })));
   const label = svgEl("text", { x: pad, y: 9 });
-  label.textContent = `base cache rows per step (max ${Math.max(...rows)}${run.budget ? ", B = " + run.budget : ""})`;
+  label.textContent = `base cache rows after each step (max ${Math.max(...rows)}${run.budget ? ", B = " + run.budget : ""})`;
   chart.append(label);
   return chart;
 }
@@ -274,6 +277,8 @@ async function showProblem(app, data, bench, idx, current) {
   const traces = await Promise.all(shown.map(r => detail(r.id, idx)));
   if (!current()) return;  // another view was asked for meanwhile
   const longest = Math.max(0, ...traces.map(t => t.steps.length));
+  const top = Math.max(1, ...shown.map(r => r.budget || 0),
+                       ...traces.flatMap(t => t.steps.map(s => s.base_rows || 0)));
   const head = el("tr", {}, el("th", { class: "stepno" }, "step"), shown.map((r, j) => {
     const t = traces[j];
     return el("th", { class: "run", "data-run": r.id },
@@ -282,7 +287,7 @@ async function showProblem(app, data, bench, idx, current) {
       el("div", { class: "cell-stats" }, `tokens: base ${t.tokens.base}, helper ${t.tokens.helper}, prm ${t.tokens.prm}` +
                                         ` · peak base rows ${t.peak_base_rows}`),
       r.in_progress ? el("div", { class: "cell-stats" }, "* in progress: " + r.in_progress) : null,
-      cacheChart(r, t));
+      cacheChart(r, t, top));
   }));
   const body = el("tbody");
   let drawn = 0;
