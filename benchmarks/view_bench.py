@@ -44,8 +44,9 @@ def vocabulary() -> list[str]:
     return words
 
 
-def make_trace(rng: random.Random, words: list[str], method: str, idx: int, args: argparse.Namespace) -> Trace:
-    steps, cands = [], []
+def make_trace(rng: random.Random, words: list[str], method: str, idx: int, budget: int | None,
+               args: argparse.Namespace) -> Trace:
+    steps, cands, held = [], [], 120
     for _ in range(rng.randint(max(1, args.steps // 4), 2 * args.steps)):
         per_source = {"base": 0 if method == "helper" else args.n, "helper": args.n if method in HELPED + ("helper",) else 0}
         detector = method == "kvrescue"
@@ -60,7 +61,9 @@ def make_trace(rng: random.Random, words: list[str], method: str, idx: int, args
         winner = max((c for c in options if c.score is not None), key=lambda c: c.score)
         winner.committed = True
         text = " ".join(rng.choice(words) for _ in range(args.step_tokens)) + "\n\n"
-        steps.append(Step(text, winner.source, winner.score, winner.tokens))
+        held += winner.tokens
+        held = budget if budget is not None and held >= budget + 128 else held
+        steps.append(Step(text, winner.source, winner.score, winner.tokens, base_rows=None if method == "helper" else held))
         cands.append(options)
     problem = " ".join(rng.choice(words) for _ in range(60))
     return Trace(idx, problem, "18", "18", steps, cands, "".join(s.text for s in steps), "18", rng.random() < 0.6,
@@ -78,7 +81,7 @@ def write_runs(root: Path, problems: int, args: argparse.Namespace) -> list[Path
                                {r: MODELS[r] for r in (*roles, "prm")}, "prm", False)
             with RunFolder.open(run_dir(root, config), config, total=problems) as folder:
                 for idx in range(problems):
-                    folder.append(make_trace(rng, words, method, idx, args))
+                    folder.append(make_trace(rng, words, method, idx, budget, args))
                 folder.write_summary()
             paths.append(run_dir(root, config))
     return paths
