@@ -42,7 +42,12 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.gather_reference: the former path, kept as test code
 
+import kvrescue_cli.decoding as decoding  # noqa: E402
 from kvrescue_cli.engine.caches import FullCache, block_size_for  # noqa: E402
+from kvrescue_cli.engine.sampling import SamplingParams  # noqa: E402
+from kvrescue_cli.runs import GridOptions, run_grid  # noqa: E402
+from kvrescue_cli.search import SearchSettings  # noqa: E402
+from kvrescue_cli.smollm import smollm2_folder  # noqa: E402
 from tests.gather_reference import gather_attend  # noqa: E402
 
 HELPER = dict(layers=28, heads=12, kv_heads=2, head_dim=128)  # Qwen2.5-Math-1.5B
@@ -152,12 +157,6 @@ def measure_shape(device: str, dtype: torch.dtype, context: int, problems: int, 
 
 def end_to_end(limit: int, n: int) -> list[dict]:
     """`full` runs of the CPU demo model (N = n) with each variant's cache; wall seconds without loading."""
-    import kvrescue_cli.decoding as decoding
-    from kvrescue_cli.engine.sampling import SamplingParams
-    from kvrescue_cli.engine.smollm import smollm2_folder
-    from kvrescue_cli.runs import GridOptions, run_grid
-    from kvrescue_cli.search import SearchSettings
-
     class PagedCache(FullCache):
         def __init__(self, *args, **kw) -> None:
             super().__init__(*args, **kw, cascade=False)
