@@ -9,6 +9,9 @@ downloaded). Sections, in this order:
 - `logits`: this engine vs transformers on a random Qwen2.5-0.5B-shaped Qwen2, in the run's dtype: a
   plain forward, and a prefill plus one-token decode steps through the static (CUDA-graph) path of the
   bounded cache; max/mean |difference|, cosine, top-1 agreement and `ok` under the dtype's tolerance.
+- `attention`: the full cache's attention at the helper's shape (Qwen2.5-Math-1.5B, 28 layers), gather vs
+  paged vs cascade, decode step time and KV bytes read, context 1k/2k/4k, 8 and 64 problems x N = 8
+  (`benchmarks/attention_bench.py`).
 - `decode`: tokens/s of one-token decode steps with Qwen2.5-Math-7B's shape, rows 64/256/512, rkv at
   budgets 64 and 512 and `none`, context 1k and 4k, with and without CUDA graphs, and transformers
   `generate` at the same rows and context. Both sides do the same work per token: a forward, fp32
@@ -268,6 +271,16 @@ def too_big(device: str, need: float) -> str | None:
     return f"needs {need / 2**30:.0f} GiB of KV cache" if need > 0.8 * free_bytes(device) else None
 
 
+def attention_section(check: Check, device: str, dtype: torch.dtype, tiny: bool) -> None:
+    """The full cache's attention, gather vs paged vs cascade, each shape recorded as it ends."""
+    from attention_bench import measure_shape  # beside this script
+
+    for problems in (2,) if tiny else (8, 64):
+        for context in (64,) if tiny else (1024, 2048, 4096):
+            check.measure("attention", {"context": context, "problems": problems}, check.deadline(DECODE_SHARE),
+                          lambda: measure_shape(device, dtype, context, problems, layers=1 if tiny else 28, max_gib=16))
+
+
 def decode_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> None:
     """Every decode configuration, with its roofline; each recorded as it ends. The models are built at
     the first measurement taken."""
@@ -454,6 +467,8 @@ def describe(section: str, r: dict) -> str:
         what = "copy bandwidth"
     elif section == "logits":
         what = f"{r.get('shape', '')} {r.get('dtype', '')}"
+    elif section == "attention":
+        what = f"full-cache attention ctx={r['context']} problems={r['problems']}"
     elif section == "decode":
         budget = f" B={r['budget']}" if r["budget"] else ""
         what = (f"{r['engine']} rows={r['rows']} ctx={r['context']} {r['evictor']}{budget}"
@@ -468,6 +483,10 @@ def describe(section: str, r: dict) -> str:
     if section == "logits":
         return (f"{what}: ok={r['ok']} forward max|d|={r['forward']['max_abs']:.2e} top1={r['forward']['top1_agreement']:.3f}, "
                 f"decode max|d|={r['prefill_then_decode']['max_abs']:.2e} top1={r['prefill_then_decode']['top1_agreement']:.3f}")
+    if section == "attention":
+        return f"{what}: " + ", ".join(f"{v} skipped" if "skipped" in r[v] else
+                                       f"{v} {r[v]['step_ms']:.1f} ms/step {r[v]['kv_bytes_read'] / 1e9:.2f} GB"
+                                       for v in ("gather", "paged", "cascade"))
     if section == "decode":
         share = f" ({100 * r['of_roofline']:.1f}% of roofline)" if r["of_roofline"] is not None else ""
         return f"{what}: {r['tokens_per_s']:.1f} tok/s{share}"
@@ -478,7 +497,7 @@ def describe(section: str, r: dict) -> str:
 def table(report: dict) -> str:
     """Every result, one line each, grouped by section."""
     lines = ["", f"gpu_check on {report['device']} ({report['dtype']}), {report.get('elapsed_s', 0):.0f} s:"]
-    for section in ("roofline", "logits", "decode", "problems"):
+    for section in ("roofline", "logits", "attention", "decode", "problems"):
         found = report.get(section)
         if found is None:
             continue
@@ -492,7 +511,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, end to end in well under a minute")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (always cpu with --tiny)")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
-    parser.add_argument("--skip", default="", help="comma list of sections to leave out: logits,decode,problems")
+    parser.add_argument("--skip", default="",
+                        help="comma list of sections to leave out: logits,attention,decode,problems")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="seconds from the start within which every measurement starts and ends (see the top)")
     args = parser.parse_args()
@@ -508,6 +528,8 @@ def main() -> None:
     check.measure("roofline", {}, end, lambda: copy_bandwidth(device, args.tiny))
     if "logits" not in skip:
         check.measure("logits", {}, end, lambda: check_logits(device, dtype, args.tiny, plan))
+    if "attention" not in skip:
+        attention_section(check, device, dtype, args.tiny)
     if "decode" not in skip:
         decode_section(check, device, dtype, args.tiny, plan)
     if "problems" not in skip:

@@ -32,6 +32,9 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     logits = report["logits"]
     assert logits["ok"], logits
     assert logits["prefill_then_decode"]["top1_agreement"] == 1.0
+    (attention,) = report["attention"]  # benchmarks/attention_bench.py at a tiny shape, one layer
+    assert all(attention[v]["kv_bytes_read"] > 0 for v in ("gather", "paged", "cascade"))
+    assert attention["cascade"]["kv_bytes_read"] < attention["paged"]["kv_bytes_read"]
     measured = [d for d in report["decode"] if "skipped" not in d]
     assert {d["engine"] for d in measured} == {"kvrescue", "transformers-generate"}
     assert {d["evictor"] for d in measured} == {"rkv", "none"}
@@ -55,7 +58,7 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
         assert p["helper_tokens_per_problem"] == (16 if method == "kvrescue" else 0)
     # one flushed progress line per measurement, then the table repeats every one of them
     progress = [line for line in lines if line.startswith("[")]
-    assert len(progress) == 2 + len(report["decode"]) + len(report["problems"])
+    assert len(progress) == 2 + len(report["attention"]) + len(report["decode"]) + len(report["problems"])
     table = lines[len(progress):]
     assert sum(" tok/s " in line for line in table) == len(measured)
     assert any("full graphs=off: 4 problems" in line for line in table)
