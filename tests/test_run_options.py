@@ -1,0 +1,281 @@
+"""`kvrescue run` options end to end (subprocesses on the tiny random checkpoints), each driven far enough
+that the behaviour it claims happens: contexts several times past B', detector exits of the reason its
+threshold forces, evictors, comma lists, sampling options, field options, --overwrite, Ctrl-C, the table."""
+
+import os
+import re
+import signal
+import subprocess
+import time
+from itertools import combinations
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.test_run import KVRESCUE, kvrescue_run
+
+MODELS = lambda q, p: ["--base", str(q), "--prm", str(p), "--device", "cpu"]  # noqa: E731
+BUDGET = 16
+B_PRIME = BUDGET + 128
+# 12 synthetic steps of 48 tokens: a ~57-token prompt grows to ~632 cached tokens, over four times B' - B past B'
+SYNTHETIC = ["--synthetic-steps", "48:12", "--max-step-tokens", "48", "--context-cap", "1024"]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def problems(tmp_path_factory) -> Path:
+    rows = [{"question": f"What is {a} + {b}? Let x be the answer.", "answer": str(a + b)} for a, b in
+            [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1)]]
+    return write_jsonl(tmp_path_factory.mktemp("data") / "tiny.jsonl", rows)
+
+
+def folders(root: Path) -> dict[str, Path]:
+    """Run folders under `root` by name without the hash: `<bench>/<method>-<evictor>-b<B>-n<N>-s<seed>`."""
+    return {f"{p.parent.name}/{p.name.rsplit('-', 1)[0]}": p for p in root.glob("*/*") if (p / "config.json").exists()}
+
+
+def traces(folder: Path) -> list[dict]:
+    rows = [orjson.loads(line) for line in (folder / "traces.jsonl").read_bytes().splitlines()]
+    return sorted(rows, key=lambda t: t["idx"])
+
+
+def summary(folder: Path) -> dict:
+    return orjson.loads((folder / "summary.json").read_bytes())
+
+
+def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return done
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in t.items() if k != "timings"} for t in rows]
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+# -- eviction -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def evictor_runs(tmp_path_factory, problems, qwen2_dir, prm_dir) -> Path:
+    """bon with each evictor, and bon --evictor none beside full, on synthetic steps long enough to compress."""
+    out = tmp_path_factory.mktemp("evictors")
+    common = ["--bench", str(problems), "--n", "2", "--limit", "2", "--budget", str(BUDGET), "--batch", "2",
+              "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--out", str(out),
+              *MODELS(qwen2_dir, prm_dir), *SYNTHETIC]
+    for evictor in ("rkv", "snapkv", "streaming"):
+        ok(kvrescue_run(*common, "--method", "bon", "--evictor", evictor))
+    ok(kvrescue_run(*common, "--method", "bon,full", "--evictor", "none"))
+    return out
+
+
+def cached(trace: dict) -> int:
+    """Tokens the base cache was fed: the prompt and every committed step but the last token."""
+    return trace["tokens"]["base_prefill"] + sum(s["tokens"] for s in trace["steps"]) - 1
+
+
+def test_every_evicting_row_is_compressed_several_times(evictor_runs):
+    found = folders(evictor_runs)
+    for evictor in ("rkv", "snapkv", "streaming"):
+        folder = found[f"tiny/bon-{evictor}-b{BUDGET}-n2-s0"]
+        for t in traces(folder):
+            # one token at a time, a row reaches exactly B' and drops to B, so it never held more than B';
+            # holding `cached` tokens in at most B' - 1 entries takes (cached - B' + 1) / (B' - B) compressions
+            assert t["peak_base_rows"] == B_PRIME and cached(t) >= B_PRIME + 3 * (B_PRIME - BUDGET)
+    for method in ("bon-none", "full-none"):  # nothing evicted: the cache holds everything
+        for t in traces(found[f"tiny/{method}-b{BUDGET if method == 'bon-none' else 'full'}-n2-s0"]):
+            assert t["peak_base_rows"] == cached(t)
+
+
+def test_evictors_change_the_outputs_and_none_equals_full(evictor_runs):
+    found = folders(evictor_runs)
+    outputs = {e: [t["output"] for t in traces(found[f"tiny/bon-{e}-b{BUDGET}-n2-s0"])]
+               for e in ("rkv", "snapkv", "streaming", "none")}
+    for a, b in combinations(outputs, 2):
+        assert all(x != y for x, y in zip(outputs[a], outputs[b])), (a, b)
+    none, full = found[f"tiny/bon-none-b{BUDGET}-n2-s0"], found["tiny/full-none-bfull-n2-s0"]
+    assert untimed(traces(none)) == untimed(traces(full))
+    config = orjson.loads((found[f"tiny/bon-snapkv-b{BUDGET}-n2-s0"] / "config.json").read_bytes())["config"]
+    assert config["evictor"] == "snapkv" and config["settings"]["synthetic_steps"] == [48, 12]
+
+
+def test_synthetic_steps_end_every_step_after_len_tokens_and_every_problem_after_count(evictor_runs):
+    for folder in folders(evictor_runs).values():
+        for t in traces(folder):
+            assert t["n_steps"] == 12 and t["stop"] == "steps"
+            assert all(c["tokens"] == 48 and c["finish"] == "step" for cands in t["candidates"] for c in cands)
+        s = summary(folder)
+        assert s["accuracy"] is None and s["synthetic"] and s["base_tokens"] == 2 * 12 * 48
+
+
+# -- the detector -------------------------------------------------------------------------------------
+def test_tau_cmp_makes_the_repetition_test_fire(problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
+    """Any text compresses under a gzip ratio of 2: every base candidate that reaches 800 characters stops there."""
+    ok(kvrescue_run("--bench", str(problems), "--method", "kvrescue", "--n", "2", "--limit", "2", "--batch", "2",
+                    "--budget", str(BUDGET), "--helper", str(llama_dir), *MODELS(qwen2_dir, prm_dir),
+                    "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--max-step-tokens", "400",
+                    "--max-steps", "2", "--tau-cmp", "2.0", "--out", str(tmp_path)))
+    (folder,) = folders(tmp_path).values()
+    base = [c for t in traces(folder) for cands in t["candidates"] for c in cands if c["source"] == "base"]
+    fired = [c for c in base if c["finish"] == "repetition"]
+    assert len(fired) >= 3
+    for c in fired:
+        assert c["fired_at"] == c["tokens"] and c["score"] is None and not c["committed"]
+        assert c["min_gzip_ratio"] < 2.0 and c["max_mean_entropy"] < 7.0  # the entropy test never fired
+    assert all(c["min_gzip_ratio"] is None for c in base if c not in fired)  # ended before 800 characters
+    assert summary(folder)["early_exit_rate"] == pytest.approx(len(fired) / len(base))
+
+
+def test_tau_ent_makes_the_entropy_test_fire(problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
+    """This model's mean entropy is about 5.8 nats: a threshold of 5 fires on every base candidate at token 24."""
+    ok(kvrescue_run("--bench", str(problems), "--method", "kvrescue", "--n", "2", "--limit", "2", "--batch", "2",
+                    "--budget", str(BUDGET), "--helper", str(llama_dir), *MODELS(qwen2_dir, prm_dir),
+                    "--max-step-tokens", "40", "--max-steps", "2", "--tau-ent", "5.0", "--out", str(tmp_path)))
+    (folder,) = folders(tmp_path).values()
+    fired = 0
+    for t in traces(folder):
+        for step, cands in zip(t["steps"], t["candidates"]):
+            base = [c for c in cands if c["source"] == "base"]
+            for c in base:
+                if c["tokens"] >= 24:
+                    assert (c["finish"], c["fired_at"], c["tokens"], c["score"]) == ("entropy", 24, 24, None)
+                    assert c["max_mean_entropy"] > 5.0
+                else:  # ended before the entropy test applies
+                    assert c["finish"] in ("eos", "step") and c["max_mean_entropy"] is None
+            fired += sum(c["finish"] == "entropy" for c in base)
+            if all(c["finish"] == "entropy" for c in base):
+                assert step["source"] == "helper"
+    assert fired >= 3
+
+
+# -- the grid ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory, problems, qwen2_dir, llama_dir, prm_dir) -> tuple[Path, bytes, Path]:
+    """Two benches x bon, full, helper x budgets 16, 24 x N 1, 2 x seeds 0, 1, one problem each."""
+    data = tmp_path_factory.mktemp("benches")
+    write_jsonl(data / "first.jsonl", [{"question": "What is 1 + 2? Let x be the answer.", "answer": "3"}])
+    write_jsonl(data / "second.jsonl", [{"question": "What is 5 + 6? Let x be the answer.", "answer": "11"}])
+    out = tmp_path_factory.mktemp("grid")
+    done = subprocess.run([KVRESCUE, "run", "--bench", f"{data / 'first.jsonl'},{data / 'second.jsonl'}",
+                           "--method", "bon,full,helper", "--budget", "16,24", "--n", "1,2", "--seed", "0,1",
+                           "--helper", str(llama_dir), *MODELS(qwen2_dir, prm_dir), "--max-step-tokens", "8",
+                           "--max-steps", "3", "--batch", "2", "--out", str(out)],
+                          capture_output=True, timeout=900, env={**os.environ, "COLUMNS": "250"})
+    return out, ok(done).stderr, data
+
+
+def test_comma_lists_run_every_cell_and_full_and_helper_once_across_budgets(grid):
+    out, _, _ = grid
+    expected = set()
+    for bench in ("first", "second"):
+        for n in (1, 2):
+            for seed in (0, 1):
+                expected |= {f"{bench}/bon-rkv-b{b}-n{n}-s{seed}" for b in (16, 24)}
+                expected |= {f"{bench}/{m}-none-bfull-n{n}-s{seed}" for m in ("full", "helper")}
+    found = folders(out)
+    assert set(found) == expected
+    for name, folder in found.items():
+        (trace,) = traces(folder)
+        assert trace["problem"].startswith("What is 1 + 2" if name.startswith("first") else "What is 5 + 6")
+        assert all(len(cands) == int(re.search(r"-n(\d+)-s", name)[1]) for cands in trace["candidates"])
+    # seeds are different random streams
+    assert traces(found["first/bon-rkv-b16-n2-s0"])[0]["output"] != traces(found["first/bon-rkv-b16-n2-s1"])[0]["output"]
+
+
+def test_the_final_table_has_one_row_per_cell_with_its_numbers(grid):
+    out, stderr, _ = grid
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in stderr.decode().splitlines() if line.startswith("│")]
+    assert len(rows) == 32
+    found = folders(out)
+    for bench, method, budget, n, seed, scorer, acc, steps, base, helper, share, exits, rate in rows:
+        evictor, b = ("rkv", budget) if method == "bon" else ("none", "full")
+        s = summary(found[f"{bench}/{method}-{evictor}-b{b}-n{n}-s{seed}"])
+        assert scorer == "prm" and acc == pct(s["accuracy"]) and rate == num(s["throughput_per_min"])
+        assert (steps, base, helper) == tuple(num(s[k]) for k in ("mean_steps", "base_tokens", "helper_tokens"))
+        assert (share, exits) == (pct(s["helper_step_share"]), pct(s["early_exit_rate"]))
+
+
+# -- sampling ------------------------------------------------------------------------------------------
+def test_sampling_options_change_the_outputs(grid, qwen2_dir, prm_dir, tmp_path):
+    """Greedy, top-k 1 and a top-p under the top token's probability (over 1/512 here) all take the most likely
+    token; the defaults (seed 0 in the grid) do not."""
+    out, _, data = grid
+    common = ["--bench", str(data / "first.jsonl"), "--method", "bon", "--budget", "16",
+              "--n", "2", *MODELS(qwen2_dir, prm_dir), "--max-step-tokens", "8", "--max-steps", "3", "--batch", "2"]
+    greedy = {}
+    for name, option in {"t0": ["--temperature", "0"], "k1": ["--temperature", "1.0", "--top-k", "1"],
+                         "p": ["--temperature", "1.0", "--top-k", "0", "--top-p", "0.001"]}.items():
+        ok(kvrescue_run(*common, *option, "--out", str(tmp_path / name)))
+        (folder,) = folders(tmp_path / name).values()
+        (greedy[name],) = traces(folder)
+    assert greedy["t0"]["output"] == greedy["k1"]["output"] == greedy["p"]["output"]
+    for cands in greedy["t0"]["candidates"]:  # both candidates of a step are the same tokens
+        assert cands[0]["score"] == cands[1]["score"] and cands[0]["tokens"] == cands[1]["tokens"]
+    (sampled,) = traces(folders(out)["first/bon-rkv-b16-n2-s0"])
+    assert sampled["output"] != greedy["t0"]["output"]
+
+
+# -- fields, --overwrite, Ctrl-C ------------------------------------------------------------------------
+def test_problem_and_answer_fields_name_the_columns(qwen2_dir, prm_dir, tmp_path):
+    path = write_jsonl(tmp_path / "custom.jsonl", [{"text": "What is 2 + 2?", "question": "decoy", "final": 4},
+                                                   {"text": "What is 3 + 3?", "question": "decoy", "final": 6}])
+    common = ["--bench", str(path), "--method", "bon", "--budget", "16", "--n", "1", *MODELS(qwen2_dir, prm_dir),
+              "--max-step-tokens", "8", "--max-steps", "2", "--out", str(tmp_path / "runs")]
+    ok(kvrescue_run(*common, "--problem-field", "text", "--answer-field", "final"))
+    (folder,) = folders(tmp_path / "runs").values()
+    assert [(t["problem"], t["gt"]) for t in traces(folder)] == [("What is 2 + 2?", "4"), ("What is 3 + 3?", "6")]
+    settings = orjson.loads((folder / "config.json").read_bytes())["config"]["settings"]
+    assert (settings["problem_field"], settings["answer_field"]) == ("text", "final")
+    done = kvrescue_run(*common, "--problem-field", "text", "--answer-field", "solution")
+    assert done.returncode == 2 and b"custom.jsonl:1" in done.stderr and b"missing field 'solution'" in done.stderr
+
+
+def test_overwrite_replaces_a_folder_holding_another_configuration(problems, qwen2_dir, prm_dir, tmp_path):
+    args = ["--bench", str(problems), "--method", "bon", "--budget", "16", "--n", "2", "--limit", "2",
+            *MODELS(qwen2_dir, prm_dir), "--max-step-tokens", "8", "--max-steps", "3", "--out", str(tmp_path)]
+    ok(kvrescue_run(*args))
+    (folder,) = folders(tmp_path).values()
+    config, before = (folder / "config.json").read_bytes(), traces(folder)
+    stored = orjson.loads(config)
+    stored["config"]["settings"]["top_k"] = 5
+    (folder / "config.json").write_bytes(orjson.dumps(stored))
+    (folder / "traces.jsonl").write_bytes(orjson.dumps({**before[0], "idx": 1, "output": "stale"}) + b"\n")
+    assert kvrescue_run(*args).returncode == 2  # refused without --overwrite, nothing touched
+    assert traces(folder)[0]["output"] == "stale"
+    ok(kvrescue_run(*args, "--overwrite"))
+    assert orjson.loads((folder / "config.json").read_bytes())["config"] == orjson.loads(config)["config"]
+    assert untimed(traces(folder)) == untimed(before) and summary(folder)["complete"]
+
+
+def test_ctrl_c_writes_what_finished_and_the_same_command_resumes(problems, qwen2_dir, prm_dir, tmp_path):
+    args = [KVRESCUE, "run", "--bench", str(problems), "--method", "bon", "--budget", "16", "--n", "2", "--batch", "1",
+            *MODELS(qwen2_dir, prm_dir), "--max-step-tokens", "24", "--max-steps", "6", "--out", str(tmp_path)]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline, written = time.time() + 300, b""
+    while time.time() < deadline and process.poll() is None:
+        found = list(tmp_path.glob("tiny/*/traces.jsonl"))
+        if found and (written := found[0].read_bytes()).count(b"\n") >= 1:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr.decode()[-2000:]
+    assert b"interrupted" in stderr and b"resume" in stderr and b"Traceback" not in stderr
+    (folder,) = folders(tmp_path).values()
+    kept = traces(folder)
+    assert 1 <= len(kept) < 6 and (folder / "traces.jsonl").read_bytes().startswith(written)
+    assert summary(folder)["problems"] == len(kept) and not summary(folder)["complete"]
+    done = ok(subprocess.run(args, capture_output=True, timeout=600))
+    assert b"kvrescue run" in done.stderr
+    after = traces(folder)
+    assert [t["idx"] for t in after] == list(range(6)) and all(t in after for t in kept)
