@@ -7,6 +7,7 @@ and in this process; fp32 outputs must agree within 1e-5 and the evicting cache 
 positions per layer and KV head.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,15 @@ def test_shard_degrees_of_the_papers_setting() -> None:
     assert shard_degree(7, 7, 700, 8) == 1  # nothing divides: a whole copy per rank
     with pytest.raises(ValueError, match="--tp 8 must divide the base's 28 query heads, 4 KV heads"):
         shard_degree(28, 4, 18944, 8, exact_heads=True)
+
+
+def test_tp_check_tiny_runs_on_two_cpu_ranks(tmp_path):
+    """benchmarks/tp_check.py (gpu_check's `tp` section) end to end over gloo: fp32 logits agree, both rates measured."""
+    out = tmp_path / "tp.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tp_check.py"), "--tiny", "--out", str(out)],
+                          capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    report = json.loads(out.read_text())
+    assert report["logits"]["max_abs"] < TOL and report["logits"]["top1_agreement"] == 1.0
+    assert report["tp1"]["eager"] > 0 and report["tp2"]["eager"] > 0
+    assert "tp=2 vs 1 (tiny): logits max|d|=" in done.stdout.decode()
