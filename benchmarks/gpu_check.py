@@ -21,6 +21,7 @@ downloaded). Sections, in this order:
 - `problems`: problems/min of bon and kvrescue with and without CUDA graphs, and full (which never
   uses them), through `kvrescue run`'s decode code, N = 8, B = 64, random 7B/1.5B/PRM-7B-shaped
   models, synthetic steps, after one warm-up problem.
+- `tp` (two or more GPUs only): benchmarks/tp_check.py, tensor parallelism over GPUs 0 and 1.
 
 Time: every measurement is bounded by `--budget-s` (seconds from the start). Measurements not started
 in time are recorded as skipped (decode ones past DECODE_SHARE of the budget, the others past all of
@@ -463,6 +464,9 @@ class Check:
 
 def describe(section: str, r: dict) -> str:
     """One line for one result."""
+    if section == "tp":
+        from tp_check import describe as describe_tp  # benchmarks/, next to this script
+        return describe_tp(r)
     if section == "roofline":
         what = "copy bandwidth"
     elif section == "logits":
@@ -497,7 +501,7 @@ def describe(section: str, r: dict) -> str:
 def table(report: dict) -> str:
     """Every result, one line each, grouped by section."""
     lines = ["", f"gpu_check on {report['device']} ({report['dtype']}), {report.get('elapsed_s', 0):.0f} s:"]
-    for section in ("roofline", "logits", "attention", "decode", "problems"):
+    for section in ("roofline", "logits", "attention", "decode", "problems", "tp"):
         found = report.get(section)
         if found is None:
             continue
@@ -512,7 +516,7 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (always cpu with --tiny)")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--skip", default="",
-                        help="comma list of sections to leave out: logits,attention,decode,problems")
+                        help="comma list of sections to leave out: logits,attention,decode,problems,tp")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="seconds from the start within which every measurement starts and ends (see the top)")
     args = parser.parse_args()
@@ -534,6 +538,10 @@ def main() -> None:
         decode_section(check, device, dtype, args.tiny, plan)
     if "problems" not in skip:
         problems_section(check, device, dtype, args.tiny, plan)
+    if "tp" not in skip and device.startswith("cuda") and torch.cuda.device_count() >= 2:
+        from tp_check import tp_section
+        check.measure("tp", {}, end, lambda: tp_section(tiny=False, timeout_s=max(end - time.perf_counter(), 1.0)),
+                      interrupt=False)
     print(table(report), flush=True)
     print(f"wrote {args.out} in {time.perf_counter() - check.started:.1f} s", flush=True)
 
