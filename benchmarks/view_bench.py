@@ -5,8 +5,8 @@
 
 Run folders are written with the project's writer (`RunFolder`): per problem a number of committed steps drawn
 around --steps (from a quarter to twice as many), each step's text --step-tokens words from the bundled GSM8K
-solutions, and N candidates per model and step (2N for kvrescue and interleave), with full-precision floats for
-scores and detector statistics as real traces have. Baselines measured in the same
+solutions, and N candidates per model and step (2N for kvrescue and interleave), each with a text of as many
+words as its tokens, with full-precision floats for scores and detector statistics as real traces have. Baselines measured in the same
 run, interleaved round by round: building the page vs `kvrescue report --format json` on the same folders
 (the page is that report plus the traces, packed), and opening the page vs opening the page of a one-problem run
 (the browser's fixed cost). Medians over --rounds; figures are printed as a table and as JSON.
@@ -58,8 +58,9 @@ def make_trace(rng: random.Random, words: list[str], method: str, idx: int, budg
         for c in options:
             if c.finish == "repetition":
                 c.score, c.fired_at = None, c.tokens
+            c.text = " ".join(rng.choice(words) for _ in range(c.tokens)) + "\n\n"
         winner = max((c for c in options if c.score is not None), key=lambda c: c.score)
-        winner.committed = True
+        winner.committed, winner.text = True, None
         text = " ".join(rng.choice(words) for _ in range(args.step_tokens)) + "\n\n"
         held += winner.tokens
         held = budget if budget is not None and held >= budget + 128 else held

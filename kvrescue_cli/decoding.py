@@ -42,7 +42,7 @@ def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool
                 max_mean_entropy=c.detector.max_mean_entropy if c.detector else None,
                 min_gzip_ratio=c.detector.min_ratio if c.detector else None,
                 fired_at=c.detector.fired_at if c.detector else None,
-                committed=c.committed,
+                committed=c.committed, text=None if c.committed else c.text,
             )
             for c in cands
         ])

@@ -93,6 +93,19 @@ def test_evicted_base_is_bounded(grid):
     assert max(t["peak_base_rows"] for t in traces) <= 16 + 128 + 12 + 64  # B' + one append (prompt or step)
 
 
+def test_candidates_record_their_text(grid):
+    for method in METHODS:
+        _, traces, _ = read_folder(grid, method)
+        for trace in traces:
+            for step, cands in zip(trace["steps"], trace["candidates"]):
+                for c in cands:
+                    if c["committed"]:
+                        assert c["text"] is None  # the step's text
+                    else:
+                        assert isinstance(c["text"], str)
+                        assert c["finish"] != "step" or "\n\n" in c["text"]
+
+
 def test_each_step_records_the_base_cache_length(grid):
     for method in METHODS:
         _, traces, _ = read_folder(grid, method)

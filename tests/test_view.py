@@ -60,7 +60,8 @@ def candidates(method: str, source: str, score: float, stopped: str | None, toke
                 tokens if not fired else 180, stopped if fired else "step",
                 (7.6 if stopped == "entropy" and fired else 2.1) if detector and src == "base" else None,
                 (0.15 if stopped == "repetition" and fired else 0.42) if detector and src == "base" else None,
-                180 if fired else None, committed))
+                180 if fired else None, committed,
+                None if committed else ("So so so so so " * 40 if fired else f"another {src} step {k}\n\n")))
     return out
 
 
@@ -96,13 +97,17 @@ def write_run(root: Path, method: str, bench: str, traces: list[Trace], finished
 @pytest.fixture(scope="module")
 def runs_root(tmp_path_factory) -> Path:
     """gsm8k: full, bon and kvrescue on two problems (bon loops on the first); math500: a bon run in progress
-    on a problem whose text tries to inject markup; a folder with a config but no traces."""
+    on a problem whose text tries to inject markup, its candidates without texts (an older trace); a folder with
+    a config but no traces."""
     root = tmp_path_factory.mktemp("runs")
     for method, problems in TRAJECTORIES.items():
         write_run(root, method, "gsm8k", [make_trace(method, idx, (DUCKS, ROBE)[idx], ("18", "3")[idx], *spec)
                                           for idx, spec in problems.items()])
-    write_run(root, "bon", "math500", [make_trace("bon", 123, HOSTILE, "\\frac{3}{4}", False, "1",
-                                                  [("base", "It is $1$.", 0.3, None)])], finished=False)
+    older = make_trace("bon", 123, HOSTILE, "\\frac{3}{4}", False, "1", [("base", "It is $1$.", 0.3, None)])
+    for cands in older.candidates:  # as written before candidates' texts were recorded
+        for c in cands:
+            c.text = None
+    write_run(root, "bon", "math500", [older], finished=False)
     empty = RunConfig("math500", "full", None, 2, "none", 0, {"base": MODELS["base"]}, "prm")
     RunFolder.open(run_dir(root, empty), empty, total=3).close()
     return root
@@ -242,6 +247,8 @@ def test_problem_list_filters_and_search(browser, page):
     open_view(browser, page, "#p/math500/123")  # its trace is in the run's third detail chunk
     assert browser.find_element(By.ID, "problem-text").get_attribute("textContent") == HOSTILE
     assert texts(browser.find_elements(By.CSS_SELECTOR, "#side-by-side .step-text")) == ["It is $1$."]
+    browser.find_element(By.CSS_SELECTOR, "#side-by-side button.link").click()
+    assert "written before candidates' texts were recorded" in browser.find_element(By.CSS_SELECTOR, "table.candidates caption").text
     assert browser.execute_script("return window.pwned") is None
 
 
@@ -278,13 +285,15 @@ def test_problem_page_shows_each_runs_steps_side_by_side(browser, page):
     # The kvrescue column's second step: the helper rescued it; its 4 candidates, the base one stopped by the detector.
     rescued = rows[1].find_elements(By.CSS_SELECTOR, "td.step")[2]
     rescued.find_element(By.CSS_SELECTOR, "button.link").click()
-    cand_rows = rescued.find_elements(By.CSS_SELECTOR, "table.candidates tbody tr")
+    shown = [texts(r.find_elements(By.TAG_NAME, "td")) for r in rescued.find_elements(By.CSS_SELECTOR, "table.candidates tr.cand")]
+    cand_texts = texts(rescued.find_elements(By.CSS_SELECTOR, "table.candidates tr.cand-text td"))
     expected = candidates("kvrescue", "helper", 0.88, "repetition", len(TRAJECTORIES["kvrescue"][0][2][1][1].split()) + 2)
-    assert [texts(r.find_elements(By.TAG_NAME, "td")) for r in cand_rows] == [
+    assert shown == [
         [c.source, "—" if c.score is None else f"{c.score:.3f}", str(c.tokens), c.finish,
          "—" if c.max_mean_entropy is None else f"{c.max_mean_entropy:.2f}",
          "—" if c.min_gzip_ratio is None else f"{c.min_gzip_ratio:.3f}",
-         "—" if c.fired_at is None else str(c.fired_at), "committed" if c.committed else ""] for c in expected]
+         "—" if c.fired_at is None else str(c.fired_at)] for c in expected]
+    assert cand_texts == ["committed: the step's text" if c.committed else c.text for c in expected]
     screenshot = os.environ.get("KVRESCUE_VIEW_SCREENSHOT")
     if screenshot:  # README's picture: KVRESCUE_VIEW_SCREENSHOT=docs/view.png pytest tests/test_view.py
         browser.set_window_size(1400, 860)

@@ -38,6 +38,8 @@ traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each prob
         fired_at    int | null: token position (1-based count of generated tokens) where the detector
                     fired; null when it did not.
         committed   bool: this candidate became the step (exactly one per step).
+        text        str | null: the text it decoded (up to where the detector stopped it); null for the
+                    committed candidate (its text is the step's) and in traces written before it was recorded.
     output          str: the committed text (all steps joined).
     pred            str: the grader's extracted, normalised prediction.
     correct         bool: the grader's verdict (false for skipped problems and grader timeouts).

@@ -43,6 +43,7 @@ class Candidate:
     min_gzip_ratio: float | None = None
     fired_at: int | None = None
     committed: bool = False
+    text: str | None = None  # what it decoded (up to where the detector stopped it); null for the committed one
 
 
 @dataclass

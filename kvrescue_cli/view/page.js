@@ -221,15 +221,21 @@ function cacheChart(run, trace, top) {
   return chart;
 }
 
+// One row per candidate, its text in a full-width row below it.
 function candidatesTable(cands) {
+  const unrecorded = cands.some(c => !c.committed && (c.text === null || c.text === undefined));
   return el("table", { class: "candidates" },
-    el("thead", {}, el("tr", {}, ["source", "score", "tokens", "finish", "max H̄", "min ρ", "fired at", ""].map(h => el("th", {}, h)))),
-    el("tbody", {}, cands.map(c => el("tr", { class: c.committed ? "committed" : null },
-      el("td", {}, badge(c.source)), el("td", { class: "num" }, score(c.score)), el("td", { class: "num" }, c.tokens),
-      el("td", { class: c.finish === "entropy" || c.finish === "repetition" ? "fired" : null }, c.finish),
-      el("td", { class: "num" }, num(c.max_mean_entropy, 2)), el("td", { class: "num" }, num(c.min_gzip_ratio, 3)),
-      el("td", { class: "num" }, c.fired_at ?? "—"), el("td", {}, c.committed ? "committed" : "")))),
-    el("caption", { class: "muted" }, "Candidate texts are not recorded in traces; the committed one is the step's text."));
+    el("thead", {}, el("tr", {}, ["source", "score", "tokens", "finish", "max H̄", "min ρ", "fired at"].map(h => el("th", {}, h)))),
+    el("tbody", {}, cands.flatMap(c => [
+      el("tr", { class: "cand" + (c.committed ? " committed" : "") },
+        el("td", {}, badge(c.source)), el("td", { class: "num" }, score(c.score)), el("td", { class: "num" }, c.tokens),
+        el("td", { class: c.finish === "entropy" || c.finish === "repetition" ? "fired" : null }, c.finish),
+        el("td", { class: "num" }, num(c.max_mean_entropy, 2)), el("td", { class: "num" }, num(c.min_gzip_ratio, 3)),
+        el("td", { class: "num" }, c.fired_at ?? "—")),
+      el("tr", { class: "cand-text" + (c.committed ? " committed" : "") },
+        el("td", { colspan: 7 }, c.committed ? el("span", { class: "muted" }, "committed: the step's text")
+                                             : el("div", { class: "tex" }, c.text ?? "—")))])),
+    unrecorded ? el("caption", { class: "muted" }, "This trace was written before candidates' texts were recorded.") : null);
 }
 
 function stepCell(trace, i) {
