@@ -11,7 +11,7 @@ from kvrescue_cli import decoding, workers
 from kvrescue_cli.data import GENERIC, data_dir, load_problems
 from kvrescue_cli.grid import Cell, GridOptions, roles_needed
 from kvrescue_cli.methods import METHODS
-from kvrescue_cli.outputs import ModelRef, RunConfig, RunFolder, Summary, Trace, run_dir
+from kvrescue_cli.outputs import ModelRef, RunConfig, RunFolder, Summary, Trace, problem_checksum, run_dir
 
 
 def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
@@ -47,7 +47,8 @@ def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcess | wo
     problems = cell.problems.problems
     with RunFolder.open(run_dir(options.out, config), config, total=len(problems), devices=list(options.devices),
                         executor=executor.record(),
-                        overwrite=options.overwrite, shard=options.shard) as folder:
+                        overwrite=options.overwrite, shard=options.shard,
+                        problems={p.idx: problem_checksum(p.problem, p.gt) for p in problems}) as folder:
         pending = [p for p in problems if p.idx not in folder.done]
         task = progress.add_task(_cell_label(config), total=len(problems), completed=len(problems) - len(pending),
                                  accuracy="", speed="")

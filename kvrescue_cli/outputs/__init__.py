@@ -6,10 +6,13 @@ where hash8 is the first 8 hex digits of the SHA-256 of the configuration's iden
 config.json
     ``format`` (1), ``hash`` (full identity hash), ``config`` (the identity: every setting that changes
     results, see `RunConfig`), ``run`` (``total``: problems the latest invocation selected, ``shard``:
-    ``[i, k]`` of a ``--shard i/k`` run or null, ``created_at``, ``updated_at``), ``environment``
+    ``[i, k]`` of a ``--shard i/k`` run or null, ``shards``: ``{"i/k": total}`` of every shard run into
+    this folder, ``created_at``, ``updated_at``), ``problems`` (``{"idx": checksum}``: 16 hex digits of the
+    SHA-256 of each selected problem's text and raw answer, `problem_checksum`), ``environment``
     (python, platform, host, devices, ``executor``: ``{"kind": "in-process", "devices"}`` or ``{"kind": "ray",
     "ray": version, "address", "nodes": alive nodes, "workers": [{"devices", "node", "node_id", "pid", "gpus"}]}``,
-    library versions, git commit and dirty flag). Only ``config`` decides whether a rerun resumes or is refused.
+    library versions, git commit and dirty flag). ``config`` decides whether a rerun resumes or is refused;
+    a resumed run is refused too when a problem it recorded has changed (``problems``).
 
 traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each problem finishes:
     idx             int: the problem's index in the benchmark file (0-based), unique in the file.
@@ -65,8 +68,8 @@ summary.json -- `summarize(traces, config)`; see `Summary` for every field.
 """
 
 from kvrescue_cli.outputs.folder import (
-    CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolder, RunFolderError, TornTraceWarning, environment, read_json,
-    read_traces, run_dir, write_atomic, write_json_atomic,
+    CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolder, RunFolderError, TornTraceWarning, environment, problem_checksum,
+    read_json, read_traces, recorded_total, run_dir, write_atomic, write_json_atomic,
 )
 from kvrescue_cli.outputs.records import (
     DETECTOR_FINISHES, FINISHES, SOURCES, STOPS, UNDECODED, Candidate, ModelRef, RunConfig, Step, Tokens, Trace,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -32,6 +33,20 @@ class RunFolderError(InputError):
 
 class TornTraceWarning(UserWarning):
     """The last traces line was cut by a crash and has been dropped."""
+
+
+def problem_checksum(text: str, answer: str) -> str:
+    """16 hex digits of the SHA-256 of a problem's text and raw answer: what resuming checks."""
+    return hashlib.sha256(orjson.dumps([text, answer])).hexdigest()[:16]
+
+
+def recorded_total(run: dict[str, Any]) -> int | None:
+    """Problems the folder was asked for: the sum over the shards run into it, else the latest total."""
+    shards = run.get("shards") or {}
+    if len(shards) > 1 and len({key.split("/")[-1] for key in shards}) == 1:
+        totals = list(shards.values())
+        return None if None in totals else sum(totals)
+    return run.get("total")
 
 
 def run_dir(root: Path | str, config: RunConfig) -> Path:
@@ -174,13 +189,17 @@ class RunFolder:
     @classmethod
     def open(cls, path: Path | str, config: RunConfig, *, total: int | None = None,
              devices: list[str] | None = None, executor: dict[str, Any] | None = None,
-             overwrite: bool = False, shard: tuple[int, int] | None = None) -> RunFolder:
+             overwrite: bool = False, shard: tuple[int, int] | None = None,
+             problems: dict[int, str] | None = None) -> RunFolder:
         """Open `path` for `config`: create it, or resume it if it holds the same configuration.
 
         A different configuration raises `RunFolderError` unless `overwrite`, which clears the
         folder's traces and summary whatever it held. `total` is the number of problems this
         invocation selected (recorded so that a report can tell a finished run from a partial one);
-        `shard` (i, k) says it holds every k-th problem from the i-th (a report merges the shards).
+        `shard` (i, k) says it holds every k-th problem from the i-th (a report merges the shards;
+        shards run one after the other into one folder are each recorded). `problems` maps each
+        selected idx to its `problem_checksum`; a problem recorded before with another checksum is a
+        `RunFolderError` naming it, unless `overwrite`.
         """
         path = Path(path)
         try:
@@ -195,7 +214,7 @@ class RunFolder:
             raise RunFolderError(f"{path}: another kvrescue process is writing this run folder") from None
         try:
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            created = now
+            created, run, checksums = now, {}, {}
             if overwrite:
                 (path / SUMMARY).unlink(missing_ok=True)
                 (path / TRACES).unlink(missing_ok=True)
@@ -207,16 +226,24 @@ class RunFolder:
                     diff = _config_diff(stored.get("config"), config.to_dict())
                     raise RunFolderError(f"{path} holds a different configuration ({diff}); "
                                          "use --overwrite to replace it")
-                created = stored.get("run", {}).get("created_at", now)
+                run = stored.get("run") if isinstance(stored.get("run"), dict) else {}
+                created = run.get("created_at", now)
+                checksums = stored.get("problems") if isinstance(stored.get("problems"), dict) else {}
             elif (path / TRACES).exists():
                 raise RunFolderError(f"{path} has traces but no config.json; use --overwrite to replace it")
             traces = read_traces(path / TRACES, repair=True)
+            changed = _first_changed(problems or {}, checksums, traces)
+            if changed is not None:
+                raise RunFolderError(f"{path}: problem {changed} (0-based, in the problem file) has changed since it "
+                                     "was run (its text or answer differs); use --overwrite to start again")
+            shards = {**run.get("shards", {}), f"{shard[0]}/{shard[1]}": total} if shard else {}
             write_json_atomic(path / CONFIG, {
                 "format": FORMAT,
                 "hash": config.digest(),
                 "config": config.to_dict(),
-                "run": {"total": total, "shard": list(shard) if shard else None, "created_at": created,
-                        "updated_at": now},
+                "run": {"total": total, "shard": list(shard) if shard else None, "shards": shards,
+                        "created_at": created, "updated_at": now},
+                "problems": {**checksums, **{str(idx): digest for idx, digest in (problems or {}).items()}},
                 "environment": environment(devices, executor),
             })
             return cls(path, config, traces, lock_fd)
@@ -240,7 +267,7 @@ class RunFolder:
 
     def write_summary(self) -> Summary:
         """Compute the summary from all traces so far and write summary.json atomically."""
-        total = read_json(self.path / CONFIG).get("run", {}).get("total")
+        total = recorded_total(read_json(self.path / CONFIG).get("run", {}))
         summary = summarize(self.traces, self.config, total)
         write_json_atomic(self.path / SUMMARY, asdict(summary))
         return summary
@@ -257,6 +284,15 @@ class RunFolder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _first_changed(problems: dict[int, str], checksums: dict[str, str], traces: list[Trace]) -> int | None:
+    """The smallest idx of `problems` whose checksum differs from the one recorded in config.json
+    (or, for folders written before checksums were, from its trace's text and answer)."""
+    known = {t.idx: problem_checksum(t.problem, t.gt) for t in traces}
+    known.update({int(idx): digest for idx, digest in checksums.items()})
+    changed = [idx for idx, digest in problems.items() if known.get(idx, digest) != digest]
+    return min(changed, default=None)
 
 
 def _config_diff(old: Any, new: dict[str, Any]) -> str:

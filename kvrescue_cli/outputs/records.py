@@ -177,6 +177,7 @@ class RunConfig:
         return f"{self.method}-{self.evictor}-b{budget}-n{self.n}-s{self.seed}-{self.digest()[:8]}"
 
     def bench_name(self) -> str:
-        """The bench as a folder name: a known name as is, a JSONL path by its file stem."""
+        """The bench as a folder name: a known name as is, a JSONL path by its file stem; never a name
+        that leaves the root (no separators, no leading dots) or hides there."""
         stem = Path(self.bench).stem if self.bench.endswith(".jsonl") else self.bench
-        return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem) or "bench"
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).lstrip(".") or "bench"

@@ -10,7 +10,8 @@ from typing import Any, Iterable
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.outputs import (
-    CONFIG, SUMMARY, TRACES, RunConfig, RunFolderError, Summary, Trace, read_json, read_traces, summarize,
+    CONFIG, SUMMARY, TRACES, RunConfig, RunFolderError, Summary, Trace, read_json, read_traces, recorded_total,
+    summarize,
 )
 
 
@@ -113,24 +114,39 @@ def load_run(path: Path) -> tuple[Run | None, list[FolderNote]]:
     notes += [FolderNote(str(path), str(w.message)) for w in caught]
     if not traces:
         return None, notes + [FolderNote(str(path), "no finished problems yet (traces.jsonl empty or missing)")]
-    total = stored.get("run", {}).get("total")
+    run_meta = stored.get("run") if isinstance(stored.get("run"), dict) else {}
+    total = recorded_total(run_meta)
     summary = summarize(traces, config, total)
-    in_progress = None
-    if not (path / SUMMARY).exists():
-        in_progress = f"no summary.json: running or interrupted ({summary.problems} problems so far)"
-    elif total is not None and summary.problems < total:
-        in_progress = f"{summary.problems} of {total} problems"
-    else:
-        try:
-            written = read_json(path / SUMMARY).get("problems")
-        except RunFolderError:
-            written = None
-        if written != summary.problems:
-            in_progress = f"summary.json is stale ({written} problems, traces hold {summary.problems})"
+    in_progress = _missing_shards(run_meta) or _unfinished(path, summary, total)
     if in_progress:
         notes.append(FolderNote(str(path), f"in progress: {in_progress}"))
-    shard = stored.get("run", {}).get("shard")
+    shard = None if len(run_meta.get("shards") or {}) > 1 else run_meta.get("shard")
     return Run(path, config, traces, summary, in_progress, tuple(shard) if shard else None), notes
+
+
+def _unfinished(path: Path, summary: Summary, total: int | None) -> str | None:
+    """Why the folder's run looks unfinished, or None."""
+    if not (path / SUMMARY).exists():
+        return f"no summary.json: running or interrupted ({summary.problems} problems so far)"
+    if total is not None and summary.problems < total:
+        return f"{summary.problems} of {total} problems"
+    try:
+        written = read_json(path / SUMMARY).get("problems")
+    except RunFolderError:
+        written = None
+    if written != summary.problems:
+        return f"summary.json is stale ({written} problems, traces hold {summary.problems})"
+    return None
+
+
+def _missing_shards(run_meta: dict[str, Any]) -> str | None:
+    """For a folder that several `--shard i/k` runs wrote one after the other: the shards not run yet."""
+    shards = run_meta.get("shards") or {}
+    if len(shards) < 2:
+        return None
+    k = int(run_meta["shard"][1])
+    missing = sorted(set(range(k)) - {int(key.split("/")[0]) for key in shards if key.endswith(f"/{k}")})
+    return f"shards {', '.join(f'{i}/{k}' for i in missing)} missing" if missing else None
 
 
 def merge_shards(runs: list[Run]) -> tuple[list[Run], list[FolderNote]]:
