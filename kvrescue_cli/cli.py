@@ -54,6 +54,18 @@ def check_output_file(out: Path | None, option: str) -> None:
         raise InputError(f"{option} {out}: {parent} is a file, not a folder")
 
 
+def png_path(path: Path, option: str) -> Path:
+    """The PNG file an option names (`.png` added when it has no suffix); one-line errors for the rest."""
+    if path.is_dir():
+        raise InputError(f"{option} {path}: is a directory, not a file")
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    if path.suffix.lower() != ".png":
+        raise InputError(f"{option} {path}: the plot is written as PNG; name a .png file")
+    check_output_file(path, option)
+    return path
+
+
 def write_jsonl_atomically(records: list[dict], out: Path | None) -> None:
     """JSONL to stdout, or to `out` through a temporary file renamed at the end (never half-written)."""
     payload = b"".join(orjson.dumps(record) + b"\n" for record in records)
@@ -283,6 +295,8 @@ def report(
 
     if format not in ("table", "md", "csv", "json"):
         raise InputError(f"unknown --format '{format}': use table, md, csv or json")
+    if plot is not None:
+        plot = png_path(plot, "--plot")
     runs, notes = rep.load_runs(run_dirs)
     tables = rep.build_tables(runs, notes)
     if format == "table":
@@ -291,6 +305,10 @@ def report(
         sys.stdout.buffer.write(rep.to_json(tables, runs, notes))
     else:
         sys.stdout.write(rep.to_markdown(tables) if format == "md" else rep.to_csv(tables))
+    if format == "csv":  # CSV has no place for the notes: stderr, as the table format prints them
+        for table in tables:
+            for note in table.notes:
+                console.print(f"{table.name}: {note}", highlight=False, soft_wrap=True, markup=False)
     if plot is not None:
         console.print(f"wrote {rep.plot(runs, plot)}", highlight=False)
 

@@ -13,6 +13,7 @@ import pytest
 from kvrescue_cli.outputs import CONFIG, RunFolder, RunFolderError, problem_checksum, run_dir
 from kvrescue_cli.report import load_runs
 from tests.test_outputs import config, trace
+from tests.test_report import write_run
 
 KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
 
@@ -100,3 +101,47 @@ def test_run_into_a_bench_named_dots_and_resume_after_the_file_changed(qwen2_dir
     assert done.returncode == 2 and len(lines) == 1 and "problem 1 " in lines[0] and "--overwrite" in lines[0], lines
     done = subprocess.run([*args, "--overwrite"], capture_output=True, timeout=600)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
+
+
+@pytest.fixture
+def two_runs(tmp_path: Path) -> Path:
+    root = tmp_path / "runs"
+    write_run(root, "bon", correct={0, 1})
+    write_run(root, "full", correct={0, 1, 2})
+    broken = root / "math500" / "broken"
+    broken.mkdir(parents=True)
+    (broken / CONFIG).write_text("{")
+    return root
+
+
+def report_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([KVRESCUE, "report", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_report_csv_sends_its_notes_to_stderr(two_runs: Path) -> None:
+    done = report_cli(str(two_runs), "--format", "csv", cwd=two_runs)
+    assert done.returncode == 0, done.stderr
+    assert "broken" not in done.stdout and "not valid JSON" not in done.stdout
+    assert "broken" in done.stderr and "not valid JSON" in done.stderr
+    assert "# runs:" in done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("folder", "--plot folder: is a directory, not a file"),
+    ("figure.jpg", "--plot figure.jpg: the plot is written as PNG; name a .png file"),
+    ("plain/figure.png", "--plot plain/figure.png: plain is a file, not a folder"),
+])
+def test_report_plot_to_a_path_that_cannot_be_a_png(target: str, message: str, two_runs: Path) -> None:
+    (two_runs / "folder").mkdir()
+    (two_runs / "plain").write_text("a file")
+    done = report_cli(str(two_runs), "--plot", target, cwd=two_runs)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and lines == [f"error: {message}"], done.stderr
+    assert not (two_runs / "figure.jpg").exists()
+
+
+def test_report_plot_says_which_file_it_wrote(two_runs: Path) -> None:
+    done = report_cli(str(two_runs), "--plot", "figure", cwd=two_runs)
+    assert done.returncode == 0, done.stderr
+    assert (two_runs / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (two_runs / "figure").exists()
+    assert "wrote figure.png" in done.stderr
