@@ -56,8 +56,9 @@ def _close(a, b) -> None:
         assert x.shape == y.shape and (x - y).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("key", ["full", "bounded", "helper"])
+@pytest.mark.parametrize("key", ["full", "bounded", "static", "helper"])
 def test_cached_prefill_and_decode_logits_equal_one_device(results, key) -> None:
+    """The full cache, the evicting cache (dynamic and static decode step), the helper's replicated KV head."""
     single, ranks = results
     for rank in ranks:
         _close(rank[key], single[key])
@@ -110,3 +111,10 @@ def test_tp_check_tiny_runs_on_two_cpu_ranks(tmp_path):
     assert report["logits"]["max_abs"] < TOL and report["logits"]["top1_agreement"] == 1.0
     assert report["tp1"]["eager"] > 0 and report["tp2"]["eager"] > 0
     assert "tp=2 vs 1 (tiny): logits max|d|=" in done.stdout.decode()
+
+
+def test_tp_without_a_process_group_is_a_load_error(checkpoints):
+    from kvrescue_cli.engine.loader import ModelLoadError, load_model
+
+    with pytest.raises(ModelLoadError, match="--tp 2 needs torch.distributed initialised with 2 ranks"):
+        load_model(checkpoints[0], tp=2, exact_heads=True)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from kvrescue_cli.engine import FullCache, load_model
 from kvrescue_cli.engine import bounded
 from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.graphs import StaticDecode
 from kvrescue_cli.engine.prm import PRMScorer, prm_scores
 
 BUDGET, SLACK = 16, 8
@@ -26,13 +27,15 @@ def _tokens(vocab: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _cached(net, cache, prompt_lengths: list[int], steps: int, seed: int) -> list[torch.Tensor]:
-    """Logits of a right-padded prefill of rows of different lengths, then `steps` one-token decodes."""
+def _cached(net, cache, prompt_lengths: list[int], steps: int, seed: int, static: bool = False) -> list[torch.Tensor]:
+    """Logits of a right-padded prefill of rows of different lengths, then `steps` one-token decodes
+    (through the bounded cache's static decode step with `static`)."""
     vocab = net.args.vocab_size
     rows = [cache.create() for _ in prompt_lengths]
     out = [net.prefill(_tokens(vocab, (len(rows), max(prompt_lengths)), seed), cache, rows, prompt_lengths, last_only=False)]
     decode = _tokens(vocab, (steps, len(rows)), seed + 1)
-    out += [net.decode(decode[t], cache, rows) for t in range(steps)]
+    step = StaticDecode(net, cache, graphs=False) if static else None
+    out += [step(rows, decode[t].tolist()) if step else net.decode(decode[t], cache, rows) for t in range(steps)]
     return out
 
 
@@ -61,6 +64,8 @@ def run(base_dir: Path, helper_dir: Path, prm_dir: Path, tp: int = 1) -> dict[st
         "plain": base.logits(_tokens(base.args.vocab_size, (2, 12), 0)),
         "full": _cached(base.net, FullCache.for_model(base.net, 512, max_rows=8, block_size=4), lengths, 6, 1),
         "bounded": _cached(base.net, BoundedCache.for_model(base.net, BUDGET, "rkv", slack=SLACK, rows=4), lengths, 30, 2),
+        "static": _cached(base.net, BoundedCache.for_model(base.net, BUDGET, "rkv", slack=SLACK, rows=4), lengths, 30, 2,
+                          static=True),
         "kept": kept_positions(base.net, "rkv", lengths, 30, 2),
         "helper": _cached(helper.net, FullCache.for_model(helper.net, 512, max_rows=8, block_size=4), lengths, 6, 3),
         "prm_plain": prm_scores(prm, PROBLEM, STEPS),
