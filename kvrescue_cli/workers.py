@@ -13,11 +13,12 @@ an actor died is afterwards decoded alone on an actor, so a second death is its 
 as failed with both errors. Ray's own actor restarts (`max_restarts`) stay off: the driver must see every
 death to requeue and count, and a fresh actor is what a restart would give anyway.
 
-Messages travel as the results and arguments of `GroupWorker.exchange`, one call in flight per busy
-actor. Actor -> driver: ("ready", placement) models loaded; ("want",) a free slot; ("trace", Trace,
-tokens); ("idle",) the cell's problems are done here; ("error", message) a configuration error (stops
-the run); ("crash", message) an exception (the driver then kills the actor). Driver -> actor: ("run",
-cell) decode problems of `cell`, asking for them; ("problem", Problem) or ("none",) the answer to "want".
+Messages travel as the results and arguments of `GroupWorker.exchange`, one call always in flight per
+actor (so a death is seen whatever the actor is doing); `GroupWorker.begin(cell)` starts decoding a cell.
+Actor -> driver: ("ready", placement) models loaded; ("want",) a free slot; ("trace", Trace, tokens);
+("idle",) the cell's problems are done here; ("error", message) a configuration error (stops the run);
+("crash", message) an exception (the driver then kills the actor). Driver -> actor: ("problem", Problem)
+or ("none",) the answer to "want".
 """
 
 from __future__ import annotations
@@ -170,13 +171,14 @@ class GroupWorker:
         except InputError as err:
             self.outbox.put(("error", str(err)))
 
+    def begin(self, cell: Cell) -> None:
+        """Start decoding problems of `cell`, asking the driver for them."""
+        threading.Thread(target=self._decode, args=(cell,), daemon=True).start()
+
     def exchange(self, replies: list[tuple]) -> list[tuple]:
         """Take the driver's replies, then wait for this actor's next messages and return them all."""
         for reply in replies:
-            if reply[0] == "run":
-                threading.Thread(target=self._decode, args=(reply[1],), daemon=True).start()
-            else:
-                self.inbox.put(reply)
+            self.inbox.put(reply)
         messages = [self.outbox.get()]
         while not self.outbox.empty():
             messages.append(self.outbox.get())
@@ -206,7 +208,7 @@ class _Worker:
     group: int
     devices: tuple[str, ...]
     actor: Any                # a Ray actor handle of GroupWorker
-    call: Any = None          # the exchange in flight (an ObjectRef), None while idle
+    call: Any = None          # the exchange in flight (an ObjectRef)
     state: str = "loading"    # loading | idle | running
     placement: dict | None = None
     last: int | None = None
@@ -277,7 +279,9 @@ class RayWorkers:
         threads = max(1, (os.cpu_count() or 1) // max(cpu_groups, 1))
         on_gpu = devices[0] != "cpu"
         actor = ray.remote(GroupWorker).options(
-            num_cpus=1, num_gpus=len(devices) if on_gpu else 0, max_restarts=0).remote(self.options, devices, threads)
+            num_cpus=1, num_gpus=len(devices) if on_gpu else 0, max_restarts=0,
+            max_concurrency=2,  # `begin` runs while `exchange` waits
+        ).remote(self.options, devices, threads)
         worker = _Worker(self.started, group, devices, actor)
         worker.call = actor.exchange.remote([])
         self.workers.append(worker)
@@ -310,7 +314,7 @@ class RayWorkers:
         while True:
             for worker in self.workers:
                 if worker.state == "idle" and queue.pending:
-                    worker.call = worker.actor.exchange.remote([("run", slim)])
+                    worker.actor.begin.remote(slim)
                     worker.state = "running"
             if queue.empty and all(w.state != "running" for w in self.workers):
                 return
@@ -326,10 +330,9 @@ class RayWorkers:
         """Wait for one actor's messages (or its death), answer them, and bury it if it died."""
         import ray
 
-        calls = {w.call: w for w in self.workers if w.call is not None}
+        calls = {w.call: w for w in self.workers}
         (done,), _ = ray.wait(list(calls), num_returns=1)
         worker = calls[done]
-        worker.call = None
         try:
             messages = ray.get(done)
         except ray.exceptions.RayError as err:
@@ -354,14 +357,16 @@ class RayWorkers:
             elif kind == "error":
                 raise InputError(body[0])
         if worker.error is not None:
-            ray.kill(worker.actor, no_restart=True)
             self._bury(worker, queue, cell, emit, worker.error)
-        elif worker.state == "running":
+        else:
             worker.call = worker.actor.exchange.remote(replies)
 
     def _bury(self, worker: _Worker, queue: WorkQueue, cell: Cell | None, emit: Callable[[Trace, int], None],
               error: str) -> None:
         """Record a dead actor: requeue its problems, fail those struck out, start a new one for its group."""
+        import ray
+
+        ray.kill(worker.actor, no_restart=True)  # crashed, or unreachable (a node lost): it must not come back
         holding = sorted(queue.held.get(worker.number, {}))
         failed = queue.lost(worker.number, error)
         self.workers.remove(worker)

@@ -161,8 +161,9 @@ def wait_for_traces(out: Path, process: subprocess.Popen, lines: int) -> bytes:
 
 def test_two_actors_on_two_nodes_survive_a_sigkill_and_give_the_in_process_traces(problems, models, reference,
                                                                                   cluster, tmp_path):
+    # one problem in flight per actor: problems are still left when the first trace is written
     process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu", "--ray-address",
-                                       cluster.address), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                       cluster.address, "--batch", "1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     written = wait_for_traces(tmp_path, process, 1)
     victims = actor_pids(os.getpid())
     assert len(victims) == 2
@@ -181,6 +182,26 @@ def test_two_actors_on_two_nodes_survive_a_sigkill_and_give_the_in_process_trace
     assert executor["kind"] == "ray" and executor["nodes"] == 2 and executor["address"] == cluster.address
     assert len({worker["node_id"] for worker in executor["workers"]}) == 2  # one actor on each node
     assert sorted(worker["pid"] for worker in executor["workers"]) == sorted(victims)
+
+
+def test_a_lost_node_costs_only_its_actor_and_the_others_finish_the_run(problems, models, cluster, tmp_path):
+    doomed = cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)
+    cluster.wait_for_nodes()
+    # one problem in flight per actor, and longer problems: the doomed actor holds one when its node goes
+    process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu,cpu", "--ray-address",
+                                       cluster.address, "--batch", "1", "--max-steps", "20"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not list(tmp_path.glob("tiny/kvrescue-*/config.json")) and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)  # config.json is written once every actor is ready, as the cell starts
+    executor = orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/config.json")).read_bytes())["environment"]["executor"]
+    (lost,) = [worker for worker in executor["workers"] if worker["node_id"] == doomed.node_id]
+    cluster.remove_node(doomed, allow_graceful=False)  # its actor's replacement finds no free CPU
+    _, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err.decode()[-3000:]
+    assert f"pid {lost['pid']}) died (" in err.decode(), err.decode()[-3000:]
+    assert sorted(t["idx"] for t in traces_of(tmp_path)) == list(range(4))  # every problem exactly once
+    assert orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/summary.json")).read_bytes())["complete"]
 
 
 def test_ctrl_c_stops_every_actor_and_the_private_ray_instance_and_the_run_resumes(problems, models, reference,
@@ -254,8 +275,8 @@ def test_a_problem_that_kills_two_actors_is_recorded_as_failed_and_no_actor_left
         queue.take(5)
         queue.lost(5, "killed by SIGKILL")  # its first death, in another actor
         assert queue.take(worker.number).idx == 7
-        worker.state, worker.call = "running", worker.actor.exchange.remote([])
-        ray.kill(worker.actor)
+        worker.state = "running"
+        ray.kill(worker.actor)  # its exchange in flight fails
         pool._wait(queue, cell, lambda trace, tokens: emitted.append(trace))
     finally:
         ray.shutdown()
