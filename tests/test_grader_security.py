@@ -170,3 +170,25 @@ def test_whole_item_grading_is_bounded_by_the_timeout() -> None:
     long_but_easy = "reasoning " * 5_000 + "so \\boxed{5}"
     result = grade(long_but_easy, "5", "math500", timeout=10.0)
     assert (result.correct, result.pred, result.gt, result.symbolic) == (True, "5", "5", True)
+
+
+def test_kvrescue_grade_and_run_never_execute_their_input(marker: Path, qwen2_dir: Path, prm_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """End to end: payloads in a JSONL's outputs and answers, and in a problem file's answers."""
+    kvrescue = str(Path(sys.executable).parent / "kvrescue")
+    payloads = [PAYLOADS[name].replace("{p}", str(marker)) for name in sorted(PAYLOADS)]
+    outputs = tmp_path / "outputs.jsonl"
+    outputs.write_text("".join(json.dumps(r) + "\n" for p in payloads
+                               for r in ({"output": f"\\boxed{{{p}}}", "gt": "x+1"}, {"output": "\\boxed{x}", "gt": p})))
+    done = subprocess.run([kvrescue, "grade", str(outputs), "--bench", "math500"], capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    assert not marker.exists()
+    assert [json.loads(line)["correct"] for line in done.stdout.splitlines()] == [False] * 2 * len(payloads)
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(json.dumps({"question": "What is x?", "answer": p}) + "\n" for p in payloads[:2]))
+    done = subprocess.run([kvrescue, "run", "--bench", str(problems), "--method", "bon", "--n", "1", "--base",
+                           str(qwen2_dir), "--prm", str(prm_dir), "--out", str(tmp_path / "out"), "--max-step-tokens",
+                           "8", "--max-steps", "2", "--context-cap", "320", "--device", "cpu", "--batch", "2"],
+                          capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert not marker.exists()
