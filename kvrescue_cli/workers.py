@@ -103,6 +103,24 @@ def device_groups(devices: tuple[str, ...], size: int = 1) -> list[tuple[str, ..
     return [devices[i:i + size] for i in range(0, len(devices), size)]
 
 
+def named_gpus(groups: list[tuple[str, ...]], visible: str | None) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entries of the GPUs named (`cuda:N` is the N-th of `visible`, if set)."""
+    indices = sorted({int(d[5:]) for group in groups for d in group if d.startswith("cuda:")})
+    ids = visible.split(",") if visible else [str(i) for i in range(max(indices, default=-1) + 1)]
+    return [ids[i] for i in indices]
+
+
+def actor_resources(groups: list[tuple[str, ...]], group: int) -> dict[str, float]:
+    """What the actor of `groups[group]` asks Ray for: a CPU, and its GPUs; a local GPU named by several
+    groups (`cuda:0,cuda:0`) is shared, each taking its fraction of it."""
+    devices = groups[group]
+    if devices[0] == "cpu":
+        return {"num_cpus": 1, "num_gpus": 0}
+    shares = max(sum(d == device for g in groups for d in g) for device in devices) \
+        if devices[0].startswith("cuda:") else 1
+    return {"num_cpus": 1, "num_gpus": len(devices) / shares}
+
+
 # -- the queue (pure bookkeeping, no processes) -----------------------------------------------------
 @dataclass
 class WorkQueue:
@@ -260,14 +278,11 @@ class RayWorkers:
 
         if ray.is_initialized():
             return
-        gpus = [int(d[5:]) for group in self.groups for d in group if d.startswith("cuda:")]
+        gpus = named_gpus(self.groups, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if gpus:  # Ray hands its actors exactly the GPUs it sees: those named
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            ids = visible.split(",") if visible else [str(i) for i in range(max(gpus) + 1)]
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in gpus)
-        cpu_groups = sum(group[0] == "cpu" for group in self.groups)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         # "local": a new instance even where this node belongs to a cluster (joining one takes --ray-address)
-        ray.init(address="local", num_cpus=max(cpu_groups, 1), num_gpus=len(gpus), object_store_memory=OBJECT_STORE,
+        ray.init(address="local", num_cpus=len(self.groups), num_gpus=len(gpus), object_store_memory=OBJECT_STORE,
                  **RAY_QUIET)
         self.private = True
 
@@ -277,9 +292,8 @@ class RayWorkers:
         devices = self.groups[group]
         cpu_groups = sum(g[0] == "cpu" for g in self.groups)
         threads = max(1, (os.cpu_count() or 1) // max(cpu_groups, 1))
-        on_gpu = devices[0] != "cpu"
         actor = ray.remote(GroupWorker).options(
-            num_cpus=1, num_gpus=len(devices) if on_gpu else 0, max_restarts=0,
+            **actor_resources(self.groups, group), max_restarts=0,
             max_concurrency=2,  # `begin` runs while `exchange` waits
         ).remote(self.options, devices, threads)
         worker = _Worker(self.started, group, devices, actor)

@@ -57,6 +57,22 @@ def test_devices_resolve_against_the_visible_gpus(monkeypatch, gpus):
             resolve_devices(bad)
 
 
+def test_groups_and_what_their_actors_ask_ray_for():
+    from kvrescue_cli.workers import actor_resources, device_groups, named_gpus
+
+    groups = device_groups(("cuda:1", "cuda:3", "cuda:3", "cpu"))
+    assert groups == [("cuda:1",), ("cuda:3",), ("cuda:3",), ("cpu",)]
+    assert [actor_resources(groups, g) for g in range(4)] == [
+        {"num_cpus": 1, "num_gpus": 1.0}, {"num_cpus": 1, "num_gpus": 0.5}, {"num_cpus": 1, "num_gpus": 0.5},
+        {"num_cpus": 1, "num_gpus": 0}]
+    assert named_gpus(groups, None) == ["1", "3"]
+    assert named_gpus(groups, "4,5,6,7") == ["5", "7"]  # cuda:N counts within what this process sees
+    cluster = device_groups(("cuda", "cuda"))  # --ray-address: any GPU of the cluster, one each
+    assert actor_resources(cluster, 1) == {"num_cpus": 1, "num_gpus": 1.0} and named_gpus(cluster, None) == []
+    with pytest.raises(InputError, match="3 devices do not split into groups of 2"):
+        device_groups(("cuda:0", "cuda:1", "cuda:2"), 2)
+
+
 @pytest.fixture(scope="module")
 def problems(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
