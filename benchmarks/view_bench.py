@@ -4,8 +4,8 @@
         [--n 8] [--steps 24] [--step-tokens 60] [--rounds 3]
 
 Run folders are written with the project's writer (`RunFolder`): per problem a number of committed steps drawn
-around --steps (from a quarter to twice as many), each step's text --step-tokens words from the bundled GSM8K
-solutions, and N candidates per model and step (2N for kvrescue and interleave), each with a text of as many
+around --steps (from a quarter to twice as many) for each bundled MATH500 problem, each step's text --step-tokens
+words drawn from the MATH500 solutions, and N candidates per model and step (2N for kvrescue and interleave), each with a text of as many
 words as its tokens, with full-precision floats for scores and detector statistics as real traces have. Baselines measured in the same
 run, interleaved round by round: building the page vs `kvrescue report --format json` on the same folders
 (the page is that report plus the traces, packed), and opening the page vs opening the page of a one-problem run
@@ -26,25 +26,23 @@ from rich.console import Console
 from rich.table import Table
 
 from kvrescue_cli import report as rep
+from kvrescue_cli.data import BUNDLED
 from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, run_dir
 from kvrescue_cli.view import write_view
 from kvrescue_cli.view.browser import headless_chromium, open_view
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct"),
           "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
 HELPED = ("kvrescue", "interleave")
 
 
-def vocabulary() -> list[str]:
-    words = []
-    for line in (ROOT / "examples" / "data" / "gsm8k.jsonl").read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
-        words += (record["question"] + " " + record["answer"]).split()
-    return words
+def math500() -> tuple[list[str], list[str]]:
+    """The bundled MATH500 problems, and the words of their solutions."""
+    records = [json.loads(line) for line in (BUNDLED / "math500.jsonl").read_text(encoding="utf-8").splitlines()]
+    return [r["problem"] for r in records], [w for r in records for w in r["solution"].split()]
 
 
-def make_trace(rng: random.Random, words: list[str], method: str, idx: int, budget: int | None,
+def make_trace(rng: random.Random, words: list[str], problem: str, method: str, idx: int, budget: int | None,
                args: argparse.Namespace) -> Trace:
     steps, cands, held = [], [], 120
     for _ in range(rng.randint(max(1, args.steps // 4), 2 * args.steps)):
@@ -66,7 +64,6 @@ def make_trace(rng: random.Random, words: list[str], method: str, idx: int, budg
         held = budget if budget is not None and held >= budget + 128 else held
         steps.append(Step(text, winner.source, winner.score, winner.tokens, base_rows=None if method == "helper" else held))
         cands.append(options)
-    problem = " ".join(rng.choice(words) for _ in range(60))
     return Trace(idx, problem, "18", "18", steps, cands, "".join(s.text for s in steps), "18", rng.random() < 0.6,
                  False, "eos", None, Tokens(base=sum(c.tokens for cs in cands for c in cs if c.source == "base"),
                                             helper=sum(c.tokens for cs in cands for c in cs if c.source == "helper")),
@@ -74,7 +71,8 @@ def make_trace(rng: random.Random, words: list[str], method: str, idx: int, budg
 
 
 def write_runs(root: Path, problems: int, args: argparse.Namespace) -> list[Path]:
-    rng, words, paths = random.Random(0), vocabulary(), []
+    rng, paths = random.Random(0), []
+    texts, words = math500()
     for method in args.methods.split(","):
         for budget in ([None] if method in ("full", "helper") else [int(b) for b in args.budgets.split(",")]):
             roles = {"full": ("base",), "bon": ("base",), "helper": ("helper",)}.get(method, ("base", "helper"))
@@ -82,7 +80,7 @@ def write_runs(root: Path, problems: int, args: argparse.Namespace) -> list[Path
                                {r: MODELS[r] for r in (*roles, "prm")}, "prm", False)
             with RunFolder.open(run_dir(root, config), config, total=problems) as folder:
                 for idx in range(problems):
-                    folder.append(make_trace(rng, words, method, idx, budget, args))
+                    folder.append(make_trace(rng, words, texts[idx % len(texts)], method, idx, budget, args))
                 folder.write_summary()
             paths.append(run_dir(root, config))
     return paths
