@@ -9,7 +9,8 @@ words drawn from the MATH500 solutions, and N candidates per model and step (2N 
 words as its tokens, with full-precision floats for scores and detector statistics as real traces have. Baselines measured in the same
 run, interleaved round by round: building the page vs `kvrescue report --format json` on the same folders
 (the page is that report plus the traces, packed), and opening the page vs opening the page of a one-problem run
-(the browser's fixed cost). Medians over --rounds; figures are printed as a table and as JSON.
+(the browser's fixed cost). Medians over --rounds; once more without candidates' texts (--no-candidate-texts).
+Figures are printed as a table and as JSON.
 """
 
 from __future__ import annotations
@@ -124,13 +125,16 @@ def main() -> None:
                     start = time.perf_counter()
                     drawn.append(open_view(driver, page) / 1000)
                     walls.append(time.perf_counter() - start)
-                # Drawing a view is synchronous in route(): time it inside the page.
-                list_ms.append(driver.execute_script(
-                    "history.replaceState(null, '', '#problems'); const t = performance.now(); route();"
-                    "return performance.now() - t;") / 1000)
-                problem_ms.append(driver.execute_script(
-                    "history.replaceState(null, '', '#p/math500/0'); const t = performance.now(); route();"
-                    "return performance.now() - t;") / 1000)
+                # route() draws the view the fragment names (a problem page unpacks its chunks first): timed in the page.
+                for fragment, samples in (("#problems", list_ms), ("#p/math500/0", problem_ms)):
+                    samples.append(driver.execute_async_script(
+                        "const done = arguments[arguments.length - 1];"
+                        f"history.replaceState(null, '', '{fragment}'); const t = performance.now();"
+                        "route().then(() => done(performance.now() - t));") / 1000)
+            write_view(big, tmp / "lean.html", candidate_texts=False)
+            start = time.perf_counter()
+            open_view(driver, tmp / "lean.html")
+            open_lean = time.perf_counter() - start
         finally:
             driver.quit()
         size = (tmp / "big.html").stat().st_size
@@ -138,6 +142,8 @@ def main() -> None:
             "problems": args.problems, "runs": len(big), "n": args.n, "steps_mean": args.steps,
             "step_tokens": args.step_tokens, "traces_mb": round(traces_bytes / 1e6, 2), "page_mb": round(size / 1e6, 2),
             "page_vs_traces": round(size / traces_bytes, 3),
+            "page_mb_no_candidate_texts": round((tmp / "lean.html").stat().st_size / 1e6, 2),
+            "open_ms_no_candidate_texts": round(1000 * open_lean, 1),
             "build_ms": median_ms(build), "report_json_ms": median_ms(report_json),
             "build_vs_report_json": round(statistics.median(build) / statistics.median(report_json), 2),
             "open_ms": median_ms(open_big), "open_one_problem_ms": median_ms(open_small),

@@ -318,11 +318,14 @@ def report(
 def view(
     run_dirs: list[Path] = typer.Argument(..., help="run folders, or folders above them (e.g. runs/)"),
     out: Path = typer.Option(Path("runs.html"), "--out", "-o", help="the HTML file to write"),
+    candidate_texts: bool = typer.Option(True, help="keep the texts of candidates not committed (most of the page's size)"),
 ) -> None:
     """One self-contained HTML file (no network) to explore runs: report, problem list, step-by-step trajectories."""
     from kvrescue_cli.view import write_view
 
-    runs, notes = write_view(run_dirs, out)
+    if out.is_dir():
+        raise InputError(f"--out {out} is a folder: give the HTML file to write, e.g. {out / 'runs.html'}")
+    runs, notes = write_view(run_dirs, out, candidate_texts)
     for note in notes:
         console.print(f"  {note.path}: {note.message}", highlight=False, soft_wrap=True)
     console.print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB, {len(runs)} runs); open it in a browser",

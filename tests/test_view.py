@@ -157,6 +157,18 @@ def test_page_holds_the_report_json_and_every_trace(page, runs_root):
     assert data["plot"].startswith("<svg") and data["plot_note"] is None
 
 
+def test_candidate_texts_can_be_left_out(runs_root, tmp_path):
+    out = tmp_path / "small.html"
+    result = CliRunner().invoke(app, ["view", str(runs_root), "--out", str(out), "--no-candidate-texts"])
+    assert result.exit_code == 0, result.output
+    html = out.read_text(encoding="utf-8")
+    assert unpack(html, "kv-data")["candidate_texts"] is False
+    for element_id in re.findall(r'id="(kv-run-[0-9]+-[0-9]+)"', html):
+        for trace in unpack(html, element_id):
+            assert all(c["text"] is None for cands in trace["candidates"] for c in cands)
+            assert trace["steps"]  # the committed texts stay
+
+
 def test_untrusted_text_cannot_leave_the_data_element(page):
     html = page.read_text(encoding="utf-8")
     assert html.count("</script>") == 2 + len(re.findall('id="kv-run-', html)) and "onerror" not in html
@@ -170,6 +182,11 @@ def test_no_usable_run_is_a_one_line_error_and_writes_nothing(tmp_path):
     assert result.exit_code == 2
     assert result.output.startswith("error: no usable run folders") and len(result.output.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_an_out_folder_is_a_one_line_error(runs_root, tmp_path):
+    result = CliRunner().invoke(app, ["view", str(runs_root), "--out", str(tmp_path)])
+    assert result.exit_code == 2 and result.output.startswith(f"error: --out {tmp_path} is a folder")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,13 +18,15 @@ from kvrescue_cli.view.data import detail_chunks, page_data
 from kvrescue_cli.view.page import render
 
 
-def write_view(paths: Iterable[Path | str], out: Path) -> tuple[list[rep.Run], list[rep.FolderNote]]:
-    """Read the run folders under `paths` and write the page to `out` atomically.
+def write_view(paths: Iterable[Path | str], out: Path,
+               candidate_texts: bool = True) -> tuple[list[rep.Run], list[rep.FolderNote]]:
+    """Read the run folders under `paths` and write the page to `out` atomically (without the texts of
+    candidates that were not committed unless `candidate_texts`: they are most of a page's size).
 
     Returns the runs shown and the notes on folders (unusable folders, runs in progress), as `report.load_runs`.
     """
     runs, notes = rep.load_runs(paths)
-    html = render(page_data(runs, notes), [detail_chunks(run) for run in runs],
+    html = render(page_data(runs, notes, candidate_texts), [detail_chunks(run, candidate_texts) for run in runs],
                   title=f"kvrescue runs ({len(runs)} run{'s' * (len(runs) != 1)})")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, html.encode("utf-8"))

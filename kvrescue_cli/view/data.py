@@ -10,16 +10,17 @@ The page unpacks one index when it opens:
     rows        per run (same order as `runs`), per trace what the problem list shows: idx, correct, stop,
                 skip_reason, n_steps, tokens.base, tokens.helper.
     chunk       problems per detail chunk.
+    candidate_texts  whether the detail chunks keep the texts of candidates not committed.
 The traces themselves travel as detail chunks, unpacked only when a problem page needs them: per run, the
 traces with idx // chunk == c, without the problem's text and answer (kept once in `problems`) nor `output`
-(the steps joined).
+(the steps joined), and without candidates' texts when the page is asked to be small.
 """
 
 from __future__ import annotations
 
 import html
 import tempfile
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +68,13 @@ def plot_svg(runs: list[rep.Run]) -> tuple[str | None, str | None]:
     return svg[svg.index("<svg"):], None
 
 
-def trace_record(trace: Trace) -> dict[str, Any]:
+def trace_record(trace: Trace, candidate_texts: bool = True) -> dict[str, Any]:
     """A trace as the page keeps it: everything but what `problems` holds once (its steps, candidates and
-    tokens stay dataclasses, which orjson writes as objects)."""
-    return {f.name: getattr(trace, f.name) for f in fields(trace) if f.name not in SHARED_FIELDS}
+    tokens stay dataclasses, which orjson writes as objects); without candidates' texts unless asked."""
+    record = {f.name: getattr(trace, f.name) for f in fields(trace) if f.name not in SHARED_FIELDS}
+    if not candidate_texts:
+        record["candidates"] = [[replace(c, text=None) for c in cands] for cands in trace.candidates]
+    return record
 
 
 def list_row(trace: Trace) -> dict[str, Any]:
@@ -79,15 +83,15 @@ def list_row(trace: Trace) -> dict[str, Any]:
             "n_steps": trace.n_steps, "tokens": {"base": trace.tokens.base, "helper": trace.tokens.helper}}
 
 
-def detail_chunks(run: rep.Run) -> dict[int, list[dict[str, Any]]]:
+def detail_chunks(run: rep.Run, candidate_texts: bool = True) -> dict[int, list[dict[str, Any]]]:
     """The run's traces by chunk number (idx // CHUNK), each chunk in idx order."""
     chunks: dict[int, list[dict[str, Any]]] = {}
     for trace in sorted(run.traces, key=lambda t: t.idx):
-        chunks.setdefault(trace.idx // CHUNK, []).append(trace_record(trace))
+        chunks.setdefault(trace.idx // CHUNK, []).append(trace_record(trace, candidate_texts))
     return chunks
 
 
-def page_data(runs: list[rep.Run], notes: list[rep.FolderNote]) -> dict[str, Any]:
+def page_data(runs: list[rep.Run], notes: list[rep.FolderNote], candidate_texts: bool = True) -> dict[str, Any]:
     """The index the page unpacks when it opens, as plain JSON data (see the module docstring)."""
     tables = rep.build_tables(runs, notes)
     svg, plot_note = plot_svg(runs)
@@ -110,4 +114,5 @@ def page_data(runs: list[rep.Run], notes: list[rep.FolderNote]) -> dict[str, Any
         "problems": [shown[key] for key in sorted(shown)],
         "rows": [[list_row(t) for t in sorted(run.traces, key=lambda t: t.idx)] for run in runs],
         "chunk": CHUNK,
+        "candidate_texts": candidate_texts,
     }

@@ -235,7 +235,8 @@ function candidatesTable(cands) {
       el("tr", { class: "cand-text" + (c.committed ? " committed" : "") },
         el("td", { colspan: 7 }, c.committed ? el("span", { class: "muted" }, "committed: the step's text")
                                              : el("div", { class: "tex" }, c.text ?? "—")))])),
-    unrecorded ? el("caption", { class: "muted" }, "This trace was written before candidates' texts were recorded.") : null);
+    !KV.data.candidate_texts ? el("caption", { class: "muted" }, "Candidates' texts were left out of this page (--no-candidate-texts).")
+      : unrecorded ? el("caption", { class: "muted" }, "This trace was written before candidates' texts were recorded.") : null);
 }
 
 function stepCell(trace, i) {
