@@ -18,11 +18,12 @@ from collections import Counter
 import torch
 
 from kvrescue_cli.data import BUNDLED
-from kvrescue_cli.detect import Detector, DetectorConfig
+from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.loader import LoadedModel, load_model
+from kvrescue_cli.engine.runner import Runner
+from kvrescue_cli.engine.steps import StepRules, generate_steps
 from kvrescue_cli.smollm import smollm2_folder
-from kvrescue_cli.engine.steps import append_tokens, generate_steps
 
 SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 GSM8K = BUNDLED / "gsm8k.jsonl"
@@ -33,36 +34,32 @@ def run_problem(model: LoadedModel, question: str, idx: int, policy: str, args) 
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     prompt = model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    cache = BoundedCache.for_model(model.net, budget=args.budget, policy=policy)
-    root = cache.create()
-    logits = append_tokens(model, cache, [root], [ids])
+    runner = Runner(model, BoundedCache.for_model(model.net, budget=args.budget, policy=policy))
+    (root,) = runner.prefill([ids])
+    rules = StepRules(frozenset(model.eos_ids), max_context=len(ids) + args.max_tokens,
+                      detector=DetectorConfig(tau_ent=args.tau_ent, tau_cmp=args.tau_cmp))
     reasons, max_ent, min_rho = Counter(), [], []
     generated, step = 0, 0
     while generated < args.max_tokens:
-        kids = cache.fork(root, args.n)
-        detectors = [Detector(DetectorConfig(tau_ent=args.tau_ent, tau_cmp=args.tau_cmp)) for _ in kids]
-        results = generate_steps(
-            model, cache, kids, logits.expand(len(kids), -1),
-            [(args.seed, idx, step, c) for c in range(len(kids))],
-            callback=lambda i, piece, h: detectors[i].update(piece, h),
-            max_context=len(ids) + args.max_tokens,
-        )
-        for res, det in zip(results, detectors):
+        kids = runner.fork(root, args.n)
+        results = generate_steps(runner, kids, [(args.seed, idx, step, c) for c in range(len(kids))], rules,
+                                 screened=[True] * len(kids))
+        for res in results:
             reasons[res.finish] += 1
-            if det.max_mean_entropy is not None:
-                max_ent.append(det.max_mean_entropy)
-            if det.min_ratio is not None:
-                min_rho.append(det.min_ratio)
-        survivors = [c for c, d in enumerate(detectors) if d.fired is None]
+            if res.max_mean_entropy is not None:
+                max_ent.append(res.max_mean_entropy)
+            if res.min_ratio is not None:
+                min_rho.append(res.min_ratio)
+        survivors = [c for c, res in enumerate(results) if res.fired_at is None]
         win = survivors[0] if survivors else 0
-        cache.adopt(root, kids[win])
-        cache.release([k for c, k in enumerate(kids) if c != win])
+        runner.adopt(root, kids[win])
+        runner.release([k for c, k in enumerate(kids) if c != win])
         committed = results[win]
         generated += len(committed.tokens)
         step += 1
         if committed.finish in ("eos", "length") or generated >= args.max_tokens:
             break
-        logits = append_tokens(model, cache, [root], [committed.tokens[-1:]])
+        runner.commit([root], [committed.tokens])
     return reasons, max_ent, min_rho
 
 

@@ -26,7 +26,7 @@ from kvrescue_cli.outputs import Candidate, Tokens, Trace
 from kvrescue_cli.prompts import generation_prompt
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelConfigError, load_config
-from kvrescue_cli.search import Controller, Finished, SearchSettings
+from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings
 
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
 
@@ -39,10 +39,8 @@ def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool
         candidates.append([
             Candidate(
                 source=c.source, score=c.score, tokens=len(c.tokens), finish=c.finish,
-                max_mean_entropy=c.detector.max_mean_entropy if c.detector else None,
-                min_gzip_ratio=c.detector.min_ratio if c.detector else None,
-                fired_at=c.detector.fired_at if c.detector else None,
-                committed=c.committed, text=None if c.committed else c.text,
+                max_mean_entropy=c.result.max_mean_entropy, min_gzip_ratio=c.result.min_ratio,
+                fired_at=c.result.fired_at, committed=c.committed, text=None if c.committed else c.text,
             )
             for c in cands
         ])
@@ -171,9 +169,10 @@ def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel]) ->
 
 
 def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], problems: Iterable[Problem],
-           emit: Callable[[Trace, int], None]) -> None:
+           emit: Callable[[Trace, int], None], on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
     """Decode `problems` of one cell, pulled lazily (so they may come from a shared queue), and `emit`
-    each one's trace with the tokens it generated: skipped ones when pulled, decoded ones as they finish."""
+    each one's trace with the tokens it generated: skipped ones when pulled, decoded ones as they finish;
+    `on_progress` gets running totals every few seconds while problems are in flight."""
     policy = models["base" if METHODS[cell.method].base else "helper"]
     cap = options.settings.context_cap
     by_idx: dict[int, Problem] = {}
@@ -199,7 +198,7 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
     settings = replace(options.settings, method=cell.method, n=cell.n, seed=cell.seed)
     controller = Controller(settings, _runners(options, cell, models), _scorer(options, cell, models),
                             set(policy.eos_ids))
-    controller.run(work(), record)
+    controller.run(work(), record, on_progress)
 
 
 class InProcess:
@@ -210,10 +209,12 @@ class InProcess:
         self.device = device
         self.models = load_roles(options, device)
 
-    def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None]) -> None:
-        """Decode `problems` of `cell` here, emitting every problem's trace once."""
+    def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None],
+               on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
+        """Decode `problems` of `cell` here, emitting every problem's trace once (and running totals to
+        `on_progress` every few seconds)."""
         if problems:
-            decode(self.options, cell, self.models, problems, emit)
+            decode(self.options, cell, self.models, problems, emit, on_progress)
 
     def record(self) -> dict:
         """The executor, for config.json."""

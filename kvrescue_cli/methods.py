@@ -7,12 +7,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Method:
-    """What a method samples and screens."""
+    """What a method samples and screens. Screening needs helper candidates, so that every step has a
+    candidate the detector cannot drop."""
 
     base: bool
     helper: bool
     evicted: bool
     detector: bool
+
+    def __post_init__(self) -> None:
+        if self.detector and not self.helper:
+            raise ValueError("a method that screens base candidates needs helper candidates")
 
 
 METHODS: dict[str, Method] = {

@@ -9,9 +9,11 @@ from rich.progress import Progress
 
 from kvrescue_cli import decoding, workers
 from kvrescue_cli.data import GENERIC, data_dir, load_problems
+from kvrescue_cli.engine.sampling import STREAM_VERSION
 from kvrescue_cli.grid import Cell, GridOptions, roles_needed
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.outputs import ModelRef, RunConfig, RunFolder, Summary, Trace, problem_checksum, run_dir
+from kvrescue_cli.search import DecodeProgress
 
 
 def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
@@ -35,6 +37,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             "max_step_tokens": s.max_step_tokens, "max_steps": s.max_steps, "context_cap": s.context_cap,
             "synthetic_steps": list(s.synthetic_steps) if s.synthetic_steps else None,
             "dtype": options.dtype, "problem_field": options.problem_field, "answer_field": options.answer_field,
+            "random_stream": STREAM_VERSION,
         },
     )
 
@@ -52,18 +55,30 @@ def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcess | wo
         pending = [p for p in problems if p.idx not in folder.done]
         task = progress.add_task(_cell_label(config), total=len(problems), completed=len(problems) - len(pending),
                                  accuracy="", speed="")
-        started, generated = time.time(), 0
+        started, steps, generated, live = time.time(), 0, 0, False
+
+        def show_speed(steps: int, tokens: int) -> str:
+            elapsed = max(time.time() - started, 1e-9)
+            return f"{steps / elapsed:.1f} steps/s {tokens / elapsed:.0f} tok/s"
 
         def record(trace: Trace, tokens: int) -> None:
-            nonlocal generated
+            nonlocal steps, generated
             folder.append(trace)
-            generated += tokens
+            steps, generated = steps + trace.n_steps, generated + tokens
             accuracy = sum(t.correct for t in folder.traces) / len(folder.traces)
-            progress.update(task, advance=1, accuracy=f"acc {100 * accuracy:.1f}%",
-                            speed=f"{generated / max(time.time() - started, 1e-9):.1f} tok/s")
+            speed = {} if live else {"speed": show_speed(steps, generated)}  # in-flight totals are newer
+            progress.update(task, advance=1, accuracy=f"acc {100 * accuracy:.1f}%", **speed)
+
+        def in_flight(totals: DecodeProgress) -> None:
+            nonlocal live
+            live = True
+            progress.update(task, speed=show_speed(totals.committed_steps, totals.generated_tokens))
 
         try:
-            executor.decode(cell, pending, record)
+            if isinstance(executor, decoding.InProcess):
+                executor.decode(cell, pending, record, in_flight)
+            else:  # Ray actors report finished problems only
+                executor.decode(cell, pending, record)
         finally:
             summary = folder.write_summary()
     return summary

@@ -1,28 +1,26 @@
 """The stepwise controller: every method of DESIGN section 2 over many problems at once.
 
-The scheduler keeps up to `batch` problems in flight. Each iteration samples one token for every
-live candidate of every problem (one batched forward per model); a problem whose candidates are all
-done is scored, commits its best candidate, and opens its next step, while the others keep decoding.
-Finished problems retire and new ones enter. Policy lives here; tensors live in `Runner` and the
-caches.
+The scheduler keeps up to `batch` problems in flight. Each iteration advances every open candidate
+step of every problem by one token (one batched forward per model, inside the runners); a problem
+whose candidates are all done is scored, commits its best candidate, and opens its next step, while
+the others keep decoding. Finished problems retire and new ones enter. Policy lives here, without
+tensors; the `Runner`s own the models, caches and logits (nano-vllm's scheduler / model runner split).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol, Sequence
 
-import torch
-
-from kvrescue_cli.detect import Detector, DetectorConfig
-from kvrescue_cli.engine.runner import Runner
-from kvrescue_cli.engine.sampling import SamplingParams, sample
-from kvrescue_cli.engine.steps import CandidateStep, StepLimits
+from kvrescue_cli.detect import ENTROPY, REPETITION, DetectorConfig
+from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine.scoring import Scorer
+from kvrescue_cli.engine.steps import CandidateStep, StepRules
 from kvrescue_cli.methods import METHODS, Method
 from kvrescue_cli.outputs import Step
-from kvrescue_cli.prompts import STEP_DELIMITER
+
+PROGRESS_EVERY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -49,30 +47,52 @@ class SearchSettings:
         return METHODS[self.method]
 
 
+class StepRunner(Protocol):
+    """What the controller needs from a model's `Runner` (tests drive the controller with a scripted one)."""
+
+    def prefill(self, token_lists: Sequence[Sequence[int]]) -> list[int]: ...
+    def fork(self, row: int, n: int) -> list[int]: ...
+    def adopt(self, row: int, child: int) -> None: ...
+    def release(self, rows: Sequence[int]) -> None: ...
+    def commit(self, rows: Sequence[int], steps: Sequence[Sequence[int]]) -> None: ...
+    def start(self, rows: Sequence[int], keys: Sequence[Sequence[int]], contexts: Sequence[int],
+              screened: Sequence[bool], rules: StepRules) -> None: ...
+    def advance(self) -> list[CandidateStep]: ...
+    def rows_held(self, row: int) -> int: ...
+    def peak_length(self, row: int) -> int: ...
+
+    @property
+    def open_steps(self) -> int: ...
+
+
 @dataclass
 class CandidateState:
-    """One candidate of a problem's open step: its source, stream index, cache row, logits and score."""
+    """One candidate of a problem's open step: its source, stream index, cache row, result and score."""
 
     source: str
     index: int
     row: int
-    logits: torch.Tensor
-    detector: Detector | None
-    step: CandidateStep
+    screened: bool
+    result: CandidateStep | None = None
     score: float | None = None
     committed: bool = False
 
     @property
     def tokens(self) -> list[int]:
-        return self.step.tokens
+        return self.result.tokens
 
     @property
     def text(self) -> str:
-        return self.step.text
+        return self.result.text
 
     @property
     def finish(self) -> str | None:
-        return self.step.finish
+        return self.result.finish if self.result else None
+
+    @property
+    def dropped(self) -> bool:
+        """The detector fired on it: it is not scored."""
+        return self.finish in (ENTROPY, REPETITION)
 
 
 @dataclass
@@ -82,7 +102,6 @@ class ProblemState:
     idx: int
     prompt: list[int]
     rows: dict[str, int]
-    logits: dict[str, torch.Tensor]
     started: float
     committed: list[int] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
@@ -95,6 +114,14 @@ class ProblemState:
     @property
     def context(self) -> int:
         return len(self.prompt) + len(self.committed)
+
+
+@dataclass(frozen=True)
+class DecodeProgress:
+    """Running totals the controller reports every few seconds while problems are in flight."""
+
+    committed_steps: int
+    generated_tokens: int
 
 
 @dataclass
@@ -110,26 +137,30 @@ class Finished:
 
 
 class Controller:
-    """Runs one method over a stream of problems with the given models and scorer."""
+    """Runs one method over a stream of problems with the given models' runners and scorer."""
 
-    def __init__(self, settings: SearchSettings, runners: dict[str, Runner], scorer: Scorer, eos: set[int]) -> None:
+    def __init__(self, settings: SearchSettings, runners: dict[str, StepRunner], scorer: Scorer, eos: set[int]) -> None:
         self.settings = settings
         self.runners = runners
         self.scorer = scorer
-        self.tokenizer = next(iter(runners.values())).tokenizer
-        self.vocab = len(self.tokenizer)
         synthetic = settings.synthetic_steps
-        self.limits = StepLimits(frozenset(eos), settings.max_step_tokens, settings.context_cap, STEP_DELIMITER,
-                                 fixed_length=synthetic[0] if synthetic else None)
+        self.rules = StepRules(frozenset(eos), settings.sampling, settings.max_step_tokens, settings.context_cap,
+                               fixed_length=synthetic[0] if synthetic else None,
+                               detector=settings.detector if settings.spec.detector else None)
+        self.open: dict[tuple[str, int], CandidateState] = {}  # (source, row) of every decoding candidate
+        self.totals = DecodeProgress(0, 0)
 
-    def run(self, problems: Iterable[tuple[int, str, list[int]]], on_finished: Callable[[Finished], None]) -> None:
-        """Decode every (idx, problem text, prompt tokens); call `on_finished` as each completes.
+    def run(self, problems: Iterable[tuple[int, str, list[int]]], on_finished: Callable[[Finished], None],
+            on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
+        """Decode every (idx, problem text, prompt tokens); call `on_finished` as each completes, and
+        `on_progress` with running totals every PROGRESS_EVERY_S seconds.
 
         Problems are pulled lazily, only when a slot frees up, so `problems` may be a shared work queue.
         """
         source = iter(problems)
         active: list[ProblemState] = []
         exhausted = False
+        reported = time.monotonic()
         while not exhausted or active:
             admitted = []
             while not exhausted and len(active) + len(admitted) < self.settings.batch:
@@ -141,10 +172,8 @@ class Controller:
                 active += self._admit(admitted)
             if not active:
                 continue
-            for problem in active:
-                if not problem.candidates:
-                    self._open_step(problem)
-            self._decode_one_token(active)
+            self._open_steps([p for p in active if not p.candidates])
+            self._decode_one_token()
             ready = [p for p in active if all(c.finish for c in p.candidates)]
             if ready:
                 self._score(ready)
@@ -152,88 +181,77 @@ class Controller:
                 for problem in [p for p in ready if p.stop]:
                     active.remove(problem)
                     on_finished(self._retire(problem))
+            if on_progress is not None and time.monotonic() - reported >= PROGRESS_EVERY_S:
+                on_progress(self.totals)
+                reported = time.monotonic()
 
     # -- admission ----------------------------------------------------------------------------------
     def _admit(self, admitted: list[tuple[int, str, list[int]]]) -> list[ProblemState]:
         started = time.time()
-        states = []
-        for idx, _, prompt in admitted:
-            states.append(ProblemState(idx=idx, prompt=prompt, rows={}, logits={}, started=started))
+        states = [ProblemState(idx=idx, prompt=prompt, rows={}, started=started) for idx, _, prompt in admitted]
         for name, runner in self.runners.items():
-            rows = [runner.cache.create() for _ in states]
-            logits = runner.append(rows, [s.prompt for s in states])
-            for state, row, row_logits in zip(states, rows, logits):
+            for state, row in zip(states, runner.prefill([s.prompt for s in states])):
                 state.rows[name] = row
-                state.logits[name] = row_logits
                 state.prefilled[name] += len(state.prompt)
         for (idx, text, prompt), state in zip(admitted, states):
             self.scorer.open(idx, text, prompt)
         return states
 
     # -- one step -----------------------------------------------------------------------------------
-    def _open_step(self, problem: ProblemState) -> None:
+    def _open_steps(self, problems: list[ProblemState]) -> None:
         spec, n = self.settings.spec, self.settings.n
-        sources = (["base"] if spec.base else []) + (["helper"] if spec.helper else [])
-        index = 0
-        for source in sources:
-            for row in self.runners[source].cache.fork(problem.rows[source], n):
-                detector = Detector(self.settings.detector) if spec.detector and source == "base" else None
-                step = CandidateStep(self.tokenizer, problem.context, self.limits, detector.update if detector else None)
-                problem.candidates.append(CandidateState(source, index, row, problem.logits[source], detector, step))
-                index += 1
+        for source in (["base"] if spec.base else []) + (["helper"] if spec.helper else []):
+            if not problems:
+                break
+            runner, first = self.runners[source], 0 if source == "base" or not spec.base else n
+            screened = spec.detector and source == "base"
+            rows, keys, contexts = [], [], []
+            for problem in problems:
+                for index, row in enumerate(runner.fork(problem.rows[source], n), start=first):
+                    cand = CandidateState(source, index, row, screened)
+                    problem.candidates.append(cand)
+                    self.open[source, row] = cand
+                    rows.append(row)
+                    keys.append((self.settings.seed, problem.idx, len(problem.steps), index))
+                    contexts.append(problem.context)
+            runner.start(rows, keys, contexts, [screened] * len(rows), self.rules)
 
-    def _decode_one_token(self, active: list[ProblemState]) -> None:
+    def _decode_one_token(self) -> None:
+        generated = 0
         for source, runner in self.runners.items():
-            live = [(p, c) for p in active for c in p.candidates if c.source == source and not c.finish]
-            if not live:
-                continue
-            keys = [(self.settings.seed, p.idx, len(p.steps), c.index) for p, c in live]
-            counters = [len(c.tokens) for _, c in live]
-            # Rows past the tokenizer's vocabulary are padding (Qwen2.5 pads its embeddings): never sample them.
-            logits = torch.stack([c.logits[: self.vocab] for _, c in live])
-            tokens, entropies = sample(logits, keys, counters, self.settings.sampling)
-            feed = []
-            for (problem, cand), token, entropy in zip(live, tokens.tolist(), entropies.tolist()):
-                problem.generated[source] += 1
-                if cand.step.push(token, entropy) is None:
-                    feed.append(cand)
-            if feed:
-                logits = runner.step([c.row for c in feed], [c.tokens[-1] for c in feed])
-                for cand, row_logits in zip(feed, logits):
-                    cand.logits = row_logits
+            generated += runner.open_steps
+            for result in runner.advance():
+                cand = self.open.pop((source, result.row))
+                cand.result = result
+        self.totals = DecodeProgress(self.totals.committed_steps, self.totals.generated_tokens + generated)
 
     # -- scoring and commit -------------------------------------------------------------------------
     def _score(self, ready: list[ProblemState]) -> None:
-        requests = []
-        for problem in ready:
-            survivors = [c for c in problem.candidates if c.detector is None or not c.detector.fired]
-            for cand in survivors or problem.candidates:
-                requests.append((problem, cand))
+        requests = [(p, c) for p in ready for c in p.candidates if not c.dropped]
         scores = self.scorer.score([(p.idx, c.text, c.tokens) for p, c in requests])
         for (_, cand), score in zip(requests, scores):
             cand.score = score
 
     def _commit(self, ready: list[ProblemState]) -> None:
-        appends: dict[str, list[tuple[ProblemState, list[int]]]] = {name: [] for name in self.runners}
+        commits: dict[str, list[tuple[ProblemState, list[int]]]] = {name: [] for name in self.runners}
         for problem in ready:
+            for cand in problem.candidates:
+                problem.generated[cand.source] += len(cand.tokens)
             scored = [c for c in problem.candidates if c.score is not None]
             winner = max(scored, key=lambda c: c.score)  # max keeps the first on ties: base before helper
             winner.committed = True
-            no_survivor = all(c.detector is not None and c.detector.fired for c in problem.candidates)
-            problem.steps.append(Step(winner.text, winner.source, winner.score, len(winner.tokens), no_survivor))
+            problem.steps.append(Step(winner.text, winner.source, winner.score, len(winner.tokens)))
             problem.committed += winner.tokens
             self.scorer.commit(problem.idx, winner.text, winner.tokens)
             for name, runner in self.runners.items():
                 mine = [c for c in problem.candidates if c.source == name]
                 if winner in mine:
-                    runner.cache.adopt(problem.rows[name], winner.row)
+                    runner.adopt(problem.rows[name], winner.row)
                     mine.remove(winner)
-                    tail = winner.tokens[-1:]
                 else:
-                    tail = winner.tokens
-                    problem.prefilled[name] += len(tail)
-                runner.cache.release([c.row for c in mine])
-                appends[name].append((problem, tail))
+                    problem.prefilled[name] += len(winner.tokens)
+                runner.release([c.row for c in mine])
+                commits[name].append((problem, winner.tokens))
             problem.history.append(problem.candidates)
             problem.candidates = []
             if winner.finish == "eos":
@@ -243,24 +261,18 @@ class Controller:
             elif len(problem.steps) >= self.settings.step_cap:
                 problem.stop = "steps"
         for name, runner in self.runners.items():
-            live = [(p, tail) for p, tail in appends[name] if not p.stop]
+            live = [(p, step) for p, step in commits[name] if not p.stop]
             if live:
-                logits = runner.append([p.rows[name] for p, _ in live], [tail for _, tail in live])
-                for (problem, _), row_logits in zip(live, logits):
-                    problem.logits[name] = row_logits
-                    if runner.cache.length(problem.rows[name]) != problem.context:
-                        raise RuntimeError(f"problem {problem.idx}: the {name} cache holds "
-                                           f"{runner.cache.length(problem.rows[name])} tokens, the trajectory {problem.context}")
+                runner.commit([p.rows[name] for p, _ in live], [step for _, step in live])
         if "base" in self.runners:
             for problem in ready:
                 problem.steps[-1].base_rows = self.runners["base"].rows_held(problem.rows["base"])
+        self.totals = DecodeProgress(self.totals.committed_steps + len(ready), self.totals.generated_tokens)
 
     def _retire(self, problem: ProblemState) -> Finished:
-        peak = 0
+        peak = self.runners["base"].peak_length(problem.rows["base"]) if "base" in self.runners else 0
         for name, runner in self.runners.items():
-            if name == "base":
-                peak = runner.peak_rows(problem.rows[name])
-            runner.cache.release([problem.rows[name]])
+            runner.release([problem.rows[name]])
         tokens, truncations = self.scorer.close(problem.idx)
         output = "".join(step.text for step in problem.steps)
         return Finished(problem, output, time.time() - problem.started, peak, tokens, truncations)

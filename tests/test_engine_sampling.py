@@ -2,7 +2,7 @@
 
 import torch
 
-from kvrescue_cli.engine.sampling import SamplingParams, entropy, sample, stream_key
+from kvrescue_cli.engine.sampling import SamplingParams, entropy, sample, stream_key, uniforms
 
 
 def _logits(rows: int, vocab: int = 300, seed: int = 0) -> torch.Tensor:
@@ -68,3 +68,36 @@ def test_entropy_is_exact() -> None:
     direct = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
     assert (ent.double() - direct).abs().max() < 1e-5
     assert (entropy(torch.zeros(1, 50)) - torch.log(torch.tensor(50.0))).abs().item() < 1e-5
+
+
+def _fmix32_reference(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def _uniform_reference(key: int, counter: int) -> float:
+    """Stream version 2 in plain Python integers (unbounded, so no overflow question arises)."""
+    h = _fmix32_reference(counter ^ 0x9E3779B9)
+    h = _fmix32_reference(h ^ (key & 0xFFFFFFFF))
+    h = _fmix32_reference(h ^ (key >> 32))
+    return (h >> 8) / 2**24
+
+
+def test_device_stream_matches_plain_integer_reference() -> None:
+    keys = [stream_key(s, i, st, c) for s, i, st, c in [(0, 0, 0, 0), (7, 3, 2, 1), (2**40, 5, 9, 7), (1, 2**31, 0, 3)]]
+    keys += [0, (1 << 63) - 1]
+    counters = [0, 1, 2**31 - 1, 511, 17, 2**32 - 1]
+    got = uniforms(torch.tensor(keys), torch.tensor(counters)).tolist()
+    assert got == [_uniform_reference(k, c) for k, c in zip(keys, counters)]
+    assert all(0 <= k < 2**63 for k in keys[:4])
+
+
+def test_stream_is_uniform_enough() -> None:
+    u = uniforms(torch.full((20000,), stream_key(3, 1, 4, 1)), torch.arange(20000))
+    assert 0 <= u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.003
+    across = uniforms(torch.tensor([stream_key(0, i, 0, 0) for i in range(5000)]), torch.zeros(5000, dtype=torch.long))
+    assert len(set(across.tolist())) > 4990  # different problems draw different first tokens

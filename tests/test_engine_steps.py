@@ -1,11 +1,15 @@
 """Step generation on a real loaded checkpoint whose weights are set to follow a bigram script."""
 
+import random
+
 import pytest
 import torch
 
+from kvrescue_cli.detect import Detector, DetectorConfig
 from kvrescue_cli.engine import FullCache, load_model
+from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.engine.steps import StepText, append_tokens, generate_steps
+from kvrescue_cli.engine.steps import STEP_DELIMITER, StepRules, StepTable, generate_steps, step_table
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -40,12 +44,12 @@ def _ids(tok, *words):
     return out
 
 
-def _run(m, prompts, **kw):
-    cache = FullCache.for_model(m.net, 8192, max_rows=32, block_size=8)
-    rows = [cache.create() for _ in prompts]
-    logits = append_tokens(m, cache, rows, prompts)
-    res = generate_steps(m, cache, rows, logits, [(0, i, 0, 0) for i in range(len(rows))], kw.pop("params", GREEDY), **kw)
-    return res, cache, rows
+def _run(m, prompts, screened=None, **kw):
+    runner = Runner(m, FullCache.for_model(m.net, 8192, max_rows=32, block_size=8))
+    rows = runner.prefill(prompts)
+    rules = StepRules(frozenset(m.eos_ids), kw.pop("params", GREEDY), **kw)
+    res = generate_steps(runner, rows, [(0, i, 0, 0) for i in range(len(rows))], rules, screened)
+    return res, runner.cache, rows
 
 
 def test_stops_at_delimiter_eos_and_cap_independently(qwen2_dir, tok) -> None:
@@ -79,45 +83,110 @@ def test_step_delimiter_is_found_in_decoded_text_only(qwen2_dir, tok) -> None:
     assert "\n\n" not in res[0].text and res[0].text == tok.decode(res[0].tokens) and "é" in res[0].text
 
 
-def test_context_cap_and_callback(qwen2_dir, tok) -> None:
+def test_context_cap_and_the_detector_screens_every_token_the_last_one_too(qwen2_dir, tok) -> None:
     (is_,) = _ids(tok, " is")
+    eos = tok.eos_token_id
     m = _scripted(qwen2_dir, {is_: is_})
     res, _, _ = _run(m, [[is_] * 10], max_context=14)
     assert res[0].finish == "length" and len(res[0].tokens) == 4
-    seen = []
+    # A window of 3 characters: gzip makes it about 8 times longer, so tau 10 fires at once.
+    screen = DetectorConfig(cmp_chars=3, tau_cmp=10.0, min_tokens=1000)
+    res, _, _ = _run(m, [[is_], [is_]], screened=[False, True], max_step_tokens=8, detector=screen)
+    assert res[0].finish == "length" and res[0].min_ratio is None and res[0].max_mean_entropy is None
+    assert res[1].finish == "repetition" and res[1].fired_at == 1 == len(res[1].tokens)
+    # The step's last token (EOS here) is screened too: it is missing from no extreme, and can drop it.
+    m = _scripted(qwen2_dir, {is_: eos})
+    calm = DetectorConfig(min_tokens=1, ent_window=1)
+    res, _, _ = _run(m, [[is_]], screened=[True], detector=calm)
+    assert res[0].finish == "eos" and res[0].max_mean_entropy is not None
+    res, _, _ = _run(m, [[is_]], screened=[True], detector=DetectorConfig(min_tokens=1, tau_ent=-1.0))
+    assert res[0].finish == "entropy" and res[0].fired_at == 1
 
-    def cb(i: int, text: str, h: float) -> str | None:
-        seen.append((i, text))
-        return "repetition" if i == 1 and len(seen) >= 5 else None
 
-    res, _, _ = _run(m, [[is_], [is_]], callback=cb, max_step_tokens=8)
-    assert res[0].finish == "length" and res[1].finish == "repetition"
-    assert len(res[1].tokens) == 3 and all(t == " is" for _, t in seen)
+def test_vectorised_detector_matches_the_per_token_reference(qwen2_dir) -> None:
+    """Sampled steps screened on the device: finish, max mean entropy and min ratio equal `Detector` fed token by token."""
+    m = load_model(qwen2_dir)
+    config = DetectorConfig(tau_ent=5.85, ent_window=4, min_tokens=6, tau_cmp=1.12, cmp_chars=40)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    res, _, _ = _run(m, [m.tokenizer.encode("Step 1: Let x be")] * 6, screened=[True] * 6, params=params,
+                     max_step_tokens=60, detector=config)
+    assert {"entropy", "repetition", "length"} <= {r.finish for r in res}
+    for r in res:
+        det = Detector(config)
+        reason, text = None, ""
+        for i, (token, h) in enumerate(zip(r.tokens, r.entropies)):
+            piece = m.tokenizer.decode(r.tokens[: i + 1]).rstrip("\ufffd")[len(text):]
+            text += piece
+            reason = det.update(piece, h)
+            if reason:
+                break
+        assert (reason or r.finish) == r.finish and (det.fired_at if reason else None) == r.fired_at
+        assert det.max_mean_entropy == pytest.approx(r.max_mean_entropy, abs=1e-9) if det.max_mean_entropy else r.max_mean_entropy is None
+        assert det.min_ratio == r.min_ratio
 
 
 def test_sampled_steps_reproducible_and_batch_independent(qwen2_dir) -> None:
     m = load_model(qwen2_dir)
     prompt = m.tokenizer.encode("Step 1: Let x be the number")
-    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95)
-    cache = FullCache.for_model(m.net, 8192, max_rows=32, block_size=8)
-    parent = cache.create()
-    logits = append_tokens(m, cache, [parent], [prompt])
+    rules = StepRules(frozenset(m.eos_ids), SamplingParams(temperature=1.0, top_k=50, top_p=0.95), max_step_tokens=12)
+    runner = Runner(m, FullCache.for_model(m.net, 8192, max_rows=32, block_size=8))
+    (parent,) = runner.prefill([prompt])
     keys = [(3, 0, 0, c) for c in range(4)]
-    rows = cache.fork(parent, 4)
-    together = generate_steps(m, cache, rows, logits.expand(4, -1), keys, params, max_step_tokens=12)
-    cache.release(rows)
+    rows = runner.fork(parent, 4)
+    together = generate_steps(runner, rows, keys, rules)
+    runner.release(rows)
     for c in (2, 0):
-        (row,) = cache.fork(parent, 1)
-        alone = generate_steps(m, cache, [row], logits, keys[c : c + 1], params, max_step_tokens=12)
-        cache.release([row])
+        (row,) = runner.fork(parent, 1)
+        alone = generate_steps(runner, [row], keys[c : c + 1], rules)
+        runner.release([row])
         assert alone[0].tokens == together[c].tokens
         assert alone[0].text == together[c].text
         assert max(abs(a - b) for a, b in zip(alone[0].entropies, together[c].entropies)) < 1e-4
     assert len({tuple(r.tokens) for r in together}) > 1
 
 
-def test_step_text_pieces_concatenate_to_the_decoding(tok) -> None:
-    text = "Step 1: é = 5.\n\nthe answer is 5"
-    st = StepText(tok)
-    pieces = [st.push(t) for t in tok.encode(text)]
-    assert "".join(pieces) == text == st.text
+def _text_rule_end(tokenizer, tokens: list[int]) -> int | None:
+    """Today's rule: the first token after which the decoded step text holds the delimiter."""
+    for i in range(len(tokens)):
+        if STEP_DELIMITER in tokenizer.decode(tokens[: i + 1]):
+            return i
+    return None
+
+
+def _table_rule_end(table: StepTable, tokens: list[int]) -> int | None:
+    for i, t in enumerate(tokens):
+        if table.contains[t] or (i > 0 and table.ends[tokens[i - 1]] and table.starts[t]):
+            return i
+    return None
+
+
+def _check_table(tokenizer) -> None:
+    table = step_table(tokenizer)
+    assert table.exact
+    texts = [tokenizer.decode([t]) for t in range(len(tokenizer))]
+    assert all(bool(table.contains[t]) == (STEP_DELIMITER in s) for t, s in enumerate(texts))  # every token
+    newline = [t for t, s in enumerate(texts) if "\n" in s]
+    plain = [t for t, s in enumerate(texts) if s.strip() and "\n" not in s][:20]
+    for a in newline + plain:  # every pair that matters
+        for b in newline:
+            assert _table_rule_end(table, [a, b]) == _text_rule_end(tokenizer, [a, b]), (texts[a], texts[b])
+    rng = random.Random(0)  # and random steps rich in newlines
+    for _ in range(300):
+        tokens = [rng.choice(newline if rng.random() < 0.3 else plain + newline) for _ in range(12)]
+        assert _table_rule_end(table, tokens) == _text_rule_end(tokenizer, tokens)
+    for t, s in enumerate(texts):
+        assert table.chars[t] >= len(s)
+
+
+def test_step_table_ends_steps_where_the_text_rule_does(tok, llama_dir) -> None:
+    _check_table(tok)
+    _check_table(load_model(llama_dir).tokenizer)
+
+
+@pytest.mark.slow
+def test_step_table_on_the_smollm2_tokenizer() -> None:
+    """SmolLM2's real 49k vocabulary (its GGUF is fetched and converted once, ~100 MB)."""
+    from transformers import AutoTokenizer
+
+    from kvrescue_cli.smollm import smollm2_folder
+    _check_table(AutoTokenizer.from_pretrained(str(smollm2_folder())))

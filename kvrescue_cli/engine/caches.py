@@ -37,6 +37,10 @@ class KVCache(ABC):
         """Logical length: tokens appended so far, which is also the next token's RoPE position."""
 
     @abstractmethod
+    def peak_length(self, row: int) -> int:
+        """Largest physical length (entries held) the row reached, counting what it inherited through forks."""
+
+    @abstractmethod
     def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
         """Start a forward appending n_new[i] tokens to rows[i]; returns their logical positions [R, T].
 
@@ -177,6 +181,9 @@ class FullCache(KVCache):
 
     def length(self, row: int) -> int:
         return self.rows[row].length
+
+    def peak_length(self, row: int) -> int:
+        return self.rows[row].length  # a full cache never shrinks a row
 
     def blocks_in_use(self) -> int:
         """Physical blocks referenced by at least one row."""

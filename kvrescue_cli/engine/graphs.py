@@ -5,7 +5,8 @@ padding rows write to a reserved scratch slot), and attention covers a fixed spa
 buffer: B' = budget + slack for an evicting policy (a row holds at most B' - 1 entries before a
 decode step, since it is compressed as soon as it reaches B'), or the longest row rounded up to
 `SPAN_STEP` for `none`. Per-step inputs (tokens, slots, lengths, positions) live in one static
-device buffer refilled before each replay; the bookkeeping (lengths, compression) stays in Python,
+device buffer refilled before each replay (the tokens device to device, the rest from the host without
+waiting for the device); the bookkeeping (lengths, compression) stays in Python,
 outside the graph. Without CUDA, or with graphs off, the same static step runs eagerly: that is how
 the CPU tests check it against the dynamic path.
 
@@ -71,9 +72,11 @@ class StaticDecode:
         self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
 
     @torch.inference_mode()
-    def __call__(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
-        """Append one token to each row; the head outputs that follow [R, out] (a fresh tensor)."""
+    def __call__(self, rows: list[int], tokens: torch.Tensor | list[int]) -> torch.Tensor:
+        """Append one token (tokens [R], best on the cache's device) to each row; the head outputs that
+        follow [R, out] (a fresh tensor)."""
         cache = self.cache
+        tokens = torch.as_tensor(tokens, device=cache.k.device)
         span = cache.decode_span(rows, SPAN_STEP)
         if cache.k.data_ptr() != self.pools_at:  # the pools were reallocated: graphs point at the old ones
             self.steps.clear()
@@ -82,12 +85,14 @@ class StaticDecode:
         step = self.steps.get((size, span)) or self._prepare(size, span)
         pad = size - len(rows)
         host = torch.tensor([
-            list(tokens) + [0] * pad,
             [cache.slot(r) for r in rows] + [self.scratch] * pad,
             [cache.physical_length(r) for r in rows] + [0] * pad,
             [cache.length(r) for r in rows] + [0] * pad,
         ], dtype=torch.long)
-        step.inputs.copy_(host)  # a blocking copy: the next step may refill `host` at once
+        # Pageable host memory is staged before copy_ returns, so this neither waits for the device nor
+        # races with the next call's refill.
+        step.inputs[1:].copy_(host, non_blocking=True)
+        step.inputs[0, : len(rows)].copy_(tokens)
         if step.graph is not None:
             step.graph.replay()
             logits = step.logits

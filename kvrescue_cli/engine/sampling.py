@@ -1,9 +1,14 @@
 """Temperature / top-k / top-p sampling with one counter-based random stream per candidate.
 
-A candidate's stream key is derived from (run seed, problem idx, step, candidate index); its t-th token
-uses the uniform hash(key, t). Each row's draw depends only on its own logits, key and counter, so a run
-is reproducible and a candidate's tokens do not depend on which rows share its batch. Every sampled
-token also comes with the exact full-vocabulary entropy (nats) of softmax(logits) at T = 1.
+A candidate's stream key is derived once on the host from (run seed, problem idx, step, candidate
+index); its t-th token uses the uniform hash(key, t), computed for every row at once on the logits'
+device. A row's draw depends only on its own logits, key and counter, so a run is reproducible and a
+candidate's tokens do not depend on which rows share its batch. Every sampled token also comes with
+the exact full-vocabulary entropy (nats) of softmax(logits) at T = 1.
+
+Stream version 2 (recorded in every run folder's config): a murmur3-finaliser hash in exact 32-bit
+integer arithmetic on int64 tensors, 24-bit uniforms. Version 1 was a per-row Python splitmix64; runs
+made with it drew different tokens.
 """
 
 from collections.abc import Sequence
@@ -11,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK = (1 << 64) - 1
+STREAM_VERSION = 2
+_MASK64 = (1 << 64) - 1
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B9
 
 
 @dataclass(frozen=True)
@@ -23,25 +31,42 @@ class SamplingParams:
     top_k: int = 20
 
 
-def _mix(z: int) -> int:
+def _mix64(z: int) -> int:
     """splitmix64 finaliser: a bijective 64-bit hash."""
-    z = (z + 0x9E3779B97F4A7C15) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
 
 
 def stream_key(*parts: int) -> int:
-    """A 64-bit stream key from integers, e.g. (seed, problem idx, step, candidate index)."""
+    """A 63-bit stream key from integers, e.g. (seed, problem idx, step, candidate index); computed once per candidate."""
     z = 0
     for p in parts:
-        z = _mix(z ^ (p & _MASK))
-    return z
+        z = _mix64(z ^ (p & _MASK64))
+    return z >> 1
 
 
-def uniform(key: int, counter: int) -> float:
-    """The counter-th uniform in [0, 1) of stream `key` (53 random bits)."""
-    return (_mix(key ^ _mix(counter)) >> 11) * 2.0**-53
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for 0 <= x < 2^32, without leaving int64: the constant is split in 16-bit halves."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser (a bijection of [0, 2^32))."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """The counters[i]-th uniform in [0, 1) of stream keys[i], for all rows at once (int64 [R] each, float32 [R])."""
+    h = _fmix32((counters & _MASK32) ^ _GOLDEN32)
+    h = _fmix32(h ^ (keys & _MASK32))
+    h = _fmix32(h ^ (keys >> 32))
+    return (h >> 8).to(torch.float32) * 2.0**-24
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -49,21 +74,31 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)
 
 
+def as_keys(keys: Sequence[Sequence[int] | int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Stream keys as an int64 tensor: tuples such as (seed, problem, step, candidate) are hashed with `stream_key`."""
+    return torch.tensor([k if isinstance(k, int) else stream_key(*k) for k in keys], dtype=torch.long, device=device)
+
+
 def sample(
     logits: torch.Tensor,
-    keys: Sequence[Sequence[int] | int],
-    counters: Sequence[int],
+    keys: torch.Tensor | Sequence[Sequence[int] | int],
+    counters: torch.Tensor | Sequence[int],
     params: SamplingParams = SamplingParams(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits [R, V]: returns (tokens LongTensor [R], entropies FloatTensor [R]).
 
-    keys[i] is row i's stream: a tuple such as (seed, problem, step, candidate) or a precomputed
-    `stream_key`; counters[i] is the index of the token being drawn (tokens the row sampled so far).
+    keys[i] is row i's stream (an int64 tensor of `stream_key`s, or tuples / ints that become one);
+    counters[i] is the index of the token being drawn (tokens the row sampled so far). Everything
+    stays on the logits' device: no host synchronisation.
     """
     logits = logits.float()
     ent = entropy(logits)
     if params.temperature == 0:
         return logits.argmax(-1), ent
+    if not isinstance(keys, torch.Tensor):
+        keys = as_keys(keys, logits.device)
+    if not isinstance(counters, torch.Tensor):
+        counters = torch.tensor(list(counters), dtype=torch.long, device=logits.device)
     k = logits.shape[-1] if params.top_k <= 0 else min(params.top_k, logits.shape[-1])
     vals, idx = torch.topk(logits / params.temperature, k, dim=-1, sorted=True)
     probs = torch.softmax(vals, dim=-1)
@@ -71,10 +106,7 @@ def sample(
         mass_before = probs.cumsum(-1) - probs
         probs = probs * (mass_before < params.top_p)  # the top token always survives (mass before it is 0)
     cdf = probs.cumsum(-1)
-    u = torch.tensor(
-        [uniform(key if isinstance(key, int) else stream_key(*key), c) for key, c in zip(keys, counters)],
-        dtype=cdf.dtype, device=cdf.device,
-    )
+    u = uniforms(keys, counters)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=k - 1)
     # A pick past the kept tokens can only come from float rounding at the very top of the cdf.
     pick = torch.minimum(pick, (probs > 0).sum(-1, keepdim=True) - 1)

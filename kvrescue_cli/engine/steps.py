@@ -1,116 +1,323 @@
-"""Step generation: many rows (problems x candidates) decoded in one batched loop until each ends a step.
+"""Step decoding: many rows (problems x candidates) sampled one token per iteration until each ends a step.
 
-Convention shared with the controller: when a row finishes, its cache holds every token of its step
-except the last one, whose logits nobody needs unless the row is committed; `append_tokens` feeds it
-(with anything else to append) when the step is committed.
+This is the one decode loop of the tool (the controller and `generate_steps` both drive it). Per-token
+work is done for all rows at once on the model's device: sampling from counter-based streams, step
+ends decided from token ids by per-vocabulary tables, the detector's entropy window. The host sees
+one small packed transfer per iteration (tokens, entropies, finish codes), writes it into its
+per-row buffers with array operations, and decodes text only where it is needed: once when a step
+ends, and for the gzip test only for rows that may hold enough characters.
+
+Convention shared with the `Runner`: when a row finishes, its cache holds every token of its step
+except the last one, whose logits nobody needs unless the row is committed; `Runner.commit` feeds it.
 """
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
+from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 
+from kvrescue_cli.detect import ENTROPY, REPETITION, DetectorConfig, gzip_ratio
 from kvrescue_cli.engine.caches import KVCache
-from kvrescue_cli.engine.loader import LoadedModel
-from kvrescue_cli.engine.sampling import SamplingParams, sample
+from kvrescue_cli.engine.sampling import SamplingParams, as_keys
 from kvrescue_cli.prompts import STEP_DELIMITER
 
 MAX_STEP_TOKENS = 512
 MAX_CONTEXT = 4096
-
-TokenCallback = Callable[[int, str, float], str | None]
-
-
-class StepText:
-    """Incremental detokenisation: text pieces whose concatenation is tokenizer.decode(tokens).
-
-    A piece is held back while the decoded tail ends in an incomplete UTF-8 sequence (U+FFFD), and the
-    tail is decoded from a few tokens back so that merges across token boundaries come out right.
-    """
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.text = ""
-        self._prefix = 0  # tokens[_prefix:_read] decode to the already emitted tail
-        self._read = 0
-
-    def push(self, token: int) -> str:
-        """Add a token; return the new text it completes (possibly empty)."""
-        self.tokens.append(token)
-        before = self.tokenizer.decode(self.tokens[self._prefix : self._read])
-        after = self.tokenizer.decode(self.tokens[self._prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        piece = after[len(before) :]
-        self._prefix, self._read = max(self._read - 4, 0), len(self.tokens)
-        self.text += piece
-        return piece
+FINISHES = (None, "step", "eos", "length", ENTROPY, REPETITION)  # finish codes 0..5 on the device
+_STEP, _EOS, _LENGTH, _ENTROPY, _REPETITION = range(1, 6)
 
 
 @dataclass(frozen=True)
-class StepLimits:
-    """When a step ends, besides the callback: EOS, the delimiter, the per-step cap and the context cap.
+class StepRules:
+    """How candidate steps are decoded: sampling, when a step ends, and the detector.
 
-    `fixed_length` (synthetic throughput runs) ends every step after that many tokens and ignores EOS
-    and the delimiter.
+    A step ends at EOS, at the delimiter `\\n\\n` in its decoded text, at `max_step_tokens`, or when
+    its context reaches `max_context`; `fixed_length` (synthetic throughput runs) ends every step
+    after that many tokens and ignores EOS and the delimiter. The detector (None: off) screens the rows
+    started with `screened=True`, every token including the last one.
     """
 
     eos: frozenset[int]
+    sampling: SamplingParams = SamplingParams()
     max_step_tokens: int = MAX_STEP_TOKENS
     max_context: int = MAX_CONTEXT
-    delimiter: str = STEP_DELIMITER
     fixed_length: int | None = None
+    detector: DetectorConfig | None = None
 
 
+@dataclass
 class CandidateStep:
-    """One row's step as it is decoded: tokens, text (= decode(tokens) once finished), entropies, finish reason.
+    """One row's finished step: tokens, text = decode(tokens), entropies, finish reason, detector extremes."""
 
-    `callback(token_text, entropy)` may end the step early by returning a reason (the detector does).
+    row: int
+    tokens: list[int]
+    text: str
+    entropies: list[float]
+    finish: str
+    max_mean_entropy: float | None = None
+    min_ratio: float | None = None
+    fired_at: int | None = None
+
+
+class StepTable:
+    """Per-vocabulary facts that decide step ends from token ids, computed once per tokenizer.
+
+    With `texts[t]` = decode([t]): the delimiter ends a step at token b after token a when texts[b]
+    contains `\\n\\n`, or texts[a] ends with `\\n` and texts[b] starts with `\\n`. That is exact when
+    decoding concatenates around newlines, which `exact` records after checking every token holding a
+    newline in context and every (ends with `\\n`, starts with `\\n`) pair. `chars[t]` bounds the
+    characters a token adds to a decoded text, so the gzip test decodes only rows that may have enough.
     """
 
-    def __init__(self, tokenizer, context: int, limits: StepLimits,
-                 callback: Callable[[str, float], str | None] | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.context = context  # tokens before the step: prompt + committed steps
-        self.limits = limits
-        self.callback = callback
-        self.detok = StepText(tokenizer)
-        self.entropies: list[float] = []
-        self.text = ""
-        self.finish: str | None = None
+    def __init__(self, tokenizer) -> None:
+        n = len(tokenizer)
+        ids = [[t] for t in range(n)]
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        texts = backend.decode_batch(ids, skip_special_tokens=False) if backend else tokenizer.batch_decode(ids)
+        newline = [t for t, s in enumerate(texts) if "\n" in s]
+        ends = [t for t in newline if texts[t].endswith("\n")]
+        starts = [t for t in newline if texts[t].startswith("\n")]
+        self.exact = self._concatenates(tokenizer, texts, newline, ends, starts)
+        self.contains = torch.tensor([STEP_DELIMITER in s for s in texts])
+        self.ends = torch.zeros(n, dtype=torch.bool)
+        self.ends[ends] = True
+        self.starts = torch.zeros(n, dtype=torch.bool)
+        self.starts[starts] = True
+        self.newline = torch.zeros(n, dtype=torch.bool)
+        self.newline[newline + [t for t, s in enumerate(texts) if "\ufffd" in s]] = True
+        self.chars = torch.tensor([len(s) + (0 if self.exact else 1) for s in texts])
+
+    @staticmethod
+    def _concatenates(tokenizer, texts: list[str], newline: list[int], ends: list[int], starts: list[int]) -> bool:
+        """Whether decoding keeps every newline where the single-token texts put it."""
+        plain = next((t for t, s in enumerate(texts) if s.isalpha()), None)
+        if plain is None or any("\ufffd" in texts[t] for t in newline):
+            return False
+        strip = lambda s: s.replace(" ", "")  # noqa: E731  (some decoders drop a leading space)
+        for t in newline:
+            if strip(tokenizer.decode([plain, t, plain])) != strip(texts[plain] + texts[t] + texts[plain]):
+                return False
+        pairs = [[a, b] for a in ends for b in starts]
+        return all(STEP_DELIMITER in s for s in tokenizer.batch_decode(pairs))
+
+    def to(self, device: torch.device) -> "StepTable":
+        """The same table with its tensors on `device`."""
+        moved = object.__new__(StepTable)
+        moved.exact = self.exact
+        for name in ("contains", "ends", "starts", "newline", "chars"):
+            setattr(moved, name, getattr(self, name).to(device))
+        return moved
+
+
+_TABLES: dict[int, tuple[object, StepTable]] = {}
+
+
+def step_table(tokenizer) -> StepTable:
+    """The tokenizer's table, built on first use (about a second for a 150k vocabulary) and kept."""
+    entry = _TABLES.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:
+        entry = _TABLES[id(tokenizer)] = (tokenizer, StepTable(tokenizer))
+        if not entry[1].exact:
+            warnings.warn(f"{type(tokenizer).__name__}: step ends can't be read from token ids exactly; rows whose "
+                          "token holds a newline are checked on decoded text instead", stacklevel=2)
+    return entry[1]
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on `device` without waiting for the device (pageable memory is staged at once)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+
+
+@dataclass
+class _Lanes:
+    """Per-candidate state in lanes (indices reused as candidates finish), on the device and on the host."""
+
+    keys: torch.Tensor
+    count: torch.Tensor
+    context: torch.Tensor
+    prev_ends: torch.Tensor
+    ring: torch.Tensor      # the last `ent_window` entropies, float64
+    max_mean: torch.Tensor  # the largest window mean at checked positions, -inf before any
+    chars: torch.Tensor     # bound on the decoded characters so far
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    screened: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    entropies: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    min_ratio: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+
+class StepDecoder:
+    """The open candidate steps of one runner, advanced together one token per `advance`.
+
+    `runner` provides `device`, `tokenizer`, `sample(rows, keys, counters, params)` and
+    `decode(rows_tensor, rows, tokens)` (one token appended to each row, its logits kept).
+    """
+
+    def __init__(self, runner, rules: StepRules) -> None:
+        self.runner, self.rules = runner, rules
+        self.device = runner.device
+        self.table = step_table(runner.tokenizer).to(self.device)
+        self.eos = torch.zeros(len(self.table.contains), dtype=torch.bool, device=self.device)
+        eos = [t for t in rules.eos if t < len(self.eos)]
+        self.eos[eos] = True
+        self.width = rules.max_step_tokens
+        self.window = rules.detector.ent_window if rules.detector else 1
+        self.lanes = self._allocate(0)
+        self.free: list[int] = []
+        self.live = np.zeros(0, np.int64)   # live lanes, in batch order
+        self.live_t: torch.Tensor | None = None
+        self.rows_t: torch.Tensor | None = None
 
     @property
-    def tokens(self) -> list[int]:
-        return self.detok.tokens
+    def busy(self) -> bool:
+        """Whether any step is still being decoded."""
+        return len(self.live) > 0
 
-    def push(self, token: int, entropy: float) -> str | None:
-        """Add a sampled token; return the finish reason if the step ends with it."""
-        limits = self.limits
-        tail = self.detok.text[1 - len(limits.delimiter):] if len(limits.delimiter) > 1 else ""
-        piece = self.detok.push(token)
-        self.entropies.append(entropy)
-        n = len(self.tokens)
-        if limits.fixed_length is not None:
-            self.finish = "step" if n >= limits.fixed_length else None
-        elif token in limits.eos:
-            self.finish = "eos"
-        elif limits.delimiter in tail + piece:
-            self.finish = "step"
-        if self.finish is None and self.callback is not None:
-            self.finish = self.callback(piece, entropy)
-        if self.finish is None and (n >= limits.max_step_tokens or self.context + n >= limits.max_context):
-            self.finish = "length"
-        if self.finish is not None:
-            self.text = self.tokenizer.decode(self.tokens)
-        return self.finish
+    def _allocate(self, size: int) -> _Lanes:
+        dev = self.device
+        return _Lanes(
+            keys=torch.zeros(size, dtype=torch.long, device=dev), count=torch.zeros(size, dtype=torch.long, device=dev),
+            context=torch.zeros(size, dtype=torch.long, device=dev),
+            prev_ends=torch.zeros(size, dtype=torch.bool, device=dev),
+            ring=torch.zeros(size, self.window, dtype=torch.float64, device=dev),
+            max_mean=torch.full((size,), -torch.inf, dtype=torch.float64, device=dev),
+            chars=torch.zeros(size, dtype=torch.long, device=dev),
+            rows=np.zeros(size, np.int64), screened=np.zeros(size, bool), counts=np.zeros(size, np.int64),
+            tokens=np.zeros((size, self.width), np.int64), entropies=np.zeros((size, self.width), np.float32),
+            min_ratio=np.full(size, np.inf),
+        )
+
+    def _grow(self, need: int) -> None:
+        old = len(self.lanes.rows)
+        new = self._allocate(max(need, 2 * old, 64))
+        for name, value in vars(self.lanes).items():
+            getattr(new, name)[:old] = value
+        self.lanes = new
+        self.free = list(range(len(new.rows) - 1, old - 1, -1)) + self.free
+
+    def start(self, rows: Sequence[int], keys: Sequence[Sequence[int] | int], contexts: Sequence[int],
+              screened: Sequence[bool]) -> None:
+        """Open a step on each row (its logits already in the runner): stream keys[i], contexts[i] tokens before it."""
+        if len(self.free) < len(rows):
+            self._grow(len(self.lanes.rows) + len(rows) - len(self.free))
+        lanes = np.array([self.free.pop() for _ in rows], dtype=np.int64)
+        s = self.lanes
+        s.rows[lanes], s.screened[lanes], s.counts[lanes], s.min_ratio[lanes] = rows, screened, 0, np.inf
+        at = _to_device(lanes, self.device)
+        s.keys[at] = as_keys(keys).to(self.device, non_blocking=True)
+        s.context[at] = _to_device(np.asarray(contexts, np.int64), self.device)
+        s.count[at], s.prev_ends[at], s.ring[at], s.max_mean[at], s.chars[at] = 0, False, 0.0, -torch.inf, 0
+        self._set_live(np.concatenate([self.live, lanes]))
+
+    def _set_live(self, live: np.ndarray, index: np.ndarray | None = None) -> None:
+        """The live lanes; `index` (positions kept of the previous live lanes) narrows the device copies instead."""
+        if index is not None and self.live_t is not None:
+            at = _to_device(index, self.device)
+            self.live_t, self.rows_t = self.live_t[at], self.rows_t[at]
+        else:
+            self.live_t = _to_device(live, self.device)
+            self.rows_t = _to_device(self.lanes.rows[live], self.device)
+        self.live = live
+
+    def advance(self) -> list[CandidateStep]:
+        """Sample one token for every live row and feed it to the rows that go on; return the steps that ended."""
+        if not self.busy:
+            return []
+        rules, table, s = self.rules, self.table, self.lanes
+        lanes, live = self.live_t, self.live
+        tokens, entropies = self.runner.sample(self.rows_t, s.keys[lanes], s.count[lanes], rules.sampling)
+        n = s.count[lanes] + 1
+        s.count[lanes] = n
+        code = torch.zeros_like(tokens)
+        if rules.fixed_length is not None:
+            code.masked_fill_(n >= rules.fixed_length, _STEP)
+        else:
+            delimiter = table.contains[tokens] | (s.prev_ends[lanes] & table.starts[tokens])
+            s.prev_ends[lanes] = table.ends[tokens]
+            if table.exact:
+                code.masked_fill_(delimiter, _STEP)
+            code.masked_fill_(self.eos[tokens], _EOS)
+        code.masked_fill_((code == 0) & ((n >= rules.max_step_tokens) | (s.context[lanes] + n >= rules.max_context)),
+                          _LENGTH)
+        check_text = torch.zeros_like(tokens, dtype=torch.bool)
+        cfg = rules.detector
+        if cfg is not None and s.screened[live].any():
+            screened = _to_device(s.screened[live], self.device)
+            ring = s.ring[lanes]
+            ring[torch.arange(len(live), device=self.device), (n - 1) % cfg.ent_window] = entropies.double()
+            s.ring[lanes] = ring
+            mean = ring.sum(-1) / n.clamp(max=cfg.ent_window)
+            checked = screened & (n >= cfg.min_tokens)
+            s.max_mean[lanes] = torch.where(checked, torch.maximum(s.max_mean[lanes], mean), s.max_mean[lanes])
+            code.masked_fill_(checked & (mean > cfg.tau_ent), _ENTROPY)
+            chars = s.chars[lanes] + table.chars[tokens]
+            s.chars[lanes] = chars
+            check_text = screened & (chars >= cfg.cmp_chars)
+        if not table.exact:
+            check_text |= (code == 0) & table.newline[tokens]
+        packed = torch.stack([tokens.double(), entropies.double(), code.double(), s.max_mean[lanes],
+                              check_text.double()]).cpu().numpy()  # the iteration's one synchronisation
+        tok = packed[0].astype(np.int64)
+        s.counts[live] += 1
+        s.tokens[live, s.counts[live] - 1] = tok
+        s.entropies[live, s.counts[live] - 1] = packed[1]
+        codes = packed[2].astype(np.int64)
+        for i in np.flatnonzero(packed[4]):
+            codes[i] = self._check_text(live[i], codes[i])
+        ended = codes != 0
+        done = [self._finished(lane, FINISHES[c], packed[3][i]) for i, (lane, c) in
+                enumerate(zip(live, codes)) if c]
+        if ended.all():
+            self.free += live.tolist()
+            self._set_live(live[:0])
+            return done
+        if ended.any():
+            keep = np.flatnonzero(~ended)
+            self.free += live[ended].tolist()
+            self._set_live(live[keep], keep)
+            tokens = tokens[_to_device(keep, self.device)]
+        self.runner.decode(self.rows_t, s.rows[self.live].tolist(), tokens)
+        return done
+
+    def _check_text(self, lane: int, code: int) -> int:
+        """Host checks on the decoded text of one row: the gzip test, and the delimiter for an inexact table."""
+        s, cfg = self.lanes, self.rules.detector
+        n = s.counts[lane]
+        text = self.runner.tokenizer.decode(s.tokens[lane, :n].tolist())
+        if code == 0 and not self.table.exact and STEP_DELIMITER in text:
+            code = _STEP
+        if cfg is not None and s.screened[lane]:
+            text = text.rstrip("\ufffd")  # an incomplete character at the end is not text yet
+            if len(text) >= cfg.cmp_chars:
+                ratio = gzip_ratio(text[-cfg.cmp_chars:], cfg.gzip_level)
+                s.min_ratio[lane] = min(s.min_ratio[lane], ratio)
+                if ratio < cfg.tau_cmp and code != _ENTROPY:
+                    code = _REPETITION
+        return code
+
+    def _finished(self, lane: int, finish: str, max_mean: float) -> CandidateStep:
+        s = self.lanes
+        n = s.counts[lane]
+        tokens = s.tokens[lane, :n].tolist()
+        screened = bool(s.screened[lane])
+        return CandidateStep(
+            row=int(s.rows[lane]), tokens=tokens, text=self.runner.tokenizer.decode(tokens),
+            entropies=s.entropies[lane, :n].tolist(), finish=finish,
+            max_mean_entropy=float(max_mean) if screened and max_mean > -np.inf else None,
+            min_ratio=float(s.min_ratio[lane]) if screened and s.min_ratio[lane] < np.inf else None,
+            fired_at=int(n) if finish in (ENTROPY, REPETITION) else None,
+        )
 
 
 @torch.inference_mode()
-def append_tokens(model: LoadedModel, cache: KVCache, rows: Sequence[int], token_lists: Sequence[Sequence[int]],
+def append_tokens(model, cache: KVCache, rows: Sequence[int], token_lists: Sequence[Sequence[int]],
                   last_only: bool = True) -> torch.Tensor:
-    """Append token_lists[i] (non-empty) to rows[i] in one forward (right padded).
+    """Append token_lists[i] (non-empty) to rows[i] of a `LoadedModel`'s cache in one forward (right padded).
 
     Returns fp32 head outputs after each row's last token [R, V], or at every position [R, T, V].
     """
@@ -123,39 +330,15 @@ def append_tokens(model: LoadedModel, cache: KVCache, rows: Sequence[int], token
     return model.net.prefill(batch.to(model.device), cache, list(rows), n_new, last_only).float()
 
 
-@torch.inference_mode()
-def generate_steps(
-    model: LoadedModel,
-    cache: KVCache,
-    rows: Sequence[int],
-    logits: torch.Tensor,
-    keys: Sequence[Sequence[int] | int],
-    params: SamplingParams = SamplingParams(),
-    *,
-    callback: TokenCallback | None = None,
-    max_step_tokens: int = MAX_STEP_TOKENS,
-    max_context: int = MAX_CONTEXT,
-    delimiter: str = STEP_DELIMITER,
-) -> list[CandidateStep]:
-    """Decode one step for every row at once; rows finish independently and leave the batch.
+def generate_steps(runner, rows: Sequence[int], keys: Sequence[Sequence[int] | int], rules: StepRules,
+                   screened: Sequence[bool] | None = None) -> list[CandidateStep]:
+    """Decode one step for every row (prefilled or forked through `runner`) until each ends; in row order.
 
-    logits [R, V]: each row's next-token logits (from `append_tokens`, or the parent's for forks).
-    keys[i]: row i's random stream, e.g. (seed, problem idx, step, candidate index).
-    A row finishes with `eos`, `step` (the delimiter appeared in its decoded text), the reason the
-    callback (row index, token text, entropy) returned, or `length` (max_step_tokens, or its context
-    reaching max_context tokens). Each row's cache then holds its step minus the last token.
+    keys[i]: row i's random stream, e.g. (seed, problem idx, step, candidate index). Each row's cache
+    then holds its step minus the last token.
     """
-    limits = StepLimits(frozenset(model.eos_ids), max_step_tokens, max_context, delimiter)
-    steps = [
-        CandidateStep(model.tokenizer, cache.length(r), limits, partial(callback, i) if callback else None)
-        for i, r in enumerate(rows)
-    ]
-    live = list(range(len(rows)))
-    current = logits
-    while live:
-        tokens, ents = sample(current, [keys[i] for i in live], [len(steps[i].tokens) for i in live], params)
-        live = [i for i, token, h in zip(live, tokens.tolist(), ents.tolist()) if steps[i].push(token, h) is None]
-        if live:
-            fed = torch.tensor([steps[i].tokens[-1] for i in live], device=model.device)
-            current = model.net.decode(fed, cache, [rows[i] for i in live]).float()
-    return steps
+    runner.start(rows, keys, [runner.length(r) for r in rows], screened or [False] * len(rows), rules)
+    done: dict[int, CandidateStep] = {}
+    while runner.busy:
+        done.update((step.row, step) for step in runner.advance())
+    return [done[r] for r in rows]

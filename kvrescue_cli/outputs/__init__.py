@@ -24,8 +24,6 @@ traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each prob
         source      "base" | "helper": which model produced the committed candidate.
         score       float | null: its PRM (or alternative scorer) score; null if it was never scored.
         tokens      int: tokens in the step (of the model that produced it).
-        no_survivor bool: every candidate was dropped by the detector; the best-scored one was
-                    committed anyway.
         base_rows   int | null: entries the base model's cache row held once the step was committed
                     (its physical length: at most B' - 1 when evicted); null without a base model.
     candidates      list (one entry per step, aligned with ``steps``) of lists of `Candidate`:

@@ -27,7 +27,6 @@ class Step:
     source: str
     score: float | None
     tokens: int
-    no_survivor: bool = False
     base_rows: int | None = None  # the base cache row's physical length after the commit
 
 
@@ -97,7 +96,8 @@ class Trace:
     def from_dict(cls, d: dict[str, Any]) -> Trace:
         """Rebuild a trace from its JSON form (raises KeyError/TypeError/ValueError if malformed)."""
         d = dict(d)
-        d["steps"] = [Step(**s) for s in d["steps"]]
+        # `no_survivor` (always false: a screened method always has helper candidates) is no longer written.
+        d["steps"] = [Step(**{k: v for k, v in s.items() if k != "no_survivor"}) for s in d["steps"]]
         d["candidates"] = [[Candidate(**c) for c in cs] for cs in d["candidates"]]
         d["tokens"] = Tokens(**d["tokens"])
         trace = cls(**d)
