@@ -1,9 +1,9 @@
 """Confinement of a grading worker: what it may still do once its imports are done.
 
 `confine(keep_fd)` makes code that somehow ran inside the worker useless: it can start no process,
-create, grow, rename or delete no file, open no socket, signal or trace no other process, and it holds
-a bounded amount of memory and no descriptor but stdin and `keep_fd` (stdout and stderr become
-/dev/null). Linux only; the syscall filter (seccomp) needs x86_64 or aarch64, elsewhere only the
+create, grow, rename or delete no file, open no socket, signal or trace no other process, push no
+input into a terminal, change nothing system-wide, and it holds a bounded amount of memory and no
+descriptor but stdin and `keep_fd` (stdout and stderr become /dev/null). Linux only; the syscall filter (seccomp) needs x86_64 or aarch64, elsewhere only the
 resource limits and the descriptor hygiene apply, and `confine` says so in its result.
 """
 
@@ -30,7 +30,11 @@ _DENIED = (
     "chmod", "fchmod", "fchmodat", "chown", "fchown", "lchown", "fchownat", "utime", "utimes", "utimensat",
     "futimesat", "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr",
     "memfd_create", "mount", "umount2", "chroot", "pivot_root", "unshare", "setns", "io_uring_setup", "bpf",
+    "open_by_handle_at", "reboot", "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+    "swapon", "swapoff", "sethostname", "setdomainname", "settimeofday", "clock_settime", "acct",
 )
+# ioctl requests refused: TIOCSTI (type into a terminal) and TIOCLINUX (the same on a Linux console).
+_DENIED_IOCTLS = (0x5412, 0x541C)
 # (audit arch, {syscall: number}, {open-like syscall: index of its flags argument})
 _X86_64 = (0xC000003E, {
     "fork": 57, "vfork": 58, "clone": 56, "clone3": 435, "execve": 59, "execveat": 322, "kill": 62,
@@ -44,6 +48,9 @@ _X86_64 = (0xC000003E, {
     "futimesat": 261, "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197,
     "lremovexattr": 198, "fremovexattr": 199, "memfd_create": 319, "mount": 165, "umount2": 166,
     "chroot": 161, "pivot_root": 155, "unshare": 272, "setns": 308, "io_uring_setup": 425, "bpf": 321,
+    "open_by_handle_at": 304, "reboot": 169, "init_module": 175, "finit_module": 313, "delete_module": 176,
+    "kexec_load": 246, "kexec_file_load": 320, "swapon": 167, "swapoff": 168, "sethostname": 170,
+    "setdomainname": 171, "settimeofday": 164, "clock_settime": 227, "acct": 163, "ioctl": 16,
 }, {2: 1, 257: 2})  # open(path, flags), openat(dirfd, path, flags)
 _AARCH64 = (0xC00000B7, {
     "clone": 220, "clone3": 435, "execve": 221, "execveat": 281, "kill": 129, "tkill": 130, "tgkill": 131,
@@ -54,7 +61,10 @@ _AARCH64 = (0xC00000B7, {
     "fchmodat": 53, "fchownat": 54, "fchown": 55, "utimensat": 88, "setxattr": 5, "lsetxattr": 6,
     "fsetxattr": 7, "removexattr": 14, "lremovexattr": 15, "fremovexattr": 16, "memfd_create": 279,
     "mount": 40, "umount2": 39, "chroot": 51, "pivot_root": 41, "unshare": 97, "setns": 268,
-    "io_uring_setup": 425, "bpf": 280,
+    "io_uring_setup": 425, "bpf": 280, "open_by_handle_at": 265, "reboot": 142, "init_module": 105,
+    "finit_module": 273, "delete_module": 106, "kexec_load": 104, "kexec_file_load": 294, "swapon": 224,
+    "swapoff": 225, "sethostname": 161, "setdomainname": 162, "settimeofday": 170, "clock_settime": 112,
+    "acct": 89, "ioctl": 29,
 }, {56: 2})  # openat(dirfd, path, flags)
 _ARCHES = {"x86_64": _X86_64, "amd64": _X86_64, "aarch64": _AARCH64, "arm64": _AARCH64}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -71,8 +81,8 @@ def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
 
 
 def syscall_filter(arch: int, numbers: dict[str, int], open_flags: dict[int, int]) -> bytes:
-    """The seccomp program: EPERM for the denied syscalls, for open-likes with a write flag, for
-    another ABI; everything else allowed."""
+    """The seccomp program: EPERM for the denied syscalls, for open-likes with a write flag, for the
+    denied ioctl requests, for another ABI; everything else allowed."""
     denied = sorted({numbers[name] for name in _DENIED if name in numbers})
     program = [_op(_LD_W_ABS, 4), _op(_JEQ_K, arch, jt=1), _op(_RET_K, _ERRNO_EPERM), _op(_LD_W_ABS, 0)]
     if arch == _X86_64[0]:
@@ -83,6 +93,10 @@ def syscall_filter(arch: int, numbers: dict[str, int], open_flags: dict[int, int
         # nr? load the flags' low word; a write flag -> EPERM; else allow. Not nr: skip these 4.
         program += [_op(_JEQ_K, nr, jf=4), _op(_LD_W_ABS, 16 + 8 * arg), _op(_JSET_K, _WRITE_FLAGS, jf=1),
                     _op(_RET_K, _ERRNO_EPERM), _op(_RET_K, _ALLOW)]
+    # ioctl? load its request; a denied one -> EPERM; else allow. Not ioctl: skip to the final allow.
+    tiocsti, tioclinux = _DENIED_IOCTLS
+    program += [_op(_JEQ_K, numbers["ioctl"], jf=5), _op(_LD_W_ABS, 16 + 8 * 1), _op(_JEQ_K, tiocsti, jt=2),
+                _op(_JEQ_K, tioclinux, jt=1), _op(_RET_K, _ALLOW), _op(_RET_K, _ERRNO_EPERM)]
     program.append(_op(_RET_K, _ALLOW))
     return b"".join(program)
 

@@ -59,7 +59,7 @@ def test_unicode_minus_is_not_a_minus_sign() -> None:
 
 
 CONFINED_PROBE = textwrap.dedent("""
-    import json, os, socket, subprocess, sys
+    import errno, fcntl, json, os, socket, subprocess, sys, termios
     from grader.confine import confine
     keep = os.dup(1)
     existing = sys.argv[1]
@@ -70,6 +70,13 @@ CONFINED_PROBE = textwrap.dedent("""
             action()
         except (OSError, MemoryError):
             return True
+        return False
+
+    def refused(action):  # EPERM from the filter (on a pipe the call would fail with ENOTTY anyway)
+        try:
+            action()
+        except OSError as e:
+            return e.errno == errno.EPERM
         return False
 
     def append():
@@ -86,6 +93,7 @@ CONFINED_PROBE = textwrap.dedent("""
         "unlink": blocked(lambda: os.unlink(existing)),
         "socket": blocked(lambda: socket.socket()),
         "signal_parent": blocked(lambda: os.kill(os.getppid(), 0)),
+        "type_into_terminal": refused(lambda: fcntl.ioctl(0, termios.TIOCSTI, b"x")),
         "memory": blocked(lambda: bytearray(5 << 30)),
         "read": not blocked(lambda: open(existing).read()),
         "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
@@ -106,8 +114,8 @@ def test_confined_process_can_do_nothing_but_compute(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr.decode()
     result = json.loads(done.stdout)
     assert result["layers"] == {"limits": True, "syscall_filter": True}
-    for action in ("spawn", "fork", "create", "append", "mkdir", "unlink", "socket", "signal_parent", "memory",
-                   "read"):
+    for action in ("spawn", "fork", "create", "append", "mkdir", "unlink", "socket", "signal_parent",
+                   "type_into_terminal", "memory", "read"):
         assert result[action], action
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.txt", "inherited"]
     assert existing.read_text() == "data"
