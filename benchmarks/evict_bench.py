@@ -1,16 +1,19 @@
 """Cost of the bounded evicting cache against the full cache, on a random ~100M Qwen2.
 
 Measures, for a batch of rows decoding one token each:
-- per-token decode time with `none` (full cache) at several context lengths, and with `rkv` at each
-  budget B amortised over a B -> B' -> B cycle: between compressions an evicted row decodes like a
-  full one of the same physical length (B + 64 on average), plus one compression per 128 tokens
-  (`--cycle` also times real cycles end to end);
+- per-token decode time at several context lengths with `none` (the evicting cache with eviction
+  off) and with the paged cache that the `full` method and the helper decode with (rows forked 8 to a
+  shared prefix, as a problem's candidates are), and with `rkv` at each budget B amortised over a
+  B -> B' -> B cycle: between compressions an evicted row decodes like a `none` one of the same
+  physical length (B + 64 on average), plus one compression per 128 tokens (`--cycle` also times real
+  cycles end to end);
 - the cost of one compression (all rows at once, all layers) and cache bytes per row;
-- the context length from which evicted decoding is cheaper than full decoding;
+- the context length from which evicted decoding is cheaper than `none` and than the paged cache;
 - the degeneration detector's CPU time per token.
 
 Cache states are synthesised (random K/V, rows set to the wanted physical and logical lengths) instead
-of prefilled, since only the lengths matter for the cost. Lengths are timed round-robin, minima kept.
+of prefilled, since only the lengths matter for the cost. All caches and lengths are timed round-robin
+(after one warm-up decode each), minima kept.
 
     .venv/bin/python benchmarks/evict_bench.py                     # CPU, batch 32
     .venv/bin/python benchmarks/evict_bench.py --device cuda --dtype bfloat16
@@ -29,6 +32,7 @@ import torch
 from kvrescue_cli.data import BUNDLED
 from kvrescue_cli.detect import Detector
 from kvrescue_cli.engine.bounded import SLACK, BoundedCache
+from kvrescue_cli.engine.caches import FullCache, _Row
 from kvrescue_cli.engine.model import CausalLM, ModelArgs
 
 MATH500 = BUNDLED / "math500.jsonl"
@@ -61,6 +65,23 @@ def make_rows(net: CausalLM, policy: str, budget: int, batch: int, physical: int
     return cache, rows
 
 
+def make_paged_rows(net: CausalLM, batch: int, length: int, room: int, candidates: int = 8) -> tuple[FullCache, list[int]]:
+    """A paged cache whose `batch` rows are forked, `candidates` at a time, from prefixes of `length` random
+    entries (a problem's committed context), with room for `room` more tokens per row."""
+    parents = -(-batch // candidates)
+    cache = FullCache.for_model(net, parents * length + batch * (room + 64), max_rows=parents + batch)
+    cache.k.normal_()
+    cache.v.normal_()
+    rows = []
+    for _ in range(parents):
+        parent = cache.create()
+        blocks = [cache._new_block() for _ in range(-(-length // cache.block_size))]  # benchmark only: as if prefilled
+        cache.rows[parent] = _Row(blocks, length)
+        cache.table[parent, :len(blocks)] = torch.tensor(blocks)
+        rows += cache.fork(parent, min(candidates, batch - len(rows)))
+    return cache, rows
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -80,17 +101,20 @@ def timed_decodes(net: CausalLM, cache: BoundedCache, rows: list[int], steps: in
     return times
 
 
-def decode_cost(net, lengths: list[int], batch: int, rounds: int, steps: int, device: str) -> dict[int, float]:
-    """Fastest of the timed batched decode steps at each physical length. The lengths are measured
-    round-robin and the minimum is kept because a shared machine only ever adds time."""
-    caches = {n: make_rows(net, "none", 16, batch, n, n) for n in lengths}
+def decode_cost(net, lengths: list[int], paged: list[int], batch: int, rounds: int, steps: int,
+                device: str) -> dict[tuple[str, int], float]:
+    """Fastest of the timed batched decode steps of `none` rows at each physical length in `lengths` and
+    of paged rows at each in `paged`, keyed (cache, length). All are measured round-robin, in alternating
+    order, and the minimum is kept because a shared machine only ever adds time."""
+    caches = {("none", n): make_rows(net, "none", 16, batch, n, n) for n in lengths}
+    caches |= {("paged", n): make_paged_rows(net, batch, n, rounds * steps + 1) for n in paged}
     for cache, rows in caches.values():
         timed_decodes(net, cache, rows, 1, device)  # warm-up
-    times: dict[int, list[float]] = {n: [] for n in lengths}
-    for _ in range(rounds):
-        for n, (cache, rows) in caches.items():
-            times[n] += timed_decodes(net, cache, rows, steps, device)
-    return {n: min(t) for n, t in times.items()}
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in caches}
+    for r in range(rounds):
+        for key in (list(caches) if r % 2 == 0 else list(caches)[::-1]):
+            times[key] += timed_decodes(net, *caches[key], steps, device)
+    return {key: min(t) for key, t in times.items()}
 
 
 def evicted_cycle(net, budget, batch, device) -> float:
@@ -167,19 +191,20 @@ def main() -> None:
     # between compressions an evicted row decodes like a full one of the same physical length;
     # over a cycle its length averages B + 64, and one compression of every row is added per 128 tokens
     t0 = time.perf_counter()
-    step = decode_cost(net, sorted(set(contexts) | {b + SLACK // 2 for b in budgets}), args.batch,
+    step = decode_cost(net, sorted(set(contexts) | {b + SLACK // 2 for b in budgets}), contexts, args.batch,
                        args.rounds, args.steps, args.device)
     comp = {b: compression_time(net, b, args.batch, args.device) for b in budgets}
-    full = {c: step[c] / args.batch for c in contexts}
-    evicted = {b: (step[b + SLACK // 2] + comp[b] / SLACK) / args.batch for b in budgets}
+    full = {c: step[("none", c)] / args.batch for c in contexts}
+    paged = {c: step[("paged", c)] / args.batch for c in contexts}
+    evicted = {b: (step[("none", b + SLACK // 2)] + comp[b] / SLACK) / args.batch for b in budgets}
     print(f"(measured in {time.perf_counter() - t0:.0f} s)\n")
 
     print("per-token decode time (ms per row-token = batch step time / batch)")
-    print(f"{'context':>8} {'none':>8} " + " ".join(f"{'rkv B=' + str(b):>10}" for b in budgets))
+    print(f"{'context':>8} {'paged':>8} {'none':>8} " + " ".join(f"{'rkv B=' + str(b):>10}" for b in budgets))
     for c in shown:
         # below B' a row has never been compressed: it is a full cache of c entries
         cells = [full[c] if c < b + SLACK else evicted[b] for b in budgets]
-        print(f"{c:>8} {full[c] * 1e3:8.3f} " + " ".join(f"{x * 1e3:10.3f}" for x in cells))
+        print(f"{c:>8} {paged[c] * 1e3:8.3f} {full[c] * 1e3:8.3f} " + " ".join(f"{x * 1e3:10.3f}" for x in cells))
     if args.cycle:
         for b in budgets:
             print(f"  check, rkv B={b} over a real 128-token cycle: {evicted_cycle(net, b, args.batch, args.device) * 1e3:.3f} ms")
@@ -196,11 +221,12 @@ def main() -> None:
     for c in shown:
         print(f"  none at {c}: {c * per_entry / 2**20:.2f} MiB/row here, {c * per_entry_7b / 2**20:.1f} MiB/row for 7B")
 
-    print("\nfull-cache decode by context (ms per row-token): "
-          + ", ".join(f"{c}: {full[c] * 1e3:.2f}" for c in contexts))
+    print("\nnone decode by context (ms per row-token): " + ", ".join(f"{c}: {full[c] * 1e3:.2f}" for c in contexts))
+    print("paged decode by context (ms per row-token): " + ", ".join(f"{c}: {paged[c] * 1e3:.2f}" for c in contexts))
     print("context from which evicted decoding is cheaper than full decoding")
     for b in budgets:
-        print(f"  rkv B={b} (B'={b + SLACK}): {crossover(full, evicted[b])}")
+        print(f"  rkv B={b} (B'={b + SLACK}): than none {crossover(full, evicted[b])}, "
+              f"than the paged cache {crossover(paged, evicted[b])}")
 
     early, late = detector_cost()
     print(f"\ndetector: {early * 1e6:.1f} us/token before 800 characters, {late * 1e6:.1f} us/token after (gzip each token)")

@@ -123,3 +123,15 @@ def test_entropy_is_reported_when_both_tests_fire_on_the_same_token():
     assert det.min_ratio == gzip_ratio("a" * 100) < 0.3 and det.max_mean_entropy == 5.0
     det = Detector(config)  # the same text with low entropy: the repetition test alone
     assert [det.update("a" * 40, 0.5) for _ in range(3)] == [None, None, "repetition"]
+
+
+def test_nothing_is_recorded_before_the_tests_apply():
+    det = Detector()
+    assert det.update("", 1.0) is None  # an empty first piece: no text, no ratio
+    assert (det.fired, det.fired_at, det.min_ratio, det.max_mean_entropy) == (None, None, None, None)
+
+
+def test_the_gzip_level_is_an_option():
+    det = Detector(DetectorConfig(cmp_chars=100, gzip_level=0))  # level 0 stores: the ratio exceeds 1
+    det.update("a" * 100, 0.0)
+    assert det.min_ratio == gzip_ratio("a" * 100, 0) > 1 > gzip_ratio("a" * 100, 9)

@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2Model
 
 from kvrescue_cli.engine import load_model
-from kvrescue_cli.engine.prm import SYSTEM_PROMPT, PRMScorer, prm_scores
+from kvrescue_cli.engine.prm import SYSTEM_PROMPT, PRMScorer, prm_last_scores, prm_scores
 
 PROBLEMS = ["What is 3x + 5 = 20 for x?", "Compute 1 + 2 + 3 + ... + 10."]
 STEPS = [
@@ -92,3 +92,10 @@ def test_candidates_beyond_the_cache_room_are_scored_in_chunks(prm) -> None:
     b = tight.score([(0, t, []) for t in texts])
     assert tight.cache.num_blocks - tight.cache.blocks_in_use() < 12 * 2  # too few blocks for all at once
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+
+def test_batched_from_scratch_scores_equal_one_trajectory_at_a_time(prm) -> None:
+    trajectories = [STEPS[0][:1], STEPS[0], STEPS[1][:2], ["x\n\n"]]  # different lengths: padded rows
+    want = [prm_scores(prm, PROBLEMS[0], steps)[-1] for steps in trajectories]
+    assert prm_last_scores(prm, PROBLEMS[0], trajectories) == pytest.approx(want, abs=1e-5)
+    assert len(set(want)) == len(want)  # the rows are told apart

@@ -57,14 +57,30 @@ def _check_prm(prm: LoadedModel) -> int:
 
 
 @torch.inference_mode()
+def _trajectory_ids(prm: LoadedModel, problem: str, steps: Sequence[str], system: str) -> list[int]:
+    """The model card's input for a whole trajectory: chat prompt, then the steps each ending in <extra_0>."""
+    content = STEP_TAG.join(prm_step_text(s) for s in steps) + STEP_TAG
+    return prm.tokenizer.encode(_prompt_text(prm.tokenizer, problem, system) + content, add_special_tokens=False)
+
+
 def prm_scores(prm: LoadedModel, problem: str, steps: Sequence[str], system: str = SYSTEM_PROMPT) -> list[float]:
     """From-scratch reference: score of every step of a whole trajectory in one plain forward."""
     sep = _check_prm(prm)
-    content = STEP_TAG.join(prm_step_text(s) for s in steps) + STEP_TAG
-    ids = prm.tokenizer.encode(_prompt_text(prm.tokenizer, problem, system) + content, add_special_tokens=False)
-    ids_t = torch.tensor([ids])
+    ids_t = torch.tensor([_trajectory_ids(prm, problem, steps, system)])
     probs = torch.softmax(prm.logits(ids_t)[0], dim=-1)[:, 1]
     return probs[ids_t[0].to(probs.device) == sep].tolist()
+
+
+def prm_last_scores(prm: LoadedModel, problem: str, trajectories: Sequence[Sequence[str]],
+                    system: str = SYSTEM_PROMPT) -> list[float]:
+    """From scratch, batched: the last step's score of each trajectory, all in one right-padded forward
+    (attention is causal, so no real token sees the padding after it). No prefix is shared or cached."""
+    _check_prm(prm)
+    rows = [_trajectory_ids(prm, problem, steps, system) for steps in trajectories]
+    width = max(map(len, rows))
+    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    probs = torch.softmax(prm.logits(ids), dim=-1)[..., 1]
+    return [probs[i, len(row) - 1].item() for i, row in enumerate(rows)]
 
 
 @dataclass
