@@ -78,7 +78,7 @@ def serve() -> None:
                 reply["correct"], reply["pred"], reply["gt"] = grade_item(*args, symbolic_equal)
         except Exception:  # scored incorrect (the reference harness would stop at this point)
             reply = {"id": request_id, "correct": False, **({"pred": "", "gt": ""} if kind == "grade" else {})}
-        answers.write(json.dumps(reply, ensure_ascii=False) + "\n")
+        answers.write(json.dumps(reply) + "\n")
         answers.flush()
 
 
@@ -123,7 +123,7 @@ class _Slot:
 
     def send(self, task: int, request: Request, timeout: float) -> None:
         self.task, self.kind, self.request_id = task, request[0], secrets.token_hex(16)
-        payload = json.dumps([request[0], self.request_id, *request[1:]], ensure_ascii=False).encode("utf-8")
+        payload = json.dumps([request[0], self.request_id, *request[1:]]).encode("ascii")
         self.reply_limit = 1024 + 6 * len(payload)  # a reply echoes at most the request's strings, escaped
         self.deadline = time.monotonic() + timeout
         try:

@@ -178,6 +178,9 @@ def test_whole_item_grading_is_bounded_by_the_timeout() -> None:
     long_but_easy = "reasoning " * 5_000 + "so \\boxed{5}"
     result = grade(long_but_easy, "5", "math500", timeout=10.0)
     assert (result.correct, result.pred, result.gt, result.symbolic) == (True, "5", "5", True)
+    non_ascii = "é−" * 15_000 + "so \\boxed{π𝑥}"  # text, pred and gt round-trip intact
+    result = grade(non_ascii, "π𝑥", "math500", timeout=10.0)
+    assert (result.correct, result.pred, result.gt, result.symbolic) == (True, "π𝑥", "π𝑥", True)
 
 
 def test_kvrescue_grade_and_run_never_execute_their_input(marker: Path, qwen2_dir: Path, prm_dir: Path,
