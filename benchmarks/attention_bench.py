@@ -11,8 +11,9 @@ the cache; no model). On the CPU only `--layers` layers are held (default 1: the
 4k would not fit a shared machine 28 times); the step time is begin + 28 x the measured time per layer.
 - gather: the former `FullCache.attend` (every row's blocks copied into a tensor padded to the longest
   row, then masked SDPA; `tests/gather_reference.py`);
-- paged: `FullCache(cascade=False)`: each row's own blocks through the block table;
-- cascade: `FullCache()`: each problem's shared prefix read once for its N candidates, merged by lse.
+- paged: `FullCache(cascade_from=None)`: each row's own blocks through the block table;
+- cascade: `FullCache(cascade_from=0)`: each problem's shared prefix read once for its N candidates,
+  merged by lse (by default the cache cascades only from CASCADE_FROM shared tokens re-read).
 KV bytes read per step (all 28 layers) are counted from the blocks each variant addresses: gather the
 padded [rows, longest row] table, paged and cascade each sequence's blocks (a shared prefix once per
 group). flash-attn reads them in place; the torch paths copy what they read (in chunks of
@@ -22,7 +23,9 @@ skipped with the reason.
 
 End to end (`--end-to-end`): `full` runs (best-of-N on the full cache, N = 8) of the CPU demo model
 (SmolLM2-135M, base and helper-loglik scorer) on the first `--problems-e2e` GSM8K problems, one per
-variant, wall time without model loading.
+variant (cascade: the default cache, which cascades from CASCADE_FROM shared tokens re-read), wall time
+without model loading. Steps are synthetic (`--synthetic-steps`, default 32 tokens x
+16 steps), so every variant does the same work whatever it samples.
 """
 
 from __future__ import annotations
@@ -59,14 +62,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def filled_cache(cascade: bool, problems: int, n: int, context: int, step: int, layers: int, device: str,
+def filled_cache(cascade_from: int | None, problems: int, n: int, context: int, step: int, layers: int, device: str,
                  dtype: torch.dtype) -> tuple[FullCache, list[int]]:
     """Each problem's prefix of `context` tokens, forked into n candidates holding `step` tokens each."""
     bs = block_size_for(torch.empty(0, device=device, dtype=dtype))
     kv_heads, dim = HELPER["kv_heads"], HELPER["head_dim"]
     blocks = problems * (-(-context // bs) + n * (-(-step // bs) + 3))
     cache = FullCache(layers, kv_heads, dim, blocks, max_rows=problems * (n + 1),
-                      max_row_tokens=context + step + 2 * bs, block_size=bs, cascade=cascade, dtype=dtype,
+                      max_row_tokens=context + step + 2 * bs, block_size=bs, cascade_from=cascade_from, dtype=dtype,
                       device=device)
     generator = torch.Generator(device).manual_seed(0)
 
@@ -105,7 +108,7 @@ def measure_shape(device: str, dtype: torch.dtype, context: int, problems: int, 
     `repeats`, round-robin, after a warm-up round), begin's time, the step estimate for 28 layers, KV bytes
     read (counted) and the speed-up over gather, or why it was skipped."""
     heads, dim = HELPER["heads"], HELPER["head_dim"]
-    cascade, rows = filled_cache(True, problems, n, context, step, layers, device, dtype)
+    cascade, rows = filled_cache(0, problems, n, context, step, layers, device, dtype)
     cached = [cascade.length(r) for r in rows]
     started = time.perf_counter()
     cascade.begin(rows, [1] * len(rows))
@@ -117,7 +120,7 @@ def measure_shape(device: str, dtype: torch.dtype, context: int, problems: int, 
     single = len(rows) * max(len(cascade.rows[r].blocks) for r in rows) * cascade.block_size * token_bytes
     paged = None
     if single / 2**30 <= max_gib:
-        paged, paged_rows = filled_cache(False, problems, n, context, step, layers, device, dtype)
+        paged, paged_rows = filled_cache(None, problems, n, context, step, layers, device, dtype)
         started = time.perf_counter()
         paged.begin(paged_rows, [1] * len(rows))
         sync(device)
@@ -155,11 +158,11 @@ def measure_shape(device: str, dtype: torch.dtype, context: int, problems: int, 
     return result
 
 
-def end_to_end(limit: int, n: int) -> list[dict]:
+def end_to_end(limit: int, n: int, synthetic: tuple[int, int]) -> list[dict]:
     """`full` runs of the CPU demo model (N = n) with each variant's cache; wall seconds without loading."""
     class PagedCache(FullCache):
         def __init__(self, *args, **kw) -> None:
-            super().__init__(*args, **kw, cascade=False)
+            super().__init__(*args, **kw, cascade_from=None)
 
     class GatherCache(PagedCache):
         """The former FullCache.attend: store, then gather every row's blocks padded to the longest row."""
@@ -191,8 +194,9 @@ def end_to_end(limit: int, n: int) -> list[dict]:
         options = GridOptions(
             benches=["gsm8k"], methods=["full"], budgets=[64], ns=[n], seeds=[0], evictor="rkv",
             models={"base": model, "helper": model, "prm": "helper-loglik"}, scorer="helper-loglik",
-            settings=SearchSettings(sampling=SamplingParams(), batch=4), out=Path(tempfile.mkdtemp()),
-            limit=limit, data_dir=ROOT / "examples" / "data",
+            settings=SearchSettings(sampling=SamplingParams(), batch=4, synthetic_steps=synthetic),
+            out=Path(tempfile.mkdtemp()),
+            limit=limit, data_dir=None,
         )
         started = time.perf_counter()
         ((_, summary),) = run_grid(options, Progress(disable=True))
@@ -218,6 +222,7 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=2.0)
     parser.add_argument("--end-to-end", action="store_true")
     parser.add_argument("--problems-e2e", type=int, default=2)
+    parser.add_argument("--synthetic-steps", default="32:16", help="LEN:COUNT of the end-to-end runs' steps")
     args = parser.parse_args()
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     layers = args.layers or (1 if args.device == "cpu" else HELPER["layers"])
@@ -246,8 +251,10 @@ def main() -> None:
     Console(stderr=True).print(table)
     report = {"attention": shapes}
     if args.end_to_end:
-        report["end_to_end"] = end_to_end(args.problems_e2e, args.n)
-        e2e = Table(title=f"`full` runs, SmolLM2-135M, N = {args.n}, {args.problems_e2e} GSM8K problems")
+        length, count = map(int, args.synthetic_steps.split(":"))
+        report["end_to_end"] = end_to_end(args.problems_e2e, args.n, (length, count))
+        e2e = Table(title=f"`full` runs, SmolLM2-135M, N = {args.n}, {args.problems_e2e} GSM8K problems, "
+                          f"{count} steps of {length} tokens")
         for column in ("variant", "wall s", "problems/min", "base tokens", "x gather"):
             e2e.add_column(column, justify="right")
         for f in report["end_to_end"]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrescue_cli.engine import attention
-from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.caches import CASCADE_FROM, FullCache
 from tests.gather_reference import gather_attend
 
 TOL = 1e-5
@@ -56,7 +56,8 @@ def scenario(caches, heads, generator):
 
 
 def make_caches():
-    return [FullCache(1, HKV, D, 256, max_rows=16, block_size=BLOCK, cascade=cascade) for cascade in (True, False)]
+    """A cache that cascades whenever rows share a block, and one that never does."""
+    return [FullCache(1, HKV, D, 256, max_rows=16, block_size=BLOCK, cascade_from=c) for c in (0, None)]
 
 
 @pytest.mark.parametrize("group", range(1, 8))
@@ -68,7 +69,7 @@ def test_cascade_with_a_prefix_longer_than_one_chunk_and_many_groups() -> None:
     """Several problems, each with candidates forked from a prefix of several torch chunks, in one forward;
     the longest query set is sliced (SCORE_BYTES) without changing the result."""
     generator = torch.Generator().manual_seed(9)
-    caches = [FullCache(2, HKV, D, 2048, max_rows=64, block_size=16, cascade=cascade) for cascade in (True, False)]
+    caches = [FullCache(2, HKV, D, 2048, max_rows=64, block_size=16, cascade_from=c) for c in (0, None)]
     lengths = [300, 517, 41]
     parents = [[x.create() for _ in lengths] for x in caches][0]
     forward(caches, parents, lengths, HKV * 3, generator, layer=1)
@@ -125,3 +126,14 @@ def test_attention_bench_counts_the_blocks_each_variant_reads() -> None:
     assert shape["paged"]["kv_bytes_read"] == 6 * 3 * block
     assert shape["cascade"]["kv_bytes_read"] == (2 * 2 + 6 * 1) * block  # 2 shared blocks per problem, 1 own each
     assert all(shape[v]["ms_per_layer"] > 0 < shape[v]["speedup_vs_gather"] for v in ("gather", "paged", "cascade"))
+
+
+def test_cascade_only_where_it_saves_enough_re_reading() -> None:
+    """The default cache cascades a forward only when its rows would otherwise re-read CASCADE_FROM shared tokens."""
+    generator = torch.Generator().manual_seed(5)
+    cache = FullCache(1, HKV, D, 4096, max_rows=64, block_size=16)
+    parent = cache.create()
+    forward([cache], [parent], [1000], HKV, generator)
+    few, many = cache.fork(parent, 4), cache.fork(parent, 5)  # 992 shared tokens: 3 or 4 re-reads of them each
+    assert forward([cache], few, [1] * 4, HKV, generator) == [[]] and CASCADE_FROM == 4096
+    assert forward([cache], few + many, [1] * 9, HKV, generator) == [[992]]

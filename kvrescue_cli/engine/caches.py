@@ -60,6 +60,12 @@ class KVCache(ABC):
         """The forward is finished (an evicting cache compresses rows here)."""
 
 
+# Cascade when a forward's rows would otherwise re-read at least this many shared tokens (the group's shared
+# prefix once per row but one): below it, the extra pass and merge cost more than they save on the CPU
+# (benchmarks/attention_bench.py: the demo model's N = 8 candidates break even at a ~1k-token prefix).
+CASCADE_FROM = 4096
+
+
 def block_size_for(x: torch.Tensor) -> int:
     """Tokens per block of a full cache holding tensors like `x`: FLASH_BLOCK when flash-attn serves them
     (its paged cache needs it), else 16."""
@@ -102,10 +108,11 @@ class FullCache(KVCache):
     a block table row in a preallocated [max_rows, max_row_tokens / block_size] tensor.
 
     Attention reads the blocks in place through the block table (`attend_paged`: flash-attn on a GPU,
-    else torch), each row only its own blocks. With `cascade`, rows of a forward that share their first
+    else torch), each row only its own blocks. With cascade, rows of a forward that share their first
     blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
     attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
-    another, and the two results are merged exactly by their log-sum-exp.
+    another, and the two results are merged exactly by their log-sum-exp. `cascade_from`: the shared tokens
+    a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never).
     """
 
     def __init__(
@@ -118,13 +125,13 @@ class FullCache(KVCache):
         max_rows: int = 1024,
         max_row_tokens: int = 8192,
         block_size: int = 16,
-        cascade: bool = True,
+        cascade_from: int | None = CASCADE_FROM,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.cascade = cascade
+        self.cascade_from = cascade_from
         self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.table = torch.zeros(max_rows, -(-max_row_tokens // block_size), dtype=torch.long, device=device)
@@ -239,7 +246,9 @@ class FullCache(KVCache):
             self.table[torch.tensor(changed_rows, device=dev), torch.tensor(changed_idx, device=dev)] = (
                 torch.tensor(changed_blocks, device=dev)
             )
-        groups = self._shared_prefixes(rows, lengths) if self.cascade else []
+        groups = self._shared_prefixes(rows, lengths) if self.cascade_from is not None else []
+        if sum(shared * bs * (len(members) - 1) for members, shared in groups) < (self.cascade_from or 0):
+            groups = []  # too little re-reading saved to pay for the extra pass
         skipped = [0] * len(rows)  # shared blocks each row reads through its group
         for members, shared in groups:
             for i in members:
