@@ -134,6 +134,6 @@ def test_cascade_only_where_it_saves_enough_re_reading() -> None:
     cache = FullCache(1, HKV, D, 4096, max_rows=64, block_size=16)
     parent = cache.create()
     forward([cache], [parent], [1000], HKV, generator)
-    few, many = cache.fork(parent, 4), cache.fork(parent, 5)  # 992 shared tokens: 3 or 4 re-reads of them each
-    assert forward([cache], few, [1] * 4, HKV, generator) == [[]] and CASCADE_FROM == 4096
-    assert forward([cache], few + many, [1] * 9, HKV, generator) == [[992]]
+    few, more = cache.fork(parent, 4), cache.fork(parent, 4)  # 992 shared tokens (62 blocks), re-read by all but one
+    assert forward([cache], few, [1] * 4, HKV, generator) == [[]] and CASCADE_FROM == 6144  # 3 x 992 < 6144
+    assert forward([cache], few + more, [1] * 8, HKV, generator) == [[992]]  # 7 x 992 >= 6144

@@ -60,10 +60,11 @@ class KVCache(ABC):
         """The forward is finished (an evicting cache compresses rows here)."""
 
 
-# Cascade when a forward's rows would otherwise re-read at least this many shared tokens (the group's shared
-# prefix once per row but one): below it, the extra pass and merge cost more than they save on the CPU
-# (benchmarks/attention_bench.py: the demo model's N = 8 candidates break even at a ~1k-token prefix).
-CASCADE_FROM = 4096
+# Cascade when a forward's rows would otherwise re-read at least this many shared tokens (each group's shared
+# prefix once per row but one): below it the extra pass and merge cost more than they save on the CPU (the
+# demo model's 8 candidates of one problem: slower at a 448-token prefix, faster at 960). On a GPU the
+# extra kernels' fixed cost is what matters; gpu_check's attention section measures it.
+CASCADE_FROM = 6144
 
 
 def block_size_for(x: torch.Tensor) -> int:
