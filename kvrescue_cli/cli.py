@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.outputs import write_atomic
 
@@ -184,8 +185,11 @@ def run(
     temperature: float = typer.Option(0.8, min=0.0),
     top_p: float = typer.Option(0.95, min=0.0, max=1.0),
     top_k: int = typer.Option(20, min=0),
-    tau_ent: float = typer.Option(7.0, help="detector: mean-entropy threshold (nats)"),
-    tau_cmp: float = typer.Option(0.18, help="detector: gzip-ratio threshold"),
+    tau_ent: float = typer.Option(DetectorConfig.tau_ent, help="detector: mean-entropy threshold (nats)"),
+    tau_cmp: float = typer.Option(DetectorConfig.tau_cmp, help="detector: gzip-ratio threshold"),
+    ent_window: int = typer.Option(DetectorConfig.ent_window, min=1, help="detector: tokens whose entropies are averaged"),
+    ent_min_tokens: int = typer.Option(DetectorConfig.min_tokens, min=1, help="detector: tokens generated before the entropy test applies"),
+    cmp_chars: int = typer.Option(DetectorConfig.cmp_chars, min=1, help="detector: last characters gzip-compressed (tested once the text is this long)"),
     max_step_tokens: int = typer.Option(512, min=1),
     max_steps: int = typer.Option(1024, min=1),
     context_cap: int = typer.Option(4096, min=16),
@@ -197,7 +201,8 @@ def run(
                                               "it offers)"),
     shard: Optional[str] = typer.Option(None, help="i/k: decode every k-th problem from the i-th (multi-node runs; "
                                         "kvrescue report merges the shards)"),
-    dtype: Optional[str] = typer.Option(None, help="float32, float16 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)"),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 on a GPU and on CPUs with native bf16 matmuls, AVX512-BF16 "
+                              "or AMX; else float32), float32, float16 or bfloat16; the resolved one is in config.json"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="on a GPU, run the evicted base's decode step as CUDA graphs"),
     batch: Optional[int] = typer.Option(None, min=1, help="problems in flight (default: 4 on CPU, 64 on GPU)"),
@@ -211,7 +216,7 @@ def run(
     """Run KV-Rescue and its baselines over a grid; one run folder per configuration."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from kvrescue_cli.detect import DetectorConfig
+    from kvrescue_cli.engine.loader import resolve_dtype
     from kvrescue_cli.engine.sampling import SamplingParams
     from kvrescue_cli.runs import GridOptions, run_grid
     from kvrescue_cli.search import SearchSettings
@@ -234,7 +239,8 @@ def run(
     on_gpu = device_list[0].startswith("cuda")
     settings = SearchSettings(
         sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
-        detector=DetectorConfig(tau_ent=tau_ent, tau_cmp=tau_cmp),
+        detector=DetectorConfig(tau_ent=tau_ent, ent_window=ent_window, min_tokens=ent_min_tokens, tau_cmp=tau_cmp,
+                                cmp_chars=cmp_chars),
         max_step_tokens=max_step_tokens, max_steps=max_steps, context_cap=context_cap,
         batch=batch or (64 if on_gpu else 4),
         synthetic_steps=_synthetic(synthetic_steps),
@@ -245,7 +251,7 @@ def run(
         seeds=_comma_list(seed, int, "--seed"), evictor=evictor, models=models,
         scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
-        overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, dtype=dtype or ("bfloat16" if on_gpu else "float32"),
+        overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, dtype=resolve_dtype(dtype, device_list[0]),
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())

@@ -5,6 +5,9 @@ No torch here, so `kvrescue cost` stays quick.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ import orjson
 from kvrescue_cli.errors import InputError
 
 FAMILIES = ("qwen2", "llama")
+GGUF_HEAD_BYTES = 1 << 20  # a GGUF file's metadata and tensor index sit at its start
 
 
 class ModelConfigError(InputError):
@@ -92,3 +96,48 @@ def load_config(model: str) -> dict[str, Any]:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelConfigError(f"{model}: could not fetch config.json from the Hugging Face Hub ({reason}); "
                                "pass a local model folder or config.json instead") from None
+
+
+@functools.cache
+def model_revision(model: str) -> str | None:
+    """The revision recorded in config.json (DESIGN section 8), None when it can't be known.
+
+    A Hub id: the commit its files resolve to (from the local Hugging Face cache when offline). A local
+    folder: `sha256:` + the hash of its config.json and weight index (model.safetensors.index.json and every
+    safetensors file's name, size and header: tensor names, dtypes, shapes and offsets). A GGUF file:
+    `sha256:` + the hash of its size and first MiB (metadata and tensor index).
+    """
+    path = Path(model).expanduser()
+    if path.exists():
+        try:
+            return f"sha256:{_local_digest(path)}"
+        except (OSError, struct.error):  # unreadable or truncated files: the loader says what is wrong
+            return None
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import hf_hub_download
+        return Path(hf_hub_download(model, "config.json")).parent.name
+    except Exception:  # offline and not cached, gated, missing: the loader reports it
+        return None
+
+
+def _local_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    if path.is_dir():
+        digest.update((path / "config.json").read_bytes())
+        for index in sorted(path.glob("*.safetensors.index.json")):
+            digest.update(index.name.encode() + index.read_bytes())
+        for weights in sorted(path.glob("*.safetensors")):
+            digest.update(weights.name.encode() + struct.pack("<Q", weights.stat().st_size) + _safetensors_header(weights))
+    else:
+        with open(path, "rb") as f:
+            digest.update(struct.pack("<Q", path.stat().st_size) + f.read(GGUF_HEAD_BYTES))
+    return digest.hexdigest()
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """The JSON header of a safetensors file (its first 8 bytes give its length)."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        return f.read(min(size, 100 << 20))

@@ -12,6 +12,7 @@ from kvrescue_cli.data import GENERIC, data_dir, load_problems
 from kvrescue_cli.engine.sampling import STREAM_VERSION
 from kvrescue_cli.grid import Cell, GridOptions, roles_needed
 from kvrescue_cli.methods import METHODS
+from kvrescue_cli.model_config import model_revision
 from kvrescue_cli.outputs import ModelRef, RunConfig, RunFolder, Summary, Trace, problem_checksum, run_dir
 from kvrescue_cli.search import DecodeProgress
 
@@ -28,7 +29,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
         n=cell.n,
         evictor=options.evictor if spec.evicted else "none",
         seed=cell.seed,
-        models={role: ModelRef(options.models[role]) for role in sorted(roles)},
+        models={role: ModelRef(options.models[role], model_revision(options.models[role])) for role in sorted(roles)},
         scorer=options.scorer,
         synthetic=s.synthetic_steps is not None,
         settings={

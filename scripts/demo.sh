@@ -8,3 +8,4 @@ bash scripts/setup.sh
     --method bon,kvrescue,full --budget 64 --n 2 --out runs/demo
 .venv/bin/kvrescue report runs/demo
 .venv/bin/kvrescue view runs/demo --out runs/demo.html
+echo "What the demo shows: SmolLM2-135M as both base and helper on four problems checks the pipeline end to end; it says nothing about the method's accuracy (that needs the Qwen2.5-Math models and a PRM on a GPU)."

@@ -1,10 +1,13 @@
 """The engine's decoder equals transformers on random Qwen2 and Llama checkpoints saved to disk."""
 
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from kvrescue_cli.engine import FullCache, ModelLoadError, load_model
+from kvrescue_cli.engine.loader import cpu_has_native_bf16, resolve_dtype
 
 TOL = 1e-4
 
@@ -68,6 +71,21 @@ def test_dtypes_load(qwen2_dir) -> None:
     assert m.dtype == torch.bfloat16
     assert m.logits(torch.tensor([[1, 2, 3]])).dtype == torch.float32
     assert m.tokenizer is not None and m.config["model_type"] == "qwen2" and m.eos_ids
+
+
+CPUINFO = "processor\t: {n}\nmodel name\t: some cpu\nflags\t\t: fpu sse2 avx2 avx512f {extra}\n\n"
+
+
+def test_auto_dtype_is_bf16_on_cuda_and_on_cpus_with_native_bf16_matmuls() -> None:
+    assert not cpu_has_native_bf16(CPUINFO.format(n=0, extra="avx512vl") * 2)
+    assert cpu_has_native_bf16(CPUINFO.format(n=0, extra="avx512_bf16"))
+    assert cpu_has_native_bf16(CPUINFO.format(n=0, extra="amx_tile amx_bf16 amx_int8"))
+    assert not cpu_has_native_bf16("model name\t: avx512_bf16 in a name is no flag\n")
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    here = "bfloat16" if any(f in flags.split() for f in ("avx512_bf16", "amx_bf16")) else "float32"
+    assert resolve_dtype("auto", "cpu") == here
+    assert resolve_dtype("auto", "cuda:1") == "bfloat16"
+    assert resolve_dtype("float16", "cuda:0") == "float16" and resolve_dtype("float32", "cpu") == "float32"
 
 
 def test_hub_id_without_network_fails_with_one_clear_line(monkeypatch) -> None:

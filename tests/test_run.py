@@ -10,10 +10,13 @@ from pathlib import Path
 import orjson
 import pytest
 
+from kvrescue_cli.engine.loader import resolve_dtype
+
 KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
 METHODS = ("kvrescue", "interleave", "bon", "full", "helper")
 SMALL = ["--max-step-tokens", "12", "--max-steps", "12", "--context-cap", "320", "--budget", "16",
-         "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--device", "cpu", "--batch", "2"]
+         "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--device", "cpu", "--batch", "2",
+         "--ent-window", "6", "--ent-min-tokens", "10", "--cmp-chars", "200"]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,13 @@ def test_grid_writes_one_folder_per_method(grid):
         assert {"accuracy", "mean_steps", "base_tokens", "helper_tokens", "prm_tokens", "helper_step_share",
                 "early_exit_rate", "degeneration_rate", "throughput_per_min", "wall_s"} <= set(summary)
         assert summary["scorer"] == "prm" and config["config"]["models"]["prm"]["id"]
+        # --dtype auto, resolved for this machine's CPU and recorded
+        assert config["config"]["settings"]["dtype"] == resolve_dtype("auto", "cpu")
+        assert all(ref["revision"].startswith("sha256:") for ref in config["config"]["models"].values())
+        detector = config["config"]["settings"]["detector"]
+        if method == "kvrescue":
+            assert {k: detector[k] for k in ("ent_window", "min_tokens", "cmp_chars")} == \
+                {"ent_window": 6, "min_tokens": 10, "cmp_chars": 200}
 
 
 def test_traces_follow_the_method(grid):
@@ -227,7 +237,8 @@ def test_detector_early_exits_are_in_the_traces(problems, flat_dir, llama_dir, p
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     _, traces, summary = read_folder(tmp_path, "kvrescue")
     base = [c for t in traces for cands in t["candidates"] for c in cands if c["source"] == "base"]
-    assert base and all(c["finish"] == "entropy" and c["fired_at"] == 24 and c["score"] is None for c in base)
+    # a flat model fires at the first eligible token: --ent-min-tokens 10 (in SMALL)
+    assert base and all(c["finish"] == "entropy" and c["fired_at"] == 10 and c["score"] is None for c in base)
     assert all(c["max_mean_entropy"] > 6.0 for c in base)  # and the padding rows past 512 were never sampled
     assert all(s["source"] == "helper" for t in traces for s in t["steps"])  # only helper candidates survive
     assert summary["early_exit_rate"] == 1.0

@@ -21,6 +21,27 @@ DTYPES = {
 }
 
 
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that multiply bf16 matrices natively
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has native bf16 matrix multiplies (AVX512-BF16 or AMX), read from /proc/cpuinfo's flags."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:  # not Linux: assume not
+            return False
+    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto`: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32; any other name as given."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") or cpu_has_native_bf16() else "float32"
+
+
 class ModelLoadError(RuntimeError):
     """A model could not be found, fetched or understood; the message says which and why."""
 

@@ -132,7 +132,7 @@ class Trace:
 
 @dataclass(frozen=True)
 class ModelRef:
-    """A model as given (Hub id, local folder or GGUF file) and its resolved revision, if known."""
+    """A model as given (Hub id, local folder or GGUF file) and its revision (`model_config.model_revision`), if known."""
 
     id: str
     revision: str | None = None
