@@ -83,10 +83,9 @@ def _loglik_tokens(s: SearchSettings, n: int) -> int:
 def _cache_tokens(options: GridOptions, role: str) -> int:
     """K/V entries the caches of the grid's largest cell hold for `role` (what `_runners`/`_scorer` build)."""
     s, n = options.settings, max(options.ns)
-    methods = [METHODS[m] for m in options.methods]
     if role == "base":
         evicted = s.batch * (n + 1) * (max(options.budgets) + SLACK + s.max_step_tokens)
-        return max([evicted if m.evicted else _full_tokens(s, n) for m in methods if m.base])
+        return max([evicted if options.evicts(m) else _full_tokens(s, n) for m in options.methods if METHODS[m].base])
     if role == "prm":
         return PRMScorer.cache_tokens(s.batch, s.batch * 2 * n, s.max_step_tokens)
     return max(_loglik_tokens(s, n) if options.scorer == "helper-loglik" else 0, _full_tokens(s, n))
@@ -149,7 +148,7 @@ def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel]) -
         base = models["base"]
         cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, max_append=s.max_step_tokens,
                                         rows=s.batch * (cell.n + 1))
-                 if spec.evicted else FullCache.for_model(base.net, _full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
+                 if options.evicts(cell.method) else FullCache.for_model(base.net, _full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
         runners["base"] = Runner(base, cache, cuda_graphs=options.cuda_graphs)
     if spec.helper:
         helper = models["helper"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrescue_cli.data import ProblemSet
-from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET
+from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
 from kvrescue_cli.engine.loader import DTYPES
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
@@ -52,13 +52,17 @@ class GridOptions:
     shard: tuple[int, int] | None = None  # (i, k): every k-th problem from the i-th
     cuda_graphs: bool = True  # the evicted base's decode step as CUDA graphs (on a GPU)
 
+    def evicts(self, method: str) -> bool:
+        """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
+        return METHODS[method].evicted and self.evictor != NO_EVICTION
+
     def check(self) -> None:
         """One-line errors for options that can't run."""
         for method in self.methods:
             if method not in METHODS:
                 raise InputError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
-        if self.evictor not in EVICTORS:
-            raise InputError(f"unknown evictor '{self.evictor}': use one of {', '.join(EVICTORS)}")
+        if self.evictor not in CHOICES:
+            raise InputError(f"unknown evictor '{self.evictor}': use one of {', '.join(CHOICES)}")
         if self.scorer not in SCORERS:
             raise InputError(f"unknown scorer '{self.scorer}': use a PRM, or one of {', '.join(SCORERS[1:])}")
         cap = self.settings.context_cap

@@ -16,7 +16,7 @@ import torch
 
 from kvrescue_cli.engine.attention import attend_padded
 from kvrescue_cli.engine.caches import KVCache
-from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET, WINDOW, gather_positions, keep_positions
+from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, WINDOW, gather_positions, keep_positions
 
 SLACK = 128  # w: entries appended past the budget before a compression
 COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched compression (all layers, some rows)
@@ -70,8 +70,8 @@ class BoundedCache(KVCache):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
-        if policy not in EVICTORS:
-            raise ValueError(f"unknown evictor {policy!r}; choose one of {EVICTORS}")
+        if policy not in CHOICES:
+            raise ValueError(f"unknown evictor {policy!r}; choose one of {CHOICES}")
         if budget < MIN_BUDGET:
             raise ValueError(f"budget {budget} is below the minimum {MIN_BUDGET}")
         self.policy, self.budget, self.trigger = policy, budget, budget + slack

@@ -16,6 +16,8 @@ Equal scores are broken toward the earlier position.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -109,19 +111,35 @@ def streaming_keep(length: int, budget: int, *, sink: int = 4) -> Tensor:
     return keep_top(streaming_scores(length, sink=sink), budget)
 
 
-EVICTORS = ("rkv", "snapkv", "streaming", "none")
+@dataclass(frozen=True)
+class Evictor:
+    """One policy, kvpress style: `score(keys, queries)` ranks the past positions [..., H_kv, L - WINDOW]
+    (higher is kept); `keep_top` and the bounded cache around it are shared by all."""
+
+    name: str
+    description: str
+    score: Callable[[Tensor, Tensor], Tensor]
+
+
+def _streaming(keys: Tensor, queries: Tensor) -> Tensor:
+    length = keys.shape[-2]
+    return streaming_scores(length, device=keys.device).expand(*keys.shape[:-2], length - WINDOW)
+
+
+EVICTORS: dict[str, Evictor] = {e.name: e for e in (
+    Evictor("rkv", "R-KV (Cai et al. 2025): attention importance minus key redundancy", rkv_scores),
+    Evictor("snapkv", "SnapKV at decode time: attention importance alone", snapkv_scores),
+    Evictor("streaming", "StreamingLLM: the 4 first positions (attention sinks) and the most recent", _streaming),
+)}
+NO_EVICTION = "none"  # `--evictor none`: the base keeps a full cache (no evictor runs)
+CHOICES = (*EVICTORS, NO_EVICTION)
 
 
 def keep_positions(policy: str, keys: Tensor, queries: Tensor, budget: int) -> Tensor:
     """Kept positions [..., H_kv, budget] under a named policy with its default settings."""
-    if policy == "rkv":
-        return rkv_keep(keys, queries, budget)
-    if policy == "snapkv":
-        return snapkv_keep(keys, queries, budget)
-    if policy == "streaming":
-        kept = streaming_keep(keys.shape[-2], budget).to(keys.device)
-        return kept.expand(*keys.shape[:-2], budget)
-    raise ValueError(f"policy {policy!r} does not compress; choose one of {EVICTORS[:-1]}")
+    if policy not in EVICTORS:
+        raise ValueError(f"policy {policy!r} does not compress; choose one of {tuple(EVICTORS)}")
+    return keep_top(EVICTORS[policy].score(keys, queries), budget)
 
 
 def gather_positions(x: Tensor, kept: Tensor) -> Tensor:
