@@ -276,3 +276,46 @@ def test_a_cache_made_in_inference_mode_forks_outside_it(net):
         cache = BoundedCache.for_model(net, budget=16, rows=1)
     Driver(net, cache).append([cache.create()], [prompt(10)])
     assert len(cache.fork(0, 3)) == 3 and cache.length(3) == 10
+
+
+def test_adopt_and_release_free_slots_and_ids_for_reuse(net):
+    cache = BoundedCache.for_model(net, budget=16, rows=4)
+    root = cache.create()
+    kids = cache.fork(root, 3)  # every slot in use
+    old_slot, kid_slot = cache.slot(root), cache.slot(kids[0])
+    cache.adopt(root, kids[0])
+    assert cache.slot(root) == kid_slot
+    again = cache.create()  # reuses the adopted child's id and the root's old slot, without growing
+    assert (again, cache.slot(again), cache.k.shape[1]) == (kids[0], old_slot, 4)
+    cache.release([kids[1]])
+    assert cache.create() == kids[1] and cache.k.shape[1] == 4
+
+
+def test_the_scratch_slot_is_one_more_slot_no_row_gets(net):
+    cache = BoundedCache.for_model(net, budget=16, rows=3)
+    scratch = cache.reserve_slot()
+    assert (scratch, cache.k.shape[1], cache.q.shape[1]) == (3, 4, 4)
+    rows = [cache.create() for _ in range(3)]  # the rows it was sized for fit without a growth
+    assert cache.k.shape[1] == 4 and scratch not in {cache.slot(r) for r in rows}
+
+
+def test_decode_span_is_b_prime_or_the_longest_none_row_rounded_up(net):
+    evicting = BoundedCache.for_model(net, budget=16)
+    row = evicting.create()
+    Driver(net, evicting).append([row], [prompt(40)])
+    assert evicting.decode_span([row], 64) == 16 + 128
+    full = BoundedCache.for_model(net, budget=16, policy="none", max_append=8)
+    rows = [full.create(), full.create()]
+    Driver(net, full).append(rows, [prompt(40), prompt(200)])
+    assert full.decode_span(rows, 64) == 256 and full.capacity >= 256  # (200 + 1) rounded up to 64
+
+
+def test_none_never_compresses_in_static_steps(net):
+    cache = BoundedCache.for_model(net, budget=16, policy="none", max_append=8)
+    row = cache.create()
+    Driver(net, cache).append([row], [prompt(140)])
+    step = StaticDecode(net, cache, graphs=False)
+    with torch.inference_mode():
+        for _ in range(8):  # past B' = 144
+            step([row], [5])
+    assert cache.physical_length(row) == cache.length(row) == 148

@@ -11,9 +11,12 @@ from kvrescue_cli.engine.evict import (
     gather_positions,
     keep_positions,
     rkv_keep,
+    redundancy,
     rkv_scores,
     snapkv_keep,
+    snapkv_scores,
     streaming_keep,
+    streaming_scores,
 )
 
 
@@ -185,11 +188,42 @@ def test_gather_positions():
 
 def test_bad_budgets_are_refused():
     keys, queries = random_inputs(1, 1, 20, 8, seed=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^budget 8 must be in \(8, 20\]$"):
         rkv_keep(keys, queries, 8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^budget 21 must be in \(8, 20\]$"):
         rkv_keep(keys, queries, 21)
+    assert rkv_keep(keys, queries, 20).tolist() == [list(range(20))]  # a budget of the whole length keeps all
     with pytest.raises(ValueError):
         streaming_keep(20, 20)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^policy 'none' does not compress; choose one of \('rkv', 'snapkv', 'streaming'\)$"):
         keep_positions("none", keys, queries, 16)
+
+
+def test_every_option_changes_what_is_kept_and_is_honoured():
+    keys, queries = random_inputs(2, 2, 40, 8, seed=3)
+    default, _ = loop_rkv(keys, queries, 16)
+    for lam, kernel, threshold in [(0.1, 7, 0.7), (0.1, 3, 0.5), (0.5, 7, 0.5)]:  # one option each
+        expected, scores = loop_rkv(keys, queries, 16, lam=lam, kernel=kernel, threshold=threshold)
+        assert not torch.equal(expected, default)  # so an option that is not passed on shows
+        torch.testing.assert_close(rkv_scores(keys, queries, lam=lam, kernel=kernel, threshold=threshold).double(),
+                                   scores, rtol=1e-4, atol=1e-7)
+        assert torch.equal(rkv_keep(keys, queries, 16, lam=lam, kernel=kernel, threshold=threshold), expected)
+    expected, scores = loop_rkv(keys, queries, 16, kernel=3, redundant=False)
+    assert not torch.equal(expected, loop_rkv(keys, queries, 16, redundant=False)[0])
+    torch.testing.assert_close(snapkv_scores(keys, queries, kernel=3).double(), scores, rtol=1e-4, atol=1e-7)
+    assert torch.equal(snapkv_keep(keys, queries, 16, kernel=3), expected)
+    assert streaming_keep(40, 16, sink=2).tolist() == [0, 1, *range(26, 40)]
+    assert streaming_scores(40, sink=2)[:3].tolist() == streaming_scores(40, sink=2)[:3].sort(descending=True)[0].tolist()
+
+
+def test_a_similarity_exactly_at_the_threshold_is_not_redundant():
+    # cos(k0, k1) = cos(k1, k2) = 0.5 exactly (unit norms), cos(k0, k2) = 0: no pair is strictly above 0.5,
+    # so j* = 0 in every row and only column 0 is zeroed: r = [0, (0.5 + 0.5) / 3, 0.5 / 3]
+    keys = torch.tensor([[[1.0, 0, 0, 0], [0.5, 0.5, 0.5, 0.5], [0, 1.0, 0, 0]]])
+    assert redundancy(keys)[0].tolist() == pytest.approx(torch.softmax(torch.tensor([0.0, 1 / 3, 1 / 6]), -1).tolist())
+
+
+def test_streaming_budget_bounds():
+    assert streaming_keep(20, 12).tolist() == [0, 1, 2, 3, *range(12, 20)]  # the smallest budget: sinks + window
+    with pytest.raises(ValueError, match=r"^need 12 <= budget 11 < length 20$"):
+        streaming_keep(20, 11)

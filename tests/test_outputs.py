@@ -87,6 +87,11 @@ def test_different_config_refused_then_overwrite_clears(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(RunFolderError, match=r"settings.temperature: 0.8 -> 0.7"):
         RunFolder.open(path, config(settings={"temperature": 0.7}))
+    changed = config(settings={"temperature": 0.7, "top_k": 5}, seed=3, n=2)  # one key added, nested and top-level
+    with pytest.raises(RunFolderError) as e:
+        RunFolder.open(path, changed)
+    assert str(e.value).split("(", 1)[1].split(")")[0] == \
+        "n: 8 -> 2, seed: 0 -> 3, settings.temperature: 0.8 -> 0.7, settings.top_k: None -> 5"
     with RunFolder.open(path, config(seed=1), overwrite=True) as rf:
         assert rf.done == set()
     assert not (path / "summary.json").exists()

@@ -151,7 +151,24 @@ def test_recovery_when_full_equals_bon(tmp_path):
     write_run(tmp_path, "bon", correct={1})
     write_run(tmp_path, "kvrescue", correct={0, 1})
     (rec,) = report_json(tmp_path)["recovery"]
-    assert rec["recovery"] is None and "no eviction loss to recover" in rec["reason"]
+    assert rec["recovery"] is None
+    assert rec["reason"] == "full and bon accuracies are equal (10.0%): no eviction loss to recover"
+
+
+def test_a_synthetic_full_run_gives_no_recovery(tmp_path):
+    write_run(tmp_path, "full", correct={0}, synthetic=True)
+    write_run(tmp_path, "bon", correct={1})
+    write_run(tmp_path, "kvrescue", correct={0, 1})
+    (rec,) = report_json(tmp_path)["recovery"]
+    assert (rec["recovery"], rec["reason"]) == (None, "synthetic run (no accuracy)")
+
+
+def test_three_seeds_sample_standard_deviation(tmp_path):
+    for seed, correct in enumerate((2, 4, 9)):
+        write_run(tmp_path, "bon", seed=seed, correct=set(range(correct)))
+    (cell,) = [row[-1] for row in table(report_json(tmp_path), "accuracy")["rows"]]
+    assert cell == {"mean": pytest.approx(0.5), "std": pytest.approx(sample_std(0.2, 0.4, 0.9)), "seeds": 3,
+                    "in_progress": False}
 
 
 def test_recovery_pairs_the_bon_and_full_runs_of_the_same_evictor_and_base_model(tmp_path):
@@ -164,13 +181,16 @@ def test_recovery_pairs_the_bon_and_full_runs_of_the_same_evictor_and_base_model
     w("bon", base=other, correct=set(range(1)))                         # 0.1 rkv, the other base
     w("kvrescue", correct=set(range(7)))                                # 0.7 rkv
     w("kvrescue", evictor="snapkv", correct=set(range(5)))              # 0.5 snapkv
-    w("kvrescue", base=other, correct=set(range(3)))                    # 0.3 rkv, the other base
+    w("kvrescue", base=other, correct=set(range(3)), finished=False)    # 3 of 5 recorded: 0.6, in progress
     w("kvrescue", evictor="streaming", correct=set(range(5)))           # no streaming bon
     rec = {(r["evictor"], r["base"]): r for r in report_json(tmp_path)["recovery"]}
     base = MODELS["base"].id
-    assert rec[("rkv", base)]["recovery"] == pytest.approx((0.7 - 0.4) / (0.8 - 0.4))
+    assert rec[("rkv", base)] == {"bench": "math500", "n": 8, "budget": 64, "evictor": "rkv", "base": base,
+                                  "recovery": pytest.approx((0.7 - 0.4) / (0.8 - 0.4)), "reason": None,
+                                  "in_progress": False}
     assert rec[("snapkv", base)]["recovery"] == pytest.approx((0.5 - 0.2) / (0.8 - 0.2))
-    assert rec[("rkv", other)]["recovery"] == pytest.approx((0.3 - 0.1) / (0.6 - 0.1))
+    assert rec[("rkv", other)]["recovery"] == pytest.approx((0.6 - 0.1) / (0.6 - 0.1))
+    assert rec[("rkv", other)]["in_progress"] and not rec[("snapkv", base)]["in_progress"]
     assert rec[("streaming", base)]["recovery"] is None
     assert rec[("streaming", base)]["reason"] == "no bon run for math500 at N=8, B=64"
 
@@ -367,6 +387,7 @@ def test_synthetic_runs_report_no_accuracy(tmp_path):
     write_run(tmp_path, "kvrescue", correct={0}, synthetic=True)
     data = report_json(tmp_path)
     assert data["recovery"][0]["reason"] == "synthetic run (no accuracy)"
-    assert all(row[-1]["mean"] is None for row in table(data, "accuracy")["rows"])
+    assert all(row[-1] == {"mean": None, "std": None, "seeds": 0, "in_progress": False}
+               for row in table(data, "accuracy")["rows"])
     r = CliRunner().invoke(app, ["report", str(tmp_path), "--plot", str(tmp_path / "p.png")])
     assert r.exit_code == 2 and "nothing to plot" in r.stderr
