@@ -261,7 +261,7 @@ def test_problem_list_filters_and_search(browser, page):
     browser.find_element(By.NAME, "search").clear()
     browser.find_element(By.NAME, "search").send_keys("simplify")
     assert texts(browser.find_elements(By.CSS_SELECTOR, "#problem-list td.problem-text")) == [HOSTILE]
-    open_view(browser, page, "#p/math500/123")  # its trace is in the run's third detail chunk
+    open_view(browser, page, "#p/math500/123")  # its trace is in the run's seventh detail chunk
     assert browser.find_element(By.ID, "problem-text").get_attribute("textContent") == HOSTILE
     assert texts(browser.find_elements(By.CSS_SELECTOR, "#side-by-side .step-text")) == ["It is $1$."]
     browser.find_element(By.CSS_SELECTOR, "#side-by-side button.link").click()

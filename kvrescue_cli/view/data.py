@@ -30,7 +30,7 @@ from kvrescue_cli import report as rep
 from kvrescue_cli.outputs import Trace
 
 SHARED_FIELDS = ("problem", "gt", "gt_norm", "output")
-CHUNK = 50
+CHUNK = 20
 
 
 def run_label(run: rep.Run) -> str:
