@@ -254,7 +254,6 @@ function stepCell(trace, i) {
        el("span", { class: "score", title: "score of the committed candidate" }, "score " + score(step.score)),
        el("span", { class: "muted" }, `${step.tokens} tok`),
        stopped ? el("span", { class: "fired", title: "base candidates the detector stopped" }, `detector stopped ${stopped}`) : null,
-       step.no_survivor ? el("span", { class: "fired" }, "no survivor") : null,
        toggle),
     el("div", { class: "tex step-text" }, step.text),
     details);
