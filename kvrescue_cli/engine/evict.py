@@ -128,8 +128,8 @@ def _streaming(keys: Tensor, queries: Tensor) -> Tensor:
 
 EVICTORS: dict[str, Evictor] = {e.name: e for e in (
     Evictor("rkv", "R-KV (Cai et al. 2025): attention importance minus key redundancy", rkv_scores),
-    Evictor("snapkv", "SnapKV at decode time: attention importance alone", snapkv_scores),
-    Evictor("streaming", "StreamingLLM: the 4 first positions (attention sinks) and the most recent", _streaming),
+    Evictor("snapkv", "SnapKV (Li et al. 2024) at decode time: attention importance alone", snapkv_scores),
+    Evictor("streaming", "StreamingLLM (Xiao et al. 2023): the 4 first positions (attention sinks) and the most recent", _streaming),
 )}
 NO_EVICTION = "none"  # `--evictor none`: the base keeps a full cache (no evictor runs)
 CHOICES = (*EVICTORS, NO_EVICTION)
