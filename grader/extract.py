@@ -1,7 +1,7 @@
 """Answer extraction and `strip_string` normalisation (Qwen2.5-Math `evaluation/parser.py` behaviour).
 
 Everything here is plain string work; quirks of the reference are kept on purpose so that scores stay
-comparable with published numbers (see DESIGN.md section 6 and ../shared/grader_vectors.jsonl).
+comparable with published numbers (see DESIGN.md section 6 and tests/data/grader_vectors.jsonl).
 """
 
 from __future__ import annotations
