@@ -72,7 +72,7 @@ class GridOptions:
             if budget > cap and any(METHODS[m].evicted for m in self.methods):
                 raise InputError(f"--budget {budget} is above --context-cap {cap}: a cache that large never evicts")
         if self.dtype not in DTYPES:
-            raise InputError(f"unknown --dtype '{self.dtype}': use one of {', '.join(DTYPES)}")
+            raise InputError(f"unknown --dtype '{self.dtype}': use one of {', '.join(DTYPES)} or auto")
         for n in self.ns:
             if n < 1:
                 raise InputError(f"--n {n}: need at least one candidate per model")
