@@ -236,7 +236,8 @@ class _Worker:
     def name(self) -> str:
         where = self.placement
         place = "not placed yet" if where is None else (
-            f"on node {where['node']}, " + (f"GPU {','.join(where['gpus'])}, " if where["gpus"] else "")
+            f"on node {where['node']} ({where['node_id'][:8]}), "
+            + (f"GPU {','.join(where['gpus'])}, " if where["gpus"] else "")
             + f"pid {where['pid']}")
         return f"worker {self.number} ({','.join(self.devices)} {place})"
 

@@ -215,7 +215,7 @@ def test_a_lost_node_costs_only_its_actor_and_the_others_finish_the_run(problems
     cluster.remove_node(doomed, allow_graceful=False)  # its actor's replacement finds no free CPU
     _, err = process.communicate(timeout=600)
     assert process.returncode == 0, err.decode()[-3000:]
-    assert f"pid {lost['pid']}) died (" in err.decode(), err.decode()[-3000:]
+    assert f"({lost['node_id'][:8]}), pid {lost['pid']}) died (" in err.decode(), err.decode()[-3000:]
     assert sorted(t["idx"] for t in traces_of(tmp_path)) == list(range(4))  # every problem exactly once
     assert orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/summary.json")).read_bytes())["complete"]
 
