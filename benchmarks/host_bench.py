@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_bench.py [--baseline main~1] [--rounds 2] [--profile]
 
-The real controller, runners and caches (`runs.run_cell`, as `kvrescue run` calls it) decode kvrescue,
+The real controller, runners and caches (the cell decode `kvrescue run` calls, without the run folder) decode kvrescue,
 N = 8, 64 problems in flight (1,024 live candidate rows: 512 base on the evicted cache, 512 helper on the
 full cache), synthetic 32-token steps, on random Qwen2 checkpoints of 2 layers and width 16, so that
 almost nothing but host work is left. Figures: wall time / candidate tokens, with the PRM (a random PRM of
@@ -29,9 +29,8 @@ SHAPE = dict(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, intermed
 
 
 def measure(scorer: str, steps: int, problems: int, profile: bool) -> dict:
-    """One cell through `run_cell`; returns µs per candidate token (model loading excluded)."""
-    from rich.progress import Progress
-
+    """One cell through `decode` (what `run_cell` calls, minus the run folder); returns µs per candidate
+    token (model loading excluded; grading included)."""
     import kvrescue_cli
     import kvrescue_cli.runs as runs
     from kvrescue_cli.data import Problem, ProblemSet
@@ -42,7 +41,7 @@ def measure(scorer: str, steps: int, problems: int, profile: bool) -> dict:
         import kvrescue_cli.decoding as decoding  # where `_scorer` lives since the grid was split for Ray
     except ImportError:  # a baseline from before those moves
         from kvrescue_cli.engine.random_checkpoints import write_random_checkpoint
-        decoding = runs
+        decoding = runs  # `decode` lived in runs too
 
     class ConstantScorer:
         """Every candidate scores 0.5 (the first one is committed): the decode loop without a scorer."""
@@ -72,8 +71,9 @@ def measure(scorer: str, steps: int, problems: int, profile: bool) -> dict:
             import cProfile
             profiler = cProfile.Profile()
             profiler.enable()
+        generated = []
         start = time.perf_counter()
-        summary = runs.run_cell(options, cell, models, Progress(disable=True))
+        decoding.decode(options, cell, models, items, lambda trace, tokens: generated.append(tokens))
         seconds = time.perf_counter() - start
         top = ""
         if profiler is not None:
@@ -83,7 +83,7 @@ def measure(scorer: str, steps: int, problems: int, profile: bool) -> dict:
             out = io.StringIO()
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
             top = out.getvalue()
-    tokens = (summary.base_tokens + summary.helper_tokens) * summary.problems
+    tokens = sum(generated)
     return {"code": str(Path(kvrescue_cli.__file__).parents[1]), "scorer": scorer, "seconds": seconds,
             "candidate_tokens": tokens, "us_per_token": 1e6 * seconds / tokens, "profile": top}
 

@@ -229,15 +229,28 @@ class BoundedCache(KVCache):
             s.peak = max(s.peak, s.physical)
         return logical[:, None] + t
 
+    def store_token(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor) -> None:
+        """One new token per row: its k/v [R, Hkv, 1, D] at physical `positions` of pool `slots`, and its
+        query [R, Hq, 1, D] pushed into the row's window ring (the oldest drops out). The one-token step of
+        both decodes, the dynamic one here and the static (CUDA-graph) one in `graphs`."""
+        kp, vp, qp = self.k[layer], self.v[layer], self.q[layer]
+        kp[slots, :, positions] = k[:, :, 0]
+        vp[slots, :, positions] = v[:, :, 0]
+        qp[slots] = torch.cat([qp[slots][:, :, 1:], q], dim=2)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         f = self.fwd
         kp, vp, qp = self.k[layer], self.v[layer], self.q[layer]
-        kp[f.write_slots, :, f.write_pos] = k.transpose(1, 2)[f.valid]
-        vp[f.write_slots, :, f.write_pos] = v.transpose(1, 2)[f.valid]
-        # the ring keeps the last WINDOW queries: positions n .. n+WINDOW-1 of (ring ++ new queries)
-        joined = torch.cat([qp[f.slots], q], dim=2)
-        idx = (f.new_lengths[:, None] + torch.arange(WINDOW, device=q.device))[:, None, :, None]
-        qp[f.slots] = joined.gather(2, idx.expand(-1, q.shape[1], -1, q.shape[3]))
+        if q.shape[2] == 1:  # every row appends one token (appends are never empty)
+            self.store_token(layer, f.write_slots, f.kv_lengths, q, k, v)
+        else:
+            kp[f.write_slots, :, f.write_pos] = k.transpose(1, 2)[f.valid]
+            vp[f.write_slots, :, f.write_pos] = v.transpose(1, 2)[f.valid]
+            # the ring keeps the last WINDOW queries: positions n .. n+WINDOW-1 of (ring ++ new queries)
+            joined = torch.cat([qp[f.slots], q], dim=2)
+            idx = (f.new_lengths[:, None] + torch.arange(WINDOW, device=q.device))[:, None, :, None]
+            qp[f.slots] = joined.gather(2, idx.expand(-1, q.shape[1], -1, q.shape[3]))
         return attend_padded(q, kp[f.slots, :, : f.length], vp[f.slots, :, : f.length], f.kv_lengths, f.new_lengths)
 
     def end(self) -> None:

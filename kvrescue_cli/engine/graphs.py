@@ -24,6 +24,7 @@ import torch
 from kvrescue_cli.engine.attention import attend_padded, flash_attn_with_kvcache, use_flash
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.model import Transformer
+from kvrescue_cli.engine.steps import upload
 
 SPAN_STEP = 256  # span granularity of a `none` cache (one graph per span reached)
 
@@ -41,10 +42,8 @@ class _StaticView:
         self.slots, self.lengths = inputs[1], inputs[2]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kp, vp, qp = self.cache.k[layer], self.cache.v[layer], self.cache.q[layer]
-        kp[self.slots, :, self.lengths] = k[:, :, 0]
-        vp[self.slots, :, self.lengths] = v[:, :, 0]
-        qp[self.slots] = torch.cat([qp[self.slots][:, :, 1:], q], dim=2)  # the ring drops its oldest query
+        self.cache.store_token(layer, self.slots, self.lengths, q, k, v)
+        kp, vp = self.cache.k[layer], self.cache.v[layer]
         if use_flash(q):
             out = flash_attn_with_kvcache(q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                                           cache_seqlens=(self.lengths + 1).int(), cache_batch_idx=self.slots.int())
@@ -89,9 +88,7 @@ class StaticDecode:
             [cache.physical_length(r) for r in rows] + [0] * pad,
             [cache.length(r) for r in rows] + [0] * pad,
         ], dtype=torch.long)
-        # Pageable host memory is staged before copy_ returns, so this neither waits for the device nor
-        # races with the next call's refill.
-        step.inputs[1:].copy_(host, non_blocking=True)
+        step.inputs[1:].copy_(upload(host, step.inputs.device))  # no wait for the device
         step.inputs[0, : len(rows)].copy_(tokens)
         if step.graph is not None:
             step.graph.replay()

@@ -17,7 +17,7 @@ from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.graphs import StaticDecode
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.sampling import SamplingParams, sample
-from kvrescue_cli.engine.steps import CandidateStep, StepDecoder, StepRules, append_tokens
+from kvrescue_cli.engine.steps import CandidateStep, StepDecoder, StepRules, append_tokens, upload
 
 
 class Runner:
@@ -50,7 +50,7 @@ class Runner:
         children = self.cache.fork(row, n)
         if children:
             self._room(max(children) + 1)
-            index = torch.tensor(children, device=self.device)
+            index = upload(torch.tensor(children), self.device)
             self.logits.index_copy_(0, index, self.logits[row].clone().expand(n, -1))
         for child in children:
             self.trajectory[child] = self.trajectory[row]
@@ -146,7 +146,7 @@ class Runner:
         if self.logits is None:
             self.logits = logits.new_zeros(64, logits.shape[-1])
         self._room(max(rows) + 1)
-        self.logits[torch.tensor(list(rows), device=self.device)] = logits
+        self.logits[upload(torch.tensor(list(rows)), self.device)] = logits
 
     def _room(self, rows: int) -> None:
         """Grow the logits buffer (by doubling) to hold row ids below `rows`."""

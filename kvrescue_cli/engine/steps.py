@@ -127,9 +127,14 @@ def step_table(tokenizer) -> StepTable:
     return entry[1]
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array on `device` without waiting for the device (pageable memory is staged at once)."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+def upload(host: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the device: on CUDA it is copied through pinned
+    memory (the caching host allocator keeps that block until the copy is done), so the host may go on."""
+    if isinstance(host, np.ndarray):
+        host = torch.from_numpy(np.ascontiguousarray(host))
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -208,20 +213,20 @@ class StepDecoder:
         lanes = np.array([self.free.pop() for _ in rows], dtype=np.int64)
         s = self.lanes
         s.rows[lanes], s.screened[lanes], s.counts[lanes], s.min_ratio[lanes] = rows, screened, 0, np.inf
-        at = _to_device(lanes, self.device)
-        s.keys[at] = as_keys(keys).to(self.device, non_blocking=True)
-        s.context[at] = _to_device(np.asarray(contexts, np.int64), self.device)
+        at = upload(lanes, self.device)
+        s.keys[at] = upload(as_keys(keys), self.device)
+        s.context[at] = upload(np.asarray(contexts, np.int64), self.device)
         s.count[at], s.prev_ends[at], s.ring[at], s.max_mean[at], s.chars[at] = 0, False, 0.0, -torch.inf, 0
         self._set_live(np.concatenate([self.live, lanes]))
 
     def _set_live(self, live: np.ndarray, index: np.ndarray | None = None) -> None:
         """The live lanes; `index` (positions kept of the previous live lanes) narrows the device copies instead."""
         if index is not None and self.live_t is not None:
-            at = _to_device(index, self.device)
+            at = upload(index, self.device)
             self.live_t, self.rows_t = self.live_t[at], self.rows_t[at]
         else:
-            self.live_t = _to_device(live, self.device)
-            self.rows_t = _to_device(self.lanes.rows[live], self.device)
+            self.live_t = upload(live, self.device)
+            self.rows_t = upload(self.lanes.rows[live], self.device)
         self.live = live
 
     def advance(self) -> list[CandidateStep]:
@@ -247,7 +252,7 @@ class StepDecoder:
         check_text = torch.zeros_like(tokens, dtype=torch.bool)
         cfg = rules.detector
         if cfg is not None and s.screened[live].any():
-            screened = _to_device(s.screened[live], self.device)
+            screened = upload(s.screened[live], self.device)
             ring = s.ring[lanes]
             ring[torch.arange(len(live), device=self.device), (n - 1) % cfg.ent_window] = entropies.double()
             s.ring[lanes] = ring
@@ -280,7 +285,7 @@ class StepDecoder:
             keep = np.flatnonzero(~ended)
             self.free += live[ended].tolist()
             self._set_live(live[keep], keep)
-            tokens = tokens[_to_device(keep, self.device)]
+            tokens = tokens[upload(keep, self.device)]
         self.runner.decode(self.rows_t, s.rows[self.live].tolist(), tokens)
         return done
 
