@@ -121,14 +121,14 @@ def test_synthetic_steps_end_every_step_after_len_tokens_and_every_problem_after
 # -- the detector -------------------------------------------------------------------------------------
 def test_tau_cmp_makes_the_repetition_test_fire(problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
     """Any text compresses under a gzip ratio of 2: every base candidate that reaches 800 characters stops there."""
-    ok(kvrescue_run("--bench", str(problems), "--method", "kvrescue", "--n", "2", "--limit", "2", "--batch", "2",
+    ok(kvrescue_run("--bench", str(problems), "--method", "kvrescue", "--n", "2", "--limit", "3", "--batch", "3",
                     "--budget", str(BUDGET), "--helper", str(llama_dir), *MODELS(qwen2_dir, prm_dir),
                     "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--max-step-tokens", "400",
                     "--max-steps", "2", "--tau-cmp", "2.0", "--out", str(tmp_path)))
     (folder,) = folders(tmp_path).values()
     base = [c for t in traces(folder) for cands in t["candidates"] for c in cands if c["source"] == "base"]
     fired = [c for c in base if c["finish"] == "repetition"]
-    assert len(fired) >= 3
+    assert fired  # the rest ended (EOS or a step) before 800 characters
     for c in fired:
         assert c["fired_at"] == c["tokens"] and c["score"] is None and not c["committed"]
         assert c["min_gzip_ratio"] < 2.0 and c["max_mean_entropy"] < 7.0  # the entropy test never fired
