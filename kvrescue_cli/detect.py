@@ -7,6 +7,11 @@ the extreme values seen at eligible positions, so thresholds can be calibrated f
 threshold tau would have fired on a candidate exactly when ``max_mean_entropy > tau`` (or
 ``min_ratio < tau``).
 
+`Detector` is the per-token definition. The decode loop (`engine.steps.StepDecoder`) runs the same
+tests for all rows at once: the entropy window on the device, the gzip test on the host only for rows
+that may hold `cmp_chars` characters; every token is screened, a step's last one too. tests/test_engine_steps.py
+checks the two against each other.
+
 Cost: one gzip of ``cmp_chars`` characters per token once the text is that long: about 40-55 us
 per token on one CPU core (benchmarks/evict_bench.py); a few us before that.
 """

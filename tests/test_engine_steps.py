@@ -9,6 +9,7 @@ from kvrescue_cli.detect import Detector, DetectorConfig
 from kvrescue_cli.engine import FullCache, load_model
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.sampling import SamplingParams
+from kvrescue_cli.engine import steps as steps_module
 from kvrescue_cli.engine.steps import STEP_DELIMITER, StepRules, StepTable, generate_steps, step_table
 
 GREEDY = SamplingParams(temperature=0)
@@ -52,7 +53,19 @@ def _run(m, prompts, screened=None, **kw):
     return res, runner.cache, rows
 
 
-def test_stops_at_delimiter_eos_and_cap_independently(qwen2_dir, tok) -> None:
+@pytest.fixture(params=["table", "text"])
+def step_rule(request, tok, monkeypatch):
+    """Step ends read from the token-id table, or (a tokenizer that can't be tabled) from decoded text."""
+    if request.param == "text":
+        monkeypatch.setattr(StepTable, "_concatenates", staticmethod(lambda *args: False))
+        monkeypatch.setattr(steps_module, "_TABLES", {})
+        with pytest.warns(UserWarning, match="checked on decoded text"):
+            assert not step_table(tok).exact
+    return request.param
+
+
+@pytest.mark.filterwarnings("ignore:.*checked on decoded text")
+def test_stops_at_delimiter_eos_and_cap_independently(qwen2_dir, tok, step_rule) -> None:
     step, ans, x, nl, dot, is_ = _ids(tok, "Step", " answer", " x", "\n", ".", " is")
     eos = tok.eos_token_id
     # Row 0: Step -> answer -> \n -> \n (delimiter across two tokens). Row 1: x -> . -> EOS.
@@ -72,7 +85,8 @@ def test_stops_at_delimiter_eos_and_cap_independently(qwen2_dir, tok) -> None:
     assert [cache.length(r) for r in rows] == [2 + 2, 3 + 1, 1 + 5, 1 + 1]
 
 
-def test_step_delimiter_is_found_in_decoded_text_only(qwen2_dir, tok) -> None:
+@pytest.mark.filterwarnings("ignore:.*checked on decoded text")
+def test_step_delimiter_is_found_in_decoded_text_only(qwen2_dir, tok, step_rule) -> None:
     """A \\n, a word, then \\n: no delimiter; text equals the decoding of multi-byte characters too."""
     nl, the = _ids(tok, "\n", " the")
     e1, e2 = tok.encode("é")
