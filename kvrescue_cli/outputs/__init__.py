@@ -67,7 +67,7 @@ summary.json -- `summarize(traces, config)`; see `Summary` for every field.
 
 from kvrescue_cli.outputs.folder import (
     CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolder, RunFolderError, TornTraceWarning, environment, problem_checksum,
-    read_json, read_traces, recorded_total, run_dir, write_atomic, write_json_atomic,
+    read_json, read_traces, recorded_shards, recorded_total, run_dir, write_atomic, write_json_atomic,
 )
 from kvrescue_cli.outputs.records import (
     DETECTOR_FINISHES, FINISHES, SOURCES, STOPS, UNDECODED, Candidate, ModelRef, RunConfig, Step, Tokens, Trace,

@@ -40,9 +40,15 @@ def problem_checksum(text: str, answer: str) -> str:
     return hashlib.sha256(orjson.dumps([text, answer])).hexdigest()[:16]
 
 
+def recorded_shards(run: dict[str, Any]) -> dict[str, int | None]:
+    """config.json's `run.shards`: {"i/k": total} of every shard run into the folder."""
+    shards = run.get("shards")
+    return shards if isinstance(shards, dict) else {}
+
+
 def recorded_total(run: dict[str, Any]) -> int | None:
     """Problems the folder was asked for: the sum over the shards run into it, else the latest total."""
-    shards = run.get("shards") or {}
+    shards = recorded_shards(run)
     if len(shards) > 1 and len({key.split("/")[-1] for key in shards}) == 1:
         totals = list(shards.values())
         return None if None in totals else sum(totals)
@@ -236,7 +242,7 @@ class RunFolder:
             if changed is not None:
                 raise RunFolderError(f"{path}: problem {changed} (0-based, in the problem file) has changed since it "
                                      "was run (its text or answer differs); use --overwrite to start again")
-            shards = {**run.get("shards", {}), f"{shard[0]}/{shard[1]}": total} if shard else {}
+            shards = {**recorded_shards(run), f"{shard[0]}/{shard[1]}": total} if shard else {}
             write_json_atomic(path / CONFIG, {
                 "format": FORMAT,
                 "hash": config.digest(),

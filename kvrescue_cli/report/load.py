@@ -10,7 +10,7 @@ from typing import Any, Iterable
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.outputs import (
-    CONFIG, SUMMARY, TRACES, RunConfig, RunFolderError, Summary, Trace, read_json, read_traces, recorded_total,
+    CONFIG, SUMMARY, TRACES, RunConfig, RunFolderError, Summary, Trace, read_json, read_traces, recorded_shards, recorded_total,
     summarize,
 )
 
@@ -120,7 +120,7 @@ def load_run(path: Path) -> tuple[Run | None, list[FolderNote]]:
     in_progress = _missing_shards(run_meta) or _unfinished(path, summary, total)
     if in_progress:
         notes.append(FolderNote(str(path), f"in progress: {in_progress}"))
-    shard = None if len(run_meta.get("shards") or {}) > 1 else run_meta.get("shard")
+    shard = None if len(recorded_shards(run_meta)) > 1 else run_meta.get("shard")
     return Run(path, config, traces, summary, in_progress, tuple(shard) if shard else None), notes
 
 
@@ -141,7 +141,7 @@ def _unfinished(path: Path, summary: Summary, total: int | None) -> str | None:
 
 def _missing_shards(run_meta: dict[str, Any]) -> str | None:
     """For a folder that several `--shard i/k` runs wrote one after the other: the shards not run yet."""
-    shards = run_meta.get("shards") or {}
+    shards = recorded_shards(run_meta)
     if len(shards) < 2:
         return None
     k = int(run_meta["shard"][1])
