@@ -15,6 +15,7 @@ import platform
 import resource
 import signal
 import struct
+import sys
 
 MEMORY_LIMIT_BYTES = 4 << 30
 _OPEN_FILES = 64  # lazy imports still read modules after confinement
@@ -107,7 +108,7 @@ class _SockFprog(ctypes.Structure):
 
 def _install_filter() -> bool:
     table = _ARCHES.get(platform.machine().lower())
-    if table is None:
+    if table is None or not sys.platform.startswith("linux"):
         return False
     program = syscall_filter(*table)
     buffer = ctypes.create_string_buffer(program, len(program))
