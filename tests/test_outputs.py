@@ -106,6 +106,23 @@ def test_folder_is_locked_while_open(tmp_path):
     RunFolder.open(tmp_path / "run", config()).close()
 
 
+def test_ctrl_c_during_append_is_held_until_the_line_is_counted(tmp_path, monkeypatch):
+    """SIGINT arriving between the write and the bookkeeping waits for it: the line on disk is in the summary."""
+    real_fsync = os.fsync
+
+    def fsync_then_interrupt(fd: int) -> None:
+        real_fsync(fd)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with RunFolder.open(tmp_path, config(), total=2) as rf:
+        monkeypatch.setattr(os, "fsync", fsync_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            rf.append(trace(0))
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        assert rf.done == {0} and rf.write_summary().problems == 1
+    assert (tmp_path / "traces.jsonl").read_bytes().count(b"\n") == 1
+
+
 def test_torn_last_line_dropped_with_warning_and_truncated(tmp_path):
     path = tmp_path / "run"
     with RunFolder.open(path, config()) as rf:

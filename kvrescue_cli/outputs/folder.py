@@ -7,15 +7,18 @@ import hashlib
 import importlib.metadata
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import orjson
 
@@ -25,6 +28,19 @@ from kvrescue_cli.outputs.summary import Summary, summarize
 
 FORMAT = 1
 CONFIG, TRACES, SUMMARY, LOCK = "config.json", "traces.jsonl", "summary.json", ".lock"
+
+
+@contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends (they are delivered then); a no-op off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class RunFolderError(InputError):
@@ -265,11 +281,12 @@ class RunFolder:
             raise ValueError(f"{self.path}: idx {trace.idx} is already recorded")
         trace.check()
         line = memoryview(orjson.dumps(trace, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-        while line:
-            line = line[os.write(self._fd, line):]
-        os.fsync(self._fd)
-        self.traces.append(trace)
-        self.done.add(trace.idx)
+        with interrupts_held():  # a line on disk is a line in the summary, whenever Ctrl-C comes
+            while line:
+                line = line[os.write(self._fd, line):]
+            os.fsync(self._fd)
+            self.traces.append(trace)
+            self.done.add(trace.idx)
 
     def write_summary(self) -> Summary:
         """Compute the summary from all traces so far and write summary.json atomically."""
