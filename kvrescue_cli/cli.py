@@ -196,6 +196,9 @@ def run(
     devices: str = typer.Option("auto", "--devices", "--device",
                                 help="auto (every visible GPU, else the CPU), cpu, cuda:N, or a comma list: two or "
                                 "more run as Ray actors, one per device (cpu,cpu: two CPU workers)"),
+    tp: int = typer.Option(1, "--tp", min=1, max=1 << 10,
+                           help="tensor parallelism: groups of K devices, each model sharded over a group, one "
+                           "worker per group (--devices cpu,cpu --tp 2: two CPU ranks over gloo)"),
     ray_address: Optional[str] = typer.Option(None, help="join this Ray cluster (auto: the one this node belongs "
                                               "to) and run one actor per device there (--devices auto: every GPU "
                                               "it offers)"),
@@ -251,7 +254,7 @@ def run(
         seeds=_comma_list(seed, int, "--seed"), evictor=evictor, models=models,
         scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
-        overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, dtype=resolve_dtype(dtype, device_list[0]),
+        overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp, dtype=resolve_dtype(dtype, device_list[0]),
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())

@@ -24,6 +24,7 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import Cell, GridOptions, roles_needed
 from kvrescue_cli.outputs import Candidate, Tokens, Trace
 from kvrescue_cli.prompts import generation_prompt
+from kvrescue_cli.rank_group import RankGroup, rank_device
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelConfigError, load_config
 from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings
@@ -119,14 +120,14 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     loaded: dict[str, LoadedModel] = {}
     by_name: dict[str, LoadedModel] = {}
     if device.startswith("cuda"):
-        refuse_what_does_not_fit(options, torch.cuda.mem_get_info(torch.device(device))[0])
+        refuse_what_does_not_fit(options, torch.cuda.mem_get_info(torch.device(device))[0], options.tp)
     for role in sorted(roles_needed(options.methods, options.scorer)):
         name = options.models[role]
         if device == "cpu":
             refuse_large_on_cpu(role, name)
         try:
             if name not in by_name:
-                by_name[name] = load_model(name, options.dtype, device)
+                by_name[name] = load_model(name, options.dtype, device, tp=options.tp, exact_heads=role == "base")
         except ModelLoadError as err:
             raise InputError(f"{role} model: {err}; on a CPU without the Hub try --preset cpu-demo, "
                              "or give local folders with --base/--helper/--prm") from None
@@ -201,20 +202,32 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
 
 
 class InProcess:
-    """One device decoding in this process, its models loaded once: the executor without Ray."""
+    """One device group decoding in this process, its models loaded once: the executor without Ray (with
+    `--tp K`, this process is rank 0 of the group's K processes)."""
 
-    def __init__(self, options: GridOptions, device: str) -> None:
+    def __init__(self, options: GridOptions, group: tuple[str, ...]) -> None:
         self.options = options
-        self.device = device
-        self.models = load_roles(options, device)
+        self.group = group
+        self.ranks = RankGroup(options, group) if len(group) > 1 else None
+        try:
+            self.models = load_roles(options, rank_device(group, 0))
+        except BaseException:
+            self.close()
+            raise
 
     def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None],
                on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
         """Decode `problems` of `cell` here, emitting every problem's trace once (and running totals to
         `on_progress` every few seconds)."""
         if problems:
-            decode(self.options, cell, self.models, problems, emit, on_progress)
+            decode(self.options, cell, self.models, self.ranks.lead(cell, problems) if self.ranks else problems, emit,
+                   on_progress)
+
+    def close(self) -> None:
+        """Stop the group's other ranks, if any."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def record(self) -> dict:
         """The executor, for config.json."""
-        return {"kind": "in-process", "devices": [self.device]}
+        return {"kind": "in-process", "devices": list(self.group), **({"tp": self.options.tp} if self.ranks else {})}

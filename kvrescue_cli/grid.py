@@ -51,6 +51,7 @@ class GridOptions:
     dtype: str = "float32"
     shard: tuple[int, int] | None = None  # (i, k): every k-th problem from the i-th
     cuda_graphs: bool = True  # the evicted base's decode step as CUDA graphs (on a GPU)
+    tp: int = 1  # devices per group: every model is sharded over a group's K devices (rank_group.py)
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
@@ -76,6 +77,9 @@ class GridOptions:
         for n in self.ns:
             if n < 1:
                 raise InputError(f"--n {n}: need at least one candidate per model")
+        if len(self.devices) % self.tp:
+            raise InputError(f"--tp {self.tp} does not divide the {len(self.devices)} devices of --devices "
+                             f"{','.join(self.devices)}: each group of {self.tp} devices is one worker")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise InputError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 <= i < k")
 

@@ -100,9 +100,14 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
         i, k = options.shard
         sets = [replace(problems, problems=problems.problems[i::k]) for problems in sets]
     cells = options.cells(sets)
-    if len(options.devices) == 1 and options.ray_address is None:
-        executor = decoding.InProcess(options, options.devices[0])
-        return [(cell_config(options, cell), run_cell(options, cell, executor, progress)) for cell in cells]
+    decoding.memory_plan(options, options.tp)  # a base whose heads --tp does not split: an error before loading
+    groups = workers.device_groups(options.devices, options.tp)
+    if len(groups) == 1 and options.ray_address is None:
+        executor = decoding.InProcess(options, groups[0])
+        try:
+            return [(cell_config(options, cell), run_cell(options, cell, executor, progress)) for cell in cells]
+        finally:
+            executor.close()
 
     def say(message: str) -> None:
         progress.console.print(message, markup=False, highlight=False)

@@ -35,6 +35,7 @@ from kvrescue_cli import decoding
 from kvrescue_cli.data import Problem
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.outputs import Trace
+from kvrescue_cli.rank_group import RankGroup, rank_device
 
 if TYPE_CHECKING:
     from kvrescue_cli.grid import Cell, GridOptions
@@ -97,7 +98,7 @@ def _cluster_devices(spec: str, address: str) -> tuple[str, ...]:
 
 
 def device_groups(devices: tuple[str, ...], size: int = 1) -> list[tuple[str, ...]]:
-    """The devices in consecutive groups of `size` (tensor parallelism's K; 1 today): one worker per group."""
+    """The devices in consecutive groups of `size` (tensor parallelism's K): one worker per group."""
     if len(devices) % size:
         raise InputError(f"{len(devices)} devices do not split into groups of {size}")
     return [devices[i:i + size] for i in range(0, len(devices), size)]
@@ -176,13 +177,14 @@ class GroupWorker:
         self.options = options
         self.outbox: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
-        device = "cpu" if group[0] == "cpu" else "cuda:0"  # Ray shows the actor its own GPUs only
+        device = rank_device(group, 0)  # Ray shows the actor its own GPUs only: cuda:0.. are the group's
         if device == "cpu":
             torch.set_num_threads(threads)
         else:
             torch.cuda.set_device(device)
         placement = {"node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                      "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
+        self.ranks = RankGroup(options, group) if len(group) > 1 else None  # --tp: this actor is rank 0
         try:
             self.models = decoding.load_roles(options, device)
             self.outbox.put(("ready", placement))
@@ -212,7 +214,8 @@ class GroupWorker:
 
     def _decode(self, cell: Cell) -> None:
         try:
-            decoding.decode(self.options, cell, self.models, self._pull(),
+            problems = self.ranks.lead(cell, self._pull()) if self.ranks else self._pull()
+            decoding.decode(self.options, cell, self.models, problems,
                             lambda trace, tokens: self.outbox.put(("trace", trace, tokens)))
             self.outbox.put(("idle",))
         except BaseException as err:
@@ -255,7 +258,7 @@ class RayWorkers:
     def __init__(self, options: GridOptions, say: Callable[[str], None]) -> None:
         self.options = options
         self.say = say
-        self.groups = device_groups(options.devices)
+        self.groups = device_groups(options.devices, options.tp)
         self.workers: list[_Worker] = []
         self.deaths: Counter = Counter()
         self.last_errors: dict[int, str] = {}

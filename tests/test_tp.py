@@ -8,9 +8,14 @@ positions per layer and KV head.
 """
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import orjson
 
 import pytest
 import torch
@@ -118,3 +123,61 @@ def test_tp_without_a_process_group_is_a_load_error(checkpoints):
 
     with pytest.raises(ModelLoadError, match="--tp 2 needs torch.distributed initialised with 2 ranks"):
         load_model(checkpoints[0], tp=2, exact_heads=True)
+
+
+# -- whole runs: `--devices cpu,cpu --tp 2` is one group of two ranks ------------------------------------
+from tests.test_workers import cluster, command, comparable, descendants, models, problems, traces_of  # noqa: E402,F401
+
+METHODS = ["--method", "kvrescue,bon,full"]
+
+
+def _run_traces(out: Path) -> dict[str, list[dict]]:
+    return {path.parent.name.split("-")[0]: [orjson.loads(line) for line in path.read_bytes().splitlines()]
+            for path in out.glob("tiny/*/traces.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory, problems, models) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("one")
+    done = subprocess.run(command(problems, models, out, *METHODS, "--devices", "cpu"), capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return _run_traces(out)
+
+
+def test_a_run_over_two_ranks_writes_what_one_device_writes(one_device, problems, models, tmp_path) -> None:
+    done = subprocess.run(command(problems, models, tmp_path, *METHODS, "--devices", "cpu,cpu", "--tp", "2"),
+                          capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    two = _run_traces(tmp_path)
+    assert sorted(two) == ["bon", "full", "kvrescue"]
+    for method, traces in one_device.items():
+        assert comparable(two[method]) == comparable(traces, approx=True), method
+    (config,) = tmp_path.glob("tiny/kvrescue-*/config.json")
+    assert orjson.loads(config.read_bytes())["environment"]["executor"] == {
+        "kind": "in-process", "devices": ["cpu", "cpu"], "tp": 2}
+
+
+def test_tp_options_that_cannot_run_are_one_line_errors(problems, models, tmp_path) -> None:
+    for args, message in ((["--devices", "cpu,cpu,cpu", "--tp", "2"], "--tp 2 does not divide the 3 devices"),
+                          (["--devices", "cpu,cpu,cpu,cpu", "--tp", "4"], "--tp 4 must divide the base's 4 query heads, 2 KV heads")):
+        done = subprocess.run(command(problems, models, tmp_path, *args), capture_output=True, timeout=300)
+        assert done.returncode == 2 and message.encode() in done.stderr, done.stderr.decode()[-2000:]
+        assert not list(tmp_path.glob("tiny/*"))  # nothing loaded, no run folder
+
+
+def test_a_killed_rank_fails_its_group_which_is_restarted(one_device, problems, models, cluster, tmp_path) -> None:
+    """One group of two ranks as a Ray actor (rank 0) and its child (rank 1): SIGKILL rank 1 mid-run."""
+    process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu", "--tp", "2",
+                                       "--ray-address", cluster.address, "--batch", "1"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not list(tmp_path.glob("tiny/*/traces.jsonl")) or not list(tmp_path.glob("tiny/*/traces.jsonl"))[0].read_bytes():
+        assert time.time() < deadline and process.poll() is None, "no trace written"
+        time.sleep(0.05)
+    (follower,) = [pid for pid in descendants(os.getpid())
+                   if b"kvrescue_cli.rank_group" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    os.kill(follower, signal.SIGKILL)
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err.decode()[-3000:]
+    assert "died" in err.decode() and "starting a new worker for its group" in err.decode(), err.decode()[-3000:]
+    assert comparable(traces_of(tmp_path)) == comparable(one_device["kvrescue"], approx=True)
