@@ -166,18 +166,26 @@ def test_tp_options_that_cannot_run_are_one_line_errors(problems, models, tmp_pa
 
 
 def test_a_killed_rank_fails_its_group_which_is_restarted(one_device, problems, models, cluster, tmp_path) -> None:
-    """One group of two ranks as a Ray actor (rank 0) and its child (rank 1): SIGKILL rank 1 mid-run."""
-    process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu", "--tp", "2",
+    """One group of two ranks as a Ray actor (rank 0) and its child (rank 1): SIGKILL rank 1 after the first
+    trace, with many problems still to do (the four of `problems` first, then more)."""
+    more = tmp_path / "tiny.jsonl"
+    extra = [{"question": f"What is {a} + {a}? Let x be the answer.", "answer": str(2 * a)} for a in range(10, 18)]
+    more.write_bytes(problems.read_bytes() + b"".join(orjson.dumps(r) + b"\n" for r in extra))
+    out = tmp_path / "out"
+    process = subprocess.Popen(command(more, models, out, "--devices", "cpu,cpu", "--tp", "2",
                                        "--ray-address", cluster.address, "--batch", "1"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 300
-    while not list(tmp_path.glob("tiny/*/traces.jsonl")) or not list(tmp_path.glob("tiny/*/traces.jsonl"))[0].read_bytes():
+    while not any(path.read_bytes() for path in out.glob("tiny/*/traces.jsonl")):
         assert time.time() < deadline and process.poll() is None, "no trace written"
         time.sleep(0.05)
     (follower,) = [pid for pid in descendants(os.getpid())
                    if b"kvrescue_cli.rank_group" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     os.kill(follower, signal.SIGKILL)
-    out, err = process.communicate(timeout=600)
-    assert process.returncode == 0, err.decode()[-3000:]
-    assert "died" in err.decode() and "starting a new worker for its group" in err.decode(), err.decode()[-3000:]
-    assert comparable(traces_of(tmp_path)) == comparable(one_device["kvrescue"], approx=True)
+    _, err = process.communicate(timeout=600)
+    err = err.decode()
+    assert process.returncode == 0, err[-3000:]
+    assert "died" in err and "starting a new worker for its group" in err, err[-3000:]
+    traces = comparable(traces_of(out))
+    assert [t["idx"] for t in traces] == list(range(12))  # each problem exactly once
+    assert traces[:4] == comparable(one_device["kvrescue"], approx=True)
