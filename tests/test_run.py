@@ -1,6 +1,9 @@
 """`kvrescue run` end to end on tiny random checkpoints: folders, traces, accounting, seeds, resume."""
 
+import base64
+import gzip
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,6 +117,24 @@ def test_candidates_record_their_text(grid):
                     else:
                         assert isinstance(c["text"], str)
                         assert c["finish"] != "step" or "\n\n" in c["text"]
+
+
+def test_view_of_the_grid_holds_its_traces(grid, tmp_path):
+    """`kvrescue view` on real run folders: every trace, candidates' texts and cache lengths included."""
+    page = tmp_path / "runs.html"
+    done = subprocess.run([KVRESCUE, "view", str(grid), "--out", str(page)], capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    html = page.read_text(encoding="utf-8")
+    chunks = {}
+    for run, number, packed in re.findall(r'id="kv-run-([0-9]+)-([0-9]+)">([^<]*)<', html):
+        chunks.setdefault(int(run), []).extend(orjson.loads(gzip.decompress(base64.b64decode(packed))))
+    index = orjson.loads(gzip.decompress(base64.b64decode(re.search(r'id="kv-data">([^<]*)<', html).group(1))))
+    assert sorted(r["method"] for r in index["runs"]) == sorted(METHODS)
+    for run in index["runs"]:
+        _, traces, _ = read_folder(grid, run["method"])
+        shown = sorted(chunks[run["id"]], key=lambda t: t["idx"])
+        assert [{k: v for k, v in t.items() if k not in ("problem", "gt", "gt_norm", "output")}
+                for t in sorted(traces, key=lambda t: t["idx"])] == shown
 
 
 def test_each_step_records_the_base_cache_length(grid):
