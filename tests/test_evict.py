@@ -227,3 +227,11 @@ def test_streaming_budget_bounds():
     assert streaming_keep(20, 12).tolist() == [0, 1, 2, 3, *range(12, 20)]  # the smallest budget: sinks + window
     with pytest.raises(ValueError, match=r"^need 12 <= budget 11 < length 20$"):
         streaming_keep(20, 11)
+
+
+def test_every_policy_scores_on_the_keys_device():
+    """The meta device stands in for a GPU: a position tensor made on the CPU beside it is an error."""
+    keys, queries = random_inputs(2, 2, 40, 8, seed=1)
+    for policy in ("rkv", "snapkv", "streaming"):
+        kept = keep_positions(policy, keys[None].to("meta"), queries[None].to("meta"), 16)
+        assert kept.device.type == "meta" and kept.shape == (1, 2, 16)
