@@ -304,10 +304,25 @@ def test_decode_span_is_b_prime_or_the_longest_none_row_rounded_up(net):
     row = evicting.create()
     Driver(net, evicting).append([row], [prompt(40)])
     assert evicting.decode_span([row], 64) == 16 + 128
-    full = BoundedCache.for_model(net, budget=16, policy="none", max_append=8)
-    rows = [full.create(), full.create()]
-    Driver(net, full).append(rows, [prompt(40), prompt(200)])
-    assert full.decode_span(rows, 64) == 256 and full.capacity >= 256  # (200 + 1) rounded up to 64
+    for length, span, capacity in [(199, 256, 256), (255, 256, 256), (256, 320, 512)]:
+        full = BoundedCache.for_model(net, budget=16, policy="none", capacity=256)
+        rows = [full.create(), full.create()]
+        Driver(net, full).append(rows, [prompt(40), prompt(length)])
+        # the longest row + 1 rounded up to 64; the pools double when the span does not fit (not when it just fits)
+        assert (full.decode_span(rows, 64), full.capacity) == (span, capacity)
+
+
+def test_pools_grow_when_an_append_does_not_fit(net):
+    full = BoundedCache.for_model(net, budget=16, policy="none", max_append=8)  # room for 152 entries
+    row = full.create()
+    Driver(net, full).append([row], [prompt(152)])
+    assert full.capacity == 152  # an append that just fits grows nothing
+    Driver(net, full).append([row], [prompt(1)])
+    assert full.capacity == 304  # `none` doubles
+    evicting = BoundedCache.for_model(net, budget=16, max_append=8)
+    row = evicting.create()
+    Driver(net, evicting).append([row], [prompt(193)])
+    assert evicting.capacity == 256  # an evicting cache grows to the append, rounded up to 64
 
 
 def test_none_never_compresses_in_static_steps(net):
