@@ -27,7 +27,6 @@ from kvrescue_cli.smollm import smollm2_folder
 from kvrescue_cli.runs import GridOptions, run_grid
 from kvrescue_cli.search import SearchSettings
 
-ROOT = Path(__file__).resolve().parents[1]
 SPENT = {"forward": 0.0, "grade": 0.0, "load": 0.0}
 
 
@@ -68,7 +67,7 @@ def main() -> None:
             benches=["gsm8k"], methods=[method], budgets=[args.budget], ns=[args.n], seeds=[0], evictor="rkv",
             models={"base": model, "helper": model, "prm": "helper-loglik"}, scorer="helper-loglik",
             settings=SearchSettings(sampling=SamplingParams(), batch=4), out=Path(tempfile.mkdtemp()),
-            limit=args.limit, data_dir=ROOT / "examples" / "data",
+            limit=args.limit, data_dir=None,
         )
         started = time.perf_counter()
         ((_, summary),) = run_grid(options, Progress(disable=True))
