@@ -32,15 +32,21 @@ CONFIG, TRACES, SUMMARY, LOCK = "config.json", "traces.jsonl", "summary.json", "
 
 @contextmanager
 def interrupts_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM until the block ends (they are delivered then); a no-op off the main thread."""
+    """Hold SIGINT and SIGTERM until the block ends, then deliver them to the handlers they had (main thread only:
+    elsewhere a no-op). A Python-level hold, since the kernel may hand the signal to any other thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    held: list[int] = []
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, _frame: held.append(signum)) for s in signals}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for s in held:
+            signal.raise_signal(s)
 
 
 class RunFolderError(InputError):
