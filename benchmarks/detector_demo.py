@@ -20,6 +20,7 @@ import torch
 from kvrescue_cli.data import BUNDLED
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import LoadedModel, load_model
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.steps import StepRules, generate_steps
@@ -34,7 +35,11 @@ def run_problem(model: LoadedModel, question: str, idx: int, policy: str, args) 
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     prompt = model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    runner = Runner(model, BoundedCache.for_model(model.net, budget=args.budget, policy=policy))
+    if policy == "none":  # the full cache, as `kvrescue run --evictor none` keeps: the root and N candidates
+        cache = FullCache.for_model(model.net, (args.n + 1) * (len(ids) + args.max_tokens + 64), max_rows=args.n + 1)
+    else:
+        cache = BoundedCache.for_model(model.net, budget=args.budget, policy=policy)
+    runner = Runner(model, cache)
     (root,) = runner.prefill([ids])
     rules = StepRules(frozenset(model.eos_ids), max_context=len(ids) + args.max_tokens,
                       detector=DetectorConfig(tau_ent=args.tau_ent, tau_cmp=args.tau_cmp))

@@ -1,14 +1,15 @@
 """Cost of the bounded evicting cache against the full cache, on a random ~100M Qwen2.
 
 Measures, for a batch of rows decoding one token each:
-- per-token decode time at several context lengths with `none` (the evicting cache with eviction
-  off) and with the paged cache that the `full` method and the helper decode with (rows forked 8 to a
-  shared prefix, as a problem's candidates are), and with `rkv` at each budget B amortised over a
-  B -> B' -> B cycle: between compressions an evicted row decodes like a `none` one of the same
-  physical length (B + 64 on average), plus one compression per 128 tokens (`--cycle` also times real
-  cycles end to end);
+- per-token decode time at several context lengths with the paged cache that `full`, `--evictor none`
+  and the helper decode with (rows forked 8 to a shared prefix, as a problem's candidates are), with the
+  bounded cache uncompressed (an rkv cache whose budget lies beyond the timed lengths), and with `rkv`
+  at each budget B amortised over a B -> B' -> B cycle: between compressions an evicted row decodes like
+  an uncompressed bounded row of the same physical length (B + 64 on average), plus one compression per
+  128 tokens (`--cycle` also times real cycles end to end);
 - the cost of one compression (all rows at once, all layers) and cache bytes per row;
-- the context length from which evicted decoding is cheaper than `none` and than the paged cache;
+- the context length from which evicted decoding is cheaper than the bounded cache uncompressed and
+  than the paged cache;
 - the degeneration detector's CPU time per token.
 
 Cache states are synthesised (random K/V, rows set to the wanted physical and logical lengths) instead
@@ -32,7 +33,8 @@ import torch
 from kvrescue_cli.data import BUNDLED
 from kvrescue_cli.detect import Detector
 from kvrescue_cli.engine.bounded import SLACK, BoundedCache
-from kvrescue_cli.engine.caches import FullCache, _Row
+from kvrescue_cli.engine.caches import FullCache, _Row, block_size_for
+from kvrescue_cli.engine.evict import MIN_BUDGET
 from kvrescue_cli.engine.model import CausalLM, ModelArgs
 
 MATH500 = BUNDLED / "math500.jsonl"
@@ -50,9 +52,9 @@ def random_qwen2(device: str, dtype: torch.dtype) -> CausalLM:
     return net.to(device=device, dtype=dtype).eval()
 
 
-def make_rows(net: CausalLM, policy: str, budget: int, batch: int, physical: int, logical: int) -> tuple[BoundedCache, list[int]]:
-    """A cache whose `batch` rows hold `physical` random entries at logical length `logical`."""
-    cache = BoundedCache.for_model(net, budget=budget, policy=policy, rows=batch,
+def make_rows(net: CausalLM, budget: int, batch: int, physical: int, logical: int) -> tuple[BoundedCache, list[int]]:
+    """An rkv cache whose `batch` rows hold `physical` random entries at logical length `logical`."""
+    cache = BoundedCache.for_model(net, budget=budget, policy="rkv", rows=batch,
                                    capacity=max(physical, budget + SLACK) + 8)
     rows = [cache.create() for _ in range(batch)]
     for r in rows:
@@ -65,11 +67,20 @@ def make_rows(net: CausalLM, policy: str, budget: int, batch: int, physical: int
     return cache, rows
 
 
+def uncompressed_rows(net: CausalLM, batch: int, length: int, room: int) -> tuple[BoundedCache, list[int]]:
+    """Bounded-cache rows of `length` random entries that decode `room` more tokens without a compression
+    (their budget lies beyond `length + room`)."""
+    return make_rows(net, max(MIN_BUDGET, length + room), batch, length, length)
+
+
 def make_paged_rows(net: CausalLM, batch: int, length: int, room: int, candidates: int = 8) -> tuple[FullCache, list[int]]:
     """A paged cache whose `batch` rows are forked, `candidates` at a time, from prefixes of `length` random
     entries (a problem's committed context), with room for `room` more tokens per row."""
     parents = -(-batch // candidates)
-    cache = FullCache.for_model(net, parents * length + batch * (room + 64), max_rows=parents + batch)
+    bs = block_size_for(next(net.parameters()))
+    per_child = (-(-room // bs) + 2) * bs  # its copy of the parent's last block and its own new blocks
+    cache = FullCache.for_model(net, parents * -(-length // bs) * bs + batch * per_child, max_rows=parents + batch,
+                                block_size=bs)
     cache.k.normal_()
     cache.v.normal_()
     rows = []
@@ -77,7 +88,7 @@ def make_paged_rows(net: CausalLM, batch: int, length: int, room: int, candidate
         parent = cache.create()
         blocks = [cache._new_block() for _ in range(-(-length // cache.block_size))]  # benchmark only: as if prefilled
         cache.rows[parent] = _Row(blocks, length)
-        cache.table[parent, :len(blocks)] = torch.tensor(blocks)
+        cache.table[parent, :len(blocks)] = torch.tensor(blocks, device=cache.table.device)
         rows += cache.fork(parent, min(candidates, batch - len(rows)))
     return cache, rows
 
@@ -88,7 +99,7 @@ def sync(device: str) -> None:
 
 
 @torch.inference_mode()
-def timed_decodes(net: CausalLM, cache: BoundedCache, rows: list[int], steps: int, device: str) -> list[float]:
+def timed_decodes(net: CausalLM, cache: BoundedCache | FullCache, rows: list[int], steps: int, device: str) -> list[float]:
     """Seconds of each of `steps` one-token decodes of every row."""
     tokens = torch.randint(0, net.args.vocab_size, (len(rows),), device=device)
     times = []
@@ -103,10 +114,10 @@ def timed_decodes(net: CausalLM, cache: BoundedCache, rows: list[int], steps: in
 
 def decode_cost(net, lengths: list[int], paged: list[int], batch: int, rounds: int, steps: int,
                 device: str) -> dict[tuple[str, int], float]:
-    """Fastest of the timed batched decode steps of `none` rows at each physical length in `lengths` and
-    of paged rows at each in `paged`, keyed (cache, length). All are measured round-robin, in alternating
-    order, and the minimum is kept because a shared machine only ever adds time."""
-    caches = {("none", n): make_rows(net, "none", 16, batch, n, n) for n in lengths}
+    """Fastest of the timed batched decode steps of uncompressed bounded rows at each physical length in
+    `lengths` and of paged rows at each in `paged`, keyed (cache, length). All are measured round-robin, in
+    alternating order, and the minimum is kept because a shared machine only ever adds time."""
+    caches = {("bounded", n): uncompressed_rows(net, batch, n, rounds * steps + 1) for n in lengths}
     caches |= {("paged", n): make_paged_rows(net, batch, n, rounds * steps + 1) for n in paged}
     for cache, rows in caches.values():
         timed_decodes(net, cache, rows, 1, device)  # warm-up
@@ -119,7 +130,7 @@ def decode_cost(net, lengths: list[int], paged: list[int], batch: int, rounds: i
 
 def evicted_cycle(net, budget, batch, device) -> float:
     """Seconds per token over a real B -> B' -> B cycle (128 decodes, the last compresses every row)."""
-    cache, rows = make_rows(net, "rkv", budget, batch, budget, 4096)
+    cache, rows = make_rows(net, budget, batch, budget, 4096)
     times = timed_decodes(net, cache, rows, SLACK, device)
     assert all(cache.physical_length(r) == budget for r in rows), "expected exactly one compression"
     return sum(times) / (SLACK * batch)
@@ -130,7 +141,7 @@ def compression_time(net, budget, batch, device, repeats: int = 3) -> float:
     """Seconds to compress `batch` rows of B' entries to B (all layers, scored together)."""
     best = float("inf")
     for _ in range(repeats):
-        cache, rows = make_rows(net, "rkv", budget, batch, budget + SLACK, 4096)
+        cache, rows = make_rows(net, budget, batch, budget + SLACK, 4096)
         sync(device)
         t = time.perf_counter()
         cache.compress(rows)
@@ -155,9 +166,9 @@ def detector_cost() -> tuple[float, float]:
     return statistics.mean(early), statistics.mean(late)
 
 
-def crossover(full: dict[int, float], evicted: float) -> str:
-    """Where the full cache's per-token time first exceeds `evicted` (linear interpolation)."""
-    pairs = sorted(full.items())
+def crossover(uncompressed: dict[int, float], evicted: float) -> str:
+    """Where a cache's per-token time by context first exceeds `evicted` (linear interpolation)."""
+    pairs = sorted(uncompressed.items())
     if pairs[0][1] > evicted:
         return f"at or below {pairs[0][0]} tokens"
     for (c0, t0), (c1, t1) in zip(pairs, pairs[1:]):
@@ -170,7 +181,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--contexts", default="512,2048,4096", help="contexts reported in the table")
-    ap.add_argument("--extra-contexts", default="256,1024,1536,3072", help="more full-cache points for the crossover")
+    ap.add_argument("--extra-contexts", default="256,1024,1536,3072", help="more uncompressed points for the crossover")
     ap.add_argument("--budgets", default="64,512")
     ap.add_argument("--rounds", type=int, default=4, help="round-robin passes over the lengths")
     ap.add_argument("--steps", type=int, default=2, help="timed decodes per length and round")
@@ -188,23 +199,24 @@ def main() -> None:
     contexts = sorted(set(shown) | {int(c) for c in args.extra_contexts.split(",") if c})
     budgets = [int(b) for b in args.budgets.split(",")]
 
-    # between compressions an evicted row decodes like a full one of the same physical length;
+    # between compressions an evicted row decodes like an uncompressed one of the same physical length;
     # over a cycle its length averages B + 64, and one compression of every row is added per 128 tokens
     t0 = time.perf_counter()
     step = decode_cost(net, sorted(set(contexts) | {b + SLACK // 2 for b in budgets}), contexts, args.batch,
                        args.rounds, args.steps, args.device)
     comp = {b: compression_time(net, b, args.batch, args.device) for b in budgets}
-    full = {c: step[("none", c)] / args.batch for c in contexts}
+    bounded = {c: step[("bounded", c)] / args.batch for c in contexts}
     paged = {c: step[("paged", c)] / args.batch for c in contexts}
-    evicted = {b: (step[("none", b + SLACK // 2)] + comp[b] / SLACK) / args.batch for b in budgets}
+    evicted = {b: (step[("bounded", b + SLACK // 2)] + comp[b] / SLACK) / args.batch for b in budgets}
     print(f"(measured in {time.perf_counter() - t0:.0f} s)\n")
 
     print("per-token decode time (ms per row-token = batch step time / batch)")
-    print(f"{'context':>8} {'paged':>8} {'none':>8} " + " ".join(f"{'rkv B=' + str(b):>10}" for b in budgets))
+    print("(paged: the full cache of `full`, `--evictor none` and the helper; bounded: the evicting cache uncompressed)")
+    print(f"{'context':>8} {'paged':>8} {'bounded':>8} " + " ".join(f"{'rkv B=' + str(b):>10}" for b in budgets))
     for c in shown:
-        # below B' a row has never been compressed: it is a full cache of c entries
-        cells = [full[c] if c < b + SLACK else evicted[b] for b in budgets]
-        print(f"{c:>8} {paged[c] * 1e3:8.3f} {full[c] * 1e3:8.3f} " + " ".join(f"{x * 1e3:10.3f}" for x in cells))
+        # below B' a row has never been compressed: it is an uncompressed row of c entries
+        cells = [bounded[c] if c < b + SLACK else evicted[b] for b in budgets]
+        print(f"{c:>8} {paged[c] * 1e3:8.3f} {bounded[c] * 1e3:8.3f} " + " ".join(f"{x * 1e3:10.3f}" for x in cells))
     if args.cycle:
         for b in budgets:
             print(f"  check, rkv B={b} over a real 128-token cycle: {evicted_cycle(net, b, args.batch, args.device) * 1e3:.3f} ms")
@@ -219,13 +231,14 @@ def main() -> None:
               f"peak {peak} entries = {peak * per_entry / 2**20:.2f} MiB/row here, "
               f"{peak * per_entry_7b / 2**20:.1f} MiB/row for Qwen2.5-Math-7B bf16")
     for c in shown:
-        print(f"  none at {c}: {c * per_entry / 2**20:.2f} MiB/row here, {c * per_entry_7b / 2**20:.1f} MiB/row for 7B")
+        print(f"  full cache at {c}: {c * per_entry / 2**20:.2f} MiB/row here, {c * per_entry_7b / 2**20:.1f} MiB/row for 7B")
 
-    print("\nnone decode by context (ms per row-token): " + ", ".join(f"{c}: {full[c] * 1e3:.2f}" for c in contexts))
+    print("\nuncompressed bounded decode by context (ms per row-token): "
+          + ", ".join(f"{c}: {bounded[c] * 1e3:.2f}" for c in contexts))
     print("paged decode by context (ms per row-token): " + ", ".join(f"{c}: {paged[c] * 1e3:.2f}" for c in contexts))
-    print("context from which evicted decoding is cheaper than full decoding")
+    print("context from which evicted decoding is cheaper than decoding without eviction")
     for b in budgets:
-        print(f"  rkv B={b} (B'={b + SLACK}): than none {crossover(full, evicted[b])}, "
+        print(f"  rkv B={b} (B'={b + SLACK}): than the bounded cache uncompressed {crossover(bounded, evicted[b])}, "
               f"than the paged cache {crossover(paged, evicted[b])}")
 
     early, late = detector_cost()

@@ -8,13 +8,13 @@ downloaded). Sections, in this order:
 - `roofline`: the measured device-to-device copy bandwidth.
 - `logits`: this engine vs transformers on a random Qwen2.5-0.5B-shaped Qwen2, in the run's dtype: a
   plain forward, and a prefill plus one-token decode steps through the static (CUDA-graph) path of the
-  bounded cache; max/mean |difference|, cosine, top-1 agreement and `ok` under the dtype's tolerance.
+  bounded cache (rkv with a budget beyond the sequence, so every token stays cached); max/mean |difference|, cosine, top-1 agreement and `ok` under the dtype's tolerance.
 - `attention`: the full cache's attention at the helper's shape (Qwen2.5-Math-1.5B, 28 layers), gather vs
   paged vs cascade, decode step time and KV bytes read, context 1k/2k/4k, 8 and 64 problems x N = 8
   (`benchmarks/attention_bench.py`).
 - `decode`: tokens/s of one-token decode steps with Qwen2.5-Math-7B's shape, rows 64/256/512, rkv at
-  budgets 64 and 512 and `none`, context 1k and 4k, with and without CUDA graphs, and transformers
-  `generate` at the same rows and context. Both sides do the same work per token: a forward, fp32
+  budgets 64 and 512 with and without CUDA graphs and `none` (the full cache, which has no CUDA-graph
+  step), context 1k and 4k, and transformers `generate` at the same rows and context. Both sides do the same work per token: a forward, fp32
   logits, and top-k/top-p sampling at the paper's settings (this engine also pays its entropy). Each
   with its memory-bandwidth roofline (bytes a step must read over the measured copy bandwidth) and the
   share of it reached. Shapes that don't fit in memory are listed with the reason.
@@ -51,7 +51,9 @@ import torch
 from kvrescue_cli.data import Problem, ProblemSet
 from kvrescue_cli.decoding import decode
 from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.graphs import SPAN_STEP, StaticDecode, flash_attn_with_kvcache
+from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.evict import MIN_BUDGET
+from kvrescue_cli.engine.graphs import StaticDecode, flash_attn_with_kvcache
 from kvrescue_cli.engine.loader import LoadedModel, _build
 from kvrescue_cli.engine.model import CausalLM, ModelArgs, ProcessRewardModel, Transformer
 from kvrescue_cli.random_checkpoints import build_tokenizer
@@ -159,12 +161,14 @@ def check_logits(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dic
         want = hf(input_ids=ids).logits.float()
         plain = net(ids).float()
         prefix = tokens * 3 // 4
-        cache = BoundedCache.for_model(net, budget=64, policy="none", max_append=tokens, rows=4)
+        # a budget beyond the sequence: nothing is evicted, so transformers' full attention is the reference
+        cache = BoundedCache.for_model(net, budget=max(tokens, MIN_BUDGET), policy="rkv", max_append=tokens, rows=4)
         rows = [cache.create() for _ in range(2)]
         steps = [net.prefill(ids[:, :prefix], cache, rows, [prefix] * 2).float()]
         decode_step = StaticDecode(net, cache, graphs=device.startswith("cuda"))
         for t in range(prefix, tokens - 1):
             steps.append(decode_step(rows, ids[:, t].tolist()).float())
+        assert all(cache.physical_length(r) == cache.length(r) for r in rows), "the check's rows were evicted"
     stepped = torch.stack(steps, dim=1)
 
     def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -188,18 +192,23 @@ def check_logits(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dic
 
 
 # -- decode tokens/s ----------------------------------------------------------------------------------
-def filled_cache(net: Transformer, policy: str, budget: int, rows: int, context: int, steps: int) -> tuple[BoundedCache, list[int]]:
+def filled_cache(net: Transformer, policy: str, budget: int, rows: int, context: int,
+                 steps: int) -> tuple[BoundedCache | FullCache, list[int]]:
     """A cache whose rows look prefilled with `context` tokens (random K/V, no prefill run): an evicting
-    row holds between `budget` and B' - 1 entries, staggered so compressions spread as in steady decoding."""
-    capacity = -(-(context + steps + 1) // SPAN_STEP) * SPAN_STEP if policy == "none" else None  # the static span fits
-    cache = BoundedCache.for_model(net, budget=budget, policy=policy, max_append=1, rows=rows + 1, capacity=capacity)
+    row holds between `budget` and B' - 1 entries, staggered so compressions spread as in steady decoding;
+    `none` is the full cache `kvrescue run` builds for it, each row holding all `context` tokens."""
+    if policy == "none":
+        from evict_bench import make_paged_rows  # beside this script
+
+        return make_paged_rows(net, rows, context, steps + 1, candidates=1)  # each row forked from its own prefix
+    cache = BoundedCache.for_model(net, budget=budget, policy=policy, max_append=1, rows=rows + 1)
     cache.k.normal_()
     cache.v.normal_()
     cache.q.normal_()
     ids = [cache.create() for _ in range(rows)]
     span = cache.trigger - budget
     for i, row in enumerate(ids):
-        physical = context if policy == "none" else budget + (i * span) // rows
+        physical = budget + (i * span) // rows
         state = cache.rows[row]  # benchmark only: lengths as if `context` tokens had been prefilled
         state.physical, state.logical, state.peak = physical, context, physical
     return cache, ids
@@ -310,6 +319,10 @@ def decode_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, pl
                               "budget": budget, "cuda_graphs": graphs}
                     if graphs and not device.startswith("cuda"):
                         check.add("decode", {**record, "skipped": "CUDA graphs need a GPU"})
+                        continue
+                    if graphs and policy == "none":
+                        check.add("decode", {**record, "skipped": "`none` decodes with the full cache, which has no "
+                                                                  "CUDA-graph step (as in `kvrescue run`)"})
                         continue
                     check.measure("decode", record, deadline, lambda: roofline(
                         decode_rate(models()[1], device, policy, budget or 64, rows, context, plan["steps"], graphs),

@@ -16,7 +16,7 @@ import torch
 
 from kvrescue_cli.engine.attention import attend_padded
 from kvrescue_cli.engine.caches import KVCache
-from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, WINDOW, gather_positions, keep_positions
+from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET, WINDOW, gather_positions, keep_positions
 
 SLACK = 128  # w: entries appended past the budget before a compression
 COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched compression (all layers, some rows)
@@ -49,8 +49,9 @@ class BoundedCache(KVCache):
     Pools (gpt-fast style, written in place): K and V [layers, slots, kv_heads, capacity, head_dim]
     and queries [layers, slots, heads, WINDOW, head_dim]. Rows are ids mapped to slots, so `adopt`
     moves no data; a fork copies its parent's entries, ring and counters. The pools grow when rows
-    or an append do not fit (rows and `none` by doubling): capacity defaults to B' + `max_append`, so
-    with an evicting policy only an append longer than `max_append` reallocates.
+    (by doubling) or an append do not fit: capacity defaults to B' + `max_append`, so only an append
+    longer than `max_append` reallocates. `policy` is an evictor of `evict.EVICTORS`; `--evictor none`
+    keeps a full cache (`FullCache`) instead.
     """
 
     @torch.inference_mode(False)  # the pools are written outside inference mode too (forks)
@@ -70,8 +71,8 @@ class BoundedCache(KVCache):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
-        if policy not in CHOICES:
-            raise ValueError(f"unknown evictor {policy!r}; choose one of {CHOICES}")
+        if policy not in EVICTORS:
+            raise ValueError(f"unknown evictor {policy!r} for a bounded cache; choose one of {tuple(EVICTORS)}")
         if budget < MIN_BUDGET:
             raise ValueError(f"budget {budget} is below the minimum {MIN_BUDGET}")
         self.policy, self.budget, self.trigger = policy, budget, budget + slack
@@ -158,17 +159,6 @@ class BoundedCache(KVCache):
         self._grow(rows=self.k.shape[1] + 1)
         return self.free_slots.pop(0)
 
-    def decode_span(self, rows: Sequence[int], step: int) -> int:
-        """The fixed attention span of a one-token step over `rows`, the pools grown to hold it: B' for an
-        evicting policy (a row holds at most B' - 1 entries before a step), else the longest row + 1
-        rounded up to a multiple of `step`."""
-        if self.policy != "none":
-            return self.trigger
-        span = -(-(max(self.rows[r].physical for r in rows) + 1) // step) * step
-        if span > self.capacity:
-            self._grow(capacity=max(span, 2 * self.capacity))
-        return span
-
     def advance(self, rows: Sequence[int]) -> None:
         """Count one token appended to each row outside `begin`/`end` (a static decode step), then compress as `end` does."""
         for r in rows:
@@ -176,8 +166,7 @@ class BoundedCache(KVCache):
             s.physical += 1
             s.logical += 1
             s.peak = max(s.peak, s.physical)
-        if self.policy != "none":
-            self.compress([r for r in rows if self.rows[r].physical >= self.trigger])
+        self.compress([r for r in rows if self.rows[r].physical >= self.trigger])
 
     def _new_id(self) -> int:
         self.next_id += 1
@@ -202,8 +191,8 @@ class BoundedCache(KVCache):
     def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
         state = [self.rows[r] for r in rows]
         need = max(s.physical + n for s, n in zip(state, n_new))
-        if need > self.capacity:  # `none` doubles (it keeps growing); an evicting cache grows just enough
-            self._grow(capacity=max(need, 2 * self.capacity) if self.policy == "none" else -(-need // 64) * 64)
+        if need > self.capacity:  # just enough, rounded up to 64
+            self._grow(capacity=-(-need // 64) * 64)
         dev = self.k.device
         slots = [s.slot for s in state]
         kv_lengths = torch.tensor([s.physical for s in state], device=dev)
@@ -255,8 +244,7 @@ class BoundedCache(KVCache):
 
     def end(self) -> None:
         rows, self.fwd = self.fwd.rows, None
-        if self.policy != "none":
-            self.compress([r for r in rows if self.rows[r].physical >= self.trigger])
+        self.compress([r for r in rows if self.rows[r].physical >= self.trigger])
 
     def compress(self, rows: Sequence[int]) -> None:
         """Compress each row to `budget` entries per layer and KV head. Rows of equal length are scored

@@ -1,10 +1,9 @@
 """The bounded cache's one-token decode step with static shapes, captured in CUDA graphs on a GPU.
 
-Shapes are fixed per (row bucket, span): the rows of a step are padded to the next power of two (the
+Shapes are fixed per row bucket: the rows of a step are padded to the next power of two (the
 padding rows write to a reserved scratch slot), and attention covers a fixed span of every row's
-buffer: B' = budget + slack for an evicting policy (a row holds at most B' - 1 entries before a
-decode step, since it is compressed as soon as it reaches B'), or the longest row rounded up to
-`SPAN_STEP` for `none`. Per-step inputs (tokens, slots, lengths, positions) live in one static
+buffer, B' = budget + slack (a row holds at most B' - 1 entries before a decode step, since it is
+compressed as soon as it reaches B'). Per-step inputs (tokens, slots, lengths, positions) live in one static
 device buffer refilled before each replay (the tokens device to device, the rest from the host without
 waiting for the device); the bookkeeping (lengths, compression) stays in Python,
 outside the graph. Without CUDA, or with graphs off, the same static step runs eagerly: that is how
@@ -25,8 +24,6 @@ from kvrescue_cli.engine.attention import attend_padded, flash_attn_with_kvcache
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.model import Transformer
 from kvrescue_cli.engine.steps import upload
-
-SPAN_STEP = 256  # span granularity of a `none` cache (one graph per span reached)
 
 
 def bucket(rows: int) -> int:
@@ -60,13 +57,14 @@ class _Step:
 
 
 class StaticDecode:
-    """`net.decode` over a `BoundedCache` with static shapes; captured once per (bucket, span) on CUDA."""
+    """`net.decode` over a `BoundedCache` with static shapes; captured once per row bucket on CUDA."""
 
     def __init__(self, net: Transformer, cache: BoundedCache, graphs: bool = True) -> None:
         self.net, self.cache = net, cache
         self.graphs = graphs and cache.k.is_cuda
         self.scratch = cache.reserve_slot()
-        self.steps: dict[tuple[int, int], _Step] = {}
+        self.span = cache.trigger
+        self.steps: dict[int, _Step] = {}
         self.pools_at = cache.k.data_ptr()
         self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
 
@@ -76,12 +74,11 @@ class StaticDecode:
         follow [R, out] (a fresh tensor)."""
         cache = self.cache
         tokens = torch.as_tensor(tokens, device=cache.k.device)
-        span = cache.decode_span(rows, SPAN_STEP)
         if cache.k.data_ptr() != self.pools_at:  # the pools were reallocated: graphs point at the old ones
             self.steps.clear()
             self.pools_at = cache.k.data_ptr()
         size = bucket(len(rows))
-        step = self.steps.get((size, span)) or self._prepare(size, span)
+        step = self.steps.get(size) or self._prepare(size)
         pad = size - len(rows)
         host = torch.tensor([
             [cache.slot(r) for r in rows] + [self.scratch] * pad,
@@ -94,16 +91,16 @@ class StaticDecode:
             step.graph.replay()
             logits = step.logits
         else:
-            logits = self._forward(step.inputs, span)
+            logits = self._forward(step.inputs)
         cache.advance(rows)
         return logits[: len(rows)].clone()
 
-    def _forward(self, inputs: torch.Tensor, span: int) -> torch.Tensor:
+    def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
         positions = inputs[3][:, None]
-        h = self.net.decoder(inputs[0][:, None], positions, _StaticView(self.cache, inputs, span))
+        h = self.net.decoder(inputs[0][:, None], positions, _StaticView(self.cache, inputs, self.span))
         return self.net.head(h[:, 0])
 
-    def _prepare(self, size: int, span: int) -> _Step:
+    def _prepare(self, size: int) -> _Step:
         inputs = torch.zeros(4, size, dtype=torch.long, device=self.cache.k.device)
         step = _Step(inputs)
         if self.graphs:
@@ -112,10 +109,10 @@ class StaticDecode:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(inputs, span)
+                    self._forward(inputs)
             torch.cuda.current_stream().wait_stream(stream)
             step.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(step.graph, pool=self.memory):
-                step.logits = self._forward(inputs, span)
-        self.steps[(size, span)] = step
+                step.logits = self._forward(inputs)
+        self.steps[size] = step
         return step
