@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 import kvrescue_cli.search as search
+from kvrescue_cli.detect import DetectorConfig
+from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine.steps import CandidateStep
 from kvrescue_cli.search import Controller, SearchSettings
 
@@ -15,14 +17,18 @@ EOS = 99
 class ScriptedRunner:
     """A runner whose candidate steps come from `script(key) -> (tokens, finish)`, one token per `advance`.
 
-    It records what the controller asks of it (adopt, release, commit) and keeps row lengths like a cache.
+    It records what the controller asks of it (prefill, start, adopt, release, commit) and keeps row lengths
+    like a cache. With a `clock`, every `advance` (one token) takes one second of it.
     """
 
-    def __init__(self, script) -> None:
+    def __init__(self, script, clock: Clock | None = None) -> None:
         self.script = script
+        self.clock = clock
         self.rows = 0
         self.length: dict[int, int] = {}
         self.calls: list[tuple] = []
+        self.prefills: list[int] = []  # how many prompts each prefill call got
+        self.starts: list[tuple] = []  # (row, key, context, screened, rules) of every started candidate
         self.decoding: list[list] = []  # [row, tokens, finish, emitted]
 
     def _new(self, length: int) -> int:
@@ -31,6 +37,7 @@ class ScriptedRunner:
         return self.rows
 
     def prefill(self, token_lists):
+        self.prefills.append(len(token_lists))
         return [self._new(len(t)) for t in token_lists]
 
     def fork(self, row, n):
@@ -49,7 +56,9 @@ class ScriptedRunner:
         self.calls.append(("commit", list(rows), [list(s) for s in steps]))
 
     def start(self, rows, keys, contexts, screened, rules):
-        for row, key in zip(rows, keys):
+        assert len(rows) == len(keys) == len(contexts) == len(screened)
+        for row, key, context, screen in zip(rows, keys, contexts, screened):
+            self.starts.append((row, key, context, screen, rules))
             tokens, finish = self.script(key)
             self.decoding.append([row, tokens, finish, 0])
 
@@ -58,6 +67,8 @@ class ScriptedRunner:
         return len(self.decoding)
 
     def advance(self):
+        if self.clock is not None:
+            self.clock.now += 1.0
         done = []
         for entry in self.decoding:
             entry[3] += 1
@@ -84,19 +95,36 @@ class TableScorer:
 
     def __init__(self, table: dict[int, float]) -> None:
         self.table, self.seen, self.committed = table, [], []
+        self.calls: list[tuple] = []  # ("open", key, problem, prompt), ("commit", key, text), ("close", key)
 
     def open(self, key, problem, prompt):
-        pass
+        self.calls.append(("open", key, problem, list(prompt)))
 
     def score(self, requests):
         self.seen += [tokens[0] for _, _, tokens in requests]
         return [self.table.get(tokens[0], 0.5) for _, _, tokens in requests]
 
     def commit(self, key, text, tokens):
+        self.calls.append(("commit", key, text))
         self.committed.append(tokens[0])
 
     def close(self, key):
-        return 0, 0
+        """(prefix tokens scored, truncations), made up from the key so that each problem's are its own."""
+        self.calls.append(("close", key))
+        return 100 + key, key
+
+
+class Clock:
+    """Stands in for `time` in the controller: a clock that moves only when a runner decodes a token."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
 
 
 def steps_of(length: int, finish: str = "step", overrides: dict[int, tuple[int, str]] | None = None):
@@ -108,13 +136,20 @@ def steps_of(length: int, finish: str = "step", overrides: dict[int, tuple[int, 
     return script
 
 
-def run(method: str, script, table: dict[int, float], **settings):
+def run_all(method: str, script, table: dict[int, float], problems, clock: Clock | None = None, **settings):
+    """Run `problems` (idx, text, prompt) with n = 2 and batch = 2 (unless set); (finished, runners, scorer)."""
     spec = search.METHODS[method]
-    runners = {name: ScriptedRunner(script) for name, used in (("base", spec.base), ("helper", spec.helper)) if used}
+    runners = {name: ScriptedRunner(script, clock) for name, used in (("base", spec.base), ("helper", spec.helper))
+               if used}
     scorer = TableScorer(table)
     finished = []
-    Controller(SearchSettings(method=method, n=2, batch=2, **settings), runners, scorer, {EOS}).run(
-        [(0, "problem", [5, 6, 7])], finished.append)
+    Controller(SearchSettings(method=method, **{"n": 2, "batch": 2, **settings}), runners, scorer, {EOS}).run(
+        problems, finished.append)
+    return finished, runners, scorer
+
+
+def run(method: str, script, table: dict[int, float], **settings):
+    finished, runners, scorer = run_all(method, script, table, [(0, "problem", [5, 6, 7])], **settings)
     return finished[0].state, runners, scorer
 
 
@@ -182,3 +217,115 @@ def test_progress_is_reported_while_problems_are_in_flight(monkeypatch):
     # One report per iteration here: 2 candidates x 1 token each, a step committed every 3 iterations.
     assert seen[:3] == [search.DecodeProgress(0, 2), search.DecodeProgress(0, 4), search.DecodeProgress(1, 6)]
     assert seen.index("finished") > 0 and seen[-1] == search.DecodeProgress(2, 12)
+
+
+def test_progress_comes_every_progress_every_s_seconds(monkeypatch):
+    # One second per token on the runner's clock, a report due every 2 s: after tokens 2, 4, 6 (not 3, 6).
+    clock = Clock()
+    monkeypatch.setattr(search, "time", clock)
+    monkeypatch.setattr(search, "PROGRESS_EVERY_S", 2.0)
+    seen = []
+    Controller(SearchSettings(method="bon", n=2, batch=2, max_steps=2), {"base": ScriptedRunner(steps_of(3), clock)},
+               TableScorer({}), {EOS}).run([(0, "p", [1])], lambda f: None, seen.append)
+    assert seen == [search.DecodeProgress(0, 4), search.DecodeProgress(1, 8), search.DecodeProgress(2, 12)]
+    # Without a progress callback nothing is reported, even when a report is due at every token.
+    monkeypatch.setattr(search, "PROGRESS_EVERY_S", 0.0)
+    finished, _, _ = run_all("bon", steps_of(3), {}, [(0, "p", [1])], max_steps=2)
+    assert len(finished[0].state.steps) == 2
+
+
+def test_progress_counts_the_tokens_of_both_models(monkeypatch):
+    monkeypatch.setattr(search, "PROGRESS_EVERY_S", 0.0)
+    runners = {"base": ScriptedRunner(steps_of(3)), "helper": ScriptedRunner(steps_of(3))}
+    seen = []
+    Controller(SearchSettings(method="kvrescue", n=2, batch=2, max_steps=1), runners, TableScorer({}), {EOS}).run(
+        [(0, "p", [1])], lambda f: None, seen.append)
+    assert seen == [search.DecodeProgress(0, 4), search.DecodeProgress(0, 8), search.DecodeProgress(1, 12)]
+
+
+def test_the_step_rules_are_the_settings():
+    sampling, detector = SamplingParams(temperature=0.5, top_p=0.9, top_k=7), DetectorConfig(tau_ent=3.0, tau_cmp=0.3)
+    settings = dict(n=2, sampling=sampling, detector=detector, max_step_tokens=33, context_cap=77, max_steps=1)
+    for method, screens in (("kvrescue", True), ("interleave", False)):
+        _, runners, _ = run(method, steps_of(3), {}, **settings)
+        for runner in runners.values():
+            rules = {start[4] for start in runner.starts}
+            assert rules == {search.StepRules(frozenset({EOS}), sampling, 33, 77, fixed_length=None,
+                                              detector=detector if screens else None)}
+    # Synthetic steps: every step ends after LEN tokens (the runner's rule), problems after COUNT steps.
+    state, runners, _ = run("bon", steps_of(3), {}, synthetic_steps=(3, 2), **settings)
+    assert {start[4].fixed_length for start in runners["base"].starts} == {3}
+    assert len(state.steps) == 2
+
+
+def test_candidates_are_started_with_their_stream_key_context_and_screening():
+    # Keys (seed, problem idx, step, candidate index): base candidates 0..n-1, helper candidates n..2n-1,
+    # only base candidates screened, and each step starts from the committed context (prompt + steps).
+    finished, runners, _ = run_all("kvrescue", steps_of(3), {}, [(4, "p", [5, 6])], seed=9, max_steps=2)
+    state = finished[0].state
+    assert [(key, context, screened) for _, key, context, screened, _ in runners["base"].starts] == [
+        ((9, 4, 0, 0), 2, True), ((9, 4, 0, 1), 2, True), ((9, 4, 1, 0), 5, True), ((9, 4, 1, 1), 5, True)]
+    assert [(key, context, screened) for _, key, context, screened, _ in runners["helper"].starts] == [
+        ((9, 4, 0, 2), 2, False), ((9, 4, 0, 3), 2, False), ((9, 4, 1, 2), 5, False), ((9, 4, 1, 3), 5, False)]
+    assert [[(c.source, c.index, c.row, c.screened) for c in cands] for cands in state.history] == [
+        [("base", i, start[0], True) for i, start in zip((0, 1), runners["base"].starts[:2])]
+        + [("helper", i, start[0], False) for i, start in zip((2, 3), runners["helper"].starts[:2])],
+        [("base", i, start[0], True) for i, start in zip((0, 1), runners["base"].starts[2:])]
+        + [("helper", i, start[0], False) for i, start in zip((2, 3), runners["helper"].starts[2:])]]
+    # interleave samples the same candidates unscreened.
+    _, runners, _ = run("interleave", steps_of(3), {}, max_steps=1)
+    assert [start[3] for start in runners["base"].starts + runners["helper"].starts] == [False] * 4
+
+
+def test_helper_only_numbers_its_candidates_from_zero_and_has_no_base_cache():
+    finished, runners, _ = run_all("helper", steps_of(3), {1: 0.9}, [(0, "p", [5, 6])], max_steps=2)
+    assert list(runners) == ["helper"]
+    assert [start[1][3] for start in runners["helper"].starts] == [0, 1, 0, 1]
+    assert finished[0].peak_base_rows == 0
+    assert [step.base_rows for step in finished[0].state.steps] == [None, None]
+
+
+def test_committed_steps_record_text_source_score_tokens_and_the_base_row_length():
+    # bon: base candidate 1 wins step 0 (score 0.9), candidate 0 step 1 (a 0.5 tie, the first), 0 step 2 (eos).
+    script = steps_of(3, overrides={21: (4, "step"), 20: (2, "eos")})
+    finished, runners, scorer = run_all("bon", script, {1: 0.9, 20: 0.7, 21: 0.6}, [(0, "p", [5, 6, 7])])
+    done = finished[0]
+    assert [(s.text, s.source, s.score, s.tokens) for s in done.state.steps] == [
+        ("1 1 1", "base", 0.9, 3), ("10 1 1", "base", 0.5, 3), ("20 1", "base", 0.7, 2)]
+    assert done.state.stop == "eos"
+    assert done.output == "1 1 110 1 120 1"  # the committed texts joined as they are
+    # The scorer extends problem 0's prefix with each committed step's text.
+    assert [c for c in scorer.calls if c[0] == "commit"] == [("commit", 0, "1 1 1"), ("commit", 0, "10 1 1"),
+                                                            ("commit", 0, "20 1")]
+    # The base row adopts the winner's fork (the scripted cache holds all but the last token of a step):
+    # its length after each commit is what the step records, and its peak is the Finished's.
+    base = runners["base"]
+    row = done.state.rows["base"]
+    assert [c[1] for c in base.calls if c[0] == "adopt"] == [row, row, row]
+    assert [s.base_rows for s in done.state.steps] == [3 + 2, 3 + 2 + 2, 3 + 2 + 2 + 1]
+    assert done.peak_base_rows == 3 + 2 + 2 + 1
+
+
+def test_problems_enter_as_slots_free_up_and_each_keeps_its_own_records(monkeypatch):
+    # Problem idx k stops (eos) after k + 1 steps of 2 tokens; batch 2, so problem 2 enters when problem 0 retires
+    # and problem 1 is still in flight.
+    clock = Clock()
+    monkeypatch.setattr(search, "time", clock)
+
+    def script(key):
+        _, idx, step, index = key
+        return [idx * 100 + step * 10 + index, 1], "eos" if step == idx else "step"
+    problems = [(k, f"problem {k}", [5] * (k + 1)) for k in range(3)]
+    finished, runners, scorer = run_all("bon", script, {}, problems, clock=clock)
+    assert [f.state.idx for f in finished] == [0, 1, 2]
+    assert runners["base"].prefills == [2, 1]
+    assert [len(f.state.steps) for f in finished] == [1, 2, 3]
+    assert [f.output for f in finished] == ["0 1", "100 1110 1", "200 1210 1220 1"]
+    # Problem 2 entered after 2 s (problem 0's one step) and took 3 steps of 2 tokens.
+    assert [f.wall_s for f in finished] == [2.0, 4.0, 6.0]
+    assert [(f.scorer_tokens, f.scorer_truncations) for f in finished] == [(100, 0), (101, 1), (102, 2)]
+    assert [c for c in scorer.calls if c[0] != "commit"] == [
+        ("open", 0, "problem 0", [5]), ("open", 1, "problem 1", [5, 5]), ("close", 0),
+        ("open", 2, "problem 2", [5, 5, 5]), ("close", 1), ("close", 2)]
+    assert [c[1] for c in scorer.calls if c[0] == "commit"] == [0, 1, 1, 2, 2, 2]
+    assert [f.state.prefilled["base"] for f in finished] == [1, 2, 3]
