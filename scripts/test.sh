@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# Set up .venv and the browser for the `kvrescue view` test (both idempotent), then run the whole test suite;
-# extra arguments go to pytest.
+# Set up .venv and the browser for the `kvrescue view` test (both idempotent), run the whole test suite but the
+# vLLM tests (pyproject's addopts leave out the `vllm` marker), then set up .venv-vllm (scripts/setup_vllm.sh)
+# and run the vLLM tests there (`-m vllm`). Extra arguments go to both pytest runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/browser.sh
+# pytest exits 5 when it collected no test (e.g. arguments naming only files of the other run): not a failure.
+pytest_in() {
+    local status=0
+    "$@" || status=$?
+    [ "$status" -eq 5 ] && status=0
+    return "$status"
+}
 status=0
-.venv/bin/python -m pytest -q "$@" || status=$?
-# pytest exits 5 when it collected no test: that is not a failure of the code.
-[ "$status" -eq 5 ] && status=0
+pytest_in .venv/bin/python -m pytest -q "$@" || status=$?
+bash scripts/setup_vllm.sh
+vllm_status=0
+pytest_in .venv-vllm/bin/python -m pytest -q -m vllm "$@" || vllm_status=$?
+[ "$status" -ne 0 ] || status=$vllm_status
 exit "$status"

@@ -7,6 +7,8 @@ import pytest
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, init_std=0.1)
+# vLLM's CPU attention takes head sizes from 32 up: the checkpoints its tests load have 2 query heads of 32, 1 KV head.
+VLLM_TINY = dict(TINY, num_heads=2, num_kv_heads=1)
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +27,21 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def prm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Qwen2ForProcessRewardModel checkpoint (Qwen2 decoder + score head)."""
     return write_random_checkpoint(tmp_path_factory.mktemp("prm"), "prm", seed=3, **TINY)
+
+
+@pytest.fixture(scope="session")
+def vllm_prm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen2ForProcessRewardModel checkpoint in a shape vLLM's CPU build runs."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("vllm-prm"), "prm", seed=3, **VLLM_TINY)
+
+
+@pytest.fixture(scope="session")
+def vllm_prm(vllm_prm_dir: Path):
+    """One vLLM pooling engine on `vllm_prm_dir`, fp32, shared by the session (a start costs 20-30 s, minutes
+    under load); its KV cache is kept small, since vLLM reserves it up front."""
+    from kvrescue_cli.vllm_engine.llm import start_llm
+
+    llm = start_llm(vllm_prm_dir, dtype="float32", max_model_len=4096, runner="pooling", kv_cache_bytes=64 << 20,
+                    enforce_eager=True)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()  # now, while pytest's streams still take vLLM's log lines

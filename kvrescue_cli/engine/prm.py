@@ -44,16 +44,26 @@ def _prompt_text(tokenizer, problem: str, system: str) -> str:
     return rendered[: rendered.index(hole)]
 
 
+def step_tag_id(tokenizer, name: str) -> int:
+    """The id of `<extra_0>`, where the PRM reads each step's score; a ValueError when the tokenizer has none."""
+    sep = tokenizer.convert_tokens_to_ids(STEP_TAG)
+    if sep is None or sep == tokenizer.unk_token_id:
+        raise ValueError(f"{name}: tokenizer has no {STEP_TAG} token")
+    return sep
+
+
+def no_prm_head(name: str) -> ValueError:
+    """The error for a checkpoint that is not a process reward model."""
+    return ValueError(
+        f"{name} has no process-reward head (score.0/score.2 weights), so it cannot score steps; "
+        "give a Qwen2ForProcessRewardModel checkpoint such as Qwen/Qwen2.5-Math-PRM-7B"
+    )
+
+
 def _check_prm(prm: LoadedModel) -> int:
     if not prm.is_prm:
-        raise ValueError(
-            f"{prm.name} has no process-reward head (score.0/score.2 weights), so it cannot score steps; "
-            "give a Qwen2ForProcessRewardModel checkpoint such as Qwen/Qwen2.5-Math-PRM-7B"
-        )
-    sep = prm.tokenizer.convert_tokens_to_ids(STEP_TAG)
-    if sep is None or sep == prm.tokenizer.unk_token_id:
-        raise ValueError(f"{prm.name}: tokenizer has no {STEP_TAG} token")
-    return sep
+        raise no_prm_head(prm.name)
+    return step_tag_id(prm.tokenizer, prm.name)
 
 
 @torch.inference_mode()
@@ -84,13 +94,72 @@ def prm_last_scores(prm: LoadedModel, problem: str, trajectories: Sequence[Seque
 
 
 @dataclass
-class _Problem:
+class PRMTrajectory:
+    """One problem's PRM input as token ids: its chat prompt, then its committed steps, each ending in <extra_0>."""
+
     prompt: list[int]
-    row: int
-    steps: list[list[int]] = field(default_factory=list)  # committed steps' tokens, each ending in <extra_0>
+    steps: list[list[int]] = field(default_factory=list)
     kept_from: int = 0  # steps before this index were dropped to fit the window
-    processed: int = 0
+    processed: int = 0  # tokens the scorer's model processed for this problem
     truncations: int = 0
+
+    def prefix(self) -> list[int]:
+        """What the PRM sees before a candidate: the prompt and the kept committed steps."""
+        return self.prompt + [t for s in self.steps[self.kept_from :] for t in s]
+
+    def fit(self, need: int, window: int) -> bool:
+        """Drop the oldest committed steps until the prefix plus `need` tokens fits the window; True if any went."""
+        length, first = len(self.prefix()), self.kept_from
+        while self.kept_from < len(self.steps) and length + need > window:
+            length -= len(self.steps[self.kept_from])
+            self.kept_from += 1
+        self.truncations += self.kept_from > first
+        return self.kept_from > first
+
+
+class PRMInputs:
+    """The PRM's input token ids of many problems, keyed by problem (no tensors: the scorers own the model).
+
+    Both scorers read their inputs here, so the engine's PRMScorer and vLLM's see the same token ids, the
+    same dropped steps and the same cut candidates.
+    """
+
+    def __init__(self, tokenizer, sep: int, window: int = WINDOW, system: str = SYSTEM_PROMPT) -> None:
+        self.tokenizer = tokenizer
+        self.sep = sep
+        self.window = window
+        self.system = system
+        self.problems: dict[int, PRMTrajectory] = {}
+
+    def open(self, key: int, problem: str) -> PRMTrajectory:
+        """Start a problem: its prompt's ids."""
+        ids = self.tokenizer.encode(_prompt_text(self.tokenizer, problem, self.system), add_special_tokens=False)
+        self.problems[key] = PRMTrajectory(ids)
+        return self.problems[key]
+
+    def step_ids(self, text: str) -> list[int]:
+        """A generated step's ids as the PRM sees it, ending in <extra_0>."""
+        return self.tokenizer.encode(prm_step_text(text), add_special_tokens=False) + [self.sep]
+
+    def candidates(self, requests: Sequence[Request]) -> tuple[list[list[int]], list[int]]:
+        """Each candidate's ids (a suffix of its problem's prefix), and the problems whose prefix lost steps
+        to make room for their longest candidate."""
+        suffixes = [self.step_ids(text) for _, text, _ in requests]
+        need: dict[int, int] = {}
+        for (key, _, _), s in zip(requests, suffixes):
+            need[key] = max(need.get(key, 0), len(s))
+        refit = [key for key, n in need.items() if self.problems[key].fit(n, self.window)]
+        room = {key: self.window - len(self.problems[key].prefix()) for key in need}
+        # A candidate longer than the window left after dropping every step keeps its end (its <extra_0>).
+        return [s[-max(room[key], 1) :] for (key, _, _), s in zip(requests, suffixes)], refit
+
+    def commit(self, key: int, text: str) -> tuple[list[int], bool]:
+        """The problem committed this step: its ids, and whether older steps were dropped to fit it."""
+        p = self.problems[key]
+        step = self.step_ids(text)
+        refit = p.fit(len(step), self.window)
+        p.steps.append(step)
+        return step, refit
 
 
 class PRMScorer:
@@ -119,70 +188,49 @@ class PRMScorer:
     ) -> None:
         """Cache room: every open problem's full window, plus candidate suffixes: `candidate_tokens`, by
         default max_candidates full-length steps; candidates beyond the room are scored in several forwards."""
-        self.sep = _check_prm(prm)
         self.prm = prm
-        self.window = window
-        self.system = system
+        self.inputs = PRMInputs(prm.tokenizer, _check_prm(prm), window, system)
         room = candidate_tokens if candidate_tokens is not None else max_candidates * (max_step_tokens + BLOCK + 1)
         self.cache = FullCache.for_model(
             prm.net, max_problems * (window + BLOCK) + room, block_size=BLOCK,
             max_rows=max_problems + max_candidates, max_row_tokens=window + BLOCK,
         )
-        self.problems: dict[int, _Problem] = {}
+        self.rows: dict[int, int] = {}  # each problem's cache row, holding its prefix
 
-    def _encode(self, text: str) -> list[int]:
-        return self.prm.tokenizer.encode(prm_step_text(text), add_special_tokens=False) + [self.sep]
-
-    def _append(self, row: int, tokens: list[int]) -> None:
-        append_tokens(self.prm, self.cache, [row], [tokens])
+    def _prefill(self, key: int) -> None:
+        """Cache a problem's prefix in a new row (at open, and again after older steps were dropped)."""
+        if key in self.rows:
+            self.cache.release([self.rows[key]])
+        self.rows[key] = self.cache.create()
+        p = self.inputs.problems[key]
+        tokens = p.prefix()
+        append_tokens(self.prm, self.cache, [self.rows[key]], [tokens])
+        p.processed += len(tokens)
 
     def open(self, key: int, problem: str, prompt: list[int] | None = None) -> None:
         """Start following a problem: encode and cache its prompt (the policy's `prompt` tokens are not needed)."""
-        ids = self.prm.tokenizer.encode(_prompt_text(self.prm.tokenizer, problem, self.system), add_special_tokens=False)
-        p = _Problem(ids, self.cache.create(), processed=len(ids))
-        self._append(p.row, ids)
-        self.problems[key] = p
-
-    def _fit(self, p: _Problem, need: int) -> None:
-        """Drop the oldest committed steps until the prefix plus `need` tokens fits the window; re-encode once."""
-        length, first = self.cache.length(p.row), p.kept_from
-        while p.kept_from < len(p.steps) and length + need > self.window:
-            length -= len(p.steps[p.kept_from])
-            p.kept_from += 1
-        if p.kept_from == first:
-            return
-        self.cache.release([p.row])
-        p.row = self.cache.create()
-        tokens = p.prompt + [t for s in p.steps[p.kept_from :] for t in s]
-        self._append(p.row, tokens)
-        p.processed += len(tokens)
-        p.truncations += 1
+        self.inputs.open(key, problem)
+        self._prefill(key)
 
     @torch.inference_mode()
     def score(self, requests: Sequence[Request]) -> list[float]:
         """softmax(head)[1] at each candidate's <extra_0>, all candidates of all problems in one forward."""
         if not requests:
             return []
-        suffixes = [self._encode(text) for _, text, _ in requests]
-        need: dict[int, int] = {}
-        for (key, _, _), s in zip(requests, suffixes):
-            need[key] = max(need.get(key, 0), len(s))
-        for key, n in need.items():
-            self._fit(self.problems[key], n)
-        room = {key: self.window - self.cache.length(self.problems[key].row) for key in need}
-        # A candidate longer than the window left after dropping every step keeps its end (its <extra_0>).
-        suffixes = [s[-max(room[key], 1) :] for (key, _, _), s in zip(requests, suffixes)]
+        suffixes, refit = self.inputs.candidates(requests)
+        for key in refit:
+            self._prefill(key)
         scores: list[float] = []
         for chunk in self._chunks(suffixes):
             keys = [requests[i][0] for i in chunk]
-            rows = [self.cache.fork(self.problems[key].row, 1)[0] for key in keys]
+            rows = [self.cache.fork(self.rows[key], 1)[0] for key in keys]
             try:
                 head = append_tokens(self.prm, self.cache, rows, [suffixes[i] for i in chunk])
             finally:
                 self.cache.release(rows)
             scores += torch.softmax(head, dim=-1)[:, 1].tolist()
             for key, i in zip(keys, chunk):
-                self.problems[key].processed += len(suffixes[i])
+                self.inputs.problems[key].processed += len(suffixes[i])
         return scores
 
     def _chunks(self, suffixes: list[list[int]]) -> list[list[int]]:
@@ -203,19 +251,19 @@ class PRMScorer:
     @torch.inference_mode()
     def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:
         """The problem committed this step: append it (and its <extra_0>) to the cached prefix."""
-        p = self.problems[key]
-        step = self._encode(text)
-        self._fit(p, len(step))
-        p.steps.append(step)
-        self._append(p.row, step)
-        p.processed += len(step)
+        step, refit = self.inputs.commit(key, text)
+        if refit:
+            self._prefill(key)  # the prefix, this step included
+            return
+        append_tokens(self.prm, self.cache, [self.rows[key]], [step])
+        self.inputs.problems[key].processed += len(step)
 
     def close(self, key: int) -> tuple[int, int]:
         """Stop following a problem; returns (tokens the PRM processed, times its input was truncated)."""
-        p = self.problems.pop(key)
-        self.cache.release([p.row])
+        self.cache.release([self.rows.pop(key)])
+        p = self.inputs.problems.pop(key)
         return p.processed, p.truncations
 
     def dropped_steps(self, key: int) -> int:
         """How many of the oldest committed steps no longer fit the window."""
-        return self.problems[key].kept_from
+        return self.inputs.problems[key].kept_from
