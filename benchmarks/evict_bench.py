@@ -32,10 +32,11 @@ import torch
 
 from kvrescue_cli.data import BUNDLED
 from kvrescue_cli.detect import Detector
-from kvrescue_cli.engine.bounded import SLACK, BoundedCache
+from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache, _Row, block_size_for
 from kvrescue_cli.engine.evict import MIN_BUDGET
 from kvrescue_cli.engine.model import CausalLM, ModelArgs
+from kvrescue_cli.shapes import SLACK
 
 MATH500 = BUNDLED / "math500.jsonl"
 QWEN_7B = dict(n_layers=28, n_kv_heads=4, head_dim=128, bytes=2)  # Qwen2.5-Math-7B, bf16

@@ -26,10 +26,9 @@ from typing import Any
 
 import orjson
 
-from kvrescue_cli.engine.bounded import SLACK
-from kvrescue_cli.engine.tp import local_args, shard_degree
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError
+from kvrescue_cli.shapes import SLACK, local_args, shard_degree
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 

@@ -14,7 +14,7 @@ import torch
 from grader import grade
 from kvrescue_cli.cost import Architecture, OnDevice, device_plan
 from kvrescue_cli.data import Problem
-from kvrescue_cli.engine.bounded import SLACK, BoundedCache
+from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import DTYPES, LoadedModel, ModelLoadError, load_model
 from kvrescue_cli.engine.prm import PRMScorer
@@ -28,6 +28,7 @@ from kvrescue_cli.rank_group import RankGroup, rank_device
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelConfigError, load_config
 from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings
+from kvrescue_cli.shapes import SLACK
 
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
 

@@ -1,5 +1,8 @@
 """`kvrescue cost`: the paper's Table 4 constants and Appendix D quantities from config.json files."""
 
+import subprocess
+import sys
+
 import orjson
 import pytest
 from typer.testing import CliRunner
@@ -169,3 +172,26 @@ def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir,
     for m in memory_plan(options):
         built = caches[m.role].k.nbytes + caches[m.role].v.nbytes
         assert m.kv_bytes <= built <= m.kv_bytes * 1.1, m.role  # FullCache rounds up to whole blocks
+
+
+# Runs the `kvrescue` entry point (cli.app) with the given arguments, then says whether torch was imported.
+TORCH_IMPORTED = """
+import sys
+from kvrescue_cli.cli import app
+try:
+    app(sys.argv[1:])
+except SystemExit as end:
+    assert not end.code, end.code
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_cost_and_help_start_without_torch(tmp_path):
+    for name, cfg in (("base", QWEN_MATH_7B), ("helper", QWEN_MATH_1_5B)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_bytes(orjson.dumps(cfg))
+    cost = ["cost", "--base", str(tmp_path / "base"), "--helper", str(tmp_path / "helper"), "--format", "json"]
+    for args in (cost, ["--help"]):
+        done = subprocess.run([sys.executable, "-c", TORCH_IMPORTED, *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[-1] == "torch imported: False", args

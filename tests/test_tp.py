@@ -22,7 +22,7 @@ import torch
 
 from kvrescue_cli.model_config import ModelArgs
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
-from kvrescue_cli.engine.tp import local_args, shard_degree
+from kvrescue_cli.shapes import local_args, shard_degree
 from tests import tp_scenario
 
 TOL = 1e-5

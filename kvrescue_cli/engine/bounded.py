@@ -17,8 +17,8 @@ import torch
 from kvrescue_cli.engine.attention import attend_padded
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET, WINDOW, gather_positions, keep_positions
+from kvrescue_cli.shapes import SLACK
 
-SLACK = 128  # w: entries appended past the budget before a compression
 COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched compression (all layers, some rows)
 
 

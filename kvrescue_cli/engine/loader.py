@@ -11,8 +11,9 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from kvrescue_cli.engine.model import CausalLM, ProcessRewardModel, Transformer, hf_to_engine_state_dict
-from kvrescue_cli.engine.tp import Shard, make_shard, shard_degree, shard_weight
+from kvrescue_cli.engine.tp import Shard, make_shard, shard_weight
 from kvrescue_cli.model_config import ModelArgs, unsupported
+from kvrescue_cli.shapes import shard_degree
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,

@@ -11,8 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kvrescue_cli.engine.caches import KVCache
-from kvrescue_cli.engine.tp import Shard, local_args
+from kvrescue_cli.engine.tp import Shard
 from kvrescue_cli.model_config import ModelArgs
+from kvrescue_cli.shapes import local_args
 
 
 class RMSNorm(nn.Module):

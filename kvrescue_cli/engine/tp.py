@@ -8,7 +8,7 @@ The K ranks of a tensor-parallel group run every forward together. A model is sh
   5 GB of each 40 GB device for the 72B base, where sharded they take 0.6 GB;
 - norms and the PRM's score head (H x H and H x 2) are replicated.
 
-d is the largest divisor of K that divides the query heads and the MLP width and either divides
+d (`shapes.shard_degree`) is the largest divisor of K that divides the query heads and the MLP width and either divides
 the KV heads or is a multiple of them; in the latter case d / Hkv consecutive ranks hold the same KV
 head (KV-head replication, as vLLM does when TP exceeds the KV head count). With d < K, the K/d
 subgroups of d consecutive ranks each hold a whole copy and compute the same thing, so every rank
@@ -20,7 +20,7 @@ replication (`exact_heads`): anything else is refused before loading.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,26 +63,6 @@ class Shard:
             return self.rank // (self.size // n_kv_heads), 1
         per = n_kv_heads // self.size
         return self.rank * per, per
-
-
-def shard_degree(heads: int, kv_heads: int, width: int, k: int, *, exact_heads: bool = False) -> int:
-    """The d ranks of a K-rank group that one copy of a model with these query heads, KV heads and MLP
-    width spans (see the module docstring); with `exact_heads`, K itself or a ValueError."""
-    if exact_heads:
-        if heads % k or kv_heads % k or width % k:
-            raise ValueError(
-                f"--tp {k} must divide the base's {heads} query heads, {kv_heads} KV heads and MLP width "
-                f"{width} (its evicting cache compresses each rank's own KV heads)"
-            )
-        return k
-    return max(d for d in range(1, k + 1)
-               if k % d == 0 and heads % d == 0 and width % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0))
-
-
-def local_args(args: ModelArgs, d: int) -> ModelArgs:
-    """The shapes one rank computes when a model is sharded over d ranks (vocab and width stay whole)."""
-    return replace(args, n_heads=args.n_heads // d, n_kv_heads=max(args.n_kv_heads // d, 1),
-                   intermediate_size=args.intermediate_size // d)
 
 
 _groups: dict[int, Any] = {}

@@ -1,0 +1,30 @@
+"""Shape arithmetic shared by the engine and `kvrescue cost`, free of torch so that `kvrescue cost` starts
+without it: the bounded cache's slack, and what one rank of a tensor-parallel group holds (engine/tp.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvrescue_cli.model_config import ModelArgs
+
+SLACK = 128  # w: entries the bounded cache appends past the budget B before a compression (B' = B + w)
+
+
+def shard_degree(heads: int, kv_heads: int, width: int, k: int, *, exact_heads: bool = False) -> int:
+    """The d ranks of a K-rank group that one copy of a model with these query heads, KV heads and MLP
+    width spans (see engine/tp.py's docstring); with `exact_heads`, K itself or a ValueError."""
+    if exact_heads:
+        if heads % k or kv_heads % k or width % k:
+            raise ValueError(
+                f"--tp {k} must divide the base's {heads} query heads, {kv_heads} KV heads and MLP width "
+                f"{width} (its evicting cache compresses each rank's own KV heads)"
+            )
+        return k
+    return max(d for d in range(1, k + 1)
+               if k % d == 0 and heads % d == 0 and width % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0))
+
+
+def local_args(args: ModelArgs, d: int) -> ModelArgs:
+    """The shapes one rank computes when a model is sharded over d ranks (vocab and width stay whole)."""
+    return replace(args, n_heads=args.n_heads // d, n_kv_heads=max(args.n_kv_heads // d, 1),
+                   intermediate_size=args.intermediate_size // d)
