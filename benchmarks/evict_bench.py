@@ -89,7 +89,7 @@ def make_paged_rows(net: CausalLM, batch: int, length: int, room: int, candidate
         parent = cache.create()
         blocks = [cache._new_block() for _ in range(-(-length // cache.block_size))]  # benchmark only: as if prefilled
         cache.rows[parent] = _Row(blocks, length)
-        cache.table[parent, :len(blocks)] = torch.tensor(blocks, device=cache.table.device)
+        cache.table[parent, :len(blocks)] = blocks
         rows += cache.fork(parent, min(candidates, batch - len(rows)))
     return cache, rows
 

@@ -41,7 +41,7 @@ def engine_decode_seconds(runner, prompt: list[int], batch: int, new: int) -> fl
     import torch
 
     from kvrescue_cli.engine.sampling import SamplingParams, as_keys
-    from kvrescue_cli.engine.steps import upload
+    from kvrescue_cli.engine.transfer import upload
 
     parent = runner.prefill([prompt])[0]
     rows = runner.fork(parent, batch)

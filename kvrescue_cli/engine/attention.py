@@ -3,6 +3,7 @@ table (paged, with the log-sum-exp that lets partial results over disjoint key s
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -67,28 +68,42 @@ class PagedKeys:
     hidden: torch.Tensor | None = None  # [P, T, L] key l of chunk p is invisible to query t of its sequence
 
 
-def paged_keys(k_pool: torch.Tensor, table: torch.Tensor, cached: torch.Tensor, queries: int,
-               causal: bool) -> PagedKeys:
-    """The keys of S sequences with `queries` queries each, in pools like `k_pool` [blocks, block_size, Hkv, D]
-    (flash_attn_with_kvcache's semantics). Causal: sequence s has cached[s] + queries keys and query t sees
-    keys 0..cached[s] + t (the last `queries` keys are the queries' own). Not causal: every query sees
-    keys 0..cached[s] - 1. flash-attn serves FLASH_BLOCK-token blocks; other sizes take the torch path."""
+def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, queries: int,
+                 causal: bool) -> dict[str, np.ndarray]:
+    """The host half of `paged_keys`: where S sequences' keys lie, from host arrays (table [S, W] of block ids,
+    cached [S]); for the torch path also the chunks of whole blocks each sequence reads (owner and index of
+    every chunk, and its blocks). Send the arrays to the device (`transfer.upload_all`) and build the keys
+    there with `paged_keys`: nothing waits for the device."""
+    layout = {"table": table, "cached": cached}
     block_size = k_pool.shape[1]
     if use_flash(k_pool) and block_size % FLASH_BLOCK == 0:
-        return PagedKeys(table, cached, causal)
+        return layout
     per_chunk = max(1, CHUNK_TOKENS // block_size)
-    L = per_chunk * block_size
-    n_chunks = -(-(cached + queries * causal) // L)
+    n_chunks = -(-(cached + queries * causal) // (per_chunk * block_size))
     width = -(-table.shape[1] // per_chunk) * per_chunk
-    chunks = F.pad(table, (0, width - table.shape[1])).view(table.shape[0], -1, per_chunk)
-    owner, index = (torch.arange(chunks.shape[1], device=table.device) < n_chunks[:, None]).nonzero(as_tuple=True)
+    chunks = np.pad(table, ((0, 0), (0, width - table.shape[1]))).reshape(table.shape[0], -1, per_chunk)
+    owner, index = np.nonzero(np.arange(chunks.shape[1]) < n_chunks[:, None])
+    return {**layout, "blocks": chunks[owner, index].ravel(), "owner": owner, "index": index}
+
+
+def paged_keys(k_pool: torch.Tensor, layout: dict[str, torch.Tensor], queries: int, causal: bool) -> PagedKeys:
+    """The keys of S sequences with `queries` queries each, in pools like `k_pool` [blocks, block_size, Hkv, D]
+    (flash_attn_with_kvcache's semantics), from `paged_layout`'s arrays on the device. Causal: sequence s has
+    cached[s] + queries keys and query t sees keys 0..cached[s] + t (the last `queries` keys are the queries'
+    own). Not causal: every query sees keys 0..cached[s] - 1. flash-attn serves FLASH_BLOCK-token blocks;
+    other sizes take the torch path."""
+    table, cached = layout["table"], layout["cached"]
+    if "blocks" not in layout:
+        return PagedKeys(table, cached, causal)
+    owner, index = layout["owner"], layout["index"]
+    L = max(1, CHUNK_TOKENS // k_pool.shape[1]) * k_pool.shape[1]
     position = index[:, None] * L + torch.arange(L, device=table.device)  # [P, L]
     if causal:
         horizon = cached.index_select(0, owner)[:, None] + torch.arange(queries, device=table.device)  # [P, T]
         hidden = position[:, None, :] > horizon[:, :, None]
     else:
         hidden = (position >= cached.index_select(0, owner)[:, None])[:, None, :].expand(-1, queries, -1)
-    return PagedKeys(table, cached, causal, chunks[owner, index].flatten(), owner, hidden)
+    return PagedKeys(table, cached, causal, layout["blocks"], owner, hidden)
 
 
 def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

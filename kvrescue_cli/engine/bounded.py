@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvrescue_cli.engine.attention import attend_padded
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET, WINDOW, gather_positions, keep_positions
+from kvrescue_cli.engine.transfer import upload, upload_all
 from kvrescue_cli.shapes import SLACK
 
 COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched compression (all layers, some rows)
@@ -39,7 +41,7 @@ class _Forward:
     length: int                  # max physical length after the append
     write_slots: torch.Tensor    # [N] slot of each valid new token
     write_pos: torch.Tensor      # [N] its physical index
-    valid: torch.Tensor          # [R, T]
+    valid: torch.Tensor          # [N] its flat index (row * T + t) among the forward's padded tokens
 
 
 class BoundedCache(KVCache):
@@ -126,7 +128,7 @@ class BoundedCache(KVCache):
         if children:
             # The sources are copied out first: an indexed write may not read a view of the pool it writes
             # (torch refuses it when the view and the written rows could overlap, e.g. with one layer).
-            dst = torch.tensor([self.rows[c].slot for c in children], device=self.k.device)
+            dst = upload(np.array([self.rows[c].slot for c in children], np.int64), self.k.device)
             p = parent.physical
             self.k[:, dst, :, :p] = self.k[:, parent.slot, None, :, :p].clone()
             self.v[:, dst, :, :p] = self.v[:, parent.slot, None, :, :p].clone()
@@ -190,33 +192,36 @@ class BoundedCache(KVCache):
     # -- forward protocol ---------------------------------------------------------------------------
     def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
         state = [self.rows[r] for r in rows]
-        need = max(s.physical + n for s, n in zip(state, n_new))
+        slots = np.array([s.slot for s in state], np.int64)
+        physical = np.array([s.physical for s in state], np.int64)
+        logical = np.array([s.logical for s in state], np.int64)
+        new = np.asarray(n_new, np.int64)
+        need = int((physical + new).max())
         if need > self.capacity:  # just enough, rounded up to 64
             self._grow(capacity=-(-need // 64) * 64)
-        dev = self.k.device
-        slots = [s.slot for s in state]
-        kv_lengths = torch.tensor([s.physical for s in state], device=dev)
-        logical = torch.tensor([s.logical for s in state], device=dev)
-        new_lengths = torch.tensor(list(n_new), device=dev)
-        t = torch.arange(max(n_new), device=dev)
-        valid = t[None, :] < new_lengths[:, None]
-        slot_t = torch.tensor(slots, device=dev)
-        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        t = np.arange(int(new.max()))
+        valid = t[None, :] < new[:, None]
+        row, step = np.nonzero(valid)
+        # The host knows every row's lengths and slot: one copy to the device, which nothing here waits for.
+        dev = upload_all({"slots": slots, "kv_lengths": physical, "new_lengths": new, "write_slots": slots[row],
+                          "write_pos": physical[row] + step, "valid": np.flatnonzero(valid),
+                          "positions": logical[:, None] + t}, self.k.device)
+        consecutive = bool((slots == slots[0] + np.arange(len(slots))).all())
         self.fwd = _Forward(
             rows=list(rows),
-            slots=slice(slots[0], slots[0] + len(slots)) if consecutive else slot_t,
-            kv_lengths=kv_lengths,
-            new_lengths=new_lengths,
+            slots=slice(int(slots[0]), int(slots[0]) + len(slots)) if consecutive else dev["slots"],
+            kv_lengths=dev["kv_lengths"],
+            new_lengths=dev["new_lengths"],
             length=need,
-            write_slots=slot_t[:, None].expand_as(valid)[valid],
-            write_pos=(kv_lengths[:, None] + t)[valid],
-            valid=valid,
+            write_slots=dev["write_slots"],
+            write_pos=dev["write_pos"],
+            valid=dev["valid"],
         )
         for s, n in zip(state, n_new):
             s.physical += n
             s.logical += n
             s.peak = max(s.peak, s.physical)
-        return logical[:, None] + t
+        return dev["positions"]
 
     def store_token(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor) -> None:
@@ -234,8 +239,8 @@ class BoundedCache(KVCache):
         if q.shape[2] == 1:  # every row appends one token (appends are never empty)
             self.store_token(layer, f.write_slots, f.kv_lengths, q, k, v)
         else:
-            kp[f.write_slots, :, f.write_pos] = k.transpose(1, 2)[f.valid]
-            vp[f.write_slots, :, f.write_pos] = v.transpose(1, 2)[f.valid]
+            kp[f.write_slots, :, f.write_pos] = k.transpose(1, 2).flatten(0, 1).index_select(0, f.valid)
+            vp[f.write_slots, :, f.write_pos] = v.transpose(1, 2).flatten(0, 1).index_select(0, f.valid)
             # the ring keeps the last WINDOW queries: positions n .. n+WINDOW-1 of (ring ++ new queries)
             joined = torch.cat([qp[f.slots], q], dim=2)
             idx = (f.new_lengths[:, None] + torch.arange(WINDOW, device=q.device))[:, None, :, None]
@@ -257,7 +262,7 @@ class BoundedCache(KVCache):
             chunk = max(1, COMPRESS_BYTES // (3 * 4 * n_layers * h_kv * length * length))  # fp32 similarity + temporaries
             for start in range(0, len(group), chunk):
                 part = group[start:start + chunk]
-                slots = torch.tensor([self.rows[r].slot for r in part], device=self.k.device)
+                slots = upload(np.array([self.rows[r].slot for r in part], np.int64), self.k.device)
                 keys = self.k[:, slots, :, :length]
                 kept = keep_positions(self.policy, keys, self.q[:, slots], self.budget)
                 self.k[:, slots, :, : self.budget] = gather_positions(keys, kept)

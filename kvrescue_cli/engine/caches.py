@@ -8,9 +8,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from kvrescue_cli.engine.attention import FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys, use_flash
+from kvrescue_cli.engine.attention import (FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys,
+                                           paged_layout, use_flash)
+from kvrescue_cli.engine.transfer import upload_all
 
 
 class KVCache(ABC):
@@ -106,7 +109,9 @@ class FullCache(KVCache):
     A fork shares all of its parent's blocks; the first write into a shared, partly filled last block
     copies that block (copy-on-write), so memory per problem is O(context + candidates x step length).
     K/V live in two preallocated pools [layers, blocks, block_size, kv_heads, head_dim]; each row has
-    a block table row in a preallocated [max_rows, max_row_tokens / block_size] tensor.
+    a block table row in a preallocated host array [max_rows, max_row_tokens / block_size]: the host decides
+    where every block lies, so a forward's metadata is computed on the host and sent in one copy that does
+    not wait for the device.
 
     Attention reads the blocks in place through the block table (`attend_paged`: flash-attn on a GPU,
     else torch), each row only its own blocks. With cascade, rows of a forward that share their first
@@ -135,7 +140,7 @@ class FullCache(KVCache):
         self.cascade_from = cascade_from
         self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.table = torch.zeros(max_rows, -(-max_row_tokens // block_size), dtype=torch.long, device=device)
+        self.table = np.zeros((max_rows, -(-max_row_tokens // block_size)), np.int64)
         self.refs = [0] * num_blocks
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.free_rows = list(range(max_rows - 1, -1, -1))
@@ -215,7 +220,6 @@ class FullCache(KVCache):
     # -- forward protocol ---------------------------------------------------------------------------
     def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
         bs = self.block_size
-        changed_rows, changed_idx, changed_blocks = [], [], []
         cow_src, cow_dst = [], []
         lengths = []
         for row, n in zip(rows, n_new):
@@ -226,57 +230,65 @@ class FullCache(KVCache):
                 self.refs[old] -= 1
                 cow_src.append(old)
                 cow_dst.append(new)
-                r.blocks[-1] = new
-                changed_rows.append(row)
-                changed_idx.append(len(r.blocks) - 1)
-                changed_blocks.append(new)
+                r.blocks[-1] = self.table[row, len(r.blocks) - 1] = new
             if r.length + n > self.table.shape[1] * bs:
                 raise RuntimeError(f"FullCache: row {row} would exceed max_row_tokens ({self.table.shape[1] * bs})")
             while len(r.blocks) * bs < r.length + n:
-                changed_rows.append(row)
-                changed_idx.append(len(r.blocks))
-                r.blocks.append(self._new_block())
-                changed_blocks.append(r.blocks[-1])
+                self.table[row, len(r.blocks)] = block = self._new_block()
+                r.blocks.append(block)
             r.length += n
-        dev = self.table.device
-        if cow_src:
-            src, dst = torch.tensor(cow_src, device=dev), torch.tensor(cow_dst, device=dev)
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
-        if changed_rows:
-            self.table[torch.tensor(changed_rows, device=dev), torch.tensor(changed_idx, device=dev)] = (
-                torch.tensor(changed_blocks, device=dev)
-            )
         groups = self._shared_prefixes(rows, lengths) if self.cascade_from is not None else []
         if sum(shared * bs * (len(members) - 1) for members, shared in groups) < (self.cascade_from or 0):
             groups = []  # too little re-reading saved to pay for the extra pass
-        skipped = [0] * len(rows)  # shared blocks each row reads through its group
-        for members, shared in groups:
-            for i in members:
-                skipped[i] = shared
-        kv_lengths = torch.tensor(lengths, device=dev)
-        new_lengths = torch.tensor(list(n_new), device=dev)
-        skipped_t = torch.tensor(skipped, device=dev)
+        host = self._forward_arrays(np.asarray(rows, np.int64), np.asarray(lengths, np.int64),
+                                    np.asarray(n_new, np.int64), groups)
+        host["cow_src"], host["cow_dst"] = np.asarray(cow_src, np.int64), np.asarray(cow_dst, np.int64)
+        dev = upload_all(host, self.k.device)  # the forward's one copy; nothing here waits for the device
+        if cow_src:
+            self.k[:, dev["cow_dst"]] = self.k[:, dev["cow_src"]]
+            self.v[:, dev["cow_dst"]] = self.v[:, dev["cow_src"]]
         T = max(n_new)
-        row_blocks = [-(-(l + n) // bs) for l, n in zip(lengths, n_new)]
-        rows_t = torch.tensor(list(rows), device=dev)
-        table = self.table[rows_t, : max(row_blocks)]
+        pick = lambda prefix: {k[len(prefix):]: v for k, v in dev.items() if k.startswith(prefix)}  # noqa: E731
+        shared = None
+        if groups:
+            members = dev["members"]
+            shared = _SharedPrefixes(paged_keys(self.k[0], pick("shared."), members.shape[1] * T, causal=False),
+                                     members, dev["grouped_rows"], dev["grouped_slots"])
+        self.fwd = _Forward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"), shared)
+        return dev["positions"]
+
+    def _forward_arrays(self, rows: np.ndarray, lengths: np.ndarray, n_new: np.ndarray,
+                        groups: list[tuple[list[int], int]]) -> dict[str, np.ndarray]:
+        """A forward's metadata, on the host: positions, the valid new tokens' slots, and the paged layouts of
+        each row's own blocks and of the groups' shared prefixes."""
+        bs, T = self.block_size, int(n_new.max())
+        skipped = np.zeros(len(rows), np.int64)  # shared blocks each row reads through its group
+        for members, shared in groups:
+            skipped[members] = shared
+        table = self.table[rows, : int((-(-(lengths + n_new) // bs)).max())]
         # Own blocks cover the padded queries' keys too (cached + T): a paged kernel may read that far.
-        own_width = max(-(-(l + T) // bs) - s for l, s in zip(lengths, skipped))
-        own = skipped_t[:, None] + torch.arange(own_width, device=dev)
-        positions = kv_lengths[:, None] + torch.arange(T, device=dev)
-        valid = torch.arange(T, device=dev)[None, :] < new_lengths[:, None]
+        own = skipped[:, None] + np.arange(int((-(-(lengths + T) // bs) - skipped).max()))
+        own_table = np.take_along_axis(table, np.minimum(own, table.shape[1] - 1), 1)
+        positions = lengths[:, None] + np.arange(T)
+        valid = np.arange(T)[None, :] < n_new[:, None]
+        row, _ = np.nonzero(valid)
         pos = positions[valid]
-        slots = table[valid.nonzero()[:, 0], pos // bs] * bs + pos % bs
-        flat_valid = None if min(n_new) == T else valid.flatten().nonzero()[:, 0]
-        own_table = table.gather(1, own.clamp_max(table.shape[1] - 1))
-        self.fwd = _Forward(
-            paged_keys(self.k[0], own_table, kv_lengths - skipped_t * bs, T, causal=True),
-            slots,
-            flat_valid,
-            self._group_tensors(rows_t, groups, T) if groups else None,
-        )
-        return positions
+        host = {"positions": positions, "slots": table[row, pos // bs] * bs + pos % bs}
+        if n_new.min() < T:
+            host["valid"] = np.flatnonzero(valid)
+        host.update(("own." + k, v) for k, v in paged_layout(self.k[0], own_table, lengths - skipped * bs, T, True).items())
+        if groups:
+            n = max(len(members) for members, _ in groups)
+            members = np.array([m + [m[0]] * (n - len(m)) for m, _ in groups], np.int64)
+            widest = max(shared for _, shared in groups)
+            prefix = np.array([shared * bs for _, shared in groups], np.int64)
+            layout = paged_layout(self.k[0], self.table[rows[members[:, 0]], :widest], prefix, n * T, False)
+            host.update(("shared." + k, v) for k, v in layout.items())
+            host["members"] = members
+            host["grouped_rows"] = np.array([i for m, _ in groups for i in m], np.int64)
+            host["grouped_slots"] = np.array([g * n + j for g, (m, _) in enumerate(groups) for j in range(len(m))],
+                                             np.int64)
+        return host
 
     def _shared_prefixes(self, rows: Sequence[int], lengths: list[int]) -> list[tuple[list[int], int]]:
         """Groups of the forward's rows (indices into `rows`) holding the same first block, each with the
@@ -299,19 +311,6 @@ class FullCache(KVCache):
                         low, shared = (mid, shared) if blocks[mid - 1] == first[mid - 1] else (low, mid - 1)
                 groups.append((members, shared))
         return groups
-
-    def _group_tensors(self, rows: torch.Tensor, groups: list[tuple[list[int], int]], T: int) -> _SharedPrefixes:
-        n = max(len(members) for members, _ in groups)
-        dev = rows.device
-        members = torch.tensor([m + [m[0]] * (n - len(m)) for m, _ in groups], device=dev)
-        widest = max(shared for _, shared in groups)
-        lengths = torch.tensor([shared * self.block_size for _, shared in groups], device=dev)
-        return _SharedPrefixes(
-            keys=paged_keys(self.k[0], self.table[rows[members[:, 0]], :widest], lengths, n * T, causal=False),
-            members=members,
-            rows=torch.tensor([i for m, _ in groups for i in m], device=dev),
-            slots=torch.tensor([g * n + j for g, (m, _) in enumerate(groups) for j in range(len(m))], device=dev),
-        )
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots."""

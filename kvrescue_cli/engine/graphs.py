@@ -23,7 +23,7 @@ import torch
 from kvrescue_cli.engine.attention import attend_padded, flash_attn_with_kvcache, use_flash
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.model import Transformer
-from kvrescue_cli.engine.steps import upload
+from kvrescue_cli.engine.transfer import upload
 
 
 def bucket(rows: int) -> int:

@@ -6,12 +6,14 @@ a network holds one rank's shard: its `args` are the shapes that rank computes (
 columns), and `shard` does the all-reduces and the logits' all-gather.
 """
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.tp import Shard
+from kvrescue_cli.engine.transfer import upload
 from kvrescue_cli.model_config import ModelArgs
 from kvrescue_cli.shapes import local_args
 
@@ -169,7 +171,7 @@ class Transformer(nn.Module):
             cache.end()
         if not last_only:
             return self.head(h)
-        last = torch.tensor(n_new, device=h.device) - 1
+        last = upload(np.asarray(n_new, np.int64) - 1, h.device)
         return self.head(h[torch.arange(len(rows), device=h.device), last])
 
     def decode(self, tokens: torch.Tensor, cache: KVCache, rows: list[int]) -> torch.Tensor:

@@ -17,7 +17,8 @@ from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.graphs import StaticDecode
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.sampling import SamplingParams, sample
-from kvrescue_cli.engine.steps import CandidateStep, StepDecoder, StepRules, append_tokens, upload
+from kvrescue_cli.engine.steps import CandidateStep, StepDecoder, StepRules, append_tokens
+from kvrescue_cli.engine.transfer import upload
 
 
 class Runner:

@@ -23,6 +23,7 @@ import torch
 from kvrescue_cli.detect import ENTROPY, REPETITION, DetectorConfig, gzip_ratio
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.sampling import SamplingParams, as_keys
+from kvrescue_cli.engine.transfer import upload
 from kvrescue_cli.prompts import STEP_DELIMITER
 
 MAX_STEP_TOKENS = 512
@@ -130,16 +131,6 @@ def step_table(tokenizer) -> StepTable:
             warnings.warn(f"{type(tokenizer).__name__}: step ends can't be read from token ids exactly; rows whose "
                           "token holds a newline are checked on decoded text instead", stacklevel=2)
     return entry[1]
-
-
-def upload(host: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` without waiting for the device: on CUDA it is copied through pinned
-    memory (the caching host allocator keeps that block until the copy is done), so the host may go on."""
-    if isinstance(host, np.ndarray):
-        host = torch.from_numpy(np.ascontiguousarray(host))
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -334,10 +325,10 @@ def append_tokens(model, cache: KVCache, rows: Sequence[int], token_lists: Seque
     n_new = [len(t) for t in token_lists]
     if min(n_new) < 1:
         raise ValueError("append_tokens: every row needs at least one token")
-    batch = torch.zeros(len(rows), max(n_new), dtype=torch.long)
+    batch = np.zeros((len(rows), max(n_new)), np.int64)
     for i, tokens in enumerate(token_lists):
-        batch[i, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.long)
-    return model.net.prefill(batch.to(model.device), cache, list(rows), n_new, last_only).float()
+        batch[i, : len(tokens)] = tokens
+    return model.net.prefill(upload(batch, model.device), cache, list(rows), n_new, last_only).float()
 
 
 def generate_steps(runner, rows: Sequence[int], keys: Sequence[Sequence[int] | int], rules: StepRules,

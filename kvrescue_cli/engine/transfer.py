@@ -1,0 +1,34 @@
+"""Host to device transfers that never wait for the device.
+
+The host already knows every row's metadata (lengths, slots, block tables): it computes a forward's index
+arrays with numpy and sends them in one copy, through pinned memory on CUDA, so queued device work is not
+drained first (a plain `torch.tensor(..., device="cuda")` from pageable memory waits for it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def upload(host: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the device: on CUDA it is copied through pinned
+    memory (the caching host allocator keeps that block until the copy is done), so the host may go on."""
+    if isinstance(host, np.ndarray):
+        host = torch.from_numpy(np.ascontiguousarray(host))
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def upload_all(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Integer or boolean host arrays on `device` in one copy: views of one int64 buffer, each with its shape
+    (booleans become bool tensors)."""
+    flat = [np.asarray(a).astype(np.int64, copy=False).ravel() for a in arrays.values()]
+    buffer = upload(np.concatenate(flat) if flat else np.zeros(0, np.int64), device)
+    out, at = {}, 0
+    for (name, array), part in zip(arrays.items(), flat):
+        view = buffer[at: at + len(part)].view(np.shape(array))
+        out[name] = view.bool() if np.asarray(array).dtype == bool else view
+        at += len(part)
+    return out
