@@ -57,12 +57,14 @@ class StepRunner(Protocol):
     def commit(self, rows: Sequence[int], steps: Sequence[Sequence[int]]) -> None: ...
     def start(self, rows: Sequence[int], keys: Sequence[Sequence[int]], contexts: Sequence[int],
               screened: Sequence[bool], rules: StepRules) -> None: ...
-    def advance(self) -> list[CandidateStep]: ...
+    def advance(self, wait: bool = False) -> list[CandidateStep]: ...
     def rows_held(self, row: int) -> int: ...
     def peak_length(self, row: int) -> int: ...
 
     @property
-    def open_steps(self) -> int: ...
+    def open_steps(self) -> int: ...  # steps `advance` decodes here, a token each (0 where they decode in another process)
+
+    decoded: int  # candidate tokens decoded so far (progress)
 
 
 @dataclass
@@ -217,13 +219,14 @@ class Controller:
             runner.start(rows, keys, contexts, [screened] * len(rows), self.rules)
 
     def _decode_one_token(self) -> None:
-        generated = 0
+        # A runner whose steps decode in another process (vLLM) is waited on only when none decodes here.
+        wait = not any(runner.open_steps for runner in self.runners.values())
         for source, runner in self.runners.items():
-            generated += runner.open_steps
-            for result in runner.advance():
+            for result in runner.advance(wait):
                 cand = self.open.pop((source, result.row))
                 cand.result = result
-        self.totals = DecodeProgress(self.totals.committed_steps, self.totals.generated_tokens + generated)
+        generated = sum(runner.decoded for runner in self.runners.values())
+        self.totals = DecodeProgress(self.totals.committed_steps, generated)
 
     # -- scoring and commit -------------------------------------------------------------------------
     def _score(self, ready: list[ProblemState]) -> None:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrescue_cli.random_checkpoints import write_random_checkpoint
+from kvrescue_cli.random_checkpoints import build_tokenizer, write_random_checkpoint
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, init_std=0.1)
 # vLLM's CPU attention takes head sizes from 32 up: the checkpoints its tests load have 2 query heads of 32, 1 KV head.
@@ -45,3 +45,18 @@ def vllm_prm(vllm_prm_dir: Path):
                     enforce_eager=True)
     yield llm
     llm.llm_engine.engine_core.shutdown()  # now, while pytest's streams still take vLLM's log lines
+
+
+@pytest.fixture(scope="session")
+def step_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen2 checkpoint vLLM's CPU attention takes (head size 32), its head rows of the newline token
+    ×5 and of EOS ×2.5 so that sampled steps end by each rule (delimiter, EOS, cap) within a few dozen tokens."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_random_checkpoint(tmp_path_factory.mktemp("step_qwen2"), "qwen2", seed=5, **VLLM_TINY)
+    weights = load_file(folder / "model.safetensors")
+    tokenizer = build_tokenizer()
+    weights["lm_head.weight"][tokenizer.encode("\n")] *= 5.0
+    weights["lm_head.weight"][tokenizer.eos_token_id] *= 2.5
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder

@@ -30,6 +30,7 @@ class ScriptedRunner:
         self.prefills: list[int] = []  # how many prompts each prefill call got
         self.starts: list[tuple] = []  # (row, key, context, screened, rules) of every started candidate
         self.decoding: list[list] = []  # [row, tokens, finish, emitted]
+        self.decoded = 0
 
     def _new(self, length: int) -> int:
         self.rows += 1
@@ -66,7 +67,8 @@ class ScriptedRunner:
     def open_steps(self) -> int:
         return len(self.decoding)
 
-    def advance(self):
+    def advance(self, wait=False):
+        self.decoded += len(self.decoding)
         if self.clock is not None:
             self.clock.now += 1.0
         done = []

@@ -36,6 +36,7 @@ class Runner:
         self.logits: torch.Tensor | None = None  # [rows, V]: each row's next-token logits
         self.trajectory: dict[int, int] = {}     # committed tokens of each row (prompt + committed steps)
         self.steps: StepDecoder | None = None
+        self.decoded = 0  # candidate tokens sampled so far
 
     # -- rows -----------------------------------------------------------------------------------------
     def prefill(self, token_lists: Sequence[Sequence[int]]) -> list[int]:
@@ -114,8 +115,10 @@ class Runner:
         """Candidate steps being decoded (each gets a token per `advance`)."""
         return 0 if self.steps is None else len(self.steps.live)
 
-    def advance(self) -> list[CandidateStep]:
-        """One token for every open candidate step; the steps that ended with it."""
+    def advance(self, wait: bool = False) -> list[CandidateStep]:
+        """One token for every open candidate step; the steps that ended with it (`wait`: no effect, every call
+        decodes)."""
+        self.decoded += self.open_steps
         return self.steps.advance() if self.steps is not None else []
 
     # -- tensors --------------------------------------------------------------------------------------

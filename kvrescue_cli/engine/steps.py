@@ -341,5 +341,5 @@ def generate_steps(runner, rows: Sequence[int], keys: Sequence[Sequence[int] | i
     runner.start(rows, keys, [runner.length(r) for r in rows], screened or [False] * len(rows), rules)
     done: dict[int, CandidateStep] = {}
     while runner.busy:
-        done.update((step.row, step) for step in runner.advance())
+        done.update((step.row, step) for step in runner.advance(wait=True))
     return [done[r] for r in rows]

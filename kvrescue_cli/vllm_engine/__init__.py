@@ -2,7 +2,8 @@
 this package's own engine, since vLLM cannot evict mid-generation.
 
 One job per module: `llm` starts a vLLM engine on a model folder with this tool's settings, `prm` scores
-candidate steps through vLLM's pooling runner (the `Scorer` protocol of engine/scoring.py). Importing the
+candidate steps through vLLM's pooling runner (the `Scorer` protocol of engine/scoring.py), `steps` decodes
+candidate steps from token prefixes (the `StepRunner` protocol of search.py). Importing the
 package does not import vLLM, which is an optional extra (`require_vllm` says how to install it).
 """
 
