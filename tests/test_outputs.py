@@ -233,6 +233,39 @@ def test_summary_numbers_by_hand():
     assert empty.accuracy is None and empty.mean_steps is None and empty.throughput_per_min is None
 
 
+
+def test_summary_identifies_its_run_and_averages_every_count_over_decoded_problems():
+    cfg = config(bench="gsm8k", method="bon", budget=128, n=4, evictor="snapkv", seed=3, scorer="helper-loglik",
+                 synthetic=True)
+    traces = [trace(0, "bb", started=0.0, wall=0.25), trace(1, "bbbb", started=0.1, wall=0.2),
+              Trace.failed(2, "p", "g", "g", "worker killed twice"), Trace.skipped(3, "p", "g", "g", "too long")]
+    for t, (base_prefill, helper_prefill, prm, peak, truncations) in zip(traces, ((30, 5, 100, 70, 1),
+                                                                               (50, 7, 300, 90, 2))):
+        t.tokens.base_prefill, t.tokens.helper_prefill, t.tokens.prm = base_prefill, helper_prefill, prm
+        t.peak_base_rows, t.prm_truncations = peak, truncations
+    for t in traces[2:]:
+        t.timings = {"wall_s": 0.0, "started_at": 0.5, "finished_at": 0.5}
+    s = summarize(traces, cfg, total=7)
+    assert (s.bench, s.method, s.budget, s.n, s.evictor, s.seed, s.scorer, s.synthetic) == (
+        "gsm8k", "bon", 128, 4, "snapkv", 3, "helper-loglik", True)
+    assert (s.problems, s.total, s.complete, s.skipped, s.failed) == (4, 7, False, 1, 1)
+    # means over the two decoded problems; the failed and skipped ones add nothing
+    assert (s.base_prefill_tokens, s.helper_prefill_tokens, s.prm_tokens) == (40, 6, 200)
+    assert s.mean_problem_wall_s == pytest.approx(0.225)
+    assert (s.peak_base_rows, s.prm_truncations) == (90, 3)
+    # busy 0.3 s (spans [0, 0.25] and [0.1, 0.3]): 4 problems in 0.3 s is 800 per minute
+    assert s.wall_s == pytest.approx(0.3) and s.throughput_per_min == pytest.approx(800)
+    empty = summarize([], cfg)
+    assert (empty.peak_base_rows, empty.prm_truncations, empty.total, empty.complete) == (0, 0, None, False)
+
+
+def test_busy_seconds_is_the_union_of_the_spans():
+    spans = [(0.0, 10.0), (2.0, 5.0), (5.0, 10.0), (12.0, 20.0), (15.0, 25.0)]  # nested, touching, overlapping
+    traces = [trace(i, started=a, wall=b - a) for i, (a, b) in enumerate(spans)]
+    assert busy_seconds(traces) == pytest.approx(10 + 13)
+    assert busy_seconds(traces[::-1]) == pytest.approx(10 + 13)
+
+
 WRITER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})

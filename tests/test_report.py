@@ -18,6 +18,7 @@ from kvrescue_cli.outputs import (
     Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, run_dir,
 )
 from kvrescue_cli.report import QUANTILES, load_runs
+from kvrescue_cli.report.numbers import group_rows, quantiles
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct"),
           "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
@@ -48,11 +49,17 @@ def make_trace(idx: int, correct: bool, sources: str, ent: float = 1.0) -> Trace
 
 def write_run(root: Path, method: str, *, bench: str = "math500", n: int = 8, budget: int | None = 64, seed: int = 0,
               correct: set[int] = frozenset(), sources=lambda i: "bh", problems: int = 10, finished: bool = True,
-              synthetic: bool = False, ent=lambda i: 1.0, evictor: str = "rkv", base: str | None = None) -> Path:
+              synthetic: bool = False, ent=lambda i: 1.0, evictor: str = "rkv", base: str | None = None,
+              helper: str | None = None, prm: str | None = None, scorer: str = "prm",
+              detector: dict | None = None) -> Path:
     budget = budget if method in ("bon", "interleave", "kvrescue") else None
-    models = {r: MODELS[r] for r in ROLES[method]} | ({"base": ModelRef(base)} if base and "base" in ROLES[method] else {})
-    cfg = RunConfig(bench, method, budget, n, evictor if budget else "none", seed, models, "prm", synthetic,
-                    {"temperature": 0.8, "detector": {"tau_ent": 7.0, "tau_cmp": 0.18} if method == "kvrescue" else None})
+    roles = ROLES[method] if scorer == "prm" else {*ROLES[method], "helper"} - {"prm"}  # the helper scores
+    models = {r: MODELS[r] for r in roles}
+    models |= {role: ModelRef(model) for role, model in (("base", base), ("helper", helper), ("prm", prm))
+               if model and role in roles}
+    detector = (detector or {"tau_ent": 7.0, "tau_cmp": 0.18}) if method == "kvrescue" else None
+    cfg = RunConfig(bench, method, budget, n, evictor if budget else "none", seed, models, scorer, synthetic,
+                    {"temperature": 0.8, "detector": detector})
     path = run_dir(root, cfg)
     with RunFolder.open(path, cfg, total=problems) as rf:
         for i in range(problems if finished else problems // 2):
@@ -391,3 +398,115 @@ def test_synthetic_runs_report_no_accuracy(tmp_path):
                for row in table(data, "accuracy")["rows"])
     r = CliRunner().invoke(app, ["report", str(tmp_path), "--plot", str(tmp_path / "p.png")])
     assert r.exit_code == 2 and "nothing to plot" in r.stderr
+
+
+def test_quantiles_match_numpy_for_every_size():
+    rng = np.random.default_rng(0)
+    for size in range(1, 7):
+        values = list(rng.normal(size=size))
+        assert quantiles(values) == pytest.approx(list(np.quantile(values, QUANTILES)))
+    assert quantiles([]) == [None] * len(QUANTILES)
+
+
+def test_rows_come_in_one_order_whatever_order_the_runs_are_found_in(tmp_path):
+    # Setups by scorer then PRM id; rows by bench, method (references first), evictor, N, budget, base, helper.
+    other_base, other_helper, other_prm = "Qwen/Other-Base", "Qwen/Other-Helper", "Qwen/Other-PRM"
+    w = lambda *a, **k: write_run(tmp_path, *a, **k)  # noqa: E731
+    for budget in (256, 64, 128):
+        w("kvrescue", budget=budget)
+    w("kvrescue", base=other_base)
+    w("kvrescue", helper=other_helper)
+    w("kvrescue", evictor="snapkv")
+    w("kvrescue", n=2)
+    for method in ("bon", "helper", "full", "interleave"):
+        w(method)
+    w("bon", bench="gsm8k")
+    w("bon", prm=other_prm)
+    w("bon", scorer="helper-loglik")
+    runs, _ = load_runs([tmp_path])
+    base = MODELS["base"].id
+    helper = MODELS["helper"].id
+    expected = {
+        ("helper-loglik", None): [("math500", "bon", "rkv", 8, 64, base, None)],
+        ("prm", other_prm): [("math500", "bon", "rkv", 8, 64, base, None)],
+        ("prm", MODELS["prm"].id): [
+            ("gsm8k", "bon", "rkv", 8, 64, base, None), ("math500", "full", "none", 8, None, base, None),
+            ("math500", "helper", "none", 8, None, None, helper), ("math500", "bon", "rkv", 8, 64, base, None),
+            ("math500", "interleave", "rkv", 8, 64, base, helper), ("math500", "kvrescue", "rkv", 2, 64, base, helper),
+            ("math500", "kvrescue", "rkv", 8, 64, other_base, helper),
+            ("math500", "kvrescue", "rkv", 8, 64, base, other_helper), ("math500", "kvrescue", "rkv", 8, 64, base, helper),
+            ("math500", "kvrescue", "rkv", 8, 128, base, helper), ("math500", "kvrescue", "rkv", 8, 256, base, helper),
+            ("math500", "kvrescue", "snapkv", 8, 64, base, helper)],
+    }
+    for order in (runs, runs[::-1]):
+        grouped = group_rows(order)
+        assert list(grouped) == list(expected)
+        assert {setup: [(r.key.bench, r.key.method, r.key.evictor, r.key.n, r.key.budget, r.key.base, r.key.helper)
+                        for r in rows]
+                for setup, rows in grouped.items()} == expected
+
+
+def test_an_unfinished_synthetic_run_shows_in_progress_without_accuracy(tmp_path):
+    write_run(tmp_path, "bon", synthetic=True, finished=False)
+    (row,) = table(report_json(tmp_path), "accuracy")["rows"]
+    assert row[-1] == {"mean": None, "std": None, "seeds": 0, "in_progress": True}
+
+
+@pytest.mark.parametrize("synthetic", ["kvrescue", "bon"])
+def test_recovery_needs_an_accuracy_from_each_of_the_three_runs(tmp_path, synthetic):
+    for method, correct in (("full", {0, 1, 2}), ("bon", {0}), ("kvrescue", {0, 1})):
+        write_run(tmp_path, method, correct=correct, synthetic=method == synthetic)
+    (rec,) = report_json(tmp_path)["recovery"]
+    assert (rec["recovery"], rec["reason"]) == (None, "synthetic run (no accuracy)")
+
+
+def oracle_record(**values) -> dict:
+    """An oracle record for math500 B=64 rkv with the default models; `values` override the n/a defaults."""
+    return {"bench": "math500", "budget": 64, "evictor": "rkv", "base": MODELS["base"].id,
+            "helper": MODELS["helper"].id, "seeds": 0, "bon": None, "helper_acc": None, "oracle": None, "full": None,
+            "recovered": None, "reason": None, "in_progress": False} | values
+
+
+def test_oracle_averages_the_seeds_that_pair_up(tmp_path):
+    # seed 0: bon {0,1,2}, helper {2,3,4,5}: oracle 0.6; seed 1: bon {0}, helper {1,2}: oracle 0.3.
+    for seed, bon, helper in ((0, {0, 1, 2}, {2, 3, 4, 5}), (1, {0}, {1, 2})):
+        write_run(tmp_path, "bon", n=1, seed=seed, correct=bon)
+        write_run(tmp_path, "helper", n=1, seed=seed, correct=helper)
+    write_run(tmp_path, "full", n=1, correct=set(range(8)))
+    (rec,) = report_json(tmp_path)["oracle"]
+    assert rec == oracle_record(seeds=2, bon=pytest.approx(0.2), helper_acc=pytest.approx(0.3),
+                                oracle=pytest.approx(0.45), full=0.8, recovered=pytest.approx((0.45 - 0.2) / (0.8 - 0.2)))
+
+
+def test_oracle_counts_the_problems_both_runs_recorded_and_says_when_nothing_is_recoverable(tmp_path):
+    # The helper run is in progress with problems 0-4 recorded (3 and 4 correct); bon solved {0, 1, 2} of 10.
+    # Over the 5 common problems: bon 0.6, helper 0.4, oracle 1.0; full N=1 is 0.6 as well: nothing to recover.
+    write_run(tmp_path, "bon", n=1, correct={0, 1, 2})
+    write_run(tmp_path, "helper", n=1, correct={3, 4, 7}, finished=False)
+    write_run(tmp_path, "full", n=1, correct=set(range(6)))
+    (rec,) = report_json(tmp_path)["oracle"]
+    assert rec == oracle_record(seeds=1, bon=pytest.approx(0.6), helper_acc=pytest.approx(0.4), oracle=1.0, full=0.6,
+                                reason="full and bon accuracies are equal (60.0%): no eviction loss to recover",
+                                in_progress=True)
+
+
+def test_oracle_without_a_common_seed_or_a_full_run(tmp_path):
+    write_run(tmp_path, "bon", n=1, seed=0, correct={0})
+    write_run(tmp_path / "one", "helper", n=1, seed=1, correct={1})
+    (rec,) = report_json(tmp_path)["oracle"]
+    assert rec == oracle_record(reason="no bon and helper runs with the same seed")
+    write_run(tmp_path / "two", "helper", n=1, seed=0, correct={1})
+    (rec,) = report_json(tmp_path / "two", tmp_path / "math500")["oracle"]
+    assert rec == oracle_record(seeds=1, bon=0.1, helper_acc=0.1, oracle=0.2, reason="no full run for math500 at N=1")
+
+
+def test_calibration_uses_each_runs_own_thresholds(tmp_path):
+    write_run(tmp_path, "kvrescue", ent=lambda i: 0.5 * i, detector={"tau_ent": 3.0, "tau_cmp": 0.45})
+    t = table(report_json(tmp_path), "calibration")
+    rows = rows_by(t, "statistic", "committed")
+    # committed base candidates: max mean entropy 0.5 i for problem i, so 3 of 10 are above 3.0 (3.5, 4.0, 4.5)
+    assert rows[("max_mean_entropy", "yes")]["threshold"] == 3.0
+    assert rows[("max_mean_entropy", "yes")]["beyond"] == pytest.approx(0.3)
+    # min gzip ratio: 0.5 for the committed ones; 0.4, 0.5, 0.4 for the others of each problem: 0.4 is under 0.45
+    assert rows[("min_gzip_ratio", "yes")]["threshold"] == 0.45 and rows[("min_gzip_ratio", "yes")]["beyond"] == 0.0
+    assert rows[("min_gzip_ratio", "no")]["beyond"] == pytest.approx(2 / 3)
