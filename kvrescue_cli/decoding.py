@@ -6,6 +6,8 @@ The same code runs in the `kvrescue run` process (one device) and in every worke
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
@@ -190,16 +192,70 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
                 by_idx[problem.idx] = problem
                 yield problem.idx, problem.problem, prompt
 
+    grading = Grading(cell.problems.grading_bench, emit)
+
     def record(finished: Finished) -> None:
-        problem = by_idx.pop(finished.state.idx)
-        verdict = grade(finished.output, problem.gt, cell.problems.grading_bench)
-        emit(trace_of(finished, problem, verdict.gt, verdict.pred, verdict.correct, verdict.timed_out),
-             sum(finished.state.generated.values()))
+        grading.submit(finished, by_idx.pop(finished.state.idx))
+        grading.emit_graded()
+
+    def progress(totals: DecodeProgress) -> None:
+        grading.emit_graded()
+        if on_progress is not None:
+            on_progress(totals)
 
     settings = replace(options.settings, method=cell.method, n=cell.n, seed=cell.seed)
     controller = Controller(settings, _runners(options, cell, models), _scorer(options, cell, models),
                             set(policy.eos_ids))
-    controller.run(work(), record, on_progress)
+    try:
+        controller.run(work(), record, progress)
+        grading.emit_graded(wait=True)
+    finally:
+        grading.close()
+
+
+_GRADING_THREAD: list[ThreadPoolExecutor] = []
+
+
+def _grading_thread() -> ThreadPoolExecutor:
+    """The process's one grading thread, kept for its whole life: the grader's sympy workers, which it starts,
+    are killed when the thread that started them ends (PR_SET_PDEATHSIG follows the parent thread)."""
+    if not _GRADING_THREAD:
+        _GRADING_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="kvrescue-grading"))
+    return _GRADING_THREAD[0]
+
+
+class Grading:
+    """Grades decoded problems on the grading thread, so that the decode loop never waits for the grader
+    (its sympy workers may take seconds); the traces are emitted on the decode thread, as they are graded,
+    in the order the problems finished."""
+
+    def __init__(self, bench: str, emit: Callable[[Trace, int], None]) -> None:
+        self.bench, self.emit = bench, emit
+        self.pending: deque[Future] = deque()
+
+    def submit(self, finished: Finished, problem: Problem) -> None:
+        """Grade a decoded problem off this thread."""
+        self.pending.append(_grading_thread().submit(self._trace, finished, problem))
+
+    def _trace(self, finished: Finished, problem: Problem) -> tuple[Trace, int]:
+        verdict = grade(finished.output, problem.gt, self.bench)
+        return (trace_of(finished, problem, verdict.gt, verdict.pred, verdict.correct, verdict.timed_out),
+                sum(finished.state.generated.values()))
+
+    def emit_graded(self, wait: bool = False) -> None:
+        """Emit the traces graded so far (`wait`: all of them, once graded)."""
+        while self.pending and (wait or self.pending[0].done()):
+            self.emit(*self.pending.popleft().result())
+
+    def close(self) -> None:
+        """Emit what is graded and drop the rest (after an interruption: those problems are decoded again on
+        resume)."""
+        try:
+            self.emit_graded()
+        finally:
+            for future in self.pending:
+                future.cancel()
+            self.pending.clear()
 
 
 class InProcess:

@@ -1,0 +1,45 @@
+"""A cell's decode grades finished problems off the decode thread and emits their traces on it."""
+
+import threading
+
+from kvrescue_cli import decoding
+from kvrescue_cli.data import Problem, ProblemSet
+from kvrescue_cli.grid import Cell, GridOptions
+from kvrescue_cli.search import Controller, SearchSettings
+
+
+def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_path, monkeypatch):
+    models = {"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}
+    options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
+                          models=models, scorer="prm", out=tmp_path,
+                          settings=SearchSettings(batch=1, synthetic_steps=(4, 2), max_step_tokens=8, context_cap=256))
+    problems = [Problem(i, f"What is {i} + 1?", str(i + 1), {}) for i in range(4)]
+    cell = Cell(ProblemSet("t", "generic", "t.jsonl", problems), "bon", 16, 2, 0)
+    last_retired = threading.Event()
+    retire = Controller._retire
+
+    def retire_and_tell(self, problem):
+        if problem.idx == problems[-1].idx:
+            last_retired.set()
+        return retire(self, problem)
+
+    graded_on, grade = [], decoding.grade
+
+    def grade_slowly(output, gt, bench):
+        graded_on.append(threading.current_thread())
+        if gt == "1":  # problem 0: its grading ends only once the decode retired the last problem
+            assert last_retired.wait(60), "the decode waited for the grader"
+        return grade(output, gt, bench)
+
+    monkeypatch.setattr(Controller, "_retire", retire_and_tell)
+    monkeypatch.setattr(decoding, "grade", grade_slowly)
+    emitted = []
+    decoding.decode(options, cell, decoding.load_roles(options, "cpu"), problems,
+                    lambda trace, tokens: emitted.append((trace, tokens, threading.current_thread())))
+    assert [trace.idx for trace, _, _ in emitted] == [0, 1, 2, 3]  # in the order they finished, each once
+    assert all(thread is threading.current_thread() for _, _, thread in emitted)
+    assert graded_on and all(thread is not threading.current_thread() for thread in graded_on)
+    for trace, tokens, _ in emitted:
+        verdict = grade(trace.output, trace.gt, "generic")
+        assert (trace.pred, trace.correct, trace.gt_norm) == (verdict.pred, verdict.correct, verdict.gt)
+        assert tokens == trace.tokens.base == 2 * 2 * 4  # N = 2 candidates x 2 steps x 4 tokens
