@@ -13,7 +13,9 @@ from kvrescue_cli.engine.sampling import STREAM_VERSION
 from kvrescue_cli.grid import Cell, GridOptions, roles_needed
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import model_revision
-from kvrescue_cli.outputs import ModelRef, RunConfig, RunFolder, Summary, Trace, problem_checksum, run_dir
+from kvrescue_cli.outputs import (
+    ModelRef, RunConfig, RunFolder, Summary, Trace, problem_checksum, run_dir, same_cell_elsewhere,
+)
 from kvrescue_cli.search import DecodeProgress
 
 
@@ -49,6 +51,8 @@ def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcess | wo
     and return its summary."""
     config = cell_config(options, cell)
     problems = cell.problems.problems
+    for note in same_cell_elsewhere(run_dir(options.out, config), config):
+        progress.console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     with RunFolder.open(run_dir(options.out, config), config, total=len(problems), devices=list(options.devices),
                         executor=executor.record(),
                         overwrite=options.overwrite, shard=options.shard,

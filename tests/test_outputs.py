@@ -13,7 +13,7 @@ import pytest
 
 from kvrescue_cli.outputs import (
     Candidate, ModelRef, RunConfig, RunFolder, RunFolderError, Step, Tokens, Trace,
-    TornTraceWarning, busy_seconds, read_traces, run_dir, summarize,
+    TornTraceWarning, busy_seconds, read_traces, run_dir, same_cell_elsewhere, summarize,
 )
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct", "abc"),
@@ -54,6 +54,29 @@ def test_folder_name_is_deterministic_and_distinguishes_configs(tmp_path):
     assert run_dir(tmp_path, config(settings={"temperature": 0.7})) != a
     assert run_dir(tmp_path, config(method="full", budget=None, evictor="none")).name.startswith("full-none-bfull-n8-s0-")
     assert run_dir(tmp_path, config(bench="/data/my set.jsonl")).parent.name == "my_set"
+
+
+def test_a_folder_made_before_revisions_were_recorded_is_named_not_resumed(tmp_path):
+    """Folders written before config.json held model revisions carry `revision: null`: another configuration,
+    hence another folder name. A run starts a new folder and says, in one line per such folder, which it is
+    and which fields differ; the old folder is left as it was."""
+    unknown = {role: ModelRef(ref.id) for role, ref in MODELS.items()}
+    old = run_dir(tmp_path, config(models=unknown))
+    with RunFolder.open(old, config(models=unknown)) as rf:
+        rf.append(trace(0))
+    before = {f.name: f.read_bytes() for f in old.iterdir()}
+    new = run_dir(tmp_path, config())
+    assert new.parent == old.parent and new != old
+    run_dir(tmp_path, config(seed=1)).mkdir()  # another cell beside them: not named
+    (old.parent / (new.name.rsplit("-", 1)[0] + "-notes.txt")).write_text("not a run folder")
+    (note,) = same_cell_elsewhere(new, config())
+    assert note == (f"{old} holds this cell with other settings (models.base.revision: None -> 'abc', "
+                    f"models.helper.revision: None -> 'def', models.prm.revision: None -> '123'); "
+                    f"it is left as it is and this run starts in {new.name}")
+    with RunFolder.open(new, config()) as rf:
+        assert rf.done == set()
+    assert same_cell_elsewhere(new, config()) == []  # once the new folder exists, a rerun resumes it quietly
+    assert {f.name: f.read_bytes() for f in old.iterdir()} == before
 
 
 def test_append_resume_and_summary_file(tmp_path):

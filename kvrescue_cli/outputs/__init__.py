@@ -67,7 +67,8 @@ summary.json -- `summarize(traces, config)`; see `Summary` for every field.
 
 from kvrescue_cli.outputs.folder import (
     CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolder, RunFolderError, TornTraceWarning, environment, problem_checksum,
-    read_json, read_traces, recorded_shards, recorded_total, run_dir, write_atomic, write_json_atomic,
+    read_json, read_traces, recorded_shards, recorded_total, run_dir, same_cell_elsewhere, write_atomic,
+    write_json_atomic,
 )
 from kvrescue_cli.outputs.records import (
     DETECTOR_FINISHES, FINISHES, SOURCES, STOPS, UNDECODED, Candidate, ModelRef, RunConfig, Step, Tokens, Trace,
@@ -78,5 +79,5 @@ __all__ = [
     "CONFIG", "DEGENERATE_STEPS", "DETECTOR_FINISHES", "FINISHES", "FORMAT", "LOCK", "SOURCES", "STOPS", "SUMMARY",
     "TRACES", "UNDECODED", "Candidate", "ModelRef", "RunConfig", "RunFolder", "RunFolderError", "Step", "Summary",
     "Tokens", "TornTraceWarning", "Trace", "busy_seconds", "environment", "read_json", "read_traces", "run_dir",
-    "summarize", "write_atomic", "write_json_atomic",
+    "same_cell_elsewhere", "summarize", "write_atomic", "write_json_atomic",
 ]

@@ -325,15 +325,39 @@ def _first_changed(problems: dict[int, str], checksums: dict[str, str], traces: 
 
 
 def _config_diff(old: Any, new: dict[str, Any]) -> str:
+    """The fields that differ, by dotted path (`models.base.revision: None -> 'sha256:...'`)."""
     if not isinstance(old, dict):
         return "unreadable stored config"
+    return ", ".join(_field_diffs(old, new, ""))
+
+
+def _field_diffs(old: dict[str, Any], new: dict[str, Any], prefix: str) -> list[str]:
     diffs = []
     for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            a, b = old.get(key), new.get(key)
-            if isinstance(a, dict) and isinstance(b, dict):
-                diffs += [f"{key}.{k}: {a.get(k)!r} -> {b.get(k)!r}"
-                          for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-            else:
-                diffs.append(f"{key}: {a!r} -> {b!r}")
-    return ", ".join(diffs)
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += _field_diffs(a, b, f"{prefix}{key}.")
+        else:
+            diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return diffs
+
+
+def same_cell_elsewhere(path: Path | str, config: RunConfig) -> list[str]:
+    """For a run folder not made yet: one line for each folder beside it that holds the same cell (bench,
+    method, evictor, budget, N and seed) with other settings, naming the fields that differ. A run never
+    resumes such a folder (its name carries the hash of the whole configuration): it starts in `path`."""
+    path = Path(path)
+    if (path / CONFIG).exists() or not path.parent.is_dir():
+        return []
+    notes = []
+    for other in sorted(path.parent.glob(path.name.rsplit("-", 1)[0] + "-*")):
+        try:
+            stored = read_json(other / CONFIG)
+        except (RunFolderError, OSError):  # not a run folder
+            continue
+        if isinstance(stored, dict) and isinstance(stored.get("config"), dict):
+            notes.append(f"{other} holds this cell with other settings ({_config_diff(stored['config'], config.to_dict())}); "
+                         f"it is left as it is and this run starts in {path.name}")
+    return notes
