@@ -188,6 +188,31 @@ def test_a_different_configuration_in_the_same_folder_is_refused(grid, problems,
     (folder / "config.json").write_bytes(orjson.dumps(config))
 
 
+def test_a_folder_from_before_model_revisions_is_named_and_left_alone(grid, problems, qwen2_dir, prm_dir, tmp_path):
+    """A run folder written before config.json recorded model revisions holds `revision: null`, so its configuration
+    (and folder name) differs: the run says so in one line naming it and the field, and starts a new folder."""
+    from kvrescue_cli.outputs import RunConfig
+
+    config, _, _ = read_folder(grid, "bon")
+    old_config = orjson.loads(orjson.dumps(config))
+    for ref in old_config["config"]["models"].values():
+        ref["revision"] = None
+    old = tmp_path / "tiny" / RunConfig.from_dict(old_config["config"]).folder_name()
+    old.mkdir(parents=True)
+    (old / "config.json").write_bytes(orjson.dumps(old_config))
+    (old / "traces.jsonl").write_bytes(b"")
+    done = kvrescue_run("--bench", str(problems), "--method", "bon", "--n", "2", "--limit", "1",
+                        "--base", str(qwen2_dir), "--prm", str(prm_dir), "--out", str(tmp_path), *SMALL)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    revision = config["config"]["models"]["base"]["revision"]
+    note = f"note: {old} holds this cell with other settings (models.base.revision: None -> '{revision}', " \
+           f"models.prm.revision: None -> "
+    assert note in done.stderr.decode().replace("\n", "")
+    assert orjson.loads((old / "config.json").read_bytes()) == old_config and (old / "traces.jsonl").read_bytes() == b""
+    (new,) = [p for p in (tmp_path / "tiny").iterdir() if p != old]
+    assert len((new / "traces.jsonl").read_bytes().splitlines()) == 1
+
+
 def test_killed_run_resumes_with_one_line_per_problem(problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
     args = [KVRESCUE, "run", "--bench", str(problems), "--method", "kvrescue", "--n", "2", "--base", str(qwen2_dir),
             "--helper", str(llama_dir), "--prm", str(prm_dir), "--out", str(tmp_path), *SMALL]
