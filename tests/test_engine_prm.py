@@ -62,16 +62,16 @@ def test_incremental_equals_from_scratch_and_transformers(prm, prm_dir) -> None:
 def test_window_drops_oldest_steps_and_records_it(prm) -> None:
     scorer = PRMScorer(prm, max_problems=2, max_candidates=4, window=120)
     scorer.open(0, PROBLEMS[0], [])
-    prompt_len = scorer.cache.length(scorer.rows[0])
+    prompt_len = len(scorer.inputs.problems[0].prompt)
     for text in STEPS[0] * 3:
         scorer.commit(0, text, [])
-        assert scorer.cache.length(scorer.rows[0]) <= 120
+        assert len(scorer.inputs.problems[0].prefix()) <= 120
     (score,) = scorer.score([(0, STEPS[0][1], [])])
     kept = scorer.dropped_steps(0)
     assert kept > 0
     committed = (STEPS[0] * 3)[kept:]
     assert abs(score - prm_scores(prm, PROBLEMS[0], committed + [STEPS[0][1]])[-1]) < 1e-4
-    assert scorer.cache.length(scorer.rows[0]) >= prompt_len
+    assert prompt_len <= scorer.cache.length(scorer.rows[0]) == len(scorer.inputs.problems[0].prefix()) <= 120
     _, truncations = scorer.close(0)
     assert truncations > 0
 
@@ -99,3 +99,34 @@ def test_batched_from_scratch_scores_equal_one_trajectory_at_a_time(prm) -> None
     want = [prm_scores(prm, PROBLEMS[0], steps)[-1] for steps in trajectories]
     assert prm_last_scores(prm, PROBLEMS[0], trajectories) == pytest.approx(want, abs=1e-5)
     assert len(set(want)) == len(want)  # the rows are told apart
+
+
+def test_opens_and_commits_are_fed_with_the_next_score_in_one_forward(prm, monkeypatch) -> None:
+    forwards = []
+    prefill = prm.net.prefill
+
+    def counted(tokens, cache, rows, n_new, last_only=True):
+        forwards.append(len(rows))
+        return prefill(tokens, cache, rows, n_new, last_only)
+
+    monkeypatch.setattr(prm.net, "prefill", counted)
+    scorer = PRMScorer(prm, max_problems=4, max_candidates=8)
+    for key in range(3):
+        scorer.open(key, PROBLEMS[key % 2], [])
+    assert forwards == []
+    requests = [(key, text, []) for key in range(3) for text in (STEPS[key % 2][0], "x = 7.\n\n")]
+    first = scorer.score(requests)
+    assert forwards == [3, 6]  # the three prompts, then the six candidates
+    for key in range(3):
+        scorer.commit(key, STEPS[key % 2][0], [])
+    scorer.close(2)  # its committed step is never fed
+    assert forwards == [3, 6]
+    requests = [(key, STEPS[key][1], []) for key in range(2)]
+    second = scorer.score(requests)
+    assert forwards == [3, 6, 2, 2]
+    assert first[0] == pytest.approx(prm_scores(prm, PROBLEMS[0], STEPS[0][:1])[-1], abs=1e-4)
+    for (key, text, _), score in zip(requests, second):
+        assert score == pytest.approx(prm_scores(prm, PROBLEMS[key], [STEPS[key][0], text])[-1], abs=1e-4)
+    ids = scorer.inputs.step_ids  # problem 0: its prompt, two candidates, the committed step, one candidate
+    processed = len(scorer.inputs.problems[0].prompt) + 2 * len(ids(STEPS[0][0])) + len(ids("x = 7.\n\n"))
+    assert scorer.close(0)[0] == processed + len(ids(STEPS[0][1]))

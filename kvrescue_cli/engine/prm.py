@@ -165,7 +165,9 @@ class PRMInputs:
 class PRMScorer:
     """Scores candidate steps of many problems as suffixes of each problem's cached committed prefix.
 
-    Follows the controller's scorer protocol: open / score / commit / close, keyed by problem.
+    Follows the controller's scorer protocol: open / score / commit / close, keyed by problem. Opening and
+    committing only queue tokens: each `score` first feeds every problem's queued tokens in one forward,
+    then scores all candidates in another (more only when the cache's room splits them).
     """
 
     name = "prm"
@@ -196,19 +198,29 @@ class PRMScorer:
             max_rows=max_problems + max_candidates, max_row_tokens=window + BLOCK,
         )
         self.rows: dict[int, int] = {}  # each problem's cache row, holding its prefix
+        self.unfed: dict[int, list[int]] = {}  # tokens of a problem's prefix not yet in its row
 
     def _prefill(self, key: int) -> None:
-        """Cache a problem's prefix in a new row (at open, and again after older steps were dropped)."""
+        """A new row for a problem's prefix (at open, and again after older steps were dropped), fed later."""
         if key in self.rows:
             self.cache.release([self.rows[key]])
         self.rows[key] = self.cache.create()
-        p = self.inputs.problems[key]
-        tokens = p.prefix()
-        append_tokens(self.prm, self.cache, [self.rows[key]], [tokens])
-        p.processed += len(tokens)
+        self.unfed[key] = self.inputs.problems[key].prefix()
+
+    @torch.inference_mode()
+    def _feed(self) -> None:
+        """Append every problem's unfed tokens (prompts opened, steps committed since the last score) to its
+        row, all problems in one forward."""
+        if not self.unfed:
+            return
+        keys = list(self.unfed)
+        append_tokens(self.prm, self.cache, [self.rows[key] for key in keys], [self.unfed[key] for key in keys])
+        for key in keys:
+            self.inputs.problems[key].processed += len(self.unfed.pop(key))
 
     def open(self, key: int, problem: str, prompt: list[int] | None = None) -> None:
-        """Start following a problem: encode and cache its prompt (the policy's `prompt` tokens are not needed)."""
+        """Start following a problem: encode its prompt, cached with the next score's first forward (the
+        policy's `prompt` tokens are not needed)."""
         self.inputs.open(key, problem)
         self._prefill(key)
 
@@ -220,6 +232,7 @@ class PRMScorer:
         suffixes, refit = self.inputs.candidates(requests)
         for key in refit:
             self._prefill(key)
+        self._feed()
         scores: list[float] = []
         for chunk in self._chunks(suffixes):
             keys = [requests[i][0] for i in chunk]
@@ -248,19 +261,19 @@ class PRMScorer:
             used += need
         return chunks
 
-    @torch.inference_mode()
     def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:
-        """The problem committed this step: append it (and its <extra_0>) to the cached prefix."""
+        """The problem committed this step: its ids (and <extra_0>) join the prefix, cached with the next
+        score's first forward (a problem closed before then never costs the forward)."""
         step, refit = self.inputs.commit(key, text)
         if refit:
             self._prefill(key)  # the prefix, this step included
-            return
-        append_tokens(self.prm, self.cache, [self.rows[key]], [step])
-        self.inputs.problems[key].processed += len(step)
+        else:
+            self.unfed.setdefault(key, []).extend(step)
 
     def close(self, key: int) -> tuple[int, int]:
         """Stop following a problem; returns (tokens the PRM processed, times its input was truncated)."""
         self.cache.release([self.rows.pop(key)])
+        self.unfed.pop(key, None)
         p = self.inputs.problems.pop(key)
         return p.processed, p.truncations
 
