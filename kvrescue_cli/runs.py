@@ -80,10 +80,7 @@ def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcess | wo
             progress.update(task, speed=show_speed(totals.committed_steps, totals.generated_tokens))
 
         try:
-            if isinstance(executor, decoding.InProcess):
-                executor.decode(cell, pending, record, in_flight)
-            else:  # Ray actors report finished problems only
-                executor.decode(cell, pending, record)
+            executor.decode(cell, pending, record, in_flight)
         finally:
             summary = folder.write_summary()
     return summary

@@ -16,7 +16,8 @@ death to requeue and count, and a fresh actor is what a restart would give anywa
 Messages travel as the results and arguments of `GroupWorker.exchange`, one call always in flight per
 actor (so a death is seen whatever the actor is doing); `GroupWorker.begin(cell)` starts decoding a cell.
 Actor -> driver: ("ready", placement) models loaded; ("want",) a free slot; ("trace", Trace, tokens);
-("idle",) the cell's problems are done here; ("error", message) a configuration error (stops the run);
+("progress", steps, tokens) the running totals of its decode of the cell, every few seconds (the driver's
+progress bar sums them over the actors); ("idle",) the cell's problems are done here; ("error", message) a configuration error (stops the run);
 ("crash", message) an exception (the driver then kills the actor). Driver -> actor: ("problem", Problem)
 or ("none",) the answer to "want".
 """
@@ -36,6 +37,7 @@ from kvrescue_cli.data import Problem
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.outputs import Trace
 from kvrescue_cli.rank_group import RankGroup, rank_device
+from kvrescue_cli.search import DecodeProgress
 
 if TYPE_CHECKING:
     from kvrescue_cli.grid import Cell, GridOptions
@@ -216,7 +218,9 @@ class GroupWorker:
         try:
             problems = self.ranks.lead(cell, self._pull()) if self.ranks else self._pull()
             decoding.decode(self.options, cell, self.models, problems,
-                            lambda trace, tokens: self.outbox.put(("trace", trace, tokens)))
+                            lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
+                            lambda totals: self.outbox.put(("progress", totals.committed_steps,
+                                                            totals.generated_tokens)))
             self.outbox.put(("idle",))
         except BaseException as err:
             self.outbox.put(("crash", f"{type(err).__name__}: {err}"[:2000]))
@@ -264,6 +268,8 @@ class RayWorkers:
         self.last_errors: dict[int, str] = {}
         self.started = 0  # workers started so far (numbers them)
         self.private = False  # this run started the Ray instance, and shuts it down
+        self.in_flight: dict[int, DecodeProgress] = {}  # each actor's running totals of the cell being decoded
+        self.on_progress: Callable[[DecodeProgress], None] | None = None
 
     def __enter__(self) -> RayWorkers:
         return self
@@ -325,8 +331,11 @@ class RayWorkers:
                 "nodes": sum(node["Alive"] for node in ray.nodes()),
                 "workers": [{"devices": list(w.devices), **(w.placement or {})} for w in self.workers]}
 
-    def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None]) -> None:
-        """Decode `problems` of `cell` on the actors, emitting every problem's trace exactly once."""
+    def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None],
+               on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
+        """Decode `problems` of `cell` on the actors, emitting every problem's trace exactly once, and the
+        actors' running totals, summed, to `on_progress` as they report them (every few seconds each)."""
+        self.in_flight, self.on_progress = {}, on_progress
         queue = WorkQueue(deque(problems))
         slim = replace(cell, problems=replace(cell.problems, problems=[]))
         while True:
@@ -366,6 +375,11 @@ class RayWorkers:
                 trace, tokens = body
                 queue.done(worker.number, trace.idx)
                 emit(trace, tokens)
+            elif kind == "progress":
+                self.in_flight[worker.number] = DecodeProgress(*body)
+                if self.on_progress is not None:
+                    self.on_progress(DecodeProgress(sum(p.committed_steps for p in self.in_flight.values()),
+                                                    sum(p.generated_tokens for p in self.in_flight.values())))
             elif kind == "ready":
                 worker.state, worker.placement = "idle", body[0]
             elif kind == "idle":
