@@ -22,10 +22,15 @@ tokens each processed are printed beside).
 vLLM gets a KV cache of --vllm-kv-mib on a CPU (its `gpu_memory_utilization` there is the share of RAM it reserves,
 and its default, 0.92, fails on a shared machine), --vllm-memory of the device on CUDA; its engine core is a
 separate process, bound to `--threads` cores like this engine; one vLLM engine runs at a time.
-Measured on 2 shared cores at load average 11-15 (1 December 2026; vLLM's engine took ~6 min to start under
-that load), SmolLM2 bf16, 1 thread each: engine 5.0 / 24.5 / 71.9 tok/s, vLLM 17.6 / 97.6 / 148.9 tok/s at
-batch 1 / 8 / 32 (ratios 0.29 / 0.25 / 0.48); idle cores gave engine_bench-style figures of 27 / 184 / 431
-vs 35 / 136 / 186 (issue 13), so under load this engine loses more than vLLM: not yet explained.
+Measured on 2 shared cores, 1 thread each (1 December 2026), defaults otherwise:
+  bf16, load average 6-8:   decode 7.1 / 44.7 / 116.1 vs vLLM 25.5 / 126.3 / 213.4 tok/s at batch 1 / 8 / 32
+                            (0.28 / 0.35 / 0.54); PRM 33.4 vs 58.5 candidates/s (0.57), 7,269 vs 24,298 tokens
+  fp32, load average 7-11:  decode 6.3 / 23.1 / 61.1 vs 14.1 / 68.8 / 109.0 tok/s (0.45 / 0.34 / 0.56);
+                            PRM 8.4 vs 8.5 candidates/s (0.99), same tokens
+So vLLM's pooling, recomputing every prefix (3.3x the tokens), still scores as fast in fp32 and faster in bf16.
+An earlier run at load 11-15 gave decode ratios 0.29 / 0.25 / 0.48 (bf16); idle cores gave engine_bench-style
+figures of 27 / 184 / 431 vs 35 / 136 / 186 tok/s (issue 13), so under load this engine loses more than vLLM:
+not yet explained.
 """
 
 import argparse
