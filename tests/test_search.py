@@ -18,12 +18,15 @@ class ScriptedRunner:
     """A runner whose candidate steps come from `script(key) -> (tokens, finish)`, one token per `advance`.
 
     It records what the controller asks of it (prefill, start, adopt, release, commit) and keeps row lengths
-    like a cache. With a `clock`, every `advance` (one token) takes one second of it.
+    like a cache. With a `clock`, every `advance` (one token) takes one second of it. A `remote` runner stands
+    for one whose steps decode in another process (vLLM): it reports no open steps here.
     """
 
-    def __init__(self, script, clock: Clock | None = None) -> None:
+    def __init__(self, script, clock: Clock | None = None, remote: bool = False) -> None:
         self.script = script
         self.clock = clock
+        self.remote = remote
+        self.waits: list[bool] = []  # the `wait` of every advance
         self.rows = 0
         self.length: dict[int, int] = {}
         self.calls: list[tuple] = []
@@ -65,9 +68,10 @@ class ScriptedRunner:
 
     @property
     def open_steps(self) -> int:
-        return len(self.decoding)
+        return 0 if self.remote else len(self.decoding)
 
     def advance(self, wait=False):
+        self.waits.append(wait)
         self.decoded += len(self.decoding)
         if self.clock is not None:
             self.clock.now += 1.0
@@ -331,3 +335,12 @@ def test_problems_enter_as_slots_free_up_and_each_keeps_its_own_records(monkeypa
         ("open", 2, "problem 2", [5, 5, 5]), ("close", 1), ("close", 2)]
     assert [c[1] for c in scorer.calls if c[0] == "commit"] == [0, 1, 1, 2, 2, 2]
     assert [f.state.prefilled["base"] for f in finished] == [1, 2, 3]
+
+
+def test_a_runner_decoding_elsewhere_is_waited_on_only_when_nothing_decodes_here():
+    # Base steps take 3 tokens here; helper steps 5 tokens in another process: for the last 2 iterations of a
+    # step only the helper is pending, and both runners are told to wait.
+    runners = {"base": ScriptedRunner(steps_of(3)), "helper": ScriptedRunner(steps_of(5), remote=True)}
+    Controller(SearchSettings(method="interleave", n=2, batch=2, max_steps=2), runners, TableScorer({}), {EOS}).run(
+        [(0, "p", [1])], lambda f: None)
+    assert runners["base"].waits == runners["helper"].waits == [False, False, False, True, True] * 2
