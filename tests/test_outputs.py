@@ -1,19 +1,24 @@
 """Run folders: records, resume, refusal, overwrite, torn lines, crash safety, summary numbers."""
 
+import calendar
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pytest
 
 from kvrescue_cli.outputs import (
     Candidate, ModelRef, RunConfig, RunFolder, RunFolderError, Step, Tokens, Trace,
-    TornTraceWarning, busy_seconds, read_traces, run_dir, same_cell_elsewhere, summarize,
+    TornTraceWarning, busy_seconds, environment, problem_checksum, read_traces, run_dir, same_cell_elsewhere,
+    summarize,
 )
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct", "abc"),
@@ -120,6 +125,106 @@ def test_different_config_refused_then_overwrite_clears(tmp_path):
     assert not (path / "summary.json").exists()
     assert (path / "traces.jsonl").read_bytes() == b""
     assert orjson.loads((path / "config.json").read_bytes())["config"]["seed"] == 1
+
+
+
+def test_overwrite_of_an_interrupted_run_without_a_summary(tmp_path):
+    with RunFolder.open(tmp_path, config()) as rf:
+        rf.append(trace(0))
+    with RunFolder.open(tmp_path, config(seed=1), overwrite=True) as rf:
+        assert rf.done == set()
+    assert (tmp_path / "traces.jsonl").read_bytes() == b""
+    with RunFolder.open(tmp_path / "new", config(), overwrite=True) as rf:  # nothing there yet
+        assert rf.done == set()
+
+
+def test_a_config_json_that_is_not_an_object_is_refused(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"[1, 2]")
+    with pytest.raises(RunFolderError, match=r"config.json: not a JSON object; use --overwrite to replace it"):
+        RunFolder.open(tmp_path, config())
+
+
+def run_record(path: Path) -> dict:
+    return orjson.loads((path / "config.json").read_bytes())["run"]
+
+
+def test_run_record_timestamps_are_utc_and_creation_survives_resuming(tmp_path, monkeypatch):
+    monkeypatch.setenv("TZ", "Asia/Kolkata")  # local time 5:30 ahead: the record must not use it
+    time.tzset()
+    try:
+        before = int(time.time())
+        RunFolder.open(tmp_path, config()).close()
+        after = int(time.time())
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    run = run_record(tmp_path)
+    created = calendar.timegm(time.strptime(run["created_at"], "%Y-%m-%dT%H:%M:%SZ"))
+    assert before <= created <= after and run["updated_at"] == run["created_at"]
+    stored = orjson.loads((tmp_path / "config.json").read_bytes())
+    stored["run"]["created_at"] = "2020-01-02T03:04:05Z"
+    (tmp_path / "config.json").write_bytes(orjson.dumps(stored))
+    RunFolder.open(tmp_path, config()).close()
+    assert run_record(tmp_path)["created_at"] == "2020-01-02T03:04:05Z"
+    # A hand-edited `run` that is not an object is read as empty: the folder still resumes.
+    stored["run"] = None
+    (tmp_path / "config.json").write_bytes(orjson.dumps(stored))
+    RunFolder.open(tmp_path, config()).close()
+    assert run_record(tmp_path)["created_at"] != "2020-01-02T03:04:05Z"
+
+
+def test_shards_run_one_after_the_other_into_one_folder_are_all_recorded(tmp_path):
+    with RunFolder.open(tmp_path, config(), total=5, shard=(0, 2)) as rf:
+        rf.append(trace(0))
+    with RunFolder.open(tmp_path, config(), total=4, shard=(1, 2)) as rf:
+        rf.append(trace(1))
+        summary = rf.write_summary()
+    run = run_record(tmp_path)
+    assert (run["shard"], run["shards"], run["total"]) == ([1, 2], {"0/2": 5, "1/2": 4}, 4)
+    assert summary.total == 9 and summary.problems == 2
+
+
+def test_a_changed_problem_is_refused_on_resume(tmp_path):
+    checksum = problem_checksum("What is 1+1?", "2")
+    assert len(checksum) == 16 and int(checksum, 16) >= 0
+    assert checksum == problem_checksum("What is 1+1?", "2")
+    assert len({checksum, problem_checksum("What is 1+2?", "2"), problem_checksum("What is 1+1?", "3"),
+                problem_checksum("What is 1+1?2", "")}) == 4  # text and answer are kept apart
+    with RunFolder.open(tmp_path, config(), problems={0: checksum, 1: problem_checksum("p1", "1")}) as rf:
+        rf.append(trace(0))
+    assert orjson.loads((tmp_path / "config.json").read_bytes())["problems"]["0"] == checksum
+    with pytest.raises(RunFolderError, match=r"problem 1 \(0-based, in the problem file\) has changed"):
+        RunFolder.open(tmp_path, config(), problems={0: checksum, 1: problem_checksum("p1", "one")})
+    RunFolder.open(tmp_path, config(), problems={0: checksum, 1: problem_checksum("p1", "1"), 2: "x"}).close()
+    # A folder written before checksums were recorded: a recorded problem is checked against its trace.
+    stored = orjson.loads((tmp_path / "config.json").read_bytes())
+    del stored["problems"]
+    (tmp_path / "config.json").write_bytes(orjson.dumps(stored))
+    recorded = trace(0)
+    with pytest.raises(RunFolderError, match="problem 0"):
+        RunFolder.open(tmp_path, config(), problems={0: problem_checksum("another problem", recorded.gt)})
+    RunFolder.open(tmp_path, config(), problems={0: problem_checksum(recorded.problem, recorded.gt)}).close()
+
+
+def test_environment_records_the_host_and_the_code_s_git_commit_from_any_folder(tmp_path, monkeypatch):
+    import kvrescue_cli
+
+    code = Path(kvrescue_cli.__file__).resolve().parent.parent
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=code, capture_output=True, text=True).stdout.strip()
+    monkeypatch.chdir(tmp_path)  # not a git repository
+    env = environment(["cpu"])
+    assert env["host"] == socket.gethostname() and env["devices"] == ["cpu"]
+    assert env["git"]["commit"] == (head or None)
+
+
+def test_numpy_numbers_in_a_trace_are_written_as_json_numbers(tmp_path):
+    t = trace(0)
+    t.tokens.base, t.peak_base_rows = np.int64(20 * 2), np.int64(77)
+    t.steps[0].score = np.float32(0.5)
+    with RunFolder.open(tmp_path, config()) as rf:
+        rf.append(t)
+    (back,) = read_traces(tmp_path / "traces.jsonl")
+    assert (back.tokens.base, back.peak_base_rows, back.steps[0].score) == (40, 77, 0.5)
 
 
 def test_folder_is_locked_while_open(tmp_path):
