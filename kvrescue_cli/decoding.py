@@ -9,8 +9,9 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
+import psutil
 import torch
 
 from grader import grade
@@ -23,13 +24,14 @@ from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
 from kvrescue_cli.errors import InputError
-from kvrescue_cli.grid import Cell, GridOptions, roles_needed
+from kvrescue_cli.grid import Cell, GridOptions
 from kvrescue_cli.outputs import Candidate, Tokens, Trace
 from kvrescue_cli.prompts import generation_prompt
 from kvrescue_cli.rank_group import RankGroup, rank_device
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelConfigError, load_config
-from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings
+from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings, StepRunner
+from kvrescue_cli.vllm_engine.roles import VllmEngines, engine_specs
 from kvrescue_cli.shapes import SLACK
 
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
@@ -85,14 +87,17 @@ def _loglik_tokens(s: SearchSettings, n: int) -> int:
 
 
 def _cache_tokens(options: GridOptions, role: str) -> int:
-    """K/V entries the caches of the grid's largest cell hold for `role` (what `_runners`/`_scorer` build)."""
+    """K/V entries the caches of the grid's largest cell hold for `role` on this engine (what `_runners`/`_scorer`
+    build)."""
     s, n = options.settings, max(options.ns)
     if role == "base":
         evicted = s.batch * (n + 1) * (max(options.budgets) + SLACK + s.max_step_tokens)
-        return max([evicted if options.evicts(m) else _full_tokens(s, n) for m in options.methods if METHODS[m].base])
+        return max([evicted if options.evicts(m) else _full_tokens(s, n) for m in options.methods
+                    if METHODS[m].base and not options.on_vllm("base", m)])
     if role == "prm":
         return PRMScorer.cache_tokens(s.batch, s.batch * 2 * n, s.max_step_tokens)
-    return max(_loglik_tokens(s, n) if options.scorer == "helper-loglik" else 0, _full_tokens(s, n))
+    sampled = any(METHODS[m].helper for m in options.methods) and not options.vllm_roles() & {"helper"}
+    return max(_loglik_tokens(s, n) if options.scorer == "helper-loglik" else 0, _full_tokens(s, n) if sampled else 0)
 
 
 def memory_plan(options: GridOptions, tp: int = 1) -> list[OnDevice] | None:
@@ -100,31 +105,82 @@ def memory_plan(options: GridOptions, tp: int = 1) -> list[OnDevice] | None:
     dtype; None when a model has no readable config (the loader then says why)."""
     try:
         archs = {role: Architecture.from_config(options.models[role], load_config(options.models[role]))
-                 for role in sorted(roles_needed(options.methods, options.scorer))}
+                 for role in sorted(options.native_roles())}
     except (ModelConfigError, KeyError, TypeError, ValueError):
         return None
     size = DTYPES[options.dtype].itemsize
     return device_plan({role: (replace(a, dtype_bytes=size), _cache_tokens(options, role)) for role, a in archs.items()}, tp)
 
 
-def refuse_what_does_not_fit(options: GridOptions, free_bytes: int, tp: int = 1) -> None:
-    """A one-line error, before any weights are read, when the memory plan needs more than `free_bytes`."""
+def refuse_what_does_not_fit(options: GridOptions, free_bytes: int, tp: int = 1, beside_vllm: bool = False) -> None:
+    """A one-line error, before any weights are read, when the memory plan needs more than `free_bytes` (with
+    `beside_vllm`: what is left beside vLLM's share)."""
     plan = memory_plan(options, tp) or []
     need = sum(m.weight_bytes + m.kv_bytes for m in plan)
     if need > free_bytes:
         parts = ", ".join(f"{m.role} {m.weight_bytes / 2**30:.1f} + KV {m.kv_bytes / 2**30:.1f}" for m in plan)
         dtype = ", --dtype bfloat16" if DTYPES[options.dtype].itemsize > 2 else ""
-        raise InputError(f"the models and caches need {need / 2**30:.1f} GiB per device ({parts}) but "
-                         f"{free_bytes / 2**30:.1f} GiB is free; lower --batch or --n{dtype}, or use larger devices")
+        free = f"{free_bytes / 2**30:.1f} GiB is left beside vLLM's share" if beside_vllm else \
+            f"{free_bytes / 2**30:.1f} GiB is free"
+        vllm = ", --vllm-memory" if beside_vllm else ""
+        raise InputError(f"the models and caches need {need / 2**30:.1f} GiB per device ({parts}) but {free}; "
+                         f"lower --batch or --n{dtype}{vllm}, or use larger devices")
+
+
+def device_memory(device: str) -> tuple[int, int]:
+    """(free, total) bytes of a GPU, or of RAM (available, total) for the CPU."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))
+    ram = psutil.virtual_memory()
+    return ram.available, ram.total
+
+
+def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> list[dict]:
+    """Each vLLM engine's share of the device as `start_llm` takes it (`roles.engine_specs` order), after one-line
+    errors, before anything is loaded, for a plan that does not fit: vLLM gets --vllm-memory of the device (of RAM
+    on a CPU), split evenly between its engines, each of which must hold its weights and one whole context's KV;
+    on a GPU this engine's models and caches must fit in the rest. On a CPU an engine's KV cache is given in bytes
+    (vLLM's share of RAM there counts its whole process). `free`, `total`: the device's bytes (`device_memory`)."""
+    specs = engine_specs(options)
+    if not specs:
+        return []
+    share = options.vllm_memory * total
+    each, size, shares = share / len(specs), DTYPES[options.dtype].itemsize, []
+    for spec in specs:
+        try:
+            arch = replace(Architecture.from_config(spec.model, load_config(spec.model)), dtype_bytes=size)
+        except (ModelConfigError, KeyError, TypeError, ValueError) as err:
+            raise InputError(f"{'/'.join(spec.roles)} model {spec.model}: no usable config.json for vLLM ({err})") from None
+        need = arch.params * size + arch.kv_bytes_per_token * spec.max_model_len
+        if need > each:
+            raise InputError(f"--vllm-memory {options.vllm_memory}: vLLM's {share / 2**30:.2f} GiB of {device} over its "
+                             f"{len(specs)} engine(s) leaves {each / 2**30:.2f} GiB for the {'/'.join(spec.roles)} "
+                             f"model, whose weights and one {spec.max_model_len}-token context need "
+                             f"{need / 2**30:.2f} GiB; raise --vllm-memory")
+        shares.append({"memory": each / total} if device.startswith("cuda")
+                      else {"kv_cache_bytes": int(each - arch.params * size)})
+    if device.startswith("cuda"):
+        refuse_what_does_not_fit(options, int(free - share), options.tp, beside_vllm=True)
+    elif share > free:
+        raise InputError(f"--vllm-memory {options.vllm_memory}: {share / 2**30:.1f} GiB of RAM for vLLM, but "
+                         f"{free / 2**30:.1f} GiB is available; lower --vllm-memory")
+    return shares
+
+
+def check_policy_tokenizers(tokenizers: dict[str, Any]) -> None:
+    """Base and helper (by role) must share a tokenizer: KV-Rescue commits the same tokens to both."""
+    policy = [tokenizers[r] for r in ("base", "helper") if r in tokenizers]
+    if len(policy) == 2 and policy[0].get_vocab() != policy[1].get_vocab():
+        raise InputError("base and helper tokenizers differ; KV-Rescue commits the same tokens to both models")
 
 
 def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
-    """Every model the grid needs, loaded once on `device`; base and helper must share a tokenizer."""
+    """Every model the grid runs on this engine, loaded once on `device`; base and helper must share a tokenizer."""
     loaded: dict[str, LoadedModel] = {}
     by_name: dict[str, LoadedModel] = {}
     if device.startswith("cuda"):
         refuse_what_does_not_fit(options, torch.cuda.mem_get_info(torch.device(device))[0], options.tp)
-    for role in sorted(roles_needed(options.methods, options.scorer)):
+    for role in sorted(options.native_roles()):
         name = options.models[role]
         if device == "cpu":
             refuse_large_on_cpu(role, name)
@@ -138,31 +194,34 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     if "prm" in loaded and not loaded["prm"].is_prm:
         raise InputError(f"--prm {options.models['prm']} has no PRM head (score.0/score.2 weights); "
                          "give a process reward model, or --prm helper-loglik for the named alternative scorer")
-    policy = [loaded[r] for r in ("base", "helper") if r in loaded]
-    if len(policy) == 2 and policy[0].tokenizer.get_vocab() != policy[1].tokenizer.get_vocab():
-        raise InputError("base and helper tokenizers differ; KV-Rescue commits the same tokens to both models")
+    check_policy_tokenizers({role: model.tokenizer for role, model in loaded.items()})
     return loaded
 
 
-def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel]) -> dict[str, Runner]:
-    """Fresh caches for one cell: the base evicted or full, the helper full."""
+def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel],
+             vllm: VllmEngines | None = None) -> dict[str, StepRunner]:
+    """Fresh caches for one cell: the base evicted or full, the helper full; a role on vLLM, a fresh `VllmRunner`."""
     spec, s = METHODS[cell.method], options.settings
-    runners: dict[str, Runner] = {}
-    if spec.base:
+    runners: dict[str, StepRunner] = {}
+    for role in sorted(options.vllm_roles([cell.method]) - {"prm"}):
+        runners[role] = vllm.runner(role)
+    if spec.base and "base" not in runners:
         base = models["base"]
         cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, max_append=s.max_step_tokens,
                                         rows=s.batch * (cell.n + 1))
                  if options.evicts(cell.method) else FullCache.for_model(base.net, _full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
         runners["base"] = Runner(base, cache, cuda_graphs=options.cuda_graphs)
-    if spec.helper:
+    if spec.helper and "helper" not in runners:
         helper = models["helper"]
         cache = FullCache.for_model(helper.net, _full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
         runners["helper"] = Runner(helper, cache)
     return runners
 
 
-def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel]) -> Scorer:
+def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], vllm: VllmEngines | None = None) -> Scorer:
     s = options.settings
+    if options.on_vllm("prm", cell.method) and options.scorer == "prm":
+        return vllm.scorer()
     if options.scorer == "prm":
         return PRMScorer(models["prm"], max_problems=s.batch, max_candidates=s.batch * 2 * cell.n,
                          max_step_tokens=s.max_step_tokens)
@@ -172,18 +231,21 @@ def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel]) ->
 
 
 def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], problems: Iterable[Problem],
-           emit: Callable[[Trace, int], None], on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
+           emit: Callable[[Trace, int], None], on_progress: Callable[[DecodeProgress], None] | None = None,
+           vllm: VllmEngines | None = None) -> None:
     """Decode `problems` of one cell, pulled lazily (so they may come from a shared queue), and `emit`
     each one's trace with the tokens it generated: skipped ones when pulled, decoded ones as they finish;
-    `on_progress` gets running totals every few seconds while problems are in flight."""
-    policy = models["base" if METHODS[cell.method].base else "helper"]
+    `on_progress` gets running totals every few seconds while problems are in flight. `vllm`: the engines of
+    the roles on vLLM (`--engine vllm`)."""
+    role = "base" if METHODS[cell.method].base else "helper"
+    tokenizer, eos_ids = vllm.tokenizers[role] if options.on_vllm(role, cell.method) else \
+        (models[role].tokenizer, models[role].eos_ids)
     cap = options.settings.context_cap
     by_idx: dict[int, Problem] = {}
 
     def work() -> Iterator[tuple[int, str, list[int]]]:
         for problem in problems:
-            prompt = policy.tokenizer.encode(generation_prompt(policy.tokenizer, problem.problem),
-                                             add_special_tokens=False)
+            prompt = tokenizer.encode(generation_prompt(tokenizer, problem.problem), add_special_tokens=False)
             if len(prompt) >= cap:
                 gt_norm = grade("", problem.gt, cell.problems.grading_bench).gt
                 emit(Trace.skipped(problem.idx, problem.problem, problem.gt, gt_norm,
@@ -204,8 +266,8 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
             on_progress(totals)
 
     settings = replace(options.settings, method=cell.method, n=cell.n, seed=cell.seed)
-    controller = Controller(settings, _runners(options, cell, models), _scorer(options, cell, models),
-                            set(policy.eos_ids))
+    controller = Controller(settings, _runners(options, cell, models, vllm), _scorer(options, cell, models, vllm),
+                            set(eos_ids))
     try:
         controller.run(work(), record, progress)
         grading.emit_graded(wait=True)
@@ -266,8 +328,15 @@ class InProcess:
         self.options = options
         self.group = group
         self.ranks = RankGroup(options, group) if len(group) > 1 else None
+        self.vllm: VllmEngines | None = None
         try:
-            self.models = load_roles(options, rank_device(group, 0))
+            device = rank_device(group, 0)
+            shares = vllm_memory(options, device, *device_memory(device))  # one-line errors before any loading
+            self.models = load_roles(options, device)
+            if options.engine == "vllm":
+                self.vllm = VllmEngines(options, shares)
+                check_policy_tokenizers({**{role: m.tokenizer for role, m in self.models.items()},
+                                         **{role: t for role, (t, _) in self.vllm.tokenizers.items()}})
         except BaseException:
             self.close()
             raise
@@ -278,13 +347,16 @@ class InProcess:
         `on_progress` every few seconds)."""
         if problems:
             decode(self.options, cell, self.models, self.ranks.lead(cell, problems) if self.ranks else problems, emit,
-                   on_progress)
+                   on_progress, self.vllm)
 
     def close(self) -> None:
-        """Stop the group's other ranks, if any."""
+        """Stop the group's other ranks and the vLLM engines, if any."""
         if self.ranks is not None:
             self.ranks.close()
+        if self.vllm is not None:
+            self.vllm.close()
 
     def record(self) -> dict:
         """The executor, for config.json."""
-        return {"kind": "in-process", "devices": list(self.group), **({"tp": self.options.tp} if self.ranks else {})}
+        return {"kind": "in-process", "devices": list(self.group), **({"tp": self.options.tp} if self.ranks else {}),
+                **({"vllm_memory": self.options.vllm_memory} if self.vllm else {})}

@@ -14,6 +14,7 @@ from kvrescue_cli.methods import METHODS
 from kvrescue_cli.search import SearchSettings
 
 SCORERS = ("prm", "helper-loglik")
+ENGINES = ("native", "vllm")
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,28 @@ class GridOptions:
     shard: tuple[int, int] | None = None  # (i, k): every k-th problem from the i-th
     cuda_graphs: bool = True  # the evicted base's decode step as CUDA graphs (on a GPU)
     tp: int = 1  # devices per group: every model is sharded over a group's K devices (rank_group.py)
+    engine: str = "native"  # vllm: the full-context roles on vLLM (vllm_roles), the rest on this engine
+    vllm_memory: float = 0.4  # with engine vllm: vLLM's share of the device (of RAM on a CPU)
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
         return METHODS[method].evicted and self.evictor != NO_EVICTION
+
+    def on_vllm(self, role: str, method: str) -> bool:
+        """Whether `role` of `method` runs on vLLM: with `--engine vllm`, every full-context role (the helper, the
+        PRM, the base of `full`); never the evicted base, since vLLM cannot evict mid-generation."""
+        return self.engine == "vllm" and (role != "base" or not METHODS[method].evicted)
+
+    def vllm_roles(self, methods: list[str] | None = None) -> set[str]:
+        """The roles run on vLLM by `methods` (default: the grid's); none without `--engine vllm`."""
+        return {role for method in methods or self.methods for role in roles_needed([method], self.scorer)
+                if self.on_vllm(role, method) and (role != "helper" or METHODS[method].helper)}
+
+    def native_roles(self) -> set[str]:
+        """The roles the grid runs on this engine: the rest, and the helper of the helper-loglik scorer."""
+        roles = {role for method in self.methods for role in roles_needed([method], self.scorer)
+                 if not self.on_vllm(role, method)}
+        return roles | ({"helper"} if self.scorer == "helper-loglik" else set())
 
     def check(self) -> None:
         """One-line errors for options that can't run."""
@@ -80,6 +99,13 @@ class GridOptions:
         if len(self.devices) % self.tp:
             raise InputError(f"--tp {self.tp} does not divide the {len(self.devices)} devices of --devices "
                              f"{','.join(self.devices)}: each group of {self.tp} devices is one worker")
+        if self.engine not in ENGINES:
+            raise InputError(f"--engine {self.engine!r}: expected {' or '.join(ENGINES)}")
+        if self.engine == "vllm" and (len(self.devices) > 1 or self.ray_address is not None):
+            raise InputError(f"--engine vllm runs in this process on one device, not on --devices "
+                             f"{','.join(self.devices)}{' or a Ray cluster' if self.ray_address else ''}")
+        if not 0 < self.vllm_memory < 1:
+            raise InputError(f"--vllm-memory {self.vllm_memory}: expected a share of the device between 0 and 1")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise InputError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 <= i < k")
 

@@ -41,8 +41,19 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             "synthetic_steps": list(s.synthetic_steps) if s.synthetic_steps else None,
             "dtype": options.dtype, "problem_field": options.problem_field, "answer_field": options.answer_field,
             "random_stream": STREAM_VERSION,
+            **_engine(options, cell),
         },
     )
+
+
+def _engine(options: GridOptions, cell: Cell) -> dict:
+    """With `--engine vllm`, the cell's roles on vLLM and vLLM's version (its random streams are its own)."""
+    roles = options.vllm_roles([cell.method])
+    if not roles:
+        return {}
+    from kvrescue_cli.vllm_engine import require_vllm
+
+    return {"engine": {"name": "vllm", "version": require_vllm().__version__, "roles": sorted(roles)}}
 
 
 def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcess | workers.RayWorkers,

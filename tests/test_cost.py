@@ -174,6 +174,49 @@ def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir,
         assert m.kv_bytes <= built <= m.kv_bytes * 1.1, m.role  # FullCache rounds up to whole blocks
 
 
+def test_vllm_gets_its_share_and_this_engine_the_rest(tmp_path):
+    """--engine vllm: the helper and the PRM on vLLM, an even split of --vllm-memory each, holding its weights and
+    one whole context; the evicted base's plan in the rest of the GPU; on a CPU, the share within free RAM."""
+    from kvrescue_cli.decoding import memory_plan, vllm_memory
+    from kvrescue_cli.grid import GridOptions
+    from kvrescue_cli.search import SearchSettings
+
+    models = {}
+    for role, cfg in (("base", QWEN_MATH_7B), ("helper", QWEN_MATH_1_5B), ("prm", QWEN_MATH_PRM_7B)):
+        (tmp_path / role).mkdir()
+        (tmp_path / role / "config.json").write_bytes(orjson.dumps(cfg))
+        models[role] = str(tmp_path / role)
+
+    def options(memory: float, methods=("kvrescue",), batch: int = 8) -> GridOptions:
+        return GridOptions(benches=["t"], methods=list(methods), budgets=[64], ns=[8], seeds=[0], evictor="rkv",
+                           models=models, scorer="prm", settings=SearchSettings(batch=batch), out=tmp_path,
+                           dtype="bfloat16", engine="vllm", vllm_memory=memory)
+
+    gib = 2**30
+    assert options(0.4).vllm_roles() == {"helper", "prm"} and options(0.4).native_roles() == {"base"}
+    assert options(0.4, ("full", "bon")).vllm_roles() == {"base", "prm"}
+    assert options(0.4, ("full", "bon")).native_roles() == {"base"}  # bon's evicted base stays here
+    assert [m.role for m in memory_plan(options(0.4))] == ["base"]
+    assert vllm_memory(options(0.4), "cuda:0", 80 * gib, 80 * gib) == [{"memory": 0.2}, {"memory": 0.2}]
+    with pytest.raises(InputError, match=r"--vllm-memory 0.1: vLLM's 8.00 GiB of cuda:0 over its 2 engine\(s\) "
+                                         r"leaves 4.00 GiB for the prm model, whose weights and one 4096-token "
+                                         r"context need 13\.4\d GiB; raise --vllm-memory"):
+        vllm_memory(options(0.1), "cuda:0", 80 * gib, 80 * gib)
+    with pytest.raises(InputError, match=r"GiB is left beside vLLM's share; lower --batch or --n, --vllm-memory,"):
+        vllm_memory(options(0.45, batch=128), "cuda:0", 80 * gib, 80 * gib)
+    (helper, prm) = vllm_memory(options(0.4), "cpu", 40 * gib, 80 * gib)
+    assert helper["kv_cache_bytes"] == 16 * gib - Architecture.from_config("h", QWEN_MATH_1_5B).params * 2
+    with pytest.raises(InputError, match=r"--vllm-memory 0.6: 48.0 GiB of RAM for vLLM, but 40.0 GiB is available"):
+        vllm_memory(options(0.6), "cpu", 40 * gib, 80 * gib)
+    assert vllm_memory(replace_engine(options(0.4)), "cuda:0", 80 * gib, 80 * gib) == []
+
+
+def replace_engine(options):
+    from dataclasses import replace
+
+    return replace(options, engine="native")
+
+
 # Runs the `kvrescue` entry point (cli.app) with the given arguments, then says whether torch was imported.
 TORCH_IMPORTED = """
 import sys

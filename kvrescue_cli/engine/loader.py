@@ -92,13 +92,37 @@ def load_model(
         raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     place = dict(dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype, device=device, tp=tp, exact_heads=exact_heads)
     p = Path(path).expanduser()
-    if p.is_dir():
-        return _load_folder(p, str(path), **place)
     if p.is_file() and p.suffix == ".gguf":
         return _load_gguf(p, **place)
+    return _load_folder(model_folder(path), str(path), **place)
+
+
+def model_folder(path: str | Path) -> Path:
+    """The local folder of a model folder or Hub id (downloaded, or read from the Hugging Face cache)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
     if p.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
         raise ModelLoadError(f"model {path!r}: not a folder with config.json, a .gguf file, or a Hub id (owner/name)")
-    return _load_folder(_hub_download(str(path)), str(path), **place)
+    return _hub_download(str(path))
+
+
+def load_tokenizer(path: str | Path) -> tuple[Any, list[int]]:
+    """A model's tokenizer and EOS ids, as `load_model` reads them, without its weights (folder or Hub id)."""
+    folder = model_folder(path)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"model {str(path)!r}: {folder} has no config.json")
+    return _tokenizer(folder, str(path), _read_json(cfg_path, str(path)))
+
+
+def _tokenizer(folder: Path, name: str, cfg: dict[str, Any]) -> tuple[Any, list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    gen_path = folder / "generation_config.json"
+    gen_cfg = _read_json(gen_path, name) if gen_path.is_file() else {}
+    return tokenizer, _eos_ids(cfg, gen_cfg, tokenizer)
 
 
 def _hub_download(repo_id: str) -> Path:
@@ -171,8 +195,6 @@ def _build(
 
 
 def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
-    from transformers import AutoTokenizer
-
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"model {name!r}: {folder} has no config.json")
@@ -195,10 +217,8 @@ def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
         reason = " ".join(str(e).split())[:300]
         raise ModelLoadError(f"model {name!r}: the weights in {folder} do not fit its config.json "
                              f"({type(e).__name__}: {reason})") from None
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    gen_path = folder / "generation_config.json"
-    gen_cfg = _read_json(gen_path, name) if gen_path.is_file() else {}
-    return LoadedModel(net, tokenizer, cfg, name, _eos_ids(cfg, gen_cfg, tokenizer))
+    tokenizer, eos_ids = _tokenizer(folder, name, cfg)
+    return LoadedModel(net, tokenizer, cfg, name, eos_ids)
 
 
 def _read_json(path: Path, name: str) -> dict[str, Any]:

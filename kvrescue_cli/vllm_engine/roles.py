@@ -1,0 +1,99 @@
+"""The vLLM engines of a run with `--engine vllm`: one per model its roles name (base and helper share one when
+they name the same model; the PRM's runs vLLM's pooling runner), started once and kept for every cell."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvrescue_cli.engine.loader import ModelLoadError, load_tokenizer, model_folder
+from kvrescue_cli.engine.prm import WINDOW
+from kvrescue_cli.errors import InputError
+from kvrescue_cli.grid import GridOptions
+from kvrescue_cli.vllm_engine import require_vllm
+from kvrescue_cli.vllm_engine.llm import start_llm
+from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
+from kvrescue_cli.vllm_engine.steps import SteppedEngine, VllmRunner
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One vLLM engine: its model (as given), the roles it serves, and the longest input it takes."""
+
+    model: str
+    roles: tuple[str, ...]
+    max_model_len: int
+
+    @property
+    def pooling(self) -> bool:
+        return self.roles == ("prm",)
+
+
+def engine_specs(options: GridOptions) -> list[EngineSpec]:
+    """The grid's vLLM engines: one generating engine per model of its vLLM base/helper roles, one for the PRM."""
+    roles = options.vllm_roles()
+    by_model: dict[str, list[str]] = {}
+    for role in sorted(roles - {"prm"}):
+        by_model.setdefault(options.models[role], []).append(role)
+    specs = [EngineSpec(model, tuple(served), options.settings.context_cap) for model, served in by_model.items()]
+    return specs + ([EngineSpec(options.models["prm"], ("prm",), WINDOW)] if "prm" in roles else [])
+
+
+class VllmEngines:
+    """The started engines: a `VllmRunner` per cell for the base/helper roles, a `VLLMPRMScorer` for the PRM."""
+
+    def __init__(self, options: GridOptions, memory: list[dict[str, Any]]) -> None:
+        """`memory`: each engine's share of the device as `start_llm` takes it (decoding.vllm_memory), in
+        `engine_specs` order."""
+        self.version = require_vllm().__version__
+        self.engines: list[SteppedEngine | Any] = []
+        self.steppers: dict[str, SteppedEngine] = {}
+        self.tokenizers: dict[str, tuple[Any, list[int]]] = {}  # role -> (tokenizer, EOS ids)
+        self.prm = None
+        try:
+            for spec, share in zip(engine_specs(options), memory):
+                self._start(spec, options.dtype, share)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, spec: EngineSpec, dtype: str, share: dict[str, Any]) -> None:
+        what = f"{'/'.join(spec.roles)} model {spec.model}"
+        try:
+            folder = model_folder(spec.model)
+            tokenizer = None if spec.pooling else load_tokenizer(spec.model)
+        except ModelLoadError as err:
+            raise InputError(f"{'/'.join(spec.roles)} model: {err}") from None
+        try:
+            llm = start_llm(folder, dtype=dtype, max_model_len=spec.max_model_len,
+                            runner="pooling" if spec.pooling else "generate", enable_prefix_caching=not spec.pooling,
+                            **share)
+        except Exception as err:  # vLLM's own reasons are in its log lines above; keep ours to one line
+            raise InputError(f"vLLM could not start the {what}: {type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}") from None
+        if spec.pooling:
+            self.prm = llm
+            self.engines.append(llm)
+            return
+        stepped = SteppedEngine(llm.llm_engine)
+        self.engines.append(stepped)
+        for role in spec.roles:
+            self.steppers[role] = stepped
+            self.tokenizers[role] = tokenizer
+
+    def runner(self, role: str) -> VllmRunner:
+        """A fresh runner (no rows) of `role` for one cell."""
+        return VllmRunner(self.steppers[role], self.tokenizers[role][0])
+
+    def scorer(self) -> VLLMPRMScorer:
+        """The PRM scorer for one cell."""
+        return VLLMPRMScorer(self.prm)
+
+    def close(self) -> None:
+        """Shut every engine's processes down."""
+        for engine in self.engines:
+            if isinstance(engine, SteppedEngine):
+                engine.close()
+            else:
+                engine.llm_engine.engine_core.shutdown()
+        self.engines = []

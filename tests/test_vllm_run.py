@@ -1,0 +1,88 @@
+"""`kvrescue run --engine vllm` end to end (subprocess, random checkpoints): the helper, the base of `full` and the
+PRM on vLLM, the evicted base on this engine; same folders and traces, the engine in config.json; one-line errors."""
+
+import subprocess
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.test_run import KVRESCUE, read_folder
+
+pytestmark = pytest.mark.vllm
+SMALL = ["--max-step-tokens", "24", "--max-steps", "6", "--context-cap", "320", "--budget", "16", "--n", "2",
+         "--device", "cpu", "--batch", "2", "--dtype", "float32", "--vllm-memory", "0.02"]
+
+
+@pytest.fixture(scope="module")
+def problems(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
+    rows = [{"question": f"What is {a} + {b}? Let x be the answer.", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6)]]
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return path
+
+
+def kvrescue_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([KVRESCUE, "run", *args], capture_output=True, timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory, problems, step_qwen2_dir, vllm_prm_dir) -> Path:
+    """kvrescue and full with --engine vllm in one run: one vLLM engine for the helper of kvrescue and the base of
+    full (the same model), one for the PRM."""
+    out = tmp_path_factory.mktemp("runs")
+    done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "kvrescue,full", "--limit", "2",
+                        "--base", str(step_qwen2_dir), "--helper", str(step_qwen2_dir), "--prm", str(vllm_prm_dir),
+                        "--out", str(out), *SMALL)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return out
+
+
+def test_runs_on_vllm_write_the_usual_folders(grid):
+    import vllm
+
+    for method, roles, sources in (("kvrescue", ["helper", "prm"], {"base", "helper"}), ("full", ["base", "prm"], {"base"})):
+        config, traces, summary = read_folder(grid, method)
+        assert config["config"]["settings"]["engine"] == {"name": "vllm", "version": vllm.__version__, "roles": roles}
+        assert config["environment"]["executor"]["vllm_memory"] == 0.02
+        assert sorted(t["idx"] for t in traces) == [0, 1] and summary["problems"] == 2 and summary["complete"]
+        assert summary["scorer"] == "prm"
+        for trace in traces:
+            assert trace["n_steps"] == len(trace["steps"]) == len(trace["candidates"]) >= 1
+            assert trace["output"] == "".join(s["text"] for s in trace["steps"])
+            assert trace["stop"] in ("eos", "context", "steps") and trace["steps"][-1]["tokens"] >= 1
+            for cands in trace["candidates"]:
+                assert len(cands) == 2 * len(sources) and sum(c["committed"] for c in cands) == 1
+                assert {c["source"] for c in cands} == sources
+                assert all(c["score"] is not None and 0 < c["score"] < 1 for c in cands if c["finish"] in ("step", "eos", "length"))
+                for c in cands:
+                    assert c["tokens"] <= 24 and (c["finish"] != "step" or "\n\n" in (c["text"] or ""))
+            generated = {s: sum(c["tokens"] for cands in trace["candidates"] for c in cands if c["source"] == s)
+                         for s in ("base", "helper")}
+            assert trace["tokens"]["base"] == generated["base"] and trace["tokens"]["helper"] == generated["helper"]
+            assert trace["tokens"]["prm"] > 0
+    kv_traces = read_folder(grid, "kvrescue")[1]
+    assert {c["source"] for t in kv_traces for cands in t["candidates"] for c in cands} == {"base", "helper"}
+
+
+def test_a_second_run_resumes_the_same_folders(grid, problems, step_qwen2_dir, vllm_prm_dir):
+    """The folders' identity (vLLM's version and roles included) is stable: the same command only summarises."""
+    done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "full", "--limit", "2",
+                        "--base", str(step_qwen2_dir), "--prm", str(vllm_prm_dir), "--out", str(grid), *SMALL)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert len(list((grid / "tiny").iterdir())) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--vllm-memory", "0.0000001"], "error: --vllm-memory 1e-07: vLLM's 0.00 GiB of cpu over its 2 engine(s) leaves"),
+    (["--vllm-memory", "1.5"], "error: --vllm-memory 1.5: expected a share of the device between 0 and 1"),
+    (["--devices", "cpu,cpu"], "error: --engine vllm runs in this process on one device, not on --devices cpu,cpu"),
+])
+def test_bad_vllm_options_are_one_line_errors(args, message, problems, step_qwen2_dir, vllm_prm_dir, tmp_path):
+    done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "kvrescue", "--base", str(step_qwen2_dir),
+                        "--helper", str(step_qwen2_dir), "--prm", str(vllm_prm_dir), "--out", str(tmp_path / "runs"),
+                        *SMALL, *args)
+    err = done.stderr.decode()
+    assert done.returncode == 2 and message in err, err[-2000:]
+    assert len([line for line in err.splitlines() if line.strip()]) == 1
+    assert not (tmp_path / "runs").exists()
