@@ -61,7 +61,7 @@ class SteppedEngine:
     def close(self) -> None:
         """End the stepping thread and shut the engine's processes down."""
         self.inbox.put(_STOP)
-        self.thread.join()
+        self.thread.join(timeout=60)  # it ends at its next step; a dead engine core ends it with an error
         self.engine.engine_core.shutdown()
 
     def _loop(self) -> None:
