@@ -1,5 +1,6 @@
-"""The full cache's former attention, kept as the reference of its paged and cascade attention: every row's
-blocks gathered into one tensor padded to the longest row, then masked attention (`attend_padded`)."""
+"""References of the full cache's paged and cascade attention: its former attention (every row's blocks gathered
+into one tensor padded to the longest row, then masked attention, `attend_padded`), and exact attention (float64,
+row by row, an explicit softmax: no fused kernel, no paging)."""
 
 import torch
 
@@ -21,3 +22,20 @@ def gather_attend(cache: FullCache, layer: int, rows: list[int], kv_lengths: lis
     cached = torch.tensor(kv_lengths, device=q.device)
     added = torch.tensor([cache.length(r) for r in rows], device=q.device) - cached
     return attend_padded(q, k, v, cached, added)
+
+
+def exact_attend(cache: FullCache, layer: int, rows: list[int], kv_lengths: list[int], q: torch.Tensor) -> torch.Tensor:
+    """The same attention in float64 (as `gather_attend`'s arguments), [R, Hq, T, D]; queries past a row's new
+    tokens are left 0. Query head h uses KV head h // g; new token t sees the cached keys and new keys 0..t."""
+    R, Hq, T, D = q.shape
+    out = torch.zeros(R, Hq, T, D, dtype=torch.float64)
+    for i, (row, cached) in enumerate(zip(rows, kv_lengths)):
+        n = cache.length(row)
+        blocks = torch.tensor(cache.rows[row].blocks)
+        g = Hq // cache.k.shape[3]
+        k, v = (pool[layer, blocks].flatten(0, 1)[:n].double().repeat_interleave(g, dim=1).transpose(0, 1)
+                for pool in (cache.k, cache.v))  # [Hq, n, D]
+        scores = q[i, :, : n - cached].double() @ k.transpose(1, 2) / D**0.5  # [Hq, new, n]
+        visible = torch.arange(n)[None, :] <= cached + torch.arange(n - cached)[:, None]
+        out[i, :, : n - cached] = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    return out
