@@ -7,7 +7,8 @@ The real controller, runners and caches (the cell decode `kvrescue run` calls, w
 N = 8, 64 problems in flight (1,024 live candidate rows: 512 base on the evicted cache, 512 helper on the
 full cache), synthetic 32-token steps, on random Qwen2 checkpoints of 2 layers and width 16, so that
 almost nothing but host work is left. Figures: wall time / candidate tokens, with the PRM (a random PRM of
-the same size scores every step) and without it (a constant scorer, so only the decode loop is left).
+the same size scores every step) and without it (a constant scorer, so only the decode loop is left); the
+grader's verdicts are instant in both (the whole run below grades for real).
 
 `--baseline REF` measures the same cell with the code of a git ref (exported to a temporary folder and
 imported first), interleaved with this tree's round by round; each figure is the best of `--rounds`
@@ -60,8 +61,7 @@ def _op_split(profile) -> dict:
 
 def measure(scorer: str, steps: int, problems: int, mode: str) -> dict:
     """One cell through `decode` (what `run_cell` calls, minus the run folder); returns µs per candidate
-    token (model loading excluded; grading included). mode: "wall", "ops" (under torch.profiler) or
-    "cprofile"."""
+    token (model loading and grading excluded). mode: "wall", "ops" (under torch.profiler) or "cprofile"."""
     import kvrescue_cli
     import kvrescue_cli.runs as runs
     from kvrescue_cli.data import Problem, ProblemSet
@@ -88,6 +88,11 @@ def measure(scorer: str, steps: int, problems: int, mode: str) -> dict:
         models = {"base": policy, "helper": policy, "prm": prm}
         if scorer == "none":
             decoding._scorer = lambda options, cell, models: ConstantScorer()
+        from grader import GradeResult
+        # The grader's verdict is instant, as the PRM's is without a scorer: every problem of the cell finishes at
+        # once here, so a grading thread could hide nothing, and the grader's cost is its own (grade_bench).
+        # The whole run (`--whole`) grades for real.
+        decoding.grade = lambda output, gt, bench, timeout=3.0: GradeResult(False, "", gt)
         settings = SearchSettings(batch=problems, synthetic_steps=(32, steps), max_step_tokens=32, context_cap=4096)
         options = runs.GridOptions(
             benches=["synthetic"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv",
