@@ -87,7 +87,7 @@ def measure(scorer: str, steps: int, problems: int, mode: str) -> dict:
         policy, prm = load_model(policy_dir), load_model(prm_dir)
         models = {"base": policy, "helper": policy, "prm": prm}
         if scorer == "none":
-            decoding._scorer = lambda options, cell, models: ConstantScorer()
+            decoding._scorer = lambda *args: ConstantScorer()  # (options, cell, models[, engines])
         from grader import GradeResult
         # The grader's verdict is instant, as the PRM's is without a scorer: every problem of the cell finishes at
         # once here, so a grading thread could hide nothing, and the grader's cost is its own (grade_bench).
