@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -225,6 +226,7 @@ def run(
     if engine == "vllm":
         from kvrescue_cli.vllm_engine import require_vllm
 
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the progress bars
         require_vllm()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

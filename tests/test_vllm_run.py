@@ -28,10 +28,11 @@ def kvrescue_run(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory, problems, step_qwen2_dir, vllm_prm_dir) -> Path:
-    """kvrescue and full with --engine vllm in one run: one vLLM engine for the helper of kvrescue and the base of
-    full (the same model), one for the PRM."""
+    """kvrescue, full and helper with --engine vllm in one run: one vLLM engine for the helper of kvrescue and
+    helper and the base of full (the same model), one for the PRM."""
     out = tmp_path_factory.mktemp("runs")
-    done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "kvrescue,full", "--limit", "2",
+    done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "kvrescue,full,helper",
+                        "--limit", "2",
                         "--base", str(step_qwen2_dir), "--helper", str(step_qwen2_dir), "--prm", str(vllm_prm_dir),
                         "--out", str(out), *SMALL)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
@@ -41,7 +42,8 @@ def grid(tmp_path_factory, problems, step_qwen2_dir, vllm_prm_dir) -> Path:
 def test_runs_on_vllm_write_the_usual_folders(grid):
     import vllm
 
-    for method, roles, sources in (("kvrescue", ["helper", "prm"], {"base", "helper"}), ("full", ["base", "prm"], {"base"})):
+    for method, roles, sources in (("kvrescue", ["helper", "prm"], {"base", "helper"}), ("full", ["base", "prm"], {"base"}),
+                                   ("helper", ["helper", "prm"], {"helper"})):
         config, traces, summary = read_folder(grid, method)
         assert config["config"]["settings"]["engine"] == {"name": "vllm", "version": vllm.__version__, "roles": roles}
         assert config["environment"]["executor"]["vllm_memory"] == 0.02
@@ -71,7 +73,7 @@ def test_a_second_run_resumes_the_same_folders(grid, problems, step_qwen2_dir, v
     done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "full", "--limit", "2",
                         "--base", str(step_qwen2_dir), "--prm", str(vllm_prm_dir), "--out", str(grid), *SMALL)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
-    assert len(list((grid / "tiny").iterdir())) == 2
+    assert len(list((grid / "tiny").iterdir())) == 3
 
 
 @pytest.mark.parametrize("args, message", [
