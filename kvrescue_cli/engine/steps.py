@@ -52,7 +52,8 @@ class StepRules:
 
 @dataclass
 class CandidateStep:
-    """One row's finished step: tokens, text = decode(tokens), entropies, finish reason, detector extremes."""
+    """One row's finished step: tokens, text = decode(tokens), entropies (none from vLLM), finish reason, detector
+    extremes."""
 
     row: int
     tokens: list[int]
