@@ -84,6 +84,29 @@ def test_a_folder_made_before_revisions_were_recorded_is_named_not_resumed(tmp_p
     assert {f.name: f.read_bytes() for f in old.iterdir()} == before
 
 
+
+def test_only_run_folders_of_the_same_cell_are_named(tmp_path):
+    old = run_dir(tmp_path, config(settings={"temperature": 0.7}))
+    RunFolder.open(old, config(settings={"temperature": 0.7})).close()
+    RunFolder.open(run_dir(tmp_path, config(seed=1)), config(seed=1)).close()  # another cell: same method, seed 1
+    new = run_dir(tmp_path, config())
+    cell = new.name.rsplit("-", 1)[0]
+    (tmp_path / "math500" / f"{cell}-0-notes").mkdir()  # sorts first; no config.json
+    (tmp_path / "math500" / f"{cell}-0-list").mkdir()
+    (tmp_path / "math500" / f"{cell}-0-list" / "config.json").write_text("[]")  # JSON, but not a run's config
+    (tmp_path / "math500" / f"{cell}-0-null").mkdir()
+    (tmp_path / "math500" / f"{cell}-0-null" / "config.json").write_text('{"config": null}')
+    assert same_cell_elsewhere(new, config()) == [
+        f"{old} holds this cell with other settings (settings.temperature: 0.7 -> 0.8); "
+        f"it is left as it is and this run starts in {new.name}"]
+
+
+def test_a_setting_that_changes_from_an_object_to_null_is_named_whole(tmp_path):
+    RunFolder.open(tmp_path, config(settings={"detector": {"tau_ent": 7.0}})).close()
+    with pytest.raises(RunFolderError, match=r"\(settings.detector: \{'tau_ent': 7.0\} -> None\)"):
+        RunFolder.open(tmp_path, config(settings={"detector": None}))
+
+
 def test_append_resume_and_summary_file(tmp_path):
     path = run_dir(tmp_path, config())
     with RunFolder.open(path, config(), total=3, devices=["cpu"]) as rf:
