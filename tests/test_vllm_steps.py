@@ -122,8 +122,9 @@ def test_the_trajectory_committed_to_the_base_is_what_vllm_generated(engine, mod
     tokenizer = model.tokenizer
     base = CheckedBase(model, FullCache.for_model(model.net, 16384, max_rows=32))
     helper = VllmRunner(engine, tokenizer)
-    settings = SearchSettings(method="kvrescue", n=2, batch=2, max_step_tokens=24, max_steps=5, context_cap=1024)
-    scorer = PRMScorer(load_model(prm_dir), max_problems=2, max_candidates=8, max_step_tokens=24)
+    # Short steps: most end at the cap, so that problems go on for several steps (EOS ends a problem).
+    settings = SearchSettings(method="kvrescue", n=2, batch=2, max_step_tokens=6, max_steps=5, context_cap=1024)
+    scorer = PRMScorer(load_model(prm_dir), max_problems=2, max_candidates=8, max_step_tokens=6)
     finished, held = [], {}
 
     def done(f):  # the base row as the problem retires (its id may be reused by the next problem)
@@ -142,7 +143,7 @@ def test_the_trajectory_committed_to_the_base_is_what_vllm_generated(engine, mod
             for cand in (c for c in candidates if c.source == "helper"):
                 assert engine.prompts[cand.row] == trajectory  # every helper request starts from the exact prefix
                 assert engine.outputs[cand.row] == cand.tokens  # and its candidate is what vLLM returned
-                check_step(tokenizer, set(model.eos_ids), cand.tokens, cand.text, cand.finish, 24)
+                check_step(tokenizer, set(model.eos_ids), cand.tokens, cand.text, cand.finish, 6)
             helper_wins += winner.source == "helper"
             trajectory += winner.tokens
         assert trajectory == state.prompt + state.committed
@@ -150,6 +151,7 @@ def test_the_trajectory_committed_to_the_base_is_what_vllm_generated(engine, mod
         # step, which ended the problem and was not fed to it.
         assert held[state.idx] == trajectory[: len(trajectory) - len(winner.tokens)]
     assert helper_wins > 0  # vLLM's tokens were committed to the base
+    assert sum(len(f.state.history) >= 3 for f in finished) >= 2  # and later steps started from them
     assert {c.source for f in finished for cands in f.state.history for c in cands} == {"base", "helper"}
 
 
