@@ -128,3 +128,47 @@ def test_attend_padded_equals_per_row_attention() -> None:
         s = q[r, :, :n] @ kr.transpose(-1, -2) / D**0.5
         s = s.masked_fill(torch.arange(c + n)[None, :] > c + torch.arange(n)[:, None], float("-inf"))
         assert (out[r, :, :n] - s.softmax(-1) @ vr).abs().max() < 1e-5
+
+
+def test_shared_prefixes_are_the_rows_common_leading_blocks() -> None:
+    """The cascade's groups (read from the host block table) against the rows' own block lists."""
+    cache = FullCache(1, 1, 4, 512, max_rows=64, block_size=4)
+
+    def grow(rows, n):
+        cache.begin(rows, [n] * len(rows))
+        cache.end()
+
+    a, b, short = cache.create(), cache.create(), cache.create()
+    grow([a, b, short], 10)  # two full blocks each, and a partly filled third
+    grow([short], 1)
+    kids_a = cache.fork(a, 3)
+    grow(kids_a[:2], 7)      # copy-on-write of the partial block, then new blocks
+    grandkids = cache.fork(kids_a[0], 2)
+    grow(grandkids, 5)
+    kids_b = cache.fork(b, 2)
+    lonely = cache.create()
+    grow([lonely], 3)        # under one block: in no group
+    def reference(rows):
+        lengths = [cache.length(r) for r in rows]
+        by_first: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            if lengths[i] >= cache.block_size:
+                by_first.setdefault(cache.rows[row].blocks[0], []).append(i)
+        groups = []
+        for members in by_first.values():
+            if len(members) > 1:
+                full = min(lengths[i] for i in members) // cache.block_size
+                lists = [cache.rows[rows[i]].blocks[:full] for i in members]
+                groups.append((members, next((k for k in range(full) if len({bl[k] for bl in lists}) > 1), full)))
+        return groups, lengths
+
+    cases = {  # rows -> (members per group, shared blocks per group)
+        (kids_a[2], lonely, *grandkids, b, *kids_a[:2], a, *kids_b, short): ([6, 3], [2, 2]),
+        (*kids_a[:2], *grandkids): ([4], [2]),  # the two children part at their third block
+        (kids_a[0], *grandkids): ([3], [4]),    # the grandchildren hold their parent's four full blocks
+    }
+    for rows, (sizes, shared) in cases.items():
+        expected, lengths = reference(list(rows))
+        got = cache._shared_prefixes(list(rows), lengths)
+        assert got == expected
+        assert [len(m) for m, _ in got] == sizes and [s for _, s in got] == shared

@@ -291,25 +291,23 @@ class FullCache(KVCache):
         return host
 
     def _shared_prefixes(self, rows: Sequence[int], lengths: list[int]) -> list[tuple[list[int], int]]:
-        """Groups of the forward's rows (indices into `rows`) holding the same first block, each with the
-        number of full cached blocks all its rows share. A row's block list only changes at its end, so
-        rows holding the same block at index j hold the same blocks before it."""
-        by_first: dict[int, list[int]] = {}
-        for i, (row, length) in enumerate(zip(rows, lengths)):
-            if length >= self.block_size:
-                by_first.setdefault(self.rows[row].blocks[0], []).append(i)
+        """Groups of the forward's rows (indices into `rows`) holding the same first block, in the order of their
+        first rows, each with the number of full cached blocks all its rows share, read from the host block
+        table. A row's block list only changes at its end, so rows holding the same block at index j hold the
+        same blocks before it: the shared blocks are the leading run of equal table columns."""
+        rows_np, lengths_np = np.asarray(rows, np.int64), np.asarray(lengths, np.int64)
+        eligible = np.flatnonzero(lengths_np >= self.block_size)
+        _, first_at, owner, counts = np.unique(self.table[rows_np[eligible], 0], return_index=True,
+                                               return_inverse=True, return_counts=True)
+        by_first = np.split(eligible[np.argsort(owner, kind="stable")], np.cumsum(counts)[:-1])
         groups = []
-        for members in by_first.values():
+        for g in np.argsort(first_at):
+            members = by_first[g]
             if len(members) > 1:
-                first = self.rows[rows[members[0]]].blocks
-                shared = min(lengths[i] for i in members) // self.block_size
-                for i in members[1:]:
-                    blocks = self.rows[rows[i]].blocks
-                    low = 1  # the first block is shared: find the last shared index by bisection
-                    while low < shared:
-                        mid = (low + shared + 1) // 2
-                        low, shared = (mid, shared) if blocks[mid - 1] == first[mid - 1] else (low, mid - 1)
-                groups.append((members, shared))
+                limit = int(lengths_np[members].min()) // self.block_size
+                blocks = self.table[rows_np[members], :limit]
+                same = (blocks == blocks[0]).all(0)
+                groups.append((members.tolist(), limit if same.all() else int(same.argmin())))
         return groups
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
