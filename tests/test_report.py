@@ -51,7 +51,7 @@ def write_run(root: Path, method: str, *, bench: str = "math500", n: int = 8, bu
               correct: set[int] = frozenset(), sources=lambda i: "bh", problems: int = 10, finished: bool = True,
               synthetic: bool = False, ent=lambda i: 1.0, evictor: str = "rkv", base: str | None = None,
               helper: str | None = None, prm: str | None = None, scorer: str = "prm",
-              detector: dict | None = None) -> Path:
+              detector: dict | None = None, first: int = 0) -> Path:
     budget = budget if method in ("bon", "interleave", "kvrescue") else None
     roles = ROLES[method] if scorer == "prm" else {*ROLES[method], "helper"} - {"prm"}  # the helper scores
     models = {r: MODELS[r] for r in roles}
@@ -62,7 +62,7 @@ def write_run(root: Path, method: str, *, bench: str = "math500", n: int = 8, bu
                     {"temperature": 0.8, "detector": detector})
     path = run_dir(root, cfg)
     with RunFolder.open(path, cfg, total=problems) as rf:
-        for i in range(problems if finished else problems // 2):
+        for i in range(first, first + (problems if finished else problems // 2)):
             rf.append(make_trace(i, i in correct, sources(i), ent(i)))
         if finished:
             rf.write_summary()
@@ -510,3 +510,15 @@ def test_calibration_uses_each_runs_own_thresholds(tmp_path):
     # min gzip ratio: 0.5 for the committed ones; 0.4, 0.5, 0.4 for the others of each problem: 0.4 is under 0.45
     assert rows[("min_gzip_ratio", "yes")]["threshold"] == 0.45 and rows[("min_gzip_ratio", "yes")]["beyond"] == 0.0
     assert rows[("min_gzip_ratio", "no")]["beyond"] == pytest.approx(2 / 3)
+
+
+def test_oracle_goes_on_past_a_helper_run_that_shares_no_problems(tmp_path):
+    # Two helper N=1 runs (two helper models): the first ran problems 10-19 (none of bon's 0-9), the second 0-9.
+    write_run(tmp_path, "bon", n=1, correct={0, 1, 2})
+    write_run(tmp_path, "helper", n=1, first=10, correct={10})
+    write_run(tmp_path, "helper", n=1, helper="Zz/Other-Helper", correct={2, 3})
+    write_run(tmp_path, "full", n=1, correct=set(range(8)))
+    first, second = report_json(tmp_path)["oracle"]
+    assert first == oracle_record(reason="the paired bon and helper runs share no problems")
+    assert second == oracle_record(helper="Zz/Other-Helper", seeds=1, bon=0.3, helper_acc=0.2, oracle=pytest.approx(0.4),
+                                   full=0.8, recovered=pytest.approx((0.4 - 0.3) / (0.8 - 0.3)))
