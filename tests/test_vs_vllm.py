@@ -11,8 +11,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_vllm.py"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
-def test_without_vllm_one_line_error():
-    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("sections", [[], ["--sections", "full", "--full-limit", "2", "--full-steps", "2"]])
+def test_without_vllm_one_line_error(sections):
+    done = subprocess.run([sys.executable, str(SCRIPT), *sections], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stdout == ""
     lines = done.stderr.strip().splitlines()
@@ -22,7 +23,7 @@ def test_without_vllm_one_line_error():
 
 
 def test_unknown_section_one_line_error():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--sections", "prm,speed"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(SCRIPT), "--sections", "full,speed"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.strip() == "vs_vllm: unknown section 'speed': use decode, prm"
+    assert done.stderr.strip() == "vs_vllm: unknown section 'speed': use decode, prm, full"
