@@ -18,7 +18,7 @@ import pytest
 from kvrescue_cli.outputs import (
     Candidate, ModelRef, RunConfig, RunFolder, RunFolderError, Step, Tokens, Trace,
     TornTraceWarning, busy_seconds, environment, problem_checksum, read_traces, run_dir, same_cell_elsewhere,
-    summarize,
+    summarize, write_json_atomic,
 )
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct", "abc"),
@@ -449,3 +449,20 @@ def test_sigkill_mid_append_leaves_a_readable_resumable_file(tmp_path):
         rf.close()
     data = (path / "traces.jsonl").read_bytes()
     assert data.endswith(b"\n") and data.count(b"\n") == len(read_traces(path / "traces.jsonl"))
+
+
+def test_json_files_are_written_through_a_hidden_temporary_file_beside_them(tmp_path, monkeypatch):
+    real_fsync, seen = os.fsync, []
+
+    def fsync_and_look(fd: int) -> None:
+        real_fsync(fd)
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+
+    (tmp_path / "summary.json").write_text("old")
+    monkeypatch.setattr(os, "fsync", fsync_and_look)
+    write_json_atomic(tmp_path / "summary.json", {"accuracy": np.float32(0.5), "problems": np.int64(3)})
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    (during,) = [names for names in seen if len(names) == 2]  # the file's fsync: old file and its replacement
+    assert during[0].startswith(".summary.json.") and during[0].endswith(".tmp") and during[1] == "summary.json"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    assert (tmp_path / "summary.json").read_bytes() == b'{\n  "accuracy": 0.5,\n  "problems": 3\n}\n'
