@@ -193,7 +193,10 @@ def test_run_record_timestamps_are_utc_and_creation_survives_resuming(tmp_path, 
     stored["run"] = None
     (tmp_path / "config.json").write_bytes(orjson.dumps(stored))
     RunFolder.open(tmp_path, config()).close()
-    assert run_record(tmp_path)["created_at"] != "2020-01-02T03:04:05Z"
+    run = run_record(tmp_path)
+    assert run["created_at"] == run["updated_at"] != "2020-01-02T03:04:05Z"
+    stored = orjson.loads((tmp_path / "config.json").read_bytes())
+    assert (stored["format"], stored["hash"]) == (1, config().digest())
 
 
 def test_shards_run_one_after_the_other_into_one_folder_are_all_recorded(tmp_path):
@@ -466,3 +469,12 @@ def test_json_files_are_written_through_a_hidden_temporary_file_beside_them(tmp_
     assert during[0].startswith(".summary.json.") and during[0].endswith(".tmp") and during[1] == "summary.json"
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
     assert (tmp_path / "summary.json").read_bytes() == b'{\n  "accuracy": 0.5,\n  "problems": 3\n}\n'
+
+
+def test_a_closed_folder_refuses_appends_and_closes_once(tmp_path):
+    rf = RunFolder.open(tmp_path, config())
+    rf.close()
+    rf.close()
+    with pytest.raises(ValueError, match="run folder is closed"):
+        rf.append(trace(0))
+    RunFolder.open(tmp_path, config()).close()  # the lock was released
