@@ -478,3 +478,16 @@ def test_a_closed_folder_refuses_appends_and_closes_once(tmp_path):
     with pytest.raises(ValueError, match="run folder is closed"):
         rf.append(trace(0))
     RunFolder.open(tmp_path, config()).close()  # the lock was released
+
+
+def test_environment_records_versions_and_executor_and_totals_over_one_k_only(tmp_path):
+    import importlib.metadata
+
+    with RunFolder.open(tmp_path, config(), total=4, executor={"kind": "in-process", "devices": ["cpu"]}) as rf:
+        env = orjson.loads((tmp_path / "config.json").read_bytes())["environment"]
+        assert env["executor"] == {"kind": "in-process", "devices": ["cpu"]}
+        assert env["versions"]["kvrescue"] == importlib.metadata.version("kvrescue")
+        assert env["versions"]["torch"] == importlib.metadata.version("torch")
+    from kvrescue_cli.outputs import recorded_total
+    assert recorded_total({"total": 4, "shards": {"0/2": 5, "0/3": 4}}) == 4  # shards of two splits: the latest
+    assert recorded_total({"total": 4, "shards": {"0/2": 5, "1/2": None}}) is None
