@@ -9,6 +9,7 @@ tensors; the `Runner`s own the models, caches and logits (nano-vllm's scheduler 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
@@ -20,7 +21,8 @@ from kvrescue_cli.engine.steps import CandidateStep, StepRules
 from kvrescue_cli.methods import METHODS, Method
 from kvrescue_cli.outputs import Step
 
-PROGRESS_EVERY_S = 2.0
+# Seconds between running-total reports (progress bars); $KVRESCUE_PROGRESS_EVERY_S overrides (0: every iteration).
+PROGRESS_EVERY_S = float(os.environ.get("KVRESCUE_PROGRESS_EVERY_S", "2.0"))
 
 
 @dataclass(frozen=True)

@@ -326,28 +326,27 @@ def test_actors_report_their_running_totals_to_the_driver(models, cluster, tmp_p
     from kvrescue_cli import workers
     from kvrescue_cli.data import ProblemSet
     from kvrescue_cli.grid import Cell, GridOptions
-    from kvrescue_cli.search import PROGRESS_EVERY_S, SearchSettings
+    from kvrescue_cli.search import SearchSettings
 
     roles = dict(zip(("base", "helper", "prm"), models[1::2]))
-    # Steps long enough for each problem to decode for longer than the actor's reporting interval.
     settings = SearchSettings(batch=1, synthetic_steps=(32, 16), max_step_tokens=32, context_cap=2048)
     options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
                           models=roles, scorer="prm", settings=settings, out=tmp_path, devices=("cpu",),
                           ray_address=cluster.address)
     cell = Cell(ProblemSet("t", "generic", "t.jsonl", []), "bon", 16, 2, 0)
     emitted, reported = [], []
-    ray.init(address=cluster.address, **workers.RAY_QUIET)
+    # The actors report every iteration (their processes read the interval from this job's environment), so the
+    # test does not depend on how long the decode takes here.
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"KVRESCUE_PROGRESS_EVERY_S": "0"}}, **workers.RAY_QUIET)
     try:
         pool = workers.RayWorkers(options, lambda message: None)
         pool.start()
-        started = time.monotonic()
         pool.decode(cell, [problem(1), problem(2)], lambda trace, tokens: emitted.append((trace, tokens)),
                     reported.append)
-        took = time.monotonic() - started
     finally:
         ray.shutdown()
     assert sorted(trace.idx for trace, _ in emitted) == [1, 2]
-    assert took > 2 * PROGRESS_EVERY_S and reported, f"{took:.1f} s, no report"
+    assert len(reported) > 1, "no report from the actors while they decoded"
     assert all(earlier.generated_tokens <= later.generated_tokens for earlier, later in zip(reported, reported[1:]))
     assert 0 < reported[-1].generated_tokens <= sum(tokens for _, tokens in emitted) == 2 * 2 * 32 * 16
     assert reported[-1].committed_steps <= 2 * 16
