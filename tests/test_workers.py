@@ -225,6 +225,9 @@ def test_ctrl_c_stops_every_actor_and_the_private_ray_instance_and_the_run_resum
     process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     wait_for_traces(tmp_path, process, 1)
+    deadline = time.time() + 30  # an actor's process shows its title only once Ray has renamed it
+    while time.time() < deadline and len(actor_pids(process.pid)) < 2:
+        time.sleep(0.05)
     ray_processes = descendants(process.pid)  # the private Ray instance's node and its actors
     assert len(actor_pids(process.pid)) == 2
     os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
