@@ -3,7 +3,8 @@
 A candidate's stream key is derived once on the host from (run seed, problem idx, step, candidate
 index); its t-th token uses the uniform hash(key, t), computed for every row at once on the logits'
 device. A row's draw depends only on its own logits, key and counter, so a run is reproducible and a
-candidate's tokens do not depend on which rows share its batch. Every sampled token also comes with
+candidate's draws do not depend on which rows share its batch (its logits may, in their last bits:
+README, "Reproducibility"). Every sampled token also comes with
 the exact full-vocabulary entropy (nats) of softmax(logits) at T = 1.
 
 Stream version 2 (recorded in every run folder's config): a murmur3-finaliser hash in exact 32-bit
