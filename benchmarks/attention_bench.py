@@ -93,7 +93,7 @@ def kv_bytes_per_step(variant: str, cache: FullCache, rows: list[int]) -> int:
     bs = cache.block_size
     block_bytes = 2 * bs * cache.k.shape[3] * cache.k.shape[4] * cache.k.element_size()
     if variant == "gather":
-        blocks = len(rows) * max(len(cache.rows[r].blocks) for r in rows)
+        blocks = len(rows) * max(len(cache.blocks(r)) for r in rows)
     else:
         f = cache.fwd
         blocks = int((-(-(f.own.cached + 1) // bs)).sum())
@@ -117,7 +117,7 @@ def measure_shape(device: str, dtype: torch.dtype, context: int, problems: int, 
     counted = {"cascade": kv_bytes_per_step("cascade", cascade, rows)}
     # gather and paged copy about what they read (gather: the padded table), which bounds the shapes on a CPU.
     token_bytes = 2 * HELPER["kv_heads"] * dim * cascade.k.element_size()
-    single = len(rows) * max(len(cascade.rows[r].blocks) for r in rows) * cascade.block_size * token_bytes
+    single = len(rows) * max(len(cascade.blocks(r)) for r in rows) * cascade.block_size * token_bytes
     paged = None
     if single / 2**30 <= max_gib:
         paged, paged_rows = filled_cache(None, problems, n, context, step, layers, device, dtype)

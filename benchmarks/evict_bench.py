@@ -33,7 +33,7 @@ import torch
 from kvrescue_cli.data import BUNDLED
 from kvrescue_cli.detect import Detector
 from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.caches import FullCache, _Row, block_size_for
+from kvrescue_cli.engine.caches import FullCache, block_size_for
 from kvrescue_cli.engine.evict import MIN_BUDGET
 from kvrescue_cli.engine.model import CausalLM, ModelArgs
 from kvrescue_cli.shapes import SLACK
@@ -87,9 +87,9 @@ def make_paged_rows(net: CausalLM, batch: int, length: int, room: int, candidate
     rows = []
     for _ in range(parents):
         parent = cache.create()
-        blocks = [cache._new_block() for _ in range(-(-length // cache.block_size))]  # benchmark only: as if prefilled
-        cache.rows[parent] = _Row(blocks, length)
+        blocks = cache._new_blocks(-(-length // cache.block_size))  # benchmark only: as if prefilled
         cache.table[parent, :len(blocks)] = blocks
+        cache.n_blocks[parent], cache.lengths[parent] = len(blocks), length
         rows += cache.fork(parent, min(candidates, batch - len(rows)))
     return cache, rows
 

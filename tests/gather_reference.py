@@ -13,7 +13,7 @@ def gather_attend(cache: FullCache, layer: int, rows: list[int], kv_lengths: lis
     """Attention of q [R, Hq, T, D] (the new tokens of `rows`, already written to the cache, which held
     kv_lengths[i] tokens of rows[i] before them) over each row's blocks, gathered."""
     R, _, T, D = q.shape
-    blocks = [cache.rows[r].blocks for r in rows]
+    blocks = [cache.blocks(r) for r in rows]
     widest = max(len(b) for b in blocks)
     ids = torch.tensor([b + [0] * (widest - len(b)) for b in blocks], device=q.device).flatten()
     heads_dim = cache.k.shape[3:]
@@ -31,7 +31,7 @@ def exact_attend(cache: FullCache, layer: int, rows: list[int], kv_lengths: list
     out = torch.zeros(R, Hq, T, D, dtype=torch.float64)
     for i, (row, cached) in enumerate(zip(rows, kv_lengths)):
         n = cache.length(row)
-        blocks = torch.tensor(cache.rows[row].blocks)
+        blocks = torch.tensor(cache.blocks(row))
         g = Hq // cache.k.shape[3]
         k, v = (pool[layer, blocks].flatten(0, 1)[:n].double().repeat_interleave(g, dim=1).transpose(0, 1)
                 for pool in (cache.k, cache.v))  # [Hq, n, D]

@@ -1,5 +1,6 @@
 """FullCache: shared-prefix decoding equals private copies; forks, adopt and memory accounting."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,11 +55,11 @@ def test_fork_never_changes_parent_and_parent_never_changes_fork(model) -> None:
     parent = cache.create()
     prefix = list(range(10, 20))
     _prefill(model, cache, parent, prefix)
-    k_before = cache.k[:, cache.rows[parent].blocks].clone()
+    k_before = cache.k[:, cache.blocks(parent)].clone()
     (child,) = cache.fork(parent, 1)
     _decode(model, cache, [child], [5])
     _decode(model, cache, [child], [6])
-    assert torch.equal(cache.k[:, cache.rows[parent].blocks], k_before)
+    assert torch.equal(cache.k[:, cache.blocks(parent)], k_before)
     assert cache.length(parent) == 10 and cache.length(child) == 12
     # The parent moving on does not disturb the child either.
     next_parent = _decode(model, cache, [parent], [7])
@@ -90,7 +91,7 @@ def test_adopt_commits_the_fork_and_frees_the_rest(model) -> None:
     expected = _prefill(model, ref, r, list(range(30, 39)) + [50 + t for t in range(5)] + [7])
     assert (after - expected).abs().max() < TOL
     cache.release([parent])
-    assert cache.blocks_in_use() == 0 and not cache.rows
+    assert cache.blocks_in_use() == 0 and len(cache.free_rows) == 8
 
 
 @torch.no_grad()
@@ -153,12 +154,12 @@ def test_shared_prefixes_are_the_rows_common_leading_blocks() -> None:
         by_first: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             if lengths[i] >= cache.block_size:
-                by_first.setdefault(cache.rows[row].blocks[0], []).append(i)
+                by_first.setdefault(cache.blocks(row)[0], []).append(i)
         groups = []
         for members in by_first.values():
             if len(members) > 1:
                 full = min(lengths[i] for i in members) // cache.block_size
-                lists = [cache.rows[rows[i]].blocks[:full] for i in members]
+                lists = [cache.blocks(rows[i])[:full] for i in members]
                 groups.append((members, next((k for k in range(full) if len({bl[k] for bl in lists}) > 1), full)))
         return groups, lengths
 
@@ -169,6 +170,25 @@ def test_shared_prefixes_are_the_rows_common_leading_blocks() -> None:
     }
     for rows, (sizes, shared) in cases.items():
         expected, lengths = reference(list(rows))
-        got = cache._shared_prefixes(list(rows), lengths)
+        groups = cache._shared_prefixes(np.array(rows), np.array(lengths))
+        got = [(m.tolist(), int(s)) for m, s in zip(np.split(groups.rows, np.cumsum(groups.sizes)[:-1]), groups.shared)]
         assert got == expected
         assert [len(m) for m, _ in got] == sizes and [s for _, s in got] == shared
+
+
+@torch.no_grad()
+def test_copy_on_write_leaves_the_last_holder_its_block(model) -> None:
+    """Children writing into their released parent's partly filled block: all but the last copy it."""
+    cache = FullCache.for_model(model.net, 1024, max_rows=8, block_size=4)
+    parent = cache.create()
+    prefix = list(range(10, 20))  # blocks 0 and 1 full, block 2 partly filled
+    _prefill(model, cache, parent, prefix)
+    children = cache.fork(parent, 3)
+    partial = cache.blocks(parent)[2]
+    cache.release([parent])
+    out = _decode(model, cache, children, [5, 6, 7])
+    assert [cache.blocks(c)[2] == partial for c in children] == [False, False, True]
+    assert cache.blocks_in_use() == 2 + 3
+    for child, token, logits in zip(children, [5, 6, 7], out):
+        ref = FullCache.for_model(model.net, 1024, max_rows=8, block_size=4)
+        assert (logits - _prefill(model, ref, ref.create(), prefix + [token])).abs().max() < TOL

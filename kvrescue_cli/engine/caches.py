@@ -6,7 +6,7 @@ releases rows; the model drives a forward through `begin` / `attend` (once per l
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -88,6 +88,15 @@ class _SharedPrefixes:
 
 
 @dataclass
+class _Groups:
+    """A forward's rows that share leading blocks, group after group (from `FullCache._shared_prefixes`)."""
+
+    rows: np.ndarray    # [M] the grouped rows (indices into the forward), each group's rows in forward order
+    sizes: np.ndarray   # [G] rows per group
+    shared: np.ndarray  # [G] full blocks all rows of the group hold in common
+
+
+@dataclass
 class _Forward:
     """Metadata of the forward in progress, computed once in `begin` and read by every layer."""
 
@@ -95,12 +104,6 @@ class _Forward:
     slots: torch.Tensor  # [N] flat slot (block * block_size + offset) of each valid new token
     valid: torch.Tensor | None  # [N] flat (row * T + t) index of each valid new token; None when all are
     shared: _SharedPrefixes | None  # None without cascade or when no two rows share a block
-
-
-@dataclass
-class _Row:
-    blocks: list[int] = field(default_factory=list)
-    length: int = 0
 
 
 class FullCache(KVCache):
@@ -141,10 +144,12 @@ class FullCache(KVCache):
         self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.table = np.zeros((max_rows, -(-max_row_tokens // block_size)), np.int64)
-        self.refs = [0] * num_blocks
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.lengths = np.zeros(max_rows, np.int64)   # each row's tokens
+        self.n_blocks = np.zeros(max_rows, np.int64)  # each row's blocks: table[row, :n_blocks[row]]
+        self.refs = np.zeros(num_blocks, np.int64)
+        self.free_blocks = np.arange(num_blocks - 1, -1, -1)  # a stack: its first n_free entries are free
+        self.n_free = num_blocks
         self.free_rows = list(range(max_rows - 1, -1, -1))
-        self.rows: dict[int, _Row] = {}
         self.fwd: _Forward | None = None
 
     @classmethod
@@ -162,109 +167,130 @@ class FullCache(KVCache):
         if not self.free_rows:
             raise RuntimeError(f"FullCache: all {self.table.shape[0]} rows in use")
         row = self.free_rows.pop()
-        self.rows[row] = _Row()
+        self.lengths[row] = self.n_blocks[row] = 0
         return row
 
     def fork(self, row: int, n: int) -> list[int]:
-        parent = self.rows[row]
-        children = []
-        for _ in range(n):
-            child = self.create()
-            self.rows[child] = _Row(list(parent.blocks), parent.length)
-            for b in parent.blocks:
-                self.refs[b] += 1
-            children.append(child)
-        if children and parent.blocks:
-            nb = len(parent.blocks)
+        children = [self.create() for _ in range(n)]
+        nb = self.n_blocks[row]
+        if children:
             self.table[children, :nb] = self.table[row, :nb]
+            self.lengths[children], self.n_blocks[children] = self.lengths[row], nb
+            self.refs[self.table[row, :nb]] += n  # a row's blocks are distinct
         return children
 
     def adopt(self, row: int, child: int) -> None:
-        self._drop_blocks(self.rows[row].blocks)
-        taken = self.rows.pop(child)
-        self.rows[row] = taken
-        if taken.blocks:
-            self.table[row, : len(taken.blocks)] = self.table[child, : len(taken.blocks)]
+        self._drop_rows([row])
+        nb = self.n_blocks[child]
+        self.table[row, :nb] = self.table[child, :nb]
+        self.lengths[row], self.n_blocks[row] = self.lengths[child], nb
         self.free_rows.append(child)
 
     def release(self, rows: Iterable[int]) -> None:
-        for row in rows:
-            self._drop_blocks(self.rows.pop(row).blocks)
-            self.free_rows.append(row)
+        rows = list(rows)
+        self._drop_rows(rows)
+        self.free_rows += rows
 
     def length(self, row: int) -> int:
-        return self.rows[row].length
+        return int(self.lengths[row])
 
     def peak_length(self, row: int) -> int:
-        return self.rows[row].length  # a full cache never shrinks a row
+        return int(self.lengths[row])  # a full cache never shrinks a row
+
+    def blocks(self, row: int) -> list[int]:
+        """The row's blocks, in order: its token i lies in blocks(row)[i // block_size]."""
+        return self.table[row, : self.n_blocks[row]].tolist()
 
     def blocks_in_use(self) -> int:
         """Physical blocks referenced by at least one row."""
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.n_free
 
-    def _drop_blocks(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self.free_blocks.append(b)
+    def _drop_rows(self, rows: Sequence[int]) -> None:
+        """Drop the rows' references to their blocks, freeing those no row holds any more."""
+        rows_np = np.asarray(rows, np.int64)
+        n_blocks = self.n_blocks[rows_np]
+        held = self.table[rows_np, : int(n_blocks.max(initial=0))]
+        held = held[np.arange(held.shape[1]) < n_blocks[:, None]]
+        held, times = np.unique(held, return_counts=True)
+        self.refs[held] -= times
+        self._push_free(held[self.refs[held] == 0])
+        self.n_blocks[rows_np] = 0
 
-    def _new_block(self) -> int:
-        if not self.free_blocks:
+    def _push_free(self, blocks: np.ndarray) -> None:
+        self.free_blocks[self.n_free: self.n_free + len(blocks)] = blocks
+        self.n_free += len(blocks)
+
+    def _new_blocks(self, n: int) -> np.ndarray:
+        """n free blocks, each referenced once."""
+        if n > self.n_free:
             raise RuntimeError(
                 f"FullCache: out of blocks ({self.num_blocks} x {self.block_size} tokens); build it with more"
             )
-        b = self.free_blocks.pop()
-        self.refs[b] = 1
-        return b
+        self.n_free -= n
+        blocks = self.free_blocks[self.n_free: self.n_free + n][::-1].copy()
+        self.refs[blocks] = 1
+        return blocks
 
     # -- forward protocol ---------------------------------------------------------------------------
     def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
         bs = self.block_size
-        cow_src, cow_dst = [], []
-        lengths = []
-        for row, n in zip(rows, n_new):
-            r = self.rows[row]
-            lengths.append(r.length)
-            if r.length % bs and n and self.refs[r.blocks[-1]] > 1:
-                old, new = r.blocks[-1], self._new_block()
-                self.refs[old] -= 1
-                cow_src.append(old)
-                cow_dst.append(new)
-                r.blocks[-1] = self.table[row, len(r.blocks) - 1] = new
-            if r.length + n > self.table.shape[1] * bs:
-                raise RuntimeError(f"FullCache: row {row} would exceed max_row_tokens ({self.table.shape[1] * bs})")
-            while len(r.blocks) * bs < r.length + n:
-                self.table[row, len(r.blocks)] = block = self._new_block()
-                r.blocks.append(block)
-            r.length += n
-        groups = self._shared_prefixes(rows, lengths) if self.cascade_from is not None else []
-        if sum(shared * bs * (len(members) - 1) for members, shared in groups) < (self.cascade_from or 0):
-            groups = []  # too little re-reading saved to pay for the extra pass
-        host = self._forward_arrays(np.asarray(rows, np.int64), np.asarray(lengths, np.int64),
-                                    np.asarray(n_new, np.int64), groups)
-        host["cow_src"], host["cow_dst"] = np.asarray(cow_src, np.int64), np.asarray(cow_dst, np.int64)
+        rows_np, n_np = np.asarray(rows, np.int64), np.asarray(n_new, np.int64)
+        lengths, n_blocks = self.lengths[rows_np], self.n_blocks[rows_np]
+        too_long = np.flatnonzero(lengths + n_np > self.table.shape[1] * bs)
+        if len(too_long):
+            raise RuntimeError(f"FullCache: row {rows_np[too_long[0]]} would exceed max_row_tokens "
+                               f"({self.table.shape[1] * bs})")
+        copies, cow_src = self._copies_on_write(rows_np, lengths, n_blocks, n_np)
+        grow = -(-(lengths + n_np) // bs) - n_blocks
+        new = self._new_blocks(len(copies) + int(grow.sum()))
+        cow_dst, new = new[: len(copies)], new[len(copies):]
+        np.subtract.at(self.refs, cow_src, 1)
+        self.table[rows_np[copies], n_blocks[copies] - 1] = cow_dst
+        which = np.repeat(np.arange(len(rows_np)), grow)
+        self.table[rows_np[which], n_blocks[which] + np.arange(len(new)) - np.repeat(np.cumsum(grow) - grow, grow)] = new
+        self.n_blocks[rows_np] += grow
+        self.lengths[rows_np] += n_np
+        groups = self._shared_prefixes(rows_np, lengths) if self.cascade_from is not None else None
+        if groups is not None and (groups.shared * bs * (groups.sizes - 1)).sum() < (self.cascade_from or 0):
+            groups = None  # too little re-reading saved to pay for the extra pass
+        host = self._forward_arrays(rows_np, lengths, n_np, groups)
+        host["cow_src"], host["cow_dst"] = cow_src, cow_dst
         dev = upload_all(host, self.k.device)  # the forward's one copy; nothing here waits for the device
-        if cow_src:
+        if len(cow_src):
             self.k[:, dev["cow_dst"]] = self.k[:, dev["cow_src"]]
             self.v[:, dev["cow_dst"]] = self.v[:, dev["cow_src"]]
-        T = max(n_new)
+        T = int(n_np.max())
         pick = lambda prefix: {k[len(prefix):]: v for k, v in dev.items() if k.startswith(prefix)}  # noqa: E731
         shared = None
-        if groups:
+        if groups is not None:
             members = dev["members"]
             shared = _SharedPrefixes(paged_keys(self.k[0], pick("shared."), members.shape[1] * T, causal=False),
                                      members, dev["grouped_rows"], dev["grouped_slots"])
         self.fwd = _Forward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"), shared)
         return dev["positions"]
 
+    def _copies_on_write(self, rows: np.ndarray, lengths: np.ndarray, n_blocks: np.ndarray,
+                         n_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows (indices into `rows`) about to write into a partly filled last block that other rows hold, which
+        must copy it first, and those blocks. Rows of the forward holding the same such block copy it in their
+        order, except the last holder when no row outside them holds it."""
+        at = np.flatnonzero((lengths % self.block_size != 0) & (n_new > 0))
+        last = self.table[rows[at], n_blocks[at] - 1]
+        order = np.argsort(last, kind="stable")
+        starts = np.flatnonzero(np.r_[True, last[order][1:] != last[order][:-1]])
+        before = np.empty(len(at), np.int64)  # rows of this forward holding the same block before this one
+        before[order] = np.arange(len(at)) - np.repeat(starts, np.diff(np.r_[starts, len(at)]))
+        copy = before < self.refs[last] - 1
+        return at[copy], last[copy]
+
     def _forward_arrays(self, rows: np.ndarray, lengths: np.ndarray, n_new: np.ndarray,
-                        groups: list[tuple[list[int], int]]) -> dict[str, np.ndarray]:
+                        groups: _Groups | None) -> dict[str, np.ndarray]:
         """A forward's metadata, on the host: positions, the valid new tokens' slots, and the paged layouts of
         each row's own blocks and of the groups' shared prefixes."""
         bs, T = self.block_size, int(n_new.max())
         skipped = np.zeros(len(rows), np.int64)  # shared blocks each row reads through its group
-        for members, shared in groups:
-            skipped[members] = shared
+        if groups is not None:
+            skipped[groups.rows] = np.repeat(groups.shared, groups.sizes)
         table = self.table[rows, : int((-(-(lengths + n_new) // bs)).max())]
         # Own blocks cover the padded queries' keys too (cached + T): a paged kernel may read that far.
         own = skipped[:, None] + np.arange(int((-(-(lengths + T) // bs) - skipped).max()))
@@ -277,38 +303,46 @@ class FullCache(KVCache):
         if n_new.min() < T:
             host["valid"] = np.flatnonzero(valid)
         host.update(("own." + k, v) for k, v in paged_layout(self.k[0], own_table, lengths - skipped * bs, T, True).items())
-        if groups:
-            n = max(len(members) for members, _ in groups)
-            members = np.array([m + [m[0]] * (n - len(m)) for m, _ in groups], np.int64)
-            widest = max(shared for _, shared in groups)
-            prefix = np.array([shared * bs for _, shared in groups], np.int64)
-            layout = paged_layout(self.k[0], self.table[rows[members[:, 0]], :widest], prefix, n * T, False)
+        if groups is not None:
+            n = int(groups.sizes.max())
+            starts = np.cumsum(groups.sizes) - groups.sizes
+            member = np.arange(len(groups.rows)) - np.repeat(starts, groups.sizes)  # index within its group
+            group = np.repeat(np.arange(len(groups.sizes)), groups.sizes)
+            members = np.repeat(groups.rows[starts], n).reshape(-1, n)  # padded with each group's first row
+            members[group, member] = groups.rows
+            layout = paged_layout(self.k[0], self.table[rows[groups.rows[starts]], : int(groups.shared.max())],
+                                  groups.shared * bs, n * T, False)
             host.update(("shared." + k, v) for k, v in layout.items())
             host["members"] = members
-            host["grouped_rows"] = np.array([i for m, _ in groups for i in m], np.int64)
-            host["grouped_slots"] = np.array([g * n + j for g, (m, _) in enumerate(groups) for j in range(len(m))],
-                                             np.int64)
+            host["grouped_rows"] = groups.rows
+            host["grouped_slots"] = group * n + member
         return host
 
-    def _shared_prefixes(self, rows: Sequence[int], lengths: list[int]) -> list[tuple[list[int], int]]:
+    def _shared_prefixes(self, rows: np.ndarray, lengths: np.ndarray) -> _Groups | None:
         """Groups of the forward's rows (indices into `rows`) holding the same first block, in the order of their
         first rows, each with the number of full cached blocks all its rows share, read from the host block
-        table. A row's block list only changes at its end, so rows holding the same block at index j hold the
-        same blocks before it: the shared blocks are the leading run of equal table columns."""
-        rows_np, lengths_np = np.asarray(rows, np.int64), np.asarray(lengths, np.int64)
-        eligible = np.flatnonzero(lengths_np >= self.block_size)
-        _, first_at, owner, counts = np.unique(self.table[rows_np[eligible], 0], return_index=True,
-                                               return_inverse=True, return_counts=True)
-        by_first = np.split(eligible[np.argsort(owner, kind="stable")], np.cumsum(counts)[:-1])
-        groups = []
-        for g in np.argsort(first_at):
-            members = by_first[g]
-            if len(members) > 1:
-                limit = int(lengths_np[members].min()) // self.block_size
-                blocks = self.table[rows_np[members], :limit]
-                same = (blocks == blocks[0]).all(0)
-                groups.append((members.tolist(), limit if same.all() else int(same.argmin())))
-        return groups
+        table (None: no group). A row's block list only changes at its end, so rows holding the same block at
+        index j hold the same blocks before it: the shared blocks are the leading run of equal table columns."""
+        eligible = np.flatnonzero(lengths >= self.block_size)
+        first = self.table[rows[eligible], 0]
+        order = np.argsort(first, kind="stable")  # by first block, each group's rows in forward order
+        grouped, first = eligible[order], first[order]
+        starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
+        sizes = np.diff(np.r_[starts, len(grouped)])
+        keep = sizes > 1
+        if not keep.any():
+            return None
+        by_row = np.argsort(grouped[starts[keep]])  # groups in the order of their first rows
+        starts, sizes = starts[keep][by_row], sizes[keep][by_row]
+        members = grouped[np.repeat(starts, sizes) + np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)]
+        limit = np.minimum.reduceat(lengths[members], np.cumsum(sizes) - sizes) // self.block_size
+        width = int(limit.max())
+        blocks = self.table[rows[members], :width]
+        leader = np.repeat(blocks[np.cumsum(sizes) - sizes], sizes, axis=0)
+        parted = np.logical_or.reduceat(blocks != leader, np.cumsum(sizes) - sizes, axis=0)
+        parted |= np.arange(width) >= limit[:, None]
+        shared = np.where(parted.any(1), parted.argmax(1), width)
+        return _Groups(members, sizes, shared)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots."""
