@@ -25,23 +25,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # x * rsqrt(mean(x^2) + eps) in fp32, as Hugging Face's Qwen2RMSNorm computes it
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin [R, 1, T, D] for integer positions [R, T] (Hugging Face rotate-half layout)."""
+    """cos and signed sin [R, 1, T, D] for integer positions [R, T] (Hugging Face rotate-half layout): the sin of
+    the first half negated, so that `apply_rope` rotates with one `roll`."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    sin[..., : head_dim // 2].neg_()
+    return emb.cos().to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, half) * signed_sin (same values:
+    a negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -54,17 +56,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         R, T, _ = x.shape
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(R, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(R, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(R, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk_heads = self.n_heads + self.n_kv_heads
+        qkv = self.wqkv(x).view(R, T, qk_heads + self.n_kv_heads, self.head_dim).transpose(1, 2)
+        qk = apply_rope(qkv[:, :qk_heads], cos, sin)  # the queries' and keys' heads in one pass
+        q, k, v = qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, qk_heads:]
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
         else:
             y = cache.attend(self.layer, q, k, v)
-        return self.shard.all_reduce(self.wo(y.transpose(1, 2).reshape(R, T, q_size)))
+        return self.shard.all_reduce(self.wo(y.transpose(1, 2).reshape(R, T, self.n_heads * self.head_dim)))
 
 
 class FeedForward(nn.Module):
