@@ -26,9 +26,8 @@ def upload_all(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str,
     (booleans become bool tensors)."""
     flat = [np.asarray(a).astype(np.int64, copy=False).ravel() for a in arrays.values()]
     buffer = upload(np.concatenate(flat) if flat else np.zeros(0, np.int64), device)
-    out, at = {}, 0
-    for (name, array), part in zip(arrays.items(), flat):
-        view = buffer[at: at + len(part)].view(np.shape(array))
+    out = {}
+    for (name, array), part in zip(arrays.items(), buffer.split_with_sizes([len(p) for p in flat])):
+        view = part.view(np.shape(array))
         out[name] = view.bool() if np.asarray(array).dtype == bool else view
-        at += len(part)
     return out
