@@ -93,6 +93,10 @@ def test_device_stream_matches_plain_integer_reference() -> None:
     got = uniforms(torch.tensor(keys), torch.tensor(counters)).tolist()
     assert got == [_uniform_reference(k, c) for k, c in zip(keys, counters)]
     assert all(0 <= k < 2**63 for k in keys[:4])
+    g = torch.Generator().manual_seed(5)
+    keys, counters = torch.randint(0, 2**63 - 1, (500,), generator=g), torch.randint(0, 2**32, (500,), generator=g)
+    got = uniforms(keys, counters).tolist()
+    assert got == [_uniform_reference(k, c) for k, c in zip(keys.tolist(), counters.tolist())]
 
 
 def test_stream_is_uniform_enough() -> None:

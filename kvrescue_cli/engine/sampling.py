@@ -49,8 +49,9 @@ def stream_key(*parts: int) -> int:
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for 0 <= x < 2^32, without leaving int64: the constant is split in 16-bit halves."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+    """(x * c) mod 2^32 for 0 <= x < 2^32, without leaving int64: with c = hi * 2^16 + lo, x * hi * 2^16 only
+    keeps the low 16 bits of x mod 2^32, so both products stay below 2^48."""
+    return (x * (c & 0xFFFF) + (x & 0xFFFF) * (c & 0xFFFF0000)) & _MASK32
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,8 @@ def sample(
     if not isinstance(counters, torch.Tensor):
         counters = torch.tensor(list(counters), dtype=torch.long, device=logits.device)
     k = logits.shape[-1] if params.top_k <= 0 else min(params.top_k, logits.shape[-1])
-    vals, idx = torch.topk(logits / params.temperature, k, dim=-1, sorted=True)
+    vals, idx = torch.topk(logits, k, dim=-1, sorted=True)
+    vals = vals / params.temperature  # after the top k: the same values as dividing every logit first
     probs = torch.softmax(vals, dim=-1)
     if params.top_p < 1.0:
         mass_before = probs.cumsum(-1) - probs
