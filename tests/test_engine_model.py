@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from kvrescue_cli.engine import FullCache, ModelLoadError, load_model
 from kvrescue_cli.engine.loader import cpu_has_native_bf16, resolve_dtype
+from kvrescue_cli.engine.model import linear
 
 TOL = 1e-4
 
@@ -120,3 +121,18 @@ def test_random_checkpoint_with_a_larger_vocabulary_than_its_tokenizer(tmp_path)
         expected = ref(ids).logits
     assert ours.logits(ids).shape == (1, 4, 1000) and len(ours.tokenizer) < 1000
     assert (ours.logits(ids) - expected).abs().max() < TOL
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_equals_exact_matmul(rows, dtype) -> None:
+    """`linear` (matrix-vector products for few bf16 rows on a CPU, else F.linear) against float64 x @ WT + b."""
+    g = torch.Generator().manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 1, 96, generator=g), torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
+    x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
+    exact = x.double() @ weight.double().T + bias.double()
+    for b in (bias, None):
+        got = linear(x, weight, b)
+        assert got.shape == (rows, 1, 80) and got.dtype == dtype
+        want = exact if b is not None else exact - bias.double()
+        assert (got.double() - want).abs().max() <= (8e-3 if dtype == torch.bfloat16 else 1e-4) * want.abs().max()

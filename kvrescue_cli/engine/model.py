@@ -18,6 +18,30 @@ from kvrescue_cli.model_config import ModelArgs
 from kvrescue_cli.shapes import local_args
 
 
+# Rows up to which a bf16 linear layer on a CPU computes W @ xT (matrix-vector products) rather than x @ WT: there
+# MKL/oneDNN read a SmolLM2-sized weight 1.3-1.45x faster at 1-32 rows; fp32 gains nothing (benchmarks/linear_bench.py).
+GEMV_ROWS = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); for a bf16 x on a CPU with up to GEMV_ROWS rows, as (weight @ xT)T (torch.mv for one)."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or rows > GEMV_ROWS:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    y = torch.mv(weight, flat[0])[None] if rows == 1 else (weight @ flat.T).T
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear computed by `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -51,8 +75,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.shard = layer, shard
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wqkv = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         R, T, _ = x.shape
@@ -71,8 +95,8 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs, shard: Shard) -> None:
         super().__init__()
         self.shard = shard
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -119,7 +143,7 @@ class VocabHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(shard.rows(vocab_size)[1], dim))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.shard.all_gather(F.linear(h, self.weight))[..., : self.vocab_size]
+        return self.shard.all_gather(linear(h, self.weight))[..., : self.vocab_size]
 
 
 class Decoder(nn.Module):
