@@ -121,8 +121,9 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     S, Hq, T, D = q.shape
     Hkv = k_pool.shape[2]
     P, L = keys.hidden.shape[0], keys.hidden.shape[2]
-    k = k_pool.index_select(0, keys.blocks).view(P, L, Hkv, D)
-    v = v_pool.index_select(0, keys.blocks).view(P, L, Hkv, D)
+    # Head-major copies [P, Hkv, L, D]: one batched matmul over all KV heads reads them contiguously.
+    k = k_pool.index_select(0, keys.blocks).view(P, L, Hkv, D).transpose(1, 2).contiguous()
+    v = v_pool.index_select(0, keys.blocks).view(P, L, Hkv, D).transpose(1, 2).contiguous()
     # GQA: the g query heads of KV head j (heads j*g .. j*g+g-1) attend together over head j.
     qg = q.view(S, Hkv, Hq // Hkv, T, D) * D**-0.5
     step = max(1, SCORE_BYTES // (4 * P * Hq * L))  # queries per slice
@@ -143,14 +144,13 @@ def merge_partials(
 
 
 def _softmax_over_chunks(q, keys, values, owner, hidden):
-    """q [S, Hkv, g, T, D] (pre-scaled) over chunk p's keys and values [P, L, Hkv, D] for sequence owner[p],
+    """q [S, Hkv, g, T, D] (pre-scaled) over chunk p's keys and values [P, Hkv, L, D] for sequence owner[p],
     key l of chunk p hidden from query t where hidden[p, t, l]. Returns out [S, Hkv, g, T, D] and lse
     [S, Hkv, g, T] (fp32)."""
     S, Hkv, g, T, D = q.shape
     P, L = hidden.shape[0], hidden.shape[2]
     q = q.index_select(0, owner).view(P, Hkv, g * T, D)
-    # One matmul per KV head: a head's keys are a strided matrix BLAS reads as is (a 4-d matmul would copy them).
-    scores = torch.stack([q[:, h] @ keys[:, :, h].transpose(1, 2) for h in range(Hkv)], 1).float()  # [P, Hkv, gT, L]
+    scores = (q @ keys.transpose(2, 3)).float()  # [P, Hkv, gT, L]
     scores.view(P, Hkv, g, T, L).masked_fill_(hidden[:, None, None], float("-inf"))
     chunk_peak = scores.amax(-1)
     peak = scores.new_full((S, Hkv, g * T), float("-inf"))
@@ -159,7 +159,7 @@ def _softmax_over_chunks(q, keys, values, owner, hidden):
     weights = (scores - peak.index_select(0, owner)[..., None]).exp_()
     total = scores.new_zeros(S, Hkv, g * T).index_add_(0, owner, weights.sum(-1))
     weights = weights.to(values.dtype)
-    mixed = torch.stack([weights[:, h] @ values[:, :, h] for h in range(Hkv)], 1).float()  # [P, Hkv, gT, D]
+    mixed = (weights @ values).float()  # [P, Hkv, gT, D]
     out = scores.new_zeros(S, Hkv, g * T, D).index_add_(0, owner, mixed)
     out = out / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
     return out.view(S, Hkv, g, T, D), (peak + total.log()).view(S, Hkv, g, T)
