@@ -1,7 +1,9 @@
 """Run folders: records, resume, refusal, overwrite, torn lines, crash safety, summary numbers."""
 
 import calendar
+import importlib.metadata
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -20,6 +22,7 @@ from kvrescue_cli.outputs import (
     TornTraceWarning, busy_seconds, environment, problem_checksum, read_traces, run_dir, same_cell_elsewhere,
     summarize, write_json_atomic,
 )
+from kvrescue_cli.outputs.folder import git_state
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct", "abc"),
           "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct", "def"),
@@ -284,7 +287,11 @@ def test_torn_last_line_dropped_with_warning_and_truncated(tmp_path):
         rf.append(trace(1))
     good = (path / "traces.jsonl").read_bytes()
     (path / "traces.jsonl").write_bytes(good + orjson.dumps(trace(2))[:57])
-    with pytest.warns(TornTraceWarning, match=r"traces.jsonl:3: dropped a torn last line"):
+    with pytest.warns(TornTraceWarning):
+        assert [t.idx for t in read_traces(path / "traces.jsonl")] == [0, 1]
+    assert (path / "traces.jsonl").read_bytes() == good + orjson.dumps(trace(2))[:57]  # only open repairs it
+    with pytest.warns(TornTraceWarning, match=r"traces.jsonl:3: dropped a torn last line \(57 bytes\) left by an "
+                      r"interrupted write$"):
         rf = RunFolder.open(path, config())
     assert rf.done == {0, 1}
     assert (path / "traces.jsonl").read_bytes() == good
@@ -471,6 +478,15 @@ def test_json_files_are_written_through_a_hidden_temporary_file_beside_them(tmp_
     assert (tmp_path / "summary.json").read_bytes() == b'{\n  "accuracy": 0.5,\n  "problems": 3\n}\n'
 
 
+def test_the_traces_and_lock_files_are_created_rw_r_r(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        RunFolder.open(tmp_path, config()).close()
+    finally:
+        os.umask(umask)
+    assert [oct((tmp_path / name).stat().st_mode & 0o777) for name in ("traces.jsonl", ".lock")] == ["0o644"] * 2
+
+
 def test_a_closed_folder_refuses_appends_and_closes_once(tmp_path):
     rf = RunFolder.open(tmp_path, config())
     rf.close()
@@ -480,14 +496,41 @@ def test_a_closed_folder_refuses_appends_and_closes_once(tmp_path):
     RunFolder.open(tmp_path, config()).close()  # the lock was released
 
 
-def test_environment_records_versions_and_executor_and_totals_over_one_k_only(tmp_path):
-    import importlib.metadata
-
-    with RunFolder.open(tmp_path, config(), total=4, executor={"kind": "in-process", "devices": ["cpu"]}) as rf:
+def test_environment_records_versions_python_platform_and_executor_and_totals_over_one_k_only(tmp_path):
+    libs = ("kvrescue", "torch", "transformers", "safetensors", "tokenizers", "numpy", "sympy")
+    with RunFolder.open(tmp_path, config(), total=4, executor={"kind": "in-process", "devices": ["cpu"]}):
         env = orjson.loads((tmp_path / "config.json").read_bytes())["environment"]
-        assert env["executor"] == {"kind": "in-process", "devices": ["cpu"]}
-        assert env["versions"]["kvrescue"] == importlib.metadata.version("kvrescue")
-        assert env["versions"]["torch"] == importlib.metadata.version("torch")
+    assert env["executor"] == {"kind": "in-process", "devices": ["cpu"]}
+    assert env["versions"] == {lib: importlib.metadata.version(lib) for lib in libs}
+    assert (env["python"], env["platform"]) == (platform.python_version(), platform.platform())
     from kvrescue_cli.outputs import recorded_total
     assert recorded_total({"total": 4, "shards": {"0/2": 5, "0/3": 4}}) == 4  # shards of two splits: the latest
     assert recorded_total({"total": 4, "shards": {"0/2": 5, "1/2": None}}) is None
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_git_state_tells_a_clean_checkout_from_each_kind_of_change(tmp_path, monkeypatch):
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    repo.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # not a repository: the state is the one of `repo`, wherever the run starts
+    assert git_state(elsewhere) == {"commit": None, "dirty": None}
+    git(repo, "init", "-q")
+    assert git_state(repo) == {"commit": None, "dirty": None}  # no commit yet
+    (repo / "a.txt").write_text("a\n")
+    git(repo, "add", "a.txt")
+    git(repo, "commit", "-q", "-m", "a")
+    head = git(repo, "rev-parse", "HEAD")
+    assert git_state(repo) == {"commit": head, "dirty": False}
+    (repo / "untracked.txt").write_text("u\n")
+    assert git_state(repo) == {"commit": head, "dirty": False}  # untracked files do not count
+    (repo / "a.txt").write_text("changed\n")
+    assert git_state(repo) == {"commit": head, "dirty": True}  # a tracked file modified
+    git(repo, "checkout", "-q", "a.txt")
+    git(repo, "add", "untracked.txt")
+    assert git_state(repo) == {"commit": head, "dirty": True}  # a new file staged
+    monkeypatch.setenv("PATH", str(elsewhere))  # no git to run
+    assert git_state(repo) == {"commit": None, "dirty": None}

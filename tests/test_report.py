@@ -512,13 +512,18 @@ def test_calibration_uses_each_runs_own_thresholds(tmp_path):
     assert rows[("min_gzip_ratio", "no")]["beyond"] == pytest.approx(2 / 3)
 
 
-def test_oracle_goes_on_past_a_helper_run_that_shares_no_problems(tmp_path):
-    # Two helper N=1 runs (two helper models): the first ran problems 10-19 (none of bon's 0-9), the second 0-9.
+@pytest.mark.parametrize("unpaired, reason", [
+    ({"first": 10, "correct": {10}}, "the paired bon and helper runs share no problems"),
+    ({"seed": 1, "correct": {1}}, "no bon and helper runs with the same seed"),
+])
+def test_oracle_goes_on_past_a_helper_run_it_cannot_pair(tmp_path, unpaired, reason):
+    # Two helper N=1 runs (two helper models): the first ran problems 10-19 (none of bon's 0-9) or another seed,
+    # the second pairs up with bon.
     write_run(tmp_path, "bon", n=1, correct={0, 1, 2})
-    write_run(tmp_path, "helper", n=1, first=10, correct={10})
+    write_run(tmp_path, "helper", n=1, **unpaired)
     write_run(tmp_path, "helper", n=1, helper="Zz/Other-Helper", correct={2, 3})
     write_run(tmp_path, "full", n=1, correct=set(range(8)))
     first, second = report_json(tmp_path)["oracle"]
-    assert first == oracle_record(reason="the paired bon and helper runs share no problems")
+    assert first == oracle_record(reason=reason)
     assert second == oracle_record(helper="Zz/Other-Helper", seeds=1, bon=0.3, helper_acc=0.2, oracle=pytest.approx(0.4),
                                    full=0.8, recovered=pytest.approx((0.4 - 0.3) / (0.8 - 0.3)))

@@ -98,20 +98,21 @@ def environment(devices: list[str] | None = None, executor: dict[str, Any] | Non
         "devices": devices or [],
         "executor": executor,
         "versions": versions,
-        "git": _git_state(),
+        "git": git_state(Path(__file__).resolve().parent.parent),
     }
 
 
-def _git_state() -> dict[str, Any]:
-    root = Path(__file__).resolve().parent.parent
+def git_state(root: Path) -> dict[str, Any]:
+    """The commit checked out in `root`'s repository and whether tracked files differ from it (untracked files
+    do not count); both None without git, outside a repository, or before its first commit."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                    cwd=root, capture_output=True, text=True, timeout=10).stdout.strip())
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": dirty if commit else None}
 
 
 def write_atomic(path: Path, payload: bytes) -> None:

@@ -24,7 +24,7 @@ class Stat:
     partial: bool = False
 
     @classmethod
-    def of(cls, values: list[float | None], partial: bool = False) -> Stat:
+    def of(cls, values: list[float | None], partial: bool) -> Stat:
         vals = [v for v in values if v is not None]
         if not vals:
             return cls(None, None, 0, partial)
