@@ -46,6 +46,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from kvrescue_cli.data import Problem, ProblemSet
@@ -207,10 +208,9 @@ def filled_cache(net: Transformer, policy: str, budget: int, rows: int, context:
     cache.q.normal_()
     ids = [cache.create() for _ in range(rows)]
     span = cache.trigger - budget
-    for i, row in enumerate(ids):
-        physical = budget + (i * span) // rows
-        state = cache.rows[row]  # benchmark only: lengths as if `context` tokens had been prefilled
-        state.physical, state.logical, state.peak = physical, context, physical
+    physical = budget + (np.arange(rows) * span) // rows
+    cache.row_physical[ids] = cache.row_peak[ids] = physical  # benchmark only: as if `context` tokens had been prefilled
+    cache.row_logical[ids] = context
     return cache, ids
 
 

@@ -96,7 +96,7 @@ def test_pools_that_grow_in_rows_and_capacity_keep_every_row_as_the_full_cache_d
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert cache.capacity >= 20 + 3 * 60 + 4 + 200
     assert cache.k.shape[1] >= 4
-    assert all(cache.peak_length(r) == cache.physical_length(r) == cache.length(r) for r in cache.rows)
+    assert all(cache.peak_length(r) == cache.physical_length(r) == cache.length(r) for r in cache.rows_in_use())
 
 
 def test_an_append_longer_than_the_room_grows_the_buffer(net):
@@ -162,7 +162,7 @@ def test_compression_keeps_what_the_policy_selects(net, policy):
     compress = cache.compress
 
     def spy(rows):
-        slots = [cache.rows[r].slot for r in rows]
+        slots = [cache.slot(r) for r in rows]
         lengths = [cache.physical_length(r) for r in rows]
         before = cache.k[:, slots].clone(), cache.v[:, slots].clone(), cache.q[:, slots].clone()
         compress(rows)
@@ -206,7 +206,7 @@ def test_query_ring_holds_the_last_eight_queries(net):
     row = cache.create()
     for i, n in enumerate([5, 1, 1, 3, 20, 1, 6, 1, 1, 1, 150, 2]):
         d.append([row], [prompt(n, seed=i)])
-        slot = cache.rows[row].slot
+        slot = cache.slot(row)
         for layer, qs in history.items():
             expected = torch.cat(qs, dim=1)[:, -8:]
             assert torch.equal(cache.q[layer, slot, :, -expected.shape[1]:], expected)
@@ -250,11 +250,11 @@ def test_a_fork_never_changes_its_parent(model, request):
     d = Driver(net, cache)
     parent = cache.create()
     d.append([parent], [prompt(130)])
-    slot = cache.rows[parent].slot
+    slot = cache.slot(parent)
     snapshot = cache.k[:, slot, :, :130].clone(), cache.q[:, slot].clone()
     kids = cache.fork(parent, 2)
     for kid in kids:
-        kid_slot = cache.rows[kid].slot
+        kid_slot = cache.slot(kid)
         assert cache.length(kid) == 130 and cache.physical_length(kid) == 130
         assert torch.equal(cache.k[:, kid_slot, :, :130], snapshot[0])
         assert torch.equal(cache.q[:, kid_slot], snapshot[1])

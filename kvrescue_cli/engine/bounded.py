@@ -25,16 +25,8 @@ COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched comp
 
 
 @dataclass
-class _Row:
-    slot: int        # index into the preallocated pools
-    physical: int = 0  # entries held
-    logical: int = 0   # tokens appended so far = the next token's RoPE position
-    peak: int = 0      # largest physical length this row (and the rows it was forked from) held
-
-
-@dataclass
 class _Forward:
-    rows: list[int]
+    rows: np.ndarray
     slots: torch.Tensor | slice  # [R] pool slots of the rows, or a slice when they are consecutive
     kv_lengths: torch.Tensor     # [R] physical entries before this forward
     new_lengths: torch.Tensor    # [R]
@@ -82,7 +74,12 @@ class BoundedCache(KVCache):
         self.k = torch.zeros(n_layers, rows, n_kv_heads, cap, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.q = torch.zeros(n_layers, rows, n_heads, WINDOW, head_dim, dtype=dtype, device=device)
-        self.rows: dict[int, _Row] = {}
+        # Each row id's pool slot, entries held, tokens appended (the next RoPE position) and the largest number
+        # of entries it (and the rows it was forked from) held; ids below next_id, those in free_ids unused.
+        self.row_slot = np.zeros(rows, np.int64)
+        self.row_physical = np.zeros(rows, np.int64)
+        self.row_logical = np.zeros(rows, np.int64)
+        self.row_peak = np.zeros(rows, np.int64)
         self.free_slots = list(range(rows - 1, -1, -1))
         self.free_ids: list[int] = []
         self.next_id = 0
@@ -108,52 +105,56 @@ class BoundedCache(KVCache):
 
     def physical_length(self, row: int) -> int:
         """Entries the row holds now."""
-        return self.rows[row].physical
+        return int(self.row_physical[row])
 
     def peak_length(self, row: int) -> int:
         """Largest physical length the row held, counting the history it inherited through forks."""
-        return self.rows[row].peak
+        return int(self.row_peak[row])
+
+    def rows_in_use(self) -> list[int]:
+        """The ids of the rows created and not released."""
+        return sorted(set(range(self.next_id)) - set(self.free_ids))
 
     # -- rows ---------------------------------------------------------------------------------------
     def create(self) -> int:
         if not self.free_slots:
             self._grow(rows=2 * self.k.shape[1])
         row = self.free_ids.pop() if self.free_ids else self._new_id()
-        self.rows[row] = _Row(self.free_slots.pop())
+        self.row_slot[row] = self.free_slots.pop()
+        self.row_physical[row] = self.row_logical[row] = self.row_peak[row] = 0
         return row
 
     def fork(self, row: int, n: int) -> list[int]:
         children = [self.create() for _ in range(n)]
-        parent = self.rows[row]
         if children:
             # The sources are copied out first: an indexed write may not read a view of the pool it writes
             # (torch refuses it when the view and the written rows could overlap, e.g. with one layer).
-            dst = upload(np.array([self.rows[c].slot for c in children], np.int64), self.k.device)
-            p = parent.physical
-            self.k[:, dst, :, :p] = self.k[:, parent.slot, None, :, :p].clone()
-            self.v[:, dst, :, :p] = self.v[:, parent.slot, None, :, :p].clone()
-            self.q[:, dst] = self.q[:, parent.slot, None].clone()
-        for c in children:
-            r = self.rows[c]
-            r.physical, r.logical, r.peak = parent.physical, parent.logical, parent.peak
+            dst = upload(self.row_slot[children], self.k.device)
+            slot, p = int(self.row_slot[row]), int(self.row_physical[row])
+            self.k[:, dst, :, :p] = self.k[:, slot, None, :, :p].clone()
+            self.v[:, dst, :, :p] = self.v[:, slot, None, :, :p].clone()
+            self.q[:, dst] = self.q[:, slot, None].clone()
+            for lengths in (self.row_physical, self.row_logical, self.row_peak):
+                lengths[children] = lengths[row]
         return children
 
     def adopt(self, row: int, child: int) -> None:
-        self.free_slots.append(self.rows[row].slot)
-        self.rows[row] = self.rows.pop(child)
+        self.free_slots.append(int(self.row_slot[row]))
+        for state in (self.row_slot, self.row_physical, self.row_logical, self.row_peak):
+            state[row] = state[child]
         self.free_ids.append(child)
 
     def release(self, rows: Iterable[int]) -> None:
-        for row in rows:
-            self.free_slots.append(self.rows.pop(row).slot)
-            self.free_ids.append(row)
+        rows = list(rows)
+        self.free_slots += self.row_slot[rows].tolist()
+        self.free_ids += rows
 
     def length(self, row: int) -> int:
-        return self.rows[row].logical
+        return int(self.row_logical[row])
 
     def slot(self, row: int) -> int:
         """The pool slot holding the row's entries."""
-        return self.rows[row].slot
+        return int(self.row_slot[row])
 
     def reserve_slot(self) -> int:
         """One more slot, that no row will ever use (static decode steps write their padding rows there);
@@ -163,15 +164,21 @@ class BoundedCache(KVCache):
 
     def advance(self, rows: Sequence[int]) -> None:
         """Count one token appended to each row outside `begin`/`end` (a static decode step), then compress as `end` does."""
-        for r in rows:
-            s = self.rows[r]
-            s.physical += 1
-            s.logical += 1
-            s.peak = max(s.peak, s.physical)
-        self.compress([r for r in rows if self.rows[r].physical >= self.trigger])
+        rows = np.asarray(rows, np.int64)
+        self._appended(rows, 1)
+        self.compress(rows[self.row_physical[rows] >= self.trigger])
+
+    def _appended(self, rows: np.ndarray, n: np.ndarray | int) -> None:
+        self.row_physical[rows] += n
+        self.row_logical[rows] += n
+        self.row_peak[rows] = np.maximum(self.row_peak[rows], self.row_physical[rows])
 
     def _new_id(self) -> int:
         self.next_id += 1
+        if self.next_id > len(self.row_slot):
+            for name in ("row_slot", "row_physical", "row_logical", "row_peak"):
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.zeros(len(old), np.int64)]))
         return self.next_id - 1
 
     @torch.inference_mode(False)  # likewise when growing inside a forward
@@ -191,10 +198,8 @@ class BoundedCache(KVCache):
 
     # -- forward protocol ---------------------------------------------------------------------------
     def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
-        state = [self.rows[r] for r in rows]
-        slots = np.array([s.slot for s in state], np.int64)
-        physical = np.array([s.physical for s in state], np.int64)
-        logical = np.array([s.logical for s in state], np.int64)
+        rows = np.asarray(rows, np.int64)
+        slots, physical, logical = self.row_slot[rows], self.row_physical[rows], self.row_logical[rows]
         new = np.asarray(n_new, np.int64)
         need = int((physical + new).max())
         if need > self.capacity:  # just enough, rounded up to 64
@@ -208,7 +213,7 @@ class BoundedCache(KVCache):
                           "positions": logical[:, None] + t}, self.k.device)
         consecutive = bool((slots == slots[0] + np.arange(len(slots))).all())
         self.fwd = _Forward(
-            rows=list(rows),
+            rows=rows,
             slots=slice(int(slots[0]), int(slots[0]) + len(slots)) if consecutive else dev["slots"],
             kv_lengths=dev["kv_lengths"],
             new_lengths=dev["new_lengths"],
@@ -217,10 +222,7 @@ class BoundedCache(KVCache):
             write_pos=dev["write_pos"],
             valid=dev["valid"],
         )
-        for s, n in zip(state, n_new):
-            s.physical += n
-            s.logical += n
-            s.peak = max(s.peak, s.physical)
+        self._appended(rows, new)
         return dev["positions"]
 
     def store_token(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
@@ -249,23 +251,22 @@ class BoundedCache(KVCache):
 
     def end(self) -> None:
         rows, self.fwd = self.fwd.rows, None
-        self.compress([r for r in rows if self.rows[r].physical >= self.trigger])
+        self.compress(rows[self.row_physical[rows] >= self.trigger])
 
     def compress(self, rows: Sequence[int]) -> None:
         """Compress each row to `budget` entries per layer and KV head. Rows of equal length are scored
         together, all layers in one call, in chunks of rows whose scoring fits in COMPRESS_BYTES."""
-        by_length: dict[int, list[int]] = {}
-        for r in rows:
-            by_length.setdefault(self.rows[r].physical, []).append(r)
+        rows = np.asarray(rows, np.int64)
         n_layers, _, h_kv, _, _ = self.k.shape
-        for length, group in by_length.items():
+        lengths = self.row_physical[rows]
+        for length in np.unique(lengths).tolist():
+            group = rows[lengths == length]
             chunk = max(1, COMPRESS_BYTES // (3 * 4 * n_layers * h_kv * length * length))  # fp32 similarity + temporaries
             for start in range(0, len(group), chunk):
                 part = group[start:start + chunk]
-                slots = upload(np.array([self.rows[r].slot for r in part], np.int64), self.k.device)
+                slots = upload(self.row_slot[part], self.k.device)
                 keys = self.k[:, slots, :, :length]
                 kept = keep_positions(self.policy, keys, self.q[:, slots], self.budget)
                 self.k[:, slots, :, : self.budget] = gather_positions(keys, kept)
                 self.v[:, slots, :, : self.budget] = gather_positions(self.v[:, slots, :, :length], kept)
-                for r in part:
-                    self.rows[r].physical = self.budget
+                self.row_physical[part] = self.budget

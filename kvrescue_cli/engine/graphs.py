@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvrescue_cli.engine.attention import attend_padded, flash_attn_with_kvcache, use_flash
@@ -79,12 +80,10 @@ class StaticDecode:
             self.pools_at = cache.k.data_ptr()
         size = bucket(len(rows))
         step = self.steps.get(size) or self._prepare(size)
-        pad = size - len(rows)
-        host = torch.tensor([
-            [cache.slot(r) for r in rows] + [self.scratch] * pad,
-            [cache.physical_length(r) for r in rows] + [0] * pad,
-            [cache.length(r) for r in rows] + [0] * pad,
-        ], dtype=torch.long)
+        ids = np.asarray(rows, np.int64)
+        host = np.zeros((3, size), np.int64)
+        host[0] = self.scratch
+        host[:, : len(rows)] = cache.row_slot[ids], cache.row_physical[ids], cache.row_logical[ids]
         step.inputs[1:].copy_(upload(host, step.inputs.device))  # no wait for the device
         step.inputs[0, : len(rows)].copy_(tokens)
         if step.graph is not None:
