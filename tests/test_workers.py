@@ -17,8 +17,10 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.workers import WorkQueue, resolve_devices
 
 KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
+# `--batch 1`: each problem decodes alone, so its traces do not depend on which problems a worker happens to
+# batch together (a batch's shape moves a row's logits in their last bits: README, "Reproducibility")
 SMALL = ["--method", "kvrescue", "--n", "2", "--max-step-tokens", "12", "--max-steps", "5", "--context-cap", "320",
-         "--budget", "16", "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--batch", "2"]
+         "--budget", "16", "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--batch", "1"]
 
 
 def problem(idx: int) -> Problem:
@@ -84,10 +86,7 @@ def problems(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def many_problems(tmp_path_factory, problems) -> Path:
-    """`problems` followed by 44 more: a run on two actors that is still going when its first trace is written.
-    Their prompts differ in length, so their runs use `--batch 1`: a problem then decodes alone, and its traces
-    do not depend on which problems an actor or a resumed run happened to batch it with (bf16 logits move
-    with the padded shape of the batch, which can change a sampled token)."""
+    """`problems` followed by 44 more: a run on two actors that is still going when its first trace is written."""
     path = tmp_path_factory.mktemp("many") / "tiny.jsonl"
     more = [{"question": f"What is {a} + 1? Let x be the answer.", "answer": str(a + 1)} for a in range(10, 54)]
     path.write_bytes(problems.read_bytes() + b"".join(orjson.dumps(r) + b"\n" for r in more))
@@ -191,7 +190,7 @@ def test_two_actors_on_two_nodes_survive_a_sigkill_and_give_the_in_process_trace
                                                                                   cluster, tmp_path):
     # one problem in flight per actor: problems are still left when the first trace is written
     process = subprocess.Popen(command(many_problems, models, tmp_path, "--devices", "cpu,cpu", "--ray-address",
-                                       cluster.address, "--batch", "1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                       cluster.address), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     written = wait_for_traces(tmp_path, process, 1)
     victims = actor_pids(os.getpid())
     assert len(victims) == 2
@@ -217,7 +216,7 @@ def test_a_lost_node_costs_only_its_actor_and_the_others_finish_the_run(problems
     cluster.wait_for_nodes()
     # one problem in flight per actor, and longer problems: the doomed actor holds one when its node goes
     process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu,cpu", "--ray-address",
-                                       cluster.address, "--batch", "1", "--max-steps", "20"),
+                                       cluster.address, "--max-steps", "20"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while not list(tmp_path.glob("tiny/kvrescue-*/config.json")) and process.poll() is None and time.time() < deadline:
@@ -234,7 +233,7 @@ def test_a_lost_node_costs_only_its_actor_and_the_others_finish_the_run(problems
 
 def test_ctrl_c_stops_every_actor_and_the_private_ray_instance_and_the_run_resumes(many_problems, models, reference,
                                                                                    tmp_path):
-    process = subprocess.Popen(command(many_problems, models, tmp_path, "--devices", "cpu,cpu", "--batch", "1"),
+    process = subprocess.Popen(command(many_problems, models, tmp_path, "--devices", "cpu,cpu"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 300  # both actors up (Ray renames an actor's process once it exists), then a trace
     while time.time() < deadline and process.poll() is None and len(actor_pids(process.pid)) < 2:
@@ -252,12 +251,11 @@ def test_ctrl_c_stops_every_actor_and_the_private_ray_instance_and_the_run_resum
     while time.time() < deadline and any(alive(pid) for pid in ray_processes):
         time.sleep(0.1)
     assert not [pid for pid in ray_processes if alive(pid)]
-    done = subprocess.run(command(many_problems, models, tmp_path, "--devices", "cpu", "--batch", "1"),
-                          capture_output=True, timeout=600)
+    done = subprocess.run(command(many_problems, models, tmp_path, "--devices", "cpu"), capture_output=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     resumed = traces_of(tmp_path)
     assert sorted(t["idx"] for t in resumed) == list(range(48))
-    # the reference batches problems of one prompt length in pairs: the same logits as one at a time
     assert comparable([t for t in resumed if t["idx"] < 4]) == comparable(reference, approx=True)
     executor = orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/config.json")).read_bytes())["environment"]["executor"]
     assert executor == {"kind": "in-process", "devices": ["cpu"]}
