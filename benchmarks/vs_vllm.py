@@ -206,7 +206,7 @@ def prm_section(args, vllm) -> None:
     llm = start_llm(folder, dtype=args.dtype, max_model_len=4096, runner="pooling", **vllm_memory(args))
     p, n = args.prm_problems, args.prm_candidates
     work = prm_workload(p, args.prm_steps, n)
-    scorers = (lambda: PRMScorer(prm, max_problems=p, max_candidates=p * n), lambda: VLLMPRMScorer(llm))
+    scorers = (lambda: PRMScorer(prm, max_problems=p, max_candidates=p * n), lambda: VLLMPRMScorer(llm, prm.tokenizer))
     tokens = [0, 0]
 
     def rate(i: int) -> float:

@@ -4,6 +4,7 @@ protocol: several problems, multi-step trajectories, several candidates a step, 
 import pytest
 
 from kvrescue_cli.engine import load_model
+from kvrescue_cli.engine.loader import load_tokenizer
 from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
 from tests.test_engine_prm import PROBLEMS, STEPS
@@ -35,9 +36,10 @@ def prm(vllm_prm_dir):
     return load_model(vllm_prm_dir)
 
 
-def test_vllm_scores_equal_prm_scorer(prm, vllm_prm) -> None:
+def test_vllm_scores_equal_prm_scorer(prm, vllm_prm, vllm_prm_dir) -> None:
     want, _ = drive(PRMScorer(prm, max_problems=4, max_candidates=16), MORE_PROBLEMS, MORE_STEPS)
-    got, truncated = drive(VLLMPRMScorer(vllm_prm), MORE_PROBLEMS, MORE_STEPS)
+    tokenizer, _ = load_tokenizer(vllm_prm_dir)  # read as `--engine vllm` reads it, apart from PRMScorer's model
+    got, truncated = drive(VLLMPRMScorer(vllm_prm, tokenizer), MORE_PROBLEMS, MORE_STEPS)
     assert len(got) == len(want) == 4 * (3 + 3 + 2)
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
     assert len({round(s, 4) for s in want}) > len(want) // 2  # the candidates are told apart
@@ -47,6 +49,6 @@ def test_vllm_scores_equal_prm_scorer(prm, vllm_prm) -> None:
 def test_the_window_drops_the_same_steps(prm, vllm_prm) -> None:
     long = [STEPS[0] * 3, STEPS[1] * 3]
     want, want_dropped = drive(PRMScorer(prm, max_problems=2, max_candidates=8, window=120), PROBLEMS, long)
-    got, dropped = drive(VLLMPRMScorer(vllm_prm, window=120), PROBLEMS, long)
+    got, dropped = drive(VLLMPRMScorer(vllm_prm, prm.tokenizer, window=120), PROBLEMS, long)
     assert dropped == want_dropped and all(d > 0 and n > 0 for d, n in dropped)
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4

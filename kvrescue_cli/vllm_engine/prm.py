@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoTokenizer
 
 from kvrescue_cli.engine.prm import WINDOW, PRMInputs, step_tag_id
 from kvrescue_cli.engine.scoring import Request
@@ -24,13 +23,13 @@ class VLLMPRMScorer:
 
     name = "prm"
 
-    def __init__(self, llm, *, window: int = WINDOW, system: str = SYSTEM_PROMPT) -> None:
+    def __init__(self, llm, tokenizer, *, window: int = WINDOW, system: str = SYSTEM_PROMPT) -> None:
+        """`tokenizer`: the PRM's, as `engine.loader.load_tokenizer` reads it (the one PRMScorer's model has), so
+        that both scorers feed the same token ids."""
         from vllm import PoolingParams
 
         self.llm = llm
-        source = llm.model_config.tokenizer
-        tokenizer = AutoTokenizer.from_pretrained(source)  # the tokenizer PRMScorer's loader reads: the same ids
-        self.inputs = PRMInputs(tokenizer, step_tag_id(tokenizer, source), window, system)
+        self.inputs = PRMInputs(tokenizer, step_tag_id(tokenizer, llm.model_config.model), window, system)
         # Raw head logits (no activation) at each <extra_0>: the softmax is taken here, as PRMScorer does.
         self.params = PoolingParams(use_activation=False, step_tag_id=self.inputs.sep)
 

@@ -48,7 +48,7 @@ class VllmEngines:
         self.version = require_vllm().__version__
         self.engines: list[SteppedEngine | Any] = []
         self.steppers: dict[str, SteppedEngine] = {}
-        self.tokenizers: dict[str, tuple[Any, list[int]]] = {}  # role -> (tokenizer, EOS ids)
+        self.tokenizers: dict[str, tuple[Any, list[int]]] = {}  # role -> (tokenizer, EOS ids), read once per engine
         self.prm = None
         try:
             for spec, share in zip(engine_specs(options), memory):
@@ -61,7 +61,7 @@ class VllmEngines:
         what = f"{'/'.join(spec.roles)} model {spec.model}"
         try:
             folder = model_folder(spec.model)
-            tokenizer = None if spec.pooling else load_tokenizer(spec.model)
+            tokenizer_and_eos = load_tokenizer(spec.model)
         except ModelLoadError as err:
             raise InputError(f"{'/'.join(spec.roles)} model: {err}") from None
         try:
@@ -71,23 +71,22 @@ class VllmEngines:
         except Exception as err:  # vLLM's own reasons are in its log lines above; keep ours to one line
             raise InputError(f"vLLM could not start the {what}: {type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''}") from None
+        self.tokenizers.update(dict.fromkeys(spec.roles, tokenizer_and_eos))
         if spec.pooling:
             self.prm = llm
             self.engines.append(llm)
             return
         stepped = SteppedEngine(llm.llm_engine)
         self.engines.append(stepped)
-        for role in spec.roles:
-            self.steppers[role] = stepped
-            self.tokenizers[role] = tokenizer
+        self.steppers.update(dict.fromkeys(spec.roles, stepped))
 
     def runner(self, role: str) -> VllmRunner:
         """A fresh runner (no rows) of `role` for one cell."""
         return VllmRunner(self.steppers[role], self.tokenizers[role][0])
 
     def scorer(self) -> VLLMPRMScorer:
-        """The PRM scorer for one cell."""
-        return VLLMPRMScorer(self.prm)
+        """The PRM scorer for one cell (the PRM's tokenizer read once, when its engine started)."""
+        return VLLMPRMScorer(self.prm, self.tokenizers["prm"][0])
 
     def close(self) -> None:
         """Shut every engine's processes down."""
