@@ -169,3 +169,30 @@ def test_the_helper_method_runs_on_vllm_alone(engine, model, prm_dir):
         assert 1 <= len(f.state.steps) <= 4 and all(len(c) == 3 for c in f.state.history)
         assert f.output == "".join(s.text for s in f.state.steps)
     assert helper.rows == {} and not helper.busy
+
+
+def test_synthetic_steps_end_at_their_length_alone(engine, model, prm_dir):
+    """`--synthetic-steps LEN:COUNT` on vLLM: every candidate is LEN tokens (EOS and the delimiter do not end it;
+    the context cap still does), and every problem ends after COUNT steps."""
+    tokenizer, eos = model.tokenizer, set(model.eos_ids)
+    runner = VllmRunner(engine, tokenizer)
+    rules = StepRules(frozenset(eos), max_step_tokens=40, max_context=1024, fixed_length=16)
+    rows = [child for row in runner.prefill(prompts(tokenizer)) for child in runner.fork(row, 6)]
+    steps = generate_steps(runner, rows, [(0, i // 6, 0, i % 6) for i in range(len(rows))], rules)
+    assert all(len(s.tokens) == 16 and s.finish == "step" and s.text == tokenizer.decode(s.tokens) for s in steps)
+    # Steps that would have ended earlier by the usual rules went on.
+    assert any(eos & set(s.tokens[:-1]) or STEP_DELIMITER in tokenizer.decode(s.tokens[:-1]) for s in steps)
+    near = runner.prefill([(prompts(tokenizer)[0] * 100)[:1019]])[0]
+    (capped,) = generate_steps(runner, [near], [(0, 9, 0, 0)], rules)
+    assert len(capped.tokens) == 5 and capped.finish == "length"
+    # Through the controller: the helper method on vLLM, 3 steps of 5 tokens per problem.
+    settings = SearchSettings(method="helper", n=2, batch=2, max_step_tokens=24, synthetic_steps=(5, 3),
+                              context_cap=1024)
+    scorer = PRMScorer(load_model(prm_dir), max_problems=2, max_candidates=8, max_step_tokens=24)
+    finished = []
+    Controller(settings, {"helper": runner}, scorer, eos).run(
+        [(i, text, prompt) for i, (text, prompt) in enumerate(zip(PROBLEMS, prompts(tokenizer)))], finished.append)
+    assert sorted(f.state.idx for f in finished) == [0, 1, 2]
+    for f in finished:
+        assert f.state.stop == "steps" and [s.tokens for s in f.state.steps] == [5, 5, 5]
+        assert all(len(c.tokens) == 5 and c.finish == "step" for cands in f.state.history for c in cands)
