@@ -235,3 +235,12 @@ def test_every_policy_scores_on_the_keys_device():
     for policy in ("rkv", "snapkv", "streaming"):
         kept = keep_positions(policy, keys[None].to("meta"), queries[None].to("meta"), 16)
         assert kept.device.type == "meta" and kept.shape == (1, 2, 16)
+
+
+def test_keys_of_norm_near_the_epsilon_are_normalised_as_designed():
+    # k / (|k| + 1e-8): keys of norm 1e-8 .. 3e-8 shrink to half .. three quarters of a unit vector, so their
+    # similarities (and whether they pass the threshold) depend on the epsilon; a subtracted one would blow up.
+    keys, _ = random_inputs(1, 1, 24, 8, seed=5)
+    keys = keys / keys.norm(dim=-1, keepdim=True) * torch.linspace(1e-8, 3e-8, 24)[:, None]
+    expected = loop_redundancy(keys.double().tolist(), 0, 0.5)
+    assert redundancy(keys)[0].tolist() == pytest.approx(expected, rel=1e-4)
