@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -309,3 +311,61 @@ def test_pools_grow_when_an_append_does_not_fit(net):
     assert cache.capacity == 152  # an append that just fits grows nothing
     Driver(net, cache).append([row], [prompt(193)])  # 16 entries after the compression + 193
     assert cache.capacity == 256  # the pools grow to the append, rounded up to 64
+
+
+def forward(cache: BoundedCache, rows: list[int], new: list[int], device: str = "cpu",
+            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """One multi-token forward of layer 0 straight through the cache protocol, with random q, k, v
+    [R, H, max(new), D] (right padded); returns them with the attention output."""
+    gen = torch.Generator().manual_seed(0)
+    _, _, h_kv, _, d = cache.k.shape
+    q, k, v = (torch.randn(len(rows), h, max(new), d, generator=gen).to(device, dtype)
+               for h in (cache.q.shape[2], h_kv, h_kv))
+    cache.begin(rows, new)
+    out = cache.attend(0, q, k, v)
+    cache.end()
+    return q, k, v, out
+
+
+def test_a_multi_token_append_writes_each_row_s_new_entries_and_nothing_past_them():
+    cache = BoundedCache(1, 4, 2, 8, budget=16)
+    rows, new = [cache.create(), cache.create()], [3, 1]
+    _, k, v, _ = forward(cache, rows, new)
+    for i, (row, n) in enumerate(zip(rows, new)):
+        held_k, held_v = cache.k[0, cache.slot(row)], cache.v[0, cache.slot(row)]
+        assert torch.equal(held_k[:, :n], k[i, :, :n]) and torch.equal(held_v[:, :n], v[i, :, :n])
+        assert not held_k[:, n:].any() and not held_v[:, n:].any()  # not the padding token's k/v
+
+
+def test_for_model_takes_the_model_s_dtype_and_device_and_indexes_there(net):
+    """The meta device stands in for a GPU: an index made on the CPU beside the pools is an error."""
+    model = copy.deepcopy(net).to("meta", torch.bfloat16)
+    cache = BoundedCache.for_model(model, budget=16)
+    assert {(t.dtype, t.device.type) for t in (cache.k, cache.v, cache.q)} == {(torch.bfloat16, "meta")}
+    out = forward(cache, [cache.create(), cache.create()], [3, 1], "meta", torch.bfloat16)[-1]
+    assert (out.dtype, out.device.type, out.shape) == (torch.bfloat16, "meta", (2, 4, 3, 16))
+
+
+def test_rows_beyond_the_pools_double_them():
+    cache = BoundedCache(1, 4, 2, 8, budget=16, rows=3)
+    rows = [cache.create() for _ in range(4)]
+    assert (cache.k.shape[1], cache.v.shape[1], cache.q.shape[1]) == (6, 6, 6) and rows == [0, 1, 2, 3]
+
+
+def test_rows_given_descending_slots_read_their_own_entries(net):
+    """Released slots are reused last in, first out: a fork can get slots 2, 1, which are not the range 2..3."""
+    def run(cache) -> tuple[list[list[int]], list[torch.Tensor]]:
+        d = Driver(net, cache)
+        root = cache.create()
+        cache.release([cache.create(), cache.create()])
+        d.append([root], [prompt(12)])
+        kids = cache.fork(root, 2)
+        if isinstance(cache, BoundedCache):
+            assert [cache.slot(k) for k in kids] == [2, 1]
+        return d.greedy(kids, d.append(kids, [[9], [8, 7]]), 4), d.logits
+
+    full_toks, full_logits = run(FullCache.for_model(net, 4096))
+    toks, logits = run(BoundedCache.for_model(net, budget=64))
+    assert toks == full_toks
+    for a, b in zip(logits, full_logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
