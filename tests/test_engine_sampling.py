@@ -2,7 +2,7 @@
 
 import torch
 
-from kvrescue_cli.engine.sampling import SamplingParams, entropy, sample, stream_key, uniforms
+from kvrescue_cli.engine.sampling import SamplingParams, counter_stages, entropy, sample, stream_key, uniforms
 
 
 def _logits(rows: int, vocab: int = 300, seed: int = 0) -> torch.Tensor:
@@ -97,6 +97,9 @@ def test_device_stream_matches_plain_integer_reference() -> None:
     keys, counters = torch.randint(0, 2**63 - 1, (500,), generator=g), torch.randint(0, 2**32, (500,), generator=g)
     got = uniforms(keys, counters).tolist()
     assert got == [_uniform_reference(k, c) for k, c in zip(keys.tolist(), counters.tolist())]
+    counters %= 700  # below the table's limit
+    assert uniforms(keys, counters, counter_stages(700)).tolist() == [
+        _uniform_reference(k, c) for k, c in zip(keys.tolist(), counters.tolist())]
 
 
 def test_stream_is_uniform_enough() -> None:

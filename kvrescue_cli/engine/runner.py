@@ -122,10 +122,11 @@ class Runner:
         return self.steps.advance() if self.steps is not None else []
 
     # -- tensors --------------------------------------------------------------------------------------
-    def sample(self, rows: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor,
-               params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row from its kept logits (rows, keys, counters: int64 device tensors): tokens, entropies."""
-        return sample(self.logits.index_select(0, rows)[:, : self.vocab], keys, counters, params)
+    def sample(self, rows: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor, params: SamplingParams,
+               stages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row from its kept logits (rows, keys, counters: int64 device tensors): tokens, entropies.
+        `stages`: the streams' tabled counter stages (`sampling.counter_stages`)."""
+        return sample(self.logits.index_select(0, rows)[:, : self.vocab], keys, counters, params, stages)
 
     @torch.inference_mode()
     def decode(self, rows_t: torch.Tensor, rows: list[int], tokens: torch.Tensor) -> None:

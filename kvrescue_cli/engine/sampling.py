@@ -63,9 +63,16 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """The counters[i]-th uniform in [0, 1) of stream keys[i], for all rows at once (int64 [R] each, float32 [R])."""
-    h = _fmix32((counters & _MASK32) ^ _GOLDEN32)
+def counter_stages(limit: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The first stage of `uniforms`, which depends on the counter alone, for every counter below `limit`: a
+    decoder whose counters stay below it tables it once (`uniforms(..., stages=)`)."""
+    return _fmix32((torch.arange(limit, device=device) & _MASK32) ^ _GOLDEN32)
+
+
+def uniforms(keys: torch.Tensor, counters: torch.Tensor, stages: torch.Tensor | None = None) -> torch.Tensor:
+    """The counters[i]-th uniform in [0, 1) of stream keys[i], for all rows at once (int64 [R] each, float32 [R]).
+    `stages`: `counter_stages(limit)` when every counter is below limit (the same values, fewer operations)."""
+    h = _fmix32((counters & _MASK32) ^ _GOLDEN32) if stages is None else stages[counters]
     h = _fmix32(h ^ (keys & _MASK32))
     h = _fmix32(h ^ (keys >> 32))
     return (h >> 8).to(torch.float32) * 2.0**-24
@@ -86,12 +93,13 @@ def sample(
     keys: torch.Tensor | Sequence[Sequence[int] | int],
     counters: torch.Tensor | Sequence[int],
     params: SamplingParams = SamplingParams(),
+    stages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits [R, V]: returns (tokens LongTensor [R], entropies FloatTensor [R]).
 
     keys[i] is row i's stream (an int64 tensor of `stream_key`s, or tuples / ints that become one);
     counters[i] is the index of the token being drawn (tokens the row sampled so far). Everything
-    stays on the logits' device: no host synchronisation.
+    stays on the logits' device: no host synchronisation. `stages`: as for `uniforms`.
     """
     logits = logits.float()
     ent = entropy(logits)
@@ -109,7 +117,7 @@ def sample(
         mass_before = probs.cumsum(-1) - probs
         probs = probs * (mass_before < params.top_p)  # the top token always survives (mass before it is 0)
     cdf = probs.cumsum(-1)
-    u = uniforms(keys, counters)
+    u = uniforms(keys, counters, stages)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=k - 1)
     # A pick past the kept tokens can only come from float rounding at the very top of the cdf.
     pick = torch.minimum(pick, (probs > 0).sum(-1, keepdim=True) - 1)

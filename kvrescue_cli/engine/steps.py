@@ -22,7 +22,7 @@ import torch
 
 from kvrescue_cli.detect import ENTROPY, REPETITION, DetectorConfig, gzip_ratio
 from kvrescue_cli.engine.caches import KVCache
-from kvrescue_cli.engine.sampling import SamplingParams, as_keys
+from kvrescue_cli.engine.sampling import SamplingParams, as_keys, counter_stages
 from kvrescue_cli.engine.transfer import upload
 from kvrescue_cli.prompts import STEP_DELIMITER
 
@@ -140,7 +140,6 @@ class _Lanes:
 
     keys: torch.Tensor
     count: torch.Tensor
-    context: torch.Tensor
     prev_ends: torch.Tensor
     ring: torch.Tensor      # the last `ent_window` entropies, float64
     max_mean: torch.Tensor  # the largest window mean at checked positions, -inf before any
@@ -148,6 +147,7 @@ class _Lanes:
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     screened: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    context: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens before the step
     tokens: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
     entropies: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
     min_ratio: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -168,6 +168,7 @@ class StepDecoder:
         eos = [t for t in rules.eos if t < len(self.eos)]
         self.eos[eos] = True
         self.width = rules.max_step_tokens
+        self.stages = counter_stages(self.width, self.device)  # a step's counters stay below max_step_tokens
         self.window = rules.detector.ent_window if rules.detector else 1
         self.lanes = self._allocate(0)
         self.free: list[int] = []
@@ -184,12 +185,12 @@ class StepDecoder:
         dev = self.device
         return _Lanes(
             keys=torch.zeros(size, dtype=torch.long, device=dev), count=torch.zeros(size, dtype=torch.long, device=dev),
-            context=torch.zeros(size, dtype=torch.long, device=dev),
             prev_ends=torch.zeros(size, dtype=torch.bool, device=dev),
             ring=torch.zeros(size, self.window, dtype=torch.float64, device=dev),
             max_mean=torch.full((size,), -torch.inf, dtype=torch.float64, device=dev),
             chars=torch.zeros(size, dtype=torch.long, device=dev),
             rows=np.zeros(size, np.int64), screened=np.zeros(size, bool), counts=np.zeros(size, np.int64),
+            context=np.zeros(size, np.int64),
             tokens=np.zeros((size, self.width), np.int64), entropies=np.zeros((size, self.width), np.float32),
             min_ratio=np.full(size, np.inf),
         )
@@ -210,9 +211,9 @@ class StepDecoder:
         lanes = np.array([self.free.pop() for _ in rows], dtype=np.int64)
         s = self.lanes
         s.rows[lanes], s.screened[lanes], s.counts[lanes], s.min_ratio[lanes] = rows, screened, 0, np.inf
+        s.context[lanes] = contexts
         at = upload(lanes, self.device)
         s.keys[at] = upload(as_keys(keys), self.device)
-        s.context[at] = upload(np.asarray(contexts, np.int64), self.device)
         s.count[at], s.prev_ends[at], s.ring[at], s.max_mean[at], s.chars[at] = 0, False, 0.0, -torch.inf, 0
         self._set_live(np.concatenate([self.live, lanes]))
 
@@ -232,20 +233,16 @@ class StepDecoder:
             return []
         rules, table, s = self.rules, self.table, self.lanes
         lanes, live = self.live_t, self.live
-        tokens, entropies = self.runner.sample(self.rows_t, s.keys[lanes], s.count[lanes], rules.sampling)
+        tokens, entropies = self.runner.sample(self.rows_t, s.keys[lanes], s.count[lanes], rules.sampling, self.stages)
         n = s.count[lanes] + 1
         s.count[lanes] = n
-        code = torch.zeros_like(tokens)
-        if rules.fixed_length is not None:
-            code.masked_fill_(n >= rules.fixed_length, _STEP)
-        else:
+        code = torch.zeros_like(tokens)  # the ends read on the device; the length ends are the host's (counts)
+        if rules.fixed_length is None:
             delimiter = table.contains[tokens] | (s.prev_ends[lanes] & table.starts[tokens])
             s.prev_ends[lanes] = table.ends[tokens]
             if table.exact:
                 code.masked_fill_(delimiter, _STEP)
             code.masked_fill_(self.eos[tokens], _EOS)
-        code.masked_fill_((code == 0) & ((n >= rules.max_step_tokens) | (s.context[lanes] + n >= rules.max_context)),
-                          _LENGTH)
         check_text = torch.zeros_like(tokens, dtype=torch.bool)
         cfg = rules.detector
         if cfg is not None and s.screened[live].any():
@@ -269,6 +266,10 @@ class StepDecoder:
         s.tokens[live, s.counts[live] - 1] = tok
         s.entropies[live, s.counts[live] - 1] = packed[1]
         codes = packed[2].astype(np.int64)
+        n = s.counts[live]
+        if rules.fixed_length is not None:
+            codes[(codes == 0) & (n >= rules.fixed_length)] = _STEP
+        codes[(codes == 0) & ((n >= rules.max_step_tokens) | (s.context[live] + n >= rules.max_context))] = _LENGTH
         for i in np.flatnonzero(packed[4]):
             codes[i] = self._check_text(live[i], codes[i])
         ended = codes != 0
