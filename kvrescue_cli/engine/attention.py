@@ -81,7 +81,9 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
     per_chunk = max(1, CHUNK_TOKENS // block_size)
     n_chunks = -(-(cached + queries * causal) // (per_chunk * block_size))
     width = -(-table.shape[1] // per_chunk) * per_chunk
-    chunks = np.pad(table, ((0, 0), (0, width - table.shape[1]))).reshape(table.shape[0], -1, per_chunk)
+    chunks = np.zeros((table.shape[0], width), table.dtype)  # the table padded to whole chunks
+    chunks[:, : table.shape[1]] = table
+    chunks = chunks.reshape(table.shape[0], -1, per_chunk)
     owner, index = np.nonzero(np.arange(chunks.shape[1]) < n_chunks[:, None])
     return {**layout, "blocks": chunks[owner, index].ravel(), "owner": owner, "index": index}
 

@@ -17,6 +17,7 @@ from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.engine.steps import append_tokens
+from kvrescue_cli.engine.texts import encoder
 from kvrescue_cli.prompts import STEP_DELIMITER, SYSTEM_PROMPT, chatml
 
 STEP_TAG = "<extra_0>"
@@ -126,6 +127,7 @@ class PRMInputs:
 
     def __init__(self, tokenizer, sep: int, window: int = WINDOW, system: str = SYSTEM_PROMPT) -> None:
         self.tokenizer = tokenizer
+        self.encode = encoder(tokenizer)
         self.sep = sep
         self.window = window
         self.system = system
@@ -133,13 +135,13 @@ class PRMInputs:
 
     def open(self, key: int, problem: str) -> PRMTrajectory:
         """Start a problem: its prompt's ids."""
-        ids = self.tokenizer.encode(_prompt_text(self.tokenizer, problem, self.system), add_special_tokens=False)
+        ids = self.encode(_prompt_text(self.tokenizer, problem, self.system))
         self.problems[key] = PRMTrajectory(ids)
         return self.problems[key]
 
     def step_ids(self, text: str) -> list[int]:
         """A generated step's ids as the PRM sees it, ending in <extra_0>."""
-        return self.tokenizer.encode(prm_step_text(text), add_special_tokens=False) + [self.sep]
+        return self.encode(prm_step_text(text)) + [self.sep]
 
     def candidates(self, requests: Sequence[Request]) -> tuple[list[list[int]], list[int]]:
         """Each candidate's ids (a suffix of its problem's prefix), and the problems whose prefix lost steps

@@ -23,6 +23,7 @@ import torch
 from kvrescue_cli.detect import ENTROPY, REPETITION, DetectorConfig, gzip_ratio
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.sampling import SamplingParams, as_keys, counter_stages
+from kvrescue_cli.engine.texts import decoder
 from kvrescue_cli.engine.transfer import upload
 from kvrescue_cli.prompts import STEP_DELIMITER
 
@@ -164,6 +165,7 @@ class StepDecoder:
         self.runner, self.rules = runner, rules
         self.device = runner.device
         self.table = step_table(runner.tokenizer).to(self.device)
+        self.decode_text = decoder(runner.tokenizer)
         self.eos = torch.zeros(len(self.table.contains), dtype=torch.bool, device=self.device)
         eos = [t for t in rules.eos if t < len(self.eos)]
         self.eos[eos] = True
@@ -291,7 +293,7 @@ class StepDecoder:
         """Host checks on the decoded text of one row: the gzip test, and the delimiter for an inexact table."""
         s, cfg = self.lanes, self.rules.detector
         n = s.counts[lane]
-        text = self.runner.tokenizer.decode(s.tokens[lane, :n].tolist())
+        text = self.decode_text(s.tokens[lane, :n].tolist())
         if code == 0 and not self.table.exact and STEP_DELIMITER in text:
             code = _STEP
         if cfg is not None and s.screened[lane]:
@@ -309,7 +311,7 @@ class StepDecoder:
         tokens = s.tokens[lane, :n].tolist()
         screened = bool(s.screened[lane])
         return CandidateStep(
-            row=int(s.rows[lane]), tokens=tokens, text=self.runner.tokenizer.decode(tokens),
+            row=int(s.rows[lane]), tokens=tokens, text=self.decode_text(tokens),
             entropies=s.entropies[lane, :n].tolist(), finish=finish,
             max_mean_entropy=float(max_mean) if screened and max_mean > -np.inf else None,
             min_ratio=float(s.min_ratio[lane]) if screened and s.min_ratio[lane] < np.inf else None,
