@@ -1,4 +1,4 @@
-"""One-call GPU check: engine logits vs transformers, decode tokens/s, problems/min, and the roofline.
+"""One-call GPU check: engine logits vs transformers, decode tokens/s, vs vLLM, problems/min, and the roofline.
 
     python benchmarks/gpu_check.py --out gpu_check.json --budget-s 150   # a lent GPU: about 3 minutes
     python benchmarks/gpu_check.py --tiny --out /tmp/check.json          # the CPU, tiny shapes
@@ -18,16 +18,24 @@ downloaded). Sections, in this order:
   logits, and top-k/top-p sampling at the paper's settings (this engine also pays its entropy). Each
   with its memory-bandwidth roofline (bytes a step must read over the measured copy bandwidth) and the
   share of it reached. Shapes that don't fit in memory are listed with the reason.
+- `vllm`: this engine vs vLLM as benchmarks/vs_vllm.py compares them (its functions), in the 7B shapes with
+  random weights (vLLM's own, load_format "dummy"), same dtype: decode tokens/s at batch 1/8/32 (the Runner
+  vs `generate` with `ignore_eos`, 64 new tokens) and PRM candidates scored per second (PRMScorer vs
+  VLLMPRMScorer, 4 problems x 4 steps x 8 candidates), each with engine / vLLM. vLLM gets VLLM_MEMORY of
+  the device; it runs in a child process (`--vllm-child`). Where vLLM is not importable every record
+  says so (skipped, with the install hint).
 - `problems`: problems/min of bon and kvrescue with and without CUDA graphs, and full (which never
   uses them), through `kvrescue run`'s decode code, N = 8, B = 64, random 7B/1.5B/PRM-7B-shaped
   models, synthetic steps, after one warm-up problem.
 - `tp` (two or more GPUs only): benchmarks/tp_check.py, tensor parallelism over GPUs 0 and 1.
 
-Time: every measurement is bounded by `--budget-s` (seconds from the start). Measurements not started
-in time are recorded as skipped (decode ones past DECODE_SHARE of the budget, the others past all of
-it); a measurement still running at the end of the budget (or, for a problems measurement, at the end
-of its equal share of what is left) is interrupted: a problems measurement keeps the problems that
-finished and records how many were cut. Each measurement prints one line as it ends and rewrites the
+Time: every measurement is bounded by `--budget-s` (seconds from the start). Measurements not started in
+time are recorded as skipped (decode ones past DECODE_SHARE of the budget, vllm ones past VLLM_SHARE, the
+others past all of it); a measurement still running at the end of the budget (or, for a problems
+measurement, at the end of its equal share of what is left) is interrupted: a problems measurement keeps
+the problems that finished and records how many were cut. vLLM's start-up does not stop for an interrupt,
+so the vllm section's child process group is ended (SIGTERM, then SIGKILL 10 s later) at VLLM_SHARE of the
+budget, keeping the records it finished. Each measurement prints one line as it ends and rewrites the
 JSON, so a killed check keeps what it measured; a table of every result ends the run.
 """
 
@@ -37,7 +45,14 @@ import _thread
 import argparse
 import gc
 import json
+import math
+import os
 import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -60,7 +75,7 @@ from kvrescue_cli.engine.model import CausalLM, ModelArgs, ProcessRewardModel, T
 from kvrescue_cli.random_checkpoints import build_tokenizer
 from kvrescue_cli.engine.sampling import SamplingParams, sample
 from kvrescue_cli.grid import Cell, GridOptions
-from kvrescue_cli.outputs import Trace
+from kvrescue_cli.outputs import Trace, installed_version
 from kvrescue_cli.search import SearchSettings
 
 # Hugging Face config values (config.json) of the models whose shapes are measured.
@@ -74,11 +89,18 @@ QWEN25_MATH_PRM_7B = QWEN25_MATH_7B
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False)
 
+# The vLLM section's shapes on the CPU: vLLM's CPU attention takes head sizes from 32 up.
+TINY_VLLM = dict(TINY, num_attention_heads=2, num_key_value_heads=1)
+
 FULL = dict(rows=(64, 256, 512), budgets=(64, 512), contexts=(1024, 4096), steps=32, problems=64, n=8, batch=8,
-            budget=64, synthetic=(32, 6), logit_tokens=256)
+            budget=64, synthetic=(32, 6), logit_tokens=256,
+            vllm_batches=(1, 8, 32), vllm_new_tokens=64, vllm_repeats=2, vllm_prm=(4, 4, 8), vllm_kv_mib=512)
 SMALL = dict(rows=(4, 8), budgets=(16,), contexts=(64, 160), steps=4, problems=4, n=2, batch=2,
-             budget=16, synthetic=(4, 2), logit_tokens=24)
-DECODE_SHARE = 0.5  # decode measurements start only in the first half of the budget; problems get the rest
+             budget=16, synthetic=(4, 2), logit_tokens=24,
+             vllm_batches=(1, 8, 32), vllm_new_tokens=8, vllm_repeats=1, vllm_prm=(2, 2, 2), vllm_kv_mib=64)
+DECODE_SHARE = 0.5  # decode measurements start only in the first half of the budget
+VLLM_SHARE = 0.75  # vLLM measurements start and end within the first 3/4 of it; problems get the rest
+VLLM_MEMORY = 0.4  # vLLM's share of the device (this engine's model and cache take the rest)
 PARAMS = SamplingParams()  # the paper's sampling, on both sides of every decode comparison
 # (method, CUDA graphs) of the problems section, each pair alternating its order
 PROBLEM_RUNS = (("bon", True), ("bon", False), ("full", False), ("kvrescue", False), ("kvrescue", True))
@@ -115,6 +137,13 @@ def random_engine(shape: dict, device: str, dtype: torch.dtype, seed: int, prm: 
     if isinstance(net, CausalLM):
         net.tie_weights()
     return net.eval()
+
+
+def random_loaded(shape: dict, device: str, dtype: torch.dtype, seed: int, tokenizer, role: str) -> LoadedModel:
+    """A `random_engine` (a PRM for role "prm") as `load_model` returns a model, with `tokenizer`."""
+    net = random_engine(shape, device, dtype, seed=seed, prm=role == "prm")
+    config = hf_config(shape, tokenizer).to_dict()
+    return LoadedModel(net, tokenizer, config, f"random-{role}", [tokenizer.eos_token_id])
 
 
 def sync(device: str) -> None:
@@ -336,6 +365,156 @@ def decode_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, pl
                 models()[2] + rows * mean_read * entry, bandwidth), too_big(device, need))
 
 
+# -- this engine vs vLLM ------------------------------------------------------------------------------
+def vllm_records(dtype: torch.dtype, tiny: bool, plan: dict) -> list[dict]:
+    """The vllm section's measurements, in order: decode at each batch size, then PRM scoring."""
+    common = {"dtype": str(dtype).removeprefix("torch.")}
+    problems, steps, candidates = plan["vllm_prm"]
+    return ([{"measure": "decode", "shape": "tiny" if tiny else "Qwen2.5-Math-7B", **common, "batch": batch,
+              "new_tokens": plan["vllm_new_tokens"]} for batch in plan["vllm_batches"]]
+            + [{"measure": "prm", "shape": "tiny" if tiny else "Qwen2.5-Math-PRM-7B", **common, "problems": problems,
+                "steps": steps, "candidates": candidates}])
+
+
+def vllm_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> None:
+    """This engine vs vLLM (`vllm_child`), in a child process of its own session: vLLM's start-up does not stop
+    for an interrupt, so the child's whole process group is ended at VLLM_SHARE of the budget, keeping the
+    records it wrote. Where vLLM is not importable, every record says so."""
+    from kvrescue_cli.errors import InputError
+    from kvrescue_cli.vllm_engine import require_vllm
+
+    records = vllm_records(dtype, tiny, plan)
+    try:
+        require_vllm("gpu_check's vllm section")
+    except InputError as err:
+        for record in records:
+            check.add("vllm", {**record, "skipped": str(err)})
+        return
+    end = check.deadline(VLLM_SHARE)
+    gc.collect()  # what earlier sections cached goes back to the device, where vLLM takes its share from
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory(prefix="gpu_check-vllm-") as scratch:
+        lines = Path(scratch) / "records.jsonl"
+        lines.touch()
+        child, received = None, 0
+        first = rest = None  # why the first record not received is missing, and why the others are
+        if time.perf_counter() < end:
+            child = subprocess.Popen([sys.executable, __file__, "--vllm-child", str(lines), "--device", device]
+                                     + (["--tiny"] if tiny else []), start_new_session=True)
+        try:
+            while child is not None:
+                exited = child.poll() is not None
+                for line in lines.read_text().split("\n")[received:-1]:  # complete lines only
+                    check.add("vllm", json.loads(line))
+                    received += 1
+                if exited:
+                    first = f"failed: the measuring process exited with status {child.returncode}"
+                    rest = "not started: the measuring process had exited"
+                    break
+                if time.perf_counter() > end:
+                    first = f"interrupted {end - check.started:.0f} s into the {check.budget_s:.0f} s budget"
+                    break
+                time.sleep(0.5)
+        finally:
+            if child is not None:
+                end_process_group(child)
+        for i, record in enumerate(records[received:]):
+            check.add("vllm", {**record, "skipped": (first if i == 0 else rest) or check.late()})
+
+
+def end_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the process's group (vLLM's engine shuts down on it), SIGKILL to any member left 10 s later."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        waited = time.perf_counter() + 10
+        while time.perf_counter() < waited:
+            process.poll()  # reaps the leader once it has ended
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def vllm_child(out: Path, device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> None:
+    """`--vllm-child OUT`: benchmarks/vs_vllm.py's decode and PRM comparisons in the 7B shapes, each record appended
+    to `out` as one JSON line as it ends: decode tokens/s of this engine's Runner vs vLLM `generate` with
+    `ignore_eos` at each batch, PRM candidates/s of PRMScorer vs VLLMPRMScorer; the same random shape and dtype
+    on both sides (vLLM's own random weights, load_format "dummy"). One vLLM engine at a time."""
+    from vs_vllm import best_of_interleaved, chat_prompt, decode_measures, prm_measures, prm_workload, vllm_memory
+
+    from kvrescue_cli.vllm_engine import require_vllm
+    from kvrescue_cli.vllm_engine.llm import start_llm
+
+    vllm = require_vllm("gpu_check's vllm section")
+    check = RecordLines(out)
+    shapes = {"base": TINY_VLLM if tiny else QWEN25_MATH_7B, "prm": TINY_VLLM if tiny else QWEN25_MATH_PRM_7B}
+    *decode_records, prm_record = vllm_records(dtype, tiny, plan)
+    new, repeats, (problems, steps, candidates) = plan["vllm_new_tokens"], plan["vllm_repeats"], plan["vllm_prm"]
+    tokenizer = build_tokenizer(512)
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_check-vllm-models-"))
+    engines: list = []  # the vLLM engine running now
+
+    def started(role: str, architecture: str, **settings) -> Any:
+        engines.append(start_llm(vllm_folder(scratch / role, shapes[role], tokenizer, architecture),
+                                 dtype=str(dtype).removeprefix("torch."), load_format="dummy",
+                                 **vllm_memory(device, VLLM_MEMORY, plan["vllm_kv_mib"]), **settings))
+        return engines[-1]
+
+    def stop() -> None:
+        for llm in engines:
+            llm.llm_engine.engine_core.shutdown()
+        engines.clear()
+
+    def ratio(ours: float, theirs: float, unit: str) -> dict:
+        return {f"engine_{unit}": ours, f"vllm_{unit}": theirs, "engine_over_vllm": ours / theirs}
+
+    built: dict[str, Any] = {}
+
+    def decoding():  # at the first decode measurement: vLLM first, this engine's model in what it leaves
+        if built.get("measures") is None:
+            if built:
+                raise RuntimeError("the first decode measurement did not get both engines ready")
+            built["measures"] = None
+            prompt = chat_prompt(tokenizer)
+            llm = started("base", "Qwen2ForCausalLM", max_model_len=len(prompt) + new + 64)
+            model = random_loaded(shapes["base"], device, dtype, 20, tokenizer, "base")
+            built["measures"] = decode_measures(model, llm, vllm, prompt, plan["vllm_batches"], new)
+        return built["measures"]
+
+    def scoring() -> dict:
+        llm = started("prm", "Qwen2ForProcessRewardModel", max_model_len=4096, runner="pooling")
+        prm = random_loaded(shapes["prm"], device, dtype, 21, tokenizer, "prm")
+        measures, tokens = prm_measures(prm, llm, prm_workload(problems, steps, candidates))
+        return {**ratio(*best_of_interleaved(measures, repeats), "candidates_per_s"), "engine_tokens": tokens[0],
+                "vllm_tokens": tokens[1]}
+
+    try:
+        for record in decode_records:
+            check.measure("vllm", record, math.inf, lambda: ratio(
+                *best_of_interleaved(decoding(), repeats, record["batch"]), "tokens_per_s"), interrupt=False)
+        built.clear()
+        stop()
+        check.measure("vllm", prm_record, math.inf, scoring, interrupt=False)
+    finally:
+        stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def vllm_folder(folder: Path, shape: dict, tokenizer, architecture: str) -> Path:
+    """A model folder vLLM starts on with random weights (load_format "dummy"): `shape`'s config.json and the
+    tokenizer, no weights."""
+    config = hf_config(shape, tokenizer)
+    config.architectures = [architecture]
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 # -- problems/min -------------------------------------------------------------------------------------
 def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems: ProblemSet, method: str,
                   plan: dict, stop_at: float) -> dict:
@@ -368,9 +547,7 @@ def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, 
     def models() -> dict[str, LoadedModel]:
         for seed, (role, shape) in enumerate(shapes.items()):
             if role not in built:
-                net = random_engine(shape, device, dtype, seed=10 + seed, prm=role == "prm")
-                built[role] = LoadedModel(net, tokenizer, hf_config(shape, tokenizer).to_dict(), f"random-{role}",
-                                          [tokenizer.eos_token_id])
+                built[role] = random_loaded(shape, device, dtype, 10 + seed, tokenizer, role)
         return built
 
     problems = [Problem(i, f"What is {i} + {2 * i}? Let x be the answer.", str(3 * i), {}) for i in range(plan["problems"])]
@@ -445,7 +622,7 @@ class Check:
         is recorded, not raised."""
         now = time.perf_counter()
         if skip is None and now > start_by:
-            skip = f"not started: {now - self.started:.0f} s of the {self.budget_s:.0f} s budget had passed"
+            skip = self.late()
         if skip is not None:
             self.add(section, {**record, "skipped": skip})
             return
@@ -464,6 +641,10 @@ class Check:
                 torch.cuda.empty_cache()
         self.add(section, {**record, **result, "seconds_taken": time.perf_counter() - now})
 
+    def late(self) -> str:
+        """Why a measurement was not started."""
+        return f"not started: {time.perf_counter() - self.started:.0f} s of the {self.budget_s:.0f} s budget had passed"
+
     def add(self, section: str, record: dict) -> None:
         """Keep one result (a list entry, or the section itself for roofline and logits), write, print."""
         if section in ("roofline", "logits"):
@@ -473,6 +654,17 @@ class Check:
         self.report["elapsed_s"] = time.perf_counter() - self.started
         self.out.write_text(json.dumps(self.report, indent=2) + "\n")
         print(f"[{self.report['elapsed_s']:6.1f} s] {section}: {describe(section, record)}", flush=True)
+
+
+class RecordLines(Check):
+    """The vllm child's records: each appended to `out` as one JSON line as it ends (no budget: its parent ends it)."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(out, {}, math.inf)
+
+    def add(self, section: str, record: dict) -> None:
+        with self.out.open("a") as lines:
+            lines.write(json.dumps(record) + "\n")
 
 
 def describe(section: str, r: dict) -> str:
@@ -486,6 +678,9 @@ def describe(section: str, r: dict) -> str:
         what = f"{r.get('shape', '')} {r.get('dtype', '')}"
     elif section == "attention":
         what = f"full-cache attention ctx={r['context']} problems={r['problems']}"
+    elif section == "vllm":
+        what = (f"engine vs vLLM decode {r['shape']} batch={r['batch']}" if r["measure"] == "decode" else
+                f"engine vs vLLM PRM {r['shape']} {r['problems']}x{r['steps']}x{r['candidates']} candidates")
     elif section == "decode":
         budget = f" B={r['budget']}" if r["budget"] else ""
         what = (f"{r['engine']} rows={r['rows']} ctx={r['context']} {r['evictor']}{budget}"
@@ -504,6 +699,10 @@ def describe(section: str, r: dict) -> str:
         return f"{what}: " + ", ".join(f"{v} skipped" if "skipped" in r[v] else
                                        f"{v} {r[v]['step_ms']:.1f} ms/step {r[v]['kv_bytes_read'] / 1e9:.2f} GB"
                                        for v in ("gather", "paged", "cascade"))
+    if section == "vllm":
+        unit = "tokens_per_s" if r["measure"] == "decode" else "candidates_per_s"
+        return (f"{what}: {r[f'engine_{unit}']:.1f} vs {r[f'vllm_{unit}']:.1f} {unit.replace('_per_s', '/s')} "
+                f"(engine / vLLM {r['engine_over_vllm']:.2f})")
     if section == "decode":
         share = f" ({100 * r['of_roofline']:.1f}% of roofline)" if r["of_roofline"] is not None else ""
         return f"{what}: {r['tokens_per_s']:.1f} tok/s{share}"
@@ -514,7 +713,7 @@ def describe(section: str, r: dict) -> str:
 def table(report: dict) -> str:
     """Every result, one line each, grouped by section."""
     lines = ["", f"gpu_check on {report['device']} ({report['dtype']}), {report.get('elapsed_s', 0):.0f} s:"]
-    for section in ("roofline", "logits", "attention", "decode", "problems", "tp"):
+    for section in ("roofline", "logits", "attention", "decode", "vllm", "problems", "tp"):
         found = report.get(section)
         if found is None:
             continue
@@ -529,17 +728,24 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (always cpu with --tiny)")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--skip", default="",
-                        help="comma list of sections to leave out: logits,attention,decode,problems,tp")
+                        help="comma list of sections to leave out: logits,attention,decode,vllm,problems,tp")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="seconds from the start within which every measurement starts and ends (see the top)")
+    parser.add_argument("--vllm-child", type=Path, default=None, metavar="OUT",
+                        help="only measure the vllm section, appending its records to OUT as JSON lines (the section "
+                             "runs so in a child process, which ends at its share of the budget)")
     args = parser.parse_args()
     device = "cpu" if args.tiny else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     plan = SMALL if args.tiny else FULL
+    if args.vllm_child is not None:
+        vllm_child(args.vllm_child, device, dtype, args.tiny, plan)
+        return
     skip = set(filter(None, args.skip.split(",")))
     report: dict = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or "cpu",
                     "torch": torch.__version__, "tiny": args.tiny, "dtype": str(dtype).removeprefix("torch."),
-                    "flash_attn": flash_attn_with_kvcache is not None, "budget_s": args.budget_s}
+                    "flash_attn": flash_attn_with_kvcache is not None, "vllm_version": installed_version("vllm"),
+                    "budget_s": args.budget_s}
     check = Check(args.out, report, args.budget_s)
     end = check.deadline(1.0)
     check.measure("roofline", {}, end, lambda: copy_bandwidth(device, args.tiny))
@@ -549,6 +755,8 @@ def main() -> None:
         attention_section(check, device, dtype, args.tiny)
     if "decode" not in skip:
         decode_section(check, device, dtype, args.tiny, plan)
+    if "vllm" not in skip:
+        vllm_section(check, device, dtype, args.tiny, plan)
     if "problems" not in skip:
         problems_section(check, device, dtype, args.tiny, plan)
     if "tp" not in skip and device.startswith("cuda") and torch.cuda.device_count() >= 2:

