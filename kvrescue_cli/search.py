@@ -53,7 +53,7 @@ class StepRunner(Protocol):
     """What the controller needs from a model's `Runner` (tests drive the controller with a scripted one)."""
 
     def prefill(self, token_lists: Sequence[Sequence[int]]) -> list[int]: ...
-    def fork(self, row: int, n: int) -> list[int]: ...
+    def fork_each(self, rows: Sequence[int], n: int) -> list[int]: ...  # n children of each row, row after row
     def adopt(self, row: int, child: int) -> None: ...
     def release(self, rows: Sequence[int]) -> None: ...
     def commit(self, rows: Sequence[int], steps: Sequence[Sequence[int]]) -> None: ...
@@ -210,8 +210,9 @@ class Controller:
             runner, first = self.runners[source], 0 if source == "base" or not spec.base else n
             screened = spec.detector and source == "base"
             rows, keys, contexts = [], [], []
-            for problem in problems:
-                for index, row in enumerate(runner.fork(problem.rows[source], n), start=first):
+            children = runner.fork_each([problem.rows[source] for problem in problems], n)
+            for k, problem in enumerate(problems):
+                for index, row in enumerate(children[k * n:(k + 1) * n], start=first):
                     cand = CandidateState(source, index, row, screened)
                     problem.candidates.append(cand)
                     self.open[source, row] = cand

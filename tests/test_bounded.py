@@ -369,3 +369,27 @@ def test_rows_given_descending_slots_read_their_own_entries(net):
     assert toks == full_toks
     for a, b in zip(logits, full_logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_fork_each_equals_a_fork_of_each_row(net, bounded):
+    """One batched fork of several parents (one of them twice) decodes as forks made one at a time."""
+    def make():
+        return BoundedCache.for_model(net, budget=16, rows=2) if bounded else FullCache.for_model(net, 4096, max_rows=32)
+
+    lengths, picks = [5, 30, 12], [0, 2, 0, 1]
+    results = []
+    for batched in (True, False):
+        cache = make()
+        d = Driver(net, cache)
+        parents = [cache.create() for _ in lengths]
+        d.append(parents, [prompt(n, seed=n) for n in lengths])
+        chosen = [parents[i] for i in picks]
+        kids = cache.fork_each(chosen, 2) if batched else [k for p in chosen for k in cache.fork(p, 2)]
+        assert [cache.length(k) for k in kids] == [lengths[i] for i in picks for _ in range(2)]
+        d.greedy(kids, torch.arange(len(kids)) + 40, 20)  # the bounded rows of 30 compress on the way
+        results.append(torch.cat(d.logits[1:]))
+        cache.release(parents + kids)
+        if not bounded:
+            assert cache.blocks_in_use() == 0  # every reference the fork took is dropped again
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)

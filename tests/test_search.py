@@ -44,8 +44,8 @@ class ScriptedRunner:
         self.prefills.append(len(token_lists))
         return [self._new(len(t)) for t in token_lists]
 
-    def fork(self, row, n):
-        return [self._new(self.length[row]) for _ in range(n)]
+    def fork_each(self, rows, n):
+        return [self._new(self.length[row]) for row in rows for _ in range(n)]
 
     def adopt(self, row, child):
         self.calls.append(("adopt", row, child))

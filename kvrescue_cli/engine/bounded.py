@@ -125,17 +125,21 @@ class BoundedCache(KVCache):
         return row
 
     def fork(self, row: int, n: int) -> list[int]:
-        children = [self.create() for _ in range(n)]
+        return self.fork_each([row], n)
+
+    def fork_each(self, rows: Sequence[int], n: int) -> list[int]:
+        children = [self.create() for _ in range(len(rows) * n)]
         if children:
-            # The sources are copied out first: an indexed write may not read a view of the pool it writes
-            # (torch refuses it when the view and the written rows could overlap, e.g. with one layer).
-            dst = upload(self.row_slot[children], self.k.device)
-            slot, p = int(self.row_slot[row]), int(self.row_physical[row])
-            self.k[:, dst, :, :p] = self.k[:, slot, None, :, :p].clone()
-            self.v[:, dst, :, :p] = self.v[:, slot, None, :, :p].clone()
-            self.q[:, dst] = self.q[:, slot, None].clone()
+            parents = np.repeat(np.asarray(rows, np.int64), n)
+            slots = upload_all({"dst": self.row_slot[children], "src": self.row_slot[parents]}, self.k.device)
+            dst, src = slots["dst"], slots["src"]
+            p = int(self.row_physical[parents].max())  # past a parent's entries: values its children never read
+            # Indexing the sources copies them out first: an indexed write may not read a view of the pool it writes.
+            self.k[:, dst, :, :p] = self.k[:, src, :, :p]
+            self.v[:, dst, :, :p] = self.v[:, src, :, :p]
+            self.q[:, dst] = self.q[:, src]
             for lengths in (self.row_physical, self.row_logical, self.row_peak):
-                lengths[children] = lengths[row]
+                lengths[children] = lengths[parents]
         return children
 
     def adopt(self, row: int, child: int) -> None:

@@ -27,6 +27,10 @@ class KVCache(ABC):
     def fork(self, row: int, n: int) -> list[int]:
         """n children that see row's content; a child never changes its parent (nor the parent a child)."""
 
+    def fork_each(self, rows: Sequence[int], n: int) -> list[int]:
+        """n children of each of `rows`, row after row: `fork` of each row (a cache may do it in one pass)."""
+        return [child for row in rows for child in self.fork(row, n)]
+
     @abstractmethod
     def adopt(self, row: int, child: int) -> None:
         """Row takes child's content (the committed step); child is released."""
@@ -171,12 +175,18 @@ class FullCache(KVCache):
         return row
 
     def fork(self, row: int, n: int) -> list[int]:
-        children = [self.create() for _ in range(n)]
-        nb = self.n_blocks[row]
-        if children:
-            self.table[children, :nb] = self.table[row, :nb]
-            self.lengths[children], self.n_blocks[children] = self.lengths[row], nb
-            self.refs[self.table[row, :nb]] += n  # a row's blocks are distinct
+        return self.fork_each([row], n)
+
+    def fork_each(self, rows: Sequence[int], n: int) -> list[int]:
+        children = [self.create() for _ in range(len(rows) * n)]
+        parents = np.repeat(np.asarray(rows, np.int64), n)
+        held = self.n_blocks[parents]
+        width = int(held.max(initial=0))
+        blocks = self.table[parents, :width]
+        self.table[children, :width] = blocks  # past a child's own blocks: ids it never reads
+        self.lengths[children], self.n_blocks[children] = self.lengths[parents], held
+        shared, times = np.unique(blocks[np.arange(width) < held[:, None]], return_counts=True)
+        self.refs[shared] += times
         return children
 
     def adopt(self, row: int, child: int) -> None:

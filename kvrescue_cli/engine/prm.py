@@ -238,7 +238,7 @@ class PRMScorer:
         scores: list[float] = []
         for chunk in self._chunks(suffixes):
             keys = [requests[i][0] for i in chunk]
-            rows = [self.cache.fork(self.rows[key], 1)[0] for key in keys]
+            rows = self.cache.fork_each([self.rows[key] for key in keys], 1)
             try:
                 head = append_tokens(self.prm, self.cache, rows, [suffixes[i] for i in chunk])
             finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvrescue_cli.engine.bounded import BoundedCache
@@ -18,7 +19,7 @@ from kvrescue_cli.engine.graphs import StaticDecode
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.sampling import SamplingParams, sample
 from kvrescue_cli.engine.steps import CandidateStep, StepDecoder, StepRules, append_tokens
-from kvrescue_cli.engine.transfer import upload
+from kvrescue_cli.engine.transfer import upload, upload_all
 
 
 class Runner:
@@ -49,13 +50,18 @@ class Runner:
 
     def fork(self, row: int, n: int) -> list[int]:
         """n children of a committed row, each with its content and next-token logits."""
-        children = self.cache.fork(row, n)
+        return self.fork_each([row], n)
+
+    def fork_each(self, rows: Sequence[int], n: int) -> list[int]:
+        """n children of each committed row, row after row, in one pass."""
+        children = self.cache.fork_each(rows, n)
         if children:
             self._room(max(children) + 1)
-            index = upload(torch.tensor(children), self.device)
-            self.logits.index_copy_(0, index, self.logits[row].clone().expand(n, -1))
-        for child in children:
-            self.trajectory[child] = self.trajectory[row]
+            parents = np.repeat(np.asarray(rows, np.int64), n)
+            index = upload_all({"children": np.asarray(children, np.int64), "parents": parents}, self.device)
+            self.logits.index_copy_(0, index["children"], self.logits.index_select(0, index["parents"]))
+            for child, parent in zip(children, parents.tolist()):
+                self.trajectory[child] = self.trajectory[parent]
         return children
 
     def adopt(self, row: int, child: int) -> None:

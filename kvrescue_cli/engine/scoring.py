@@ -57,7 +57,7 @@ class HelperLoglik:
 
     @torch.inference_mode()
     def score(self, requests: list[Request]) -> list[float]:
-        forks = [self.runner.cache.fork(self.rows[key], 1)[0] for key, _, _ in requests]
+        forks = self.runner.cache.fork_each([self.rows[key] for key, _, _ in requests], 1)
         try:
             logits = append_tokens(self.runner.model, self.runner.cache, forks,
                                    [tokens for _, _, tokens in requests], last_only=False)

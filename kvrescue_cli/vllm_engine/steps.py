@@ -114,6 +114,10 @@ class VllmRunner:
         """n children of a committed row, each with its prefix."""
         return [self._new(self.rows[row]) for _ in range(n)]
 
+    def fork_each(self, rows: Sequence[int], n: int) -> list[int]:
+        """n children of each committed row, row after row."""
+        return [child for row in rows for child in self.fork(row, n)]
+
     def adopt(self, row: int, child: int) -> None:
         """The committed row takes a candidate's row; a child holds only its parent's prefix (its step is in
         its result), so this releases the child and `commit` appends the whole step."""
