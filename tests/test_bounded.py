@@ -377,7 +377,7 @@ def test_fork_each_equals_a_fork_of_each_row(net, bounded):
     def make():
         return BoundedCache.for_model(net, budget=16, rows=2) if bounded else FullCache.for_model(net, 4096, max_rows=32)
 
-    lengths, picks = [5, 30, 12], [0, 2, 0, 1]
+    lengths, picks = [5, 140, 12], [0, 2, 0, 1]
     results = []
     for batched in (True, False):
         cache = make()
@@ -387,7 +387,7 @@ def test_fork_each_equals_a_fork_of_each_row(net, bounded):
         chosen = [parents[i] for i in picks]
         kids = cache.fork_each(chosen, 2) if batched else [k for p in chosen for k in cache.fork(p, 2)]
         assert [cache.length(k) for k in kids] == [lengths[i] for i in picks for _ in range(2)]
-        d.greedy(kids, torch.arange(len(kids)) + 40, 20)  # the bounded rows of 30 compress on the way
+        d.greedy(kids, torch.arange(len(kids)) + 40, 20)  # the bounded rows of 140 reach B' = 144 and compress
         results.append(torch.cat(d.logits[1:]))
         cache.release(parents + kids)
         if not bounded:
