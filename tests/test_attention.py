@@ -1,12 +1,13 @@
 """The full cache's paged and cascade attention, and the former gather path, each against exact float64
 attention (fp32 results within TOL of it): decode and multi-token appends, ragged lengths, forks of forks, copy-on-write of a partial last block, GQA groups 1-7;
+the torch path reading chunks or whole rows;
 and the flash-attn call (block tables, lengths, causal alignment, log-sum-exp) against a plain-torch
 implementation of flash_attn_with_kvcache's documented semantics."""
 
 import pytest
 import torch
 
-from kvrescue_cli.engine import attention
+from kvrescue_cli.engine import attention, caches
 from kvrescue_cli.engine.caches import CASCADE_FROM, FullCache
 from tests.gather_reference import exact_attend, gather_attend
 
@@ -71,6 +72,22 @@ def make_caches():
 @pytest.mark.parametrize("group", range(1, 8))
 def test_paged_and_cascade_equal_the_gather_path(group) -> None:
     scenario(make_caches(), HKV * group, torch.Generator().manual_seed(group))
+
+
+@pytest.mark.parametrize("padding", [0.0, float("inf")])
+def test_whole_rows_and_chunks_alike_equal_exact_attention(padding, monkeypatch) -> None:
+    """Forwards without cascade read chunks (ROWS_PADDING 0) or every row padded to the longest (ROWS_PADDING
+    inf): both equal exact attention through the whole scenario, with and without the cascade's merges."""
+    whole_rows = []
+    monkeypatch.setattr(attention, "ROWS_PADDING", padding)
+    def attend_paged(*args, paged=attention.attend_paged):
+        out, lse = paged(*args)
+        whole_rows.append(lse is None)
+        return out, lse
+
+    monkeypatch.setattr(caches, "attend_paged", attend_paged)
+    scenario(make_caches(), HKV * 3, torch.Generator().manual_seed(30))
+    assert any(whole_rows) == (padding > 0) and not all(whole_rows)  # the cascade's passes read chunks
 
 
 def test_cascade_with_a_prefix_longer_than_one_chunk_and_many_groups() -> None:

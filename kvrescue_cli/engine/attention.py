@@ -15,6 +15,9 @@ except ImportError:
 FLASH_BLOCK = 256  # flash-attn's paged KV cache takes blocks of a multiple of 256 tokens
 CHUNK_TOKENS = 128  # keys per unit of work of the torch paged path (whole blocks)
 SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longer query sets are sliced
+# A CPU forward whose results are not merged reads each row's blocks padded to the longest row's (one fused attention
+# per layer, a few torch calls instead of the chunks' ~30) when that reads at most this many times the chunks' blocks.
+ROWS_PADDING = 1.5
 
 
 def use_flash(x: torch.Tensor) -> bool:
@@ -45,20 +48,27 @@ def attend_padded(
     mask = (j[None, None, :] <= start + t[None, :, None]) & (j[None, None, :] < total)
     # A padded query row (t >= new_lengths) may see no key at all; give it key 0 so softmax stays finite.
     mask[:, :, 0] = True
+    return attend_masked(q, k, v, mask)
+
+
+def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (Hq a multiple of Hkv), key l visible to query t of
+    row r where visible[r, t, l] (bool; every query must see a key). Returns [R, Hq, T, D]."""
     R, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     g = Hq // Hkv
     # GQA without repeating K/V: the g query heads sharing KV head j (heads j*g .. j*g+g-1, as in
     # Hugging Face's repeat_kv) become g*T query rows of one attention over head j.
     qg = q.reshape(R, Hkv, g * T, D)
-    mask = mask[:, None, None].expand(R, 1, g, T, L).reshape(R, 1, g * T, L)
+    mask = visible[:, None, None].expand(R, 1, g, T, L).reshape(R, 1, g * T, L)
     return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(R, Hq, T, D)
 
 
 @dataclass
 class PagedKeys:
     """Where S sequences' keys lie in pool blocks, for `attend_paged`; built once per forward (`paged_keys`)
-    and read by every layer. flash-attn reads `table` in place; the torch path reads chunks of whole blocks."""
+    and read by every layer. flash-attn reads `table` in place; the torch path reads chunks of whole blocks, or on a
+    CPU, where no merge follows, each row's blocks padded to the longest row's (`visible` set, `owner` None)."""
 
     table: torch.Tensor  # [S, W] sequence s's key j is in block table[s, j // block_size] (past its keys: any id)
     cached: torch.Tensor  # [S] cached keys of each sequence
@@ -66,20 +76,26 @@ class PagedKeys:
     blocks: torch.Tensor | None = None  # torch path: the blocks of every chunk read, chunk after chunk; None: flash
     owner: torch.Tensor | None = None  # [P] the sequence of each chunk
     hidden: torch.Tensor | None = None  # [P, T, L] key l of chunk p is invisible to query t of its sequence
+    visible: torch.Tensor | None = None  # whole rows: [S, T, L] key l of sequence s is visible to its query t
 
 
 def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, queries: int,
-                 causal: bool) -> dict[str, np.ndarray]:
+                 causal: bool, merged: bool = True) -> dict[str, np.ndarray]:
     """The host half of `paged_keys`: where S sequences' keys lie, from host arrays (table [S, W] of block ids,
-    cached [S]); for the torch path also the chunks of whole blocks each sequence reads (owner and index of
-    every chunk, and its blocks). Send the arrays to the device (`transfer.upload_all`) and build the keys
-    there with `paged_keys`: nothing waits for the device."""
+    cached [S]); for the torch path also the blocks it reads: the chunks of whole blocks of each sequence (owner
+    and index of every chunk, and its blocks), or on a CPU, when the results are not `merged` (no log-sum-exp
+    needed) and it costs at most ROWS_PADDING times the chunks' reads, every sequence's blocks padded to the
+    longest's. Send the arrays to the device (`transfer.upload_all`) and build the keys there with `paged_keys`:
+    nothing waits for the device."""
     layout = {"table": table, "cached": cached}
     block_size = k_pool.shape[1]
     if use_flash(k_pool) and block_size % FLASH_BLOCK == 0:
         return layout
     per_chunk = max(1, CHUNK_TOKENS // block_size)
     n_chunks = -(-(cached + queries * causal) // (per_chunk * block_size))
+    width = int((-(-(cached + queries * causal) // block_size)).max())
+    if not merged and k_pool.device.type == "cpu" and len(cached) * width <= ROWS_PADDING * n_chunks.sum() * per_chunk:
+        return {**layout, "blocks": table[:, :width].ravel()}
     width = -(-table.shape[1] // per_chunk) * per_chunk
     chunks = np.zeros((table.shape[0], width), table.dtype)  # the table padded to whole chunks
     chunks[:, : table.shape[1]] = table
@@ -97,6 +113,14 @@ def paged_keys(k_pool: torch.Tensor, layout: dict[str, torch.Tensor], queries: i
     table, cached = layout["table"], layout["cached"]
     if "blocks" not in layout:
         return PagedKeys(table, cached, causal)
+    if "owner" not in layout:  # whole rows
+        position = torch.arange(layout["blocks"].shape[0] // len(cached) * k_pool.shape[1], device=table.device)
+        if causal:
+            horizon = cached[:, None] + torch.arange(queries, device=table.device)  # [S, T]
+            visible = position[None, None, :] <= horizon[:, :, None]
+        else:
+            visible = (position[None, :] < cached[:, None])[:, None, :].expand(-1, queries, -1)
+        return PagedKeys(table, cached, causal, layout["blocks"], visible=visible)
     owner, index = layout["owner"], layout["index"]
     L = max(1, CHUNK_TOKENS // k_pool.shape[1]) * k_pool.shape[1]
     position = index[:, None] * L + torch.arange(L, device=table.device)  # [P, L]
@@ -111,9 +135,9 @@ def paged_keys(k_pool: torch.Tensor, layout: dict[str, torch.Tensor], queries: i
 def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  keys: PagedKeys) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of S sequences' queries q [S, Hq, T, D] over their keys in pools [blocks, block_size, Hkv, D]
-    (Hq a multiple of Hkv), read through the block table with no padding to the longest sequence.
+    (Hq a multiple of Hkv), read through the block table (in chunks: with no padding to the longest sequence).
     Returns out [S, Hq, T, D] and lse [S, Hq, T] (fp32 log of each query's softmax denominator), so that
-    results over disjoint key sets merge exactly (`merge_partials`)."""
+    results over disjoint key sets merge exactly (`merge_partials`); lse is None for whole rows (not `merged`)."""
     if keys.blocks is None:
         out, lse = flash_attn_with_kvcache(
             q.transpose(1, 2), k_pool, v_pool, cache_seqlens=(keys.cached + q.shape[2] * keys.causal).int(),
@@ -122,10 +146,12 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         return out.transpose(1, 2), lse
     S, Hq, T, D = q.shape
     Hkv = k_pool.shape[2]
-    P, L = keys.hidden.shape[0], keys.hidden.shape[2]
+    P, L = (S, keys.visible.shape[2]) if keys.owner is None else (keys.hidden.shape[0], keys.hidden.shape[2])
     # Head-major copies [P, Hkv, L, D]: one batched matmul over all KV heads reads them contiguously.
     k = k_pool.index_select(0, keys.blocks).view(P, L, Hkv, D).transpose(1, 2).contiguous()
     v = v_pool.index_select(0, keys.blocks).view(P, L, Hkv, D).transpose(1, 2).contiguous()
+    if keys.owner is None:
+        return attend_masked(q, k, v, keys.visible), None
     # GQA: the g query heads of KV head j (heads j*g .. j*g+g-1) attend together over head j.
     qg = q.view(S, Hkv, Hq // Hkv, T, D) * D**-0.5
     step = max(1, SCORE_BYTES // (4 * P * Hq * L))  # queries per slice
