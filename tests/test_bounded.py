@@ -135,6 +135,8 @@ def test_a_row_is_compressed_exactly_when_it_reaches_b_prime(net, static):
     # B' - 2, B' - 1, then the token that makes B' entries compresses to B; B + 1 .. B' - 1; B again
     assert lengths == [b_prime - 2, b_prime - 1, budget, *range(budget + 1, b_prime), budget]
     assert cache.peak_length(row) == b_prime and cache.length(row) == b_prime - 3 + len(lengths)
+    # the rows the steps did not append to keep their lengths
+    assert [(cache.physical_length(r), cache.length(r)) for r in (at, below)] == [(budget, b_prime), (b_prime - 1,) * 2]
 
 
 @pytest.mark.parametrize("budget", [16, 24])
@@ -294,6 +296,16 @@ def test_adopt_and_release_free_slots_and_ids_for_reuse(net):
     assert (again, cache.slot(again), cache.k.shape[1]) == (kids[0], old_slot, 4)
     cache.release([kids[1]])
     assert cache.create() == kids[1] and cache.k.shape[1] == 4
+
+
+def test_releases_add_to_the_free_slots_and_ids(net):
+    cache = BoundedCache.for_model(net, budget=16, rows=4)
+    a, b, c = (cache.create() for _ in range(3))  # slot 3 still free
+    cache.release([a])
+    cache.release([b])
+    again = [cache.create() for _ in range(3)]  # b's slot and id, a's, then slot 3 and a new id: no growth
+    assert sorted(again) == [a, b, c + 1] and cache.k.shape[1] == 4
+    assert sorted(cache.slot(r) for r in [c, *again]) == [0, 1, 2, 3]
 
 
 def test_the_scratch_slot_is_one_more_slot_no_row_gets(net):
