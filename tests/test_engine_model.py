@@ -133,6 +133,6 @@ def test_linear_equals_exact_matmul(rows, dtype) -> None:
     exact = x.double() @ weight.double().T + bias.double()
     for b in (bias, None):
         got = linear(x, weight, b)
-        assert got.shape == (rows, 1, 80) and got.dtype == dtype
+        assert got.shape == (rows, 1, 80) and got.dtype == dtype and got.is_contiguous()
         want = exact if b is not None else exact - bias.double()
         assert (got.double() - want).abs().max() <= (8e-3 if dtype == torch.bfloat16 else 1e-4) * want.abs().max()

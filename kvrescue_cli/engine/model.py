@@ -24,12 +24,13 @@ GEMV_ROWS = 32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); for a bf16 x on a CPU with up to GEMV_ROWS rows, as (weight @ xT)T (torch.mv for one)."""
+    """F.linear(x, weight, bias); for a bf16 x on a CPU with up to GEMV_ROWS rows, as (weight @ xT)T (torch.mv for one),
+    made contiguous (a transposed result would send the attention that follows to SDPA's slow math kernel)."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or rows > GEMV_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    y = torch.mv(weight, flat[0])[None] if rows == 1 else (weight @ flat.T).T
+    y = torch.mv(weight, flat[0])[None] if rows == 1 else (weight @ flat.T).T.contiguous()
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
