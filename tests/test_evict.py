@@ -9,6 +9,7 @@ import torch
 
 from kvrescue_cli.engine.evict import (
     gather_positions,
+    importance,
     keep_positions,
     rkv_keep,
     redundancy,
@@ -116,6 +117,19 @@ def test_rkv_matches_loop_transcription(shape):
     kept = rkv_keep(keys, queries, budget)
     assert kept.dtype == torch.long and kept.shape == (h_kv, budget)
     assert torch.equal(kept, expected)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_importance_and_redundancy_with_their_defaults_match_loop_transcriptions(shape):
+    h_kv, group, length, d, _, shared = shape
+    keys, queries = random_inputs(h_kv, group, length, d, seed=length + 2, shared=shared)
+    k, q = keys.double().tolist(), queries.double().tolist()
+    torch.testing.assert_close(importance(keys, queries).double(),  # kernel 7
+                               torch.tensor([loop_importance(k, q, h, h_kv, 7) for h in range(h_kv)], dtype=torch.float64),
+                               rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(redundancy(keys).double(),  # threshold 0.5
+                               torch.tensor([loop_redundancy(k, h, 0.5) for h in range(h_kv)], dtype=torch.float64),
+                               rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("shape", SHAPES[1::2])
