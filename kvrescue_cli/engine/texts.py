@@ -18,7 +18,7 @@ def _backend(tokenizer):
     """The Rust tokenizer when calling it directly is the wrapper's behaviour, else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True) or \
-            getattr(tokenizer, "split_special_tokens", True) or backend.encode_special_tokens:
+            getattr(tokenizer, "split_special_tokens", True) or getattr(backend, "encode_special_tokens", False):
         return None
     return backend
 
