@@ -147,11 +147,11 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     S, Hq, T, D = q.shape
     Hkv = k_pool.shape[2]
     P, L = (S, keys.visible.shape[2]) if keys.owner is None else (keys.hidden.shape[0], keys.hidden.shape[2])
-    # Head-major copies [P, Hkv, L, D]: one batched matmul over all KV heads reads them contiguously.
-    k = k_pool.index_select(0, keys.blocks).view(P, L, Hkv, D).transpose(1, 2).contiguous()
-    v = v_pool.index_select(0, keys.blocks).view(P, L, Hkv, D).transpose(1, 2).contiguous()
-    if keys.owner is None:
+    k, v = (pool.index_select(0, keys.blocks).view(P, L, Hkv, D).transpose(1, 2) for pool in (k_pool, v_pool))
+    if keys.owner is None:  # SDPA's CPU flash kernel reads the strided heads as they are
         return attend_masked(q, k, v, keys.visible), None
+    # Head-major copies [P, Hkv, L, D]: one batched matmul over all KV heads reads them contiguously.
+    k, v = k.contiguous(), v.contiguous()
     # GQA: the g query heads of KV head j (heads j*g .. j*g+g-1) attend together over head j.
     qg = q.view(S, Hkv, Hq // Hkv, T, D) * D**-0.5
     step = max(1, SCORE_BYTES // (4 * P * Hq * L))  # queries per slice
