@@ -34,6 +34,12 @@ Measured on 2 shared cores, 1 thread each (1 December 2026), defaults otherwise:
   decode, bf16, load average 6-8:   7.1 / 44.7 / 116.1 vs vLLM 25.5 / 126.3 / 213.4 tok/s at batch 1 / 8 / 32
                                     (0.28 / 0.35 / 0.54)
   decode, fp32, load average 7-11:  6.3 / 23.1 / 61.1 vs 14.1 / 68.8 / 109.0 tok/s (0.45 / 0.34 / 0.56)
+  later, at load average 1-3: f123c8b decode bf16 15.3 / 98.1 / 236.8 vs 26.2 / 134.9 / 225.9 (0.58 / 0.73 / 1.05);
+  7f10e59 (bf16 linears as matrix-vector products, whole-row SDPA attention, fewer decoder and sampling ops)
+                             bf16 23.2 / 150.5 / 351.2 vs 28.6 / 139.5 / 245.9 (0.81 / 1.08 / 1.43),
+                             fp32 17.1 / 57.3 / 186.4 vs 16.3 / 79.8 / 138.6 (1.04 / 0.72 / 1.35).
+  At batch 1 both engines' weight reads take ~27 ms a token (torch.mv and vLLM's oneDNN matmul alike, ~10 GB/s
+  over 270 MB); the rest of the step (attention, norms, sampling, dispatch) takes ~16 ms here, ~8 ms in vLLM.
   PRM (queued feeds, e83e0a0), load average 9: bf16 29.1 vs 36.7 candidates/s (0.79), fp32 12.1 vs 8.6 (1.41);
                                     tokens processed 7,075 vs 24,298
 So vLLM's pooling, recomputing every prefix (3.4x the tokens), scores faster than PRMScorer in bf16 and slower in
@@ -44,8 +50,7 @@ fp32 (PRMScorer before e83e0a0, load 6-11: bf16 0.57, fp32 0.99).
                                     more than this engine's loading, excluded from problems/min); the two native runs
                                     2.2x apart, the two vLLM ones within 0.4%
 An earlier run at load 11-15 gave decode ratios 0.29 / 0.25 / 0.48 (bf16); idle cores gave engine_bench-style
-figures of 27 / 184 / 431 vs 35 / 136 / 186 tok/s (issue 13), so under load this engine loses more than vLLM:
-not yet explained.
+figures of 27 / 184 / 431 vs 35 / 136 / 186 tok/s (issue 13), so under load this engine loses more than vLLM.
 """
 
 import argparse
