@@ -7,7 +7,8 @@ then the 49152 x 576 head: 270 MB in bf16, more than any cache), each weight rea
 the two ways alternate, best of --repeats each. Prints milliseconds per pass, the weights' read rate and the ratio.
 Measured on 2 shared cores, 1 thread, load average ~2 (1 December 2026), F.linear / linear time with W @ xT in
 both dtypes: bfloat16 1.31 / 1.44 / 1.45 / 1.31 at 1 / 2 / 8 / 32 rows (linear reads 9.8 GB/s at 1-8 rows); float32
-0.97 / 0.45 / 1.27 / 0.98, so `linear` keeps F.linear for fp32.
+0.97 / 0.45 / 1.27 / 0.98, so `linear` keeps F.linear for fp32. With the result made contiguous (03c4af9), load ~1:
+bfloat16 1.29 / 1.33 / 1.11 at 1 / 8 / 32 rows (the copy costs here and saves more in the ops after it).
 """
 
 import argparse
