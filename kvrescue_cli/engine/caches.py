@@ -91,6 +91,11 @@ class _SharedPrefixes:
     slots: torch.Tensor  # [M] its place in the groups' flattened members (group * n + member)
 
 
+def _ranks(sizes: np.ndarray) -> np.ndarray:
+    """Each element's index within its run, for consecutive runs of the given sizes: [2, 3] -> [0, 1, 0, 1, 2]."""
+    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+
+
 @dataclass
 class _Groups:
     """A forward's rows that share leading blocks, group after group (from `FullCache._shared_prefixes`)."""
@@ -257,7 +262,7 @@ class FullCache(KVCache):
         np.subtract.at(self.refs, cow_src, 1)
         self.table[rows_np[copies], n_blocks[copies] - 1] = cow_dst
         which = np.repeat(np.arange(len(rows_np)), grow)
-        self.table[rows_np[which], n_blocks[which] + np.arange(len(new)) - np.repeat(np.cumsum(grow) - grow, grow)] = new
+        self.table[rows_np[which], n_blocks[which] + _ranks(grow)] = new
         self.n_blocks[rows_np] += grow
         self.lengths[rows_np] += n_np
         groups = self._shared_prefixes(rows_np, lengths) if self.cascade_from is not None else None
@@ -289,7 +294,7 @@ class FullCache(KVCache):
         order = np.argsort(last, kind="stable")
         starts = np.flatnonzero(np.r_[True, last[order][1:] != last[order][:-1]])
         before = np.empty(len(at), np.int64)  # rows of this forward holding the same block before this one
-        before[order] = np.arange(len(at)) - np.repeat(starts, np.diff(np.r_[starts, len(at)]))
+        before[order] = _ranks(np.diff(np.r_[starts, len(at)]))
         copy = before < self.refs[last] - 1
         return at[copy], last[copy]
 
@@ -317,7 +322,7 @@ class FullCache(KVCache):
         if groups is not None:
             n = int(groups.sizes.max())
             starts = np.cumsum(groups.sizes) - groups.sizes
-            member = np.arange(len(groups.rows)) - np.repeat(starts, groups.sizes)  # index within its group
+            member = _ranks(groups.sizes)  # index within its group
             group = np.repeat(np.arange(len(groups.sizes)), groups.sizes)
             members = np.repeat(groups.rows[starts], n).reshape(-1, n)  # padded with each group's first row
             members[group, member] = groups.rows
@@ -345,12 +350,13 @@ class FullCache(KVCache):
             return None
         by_row = np.argsort(grouped[starts[keep]])  # groups in the order of their first rows
         starts, sizes = starts[keep][by_row], sizes[keep][by_row]
-        members = grouped[np.repeat(starts, sizes) + np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)]
-        limit = np.minimum.reduceat(lengths[members], np.cumsum(sizes) - sizes) // self.block_size
+        members = grouped[np.repeat(starts, sizes) + _ranks(sizes)]
+        heads = np.cumsum(sizes) - sizes  # each group's first place in `members`
+        limit = np.minimum.reduceat(lengths[members], heads) // self.block_size
         width = int(limit.max())
         blocks = self.table[rows[members], :width]
-        leader = np.repeat(blocks[np.cumsum(sizes) - sizes], sizes, axis=0)
-        parted = np.logical_or.reduceat(blocks != leader, np.cumsum(sizes) - sizes, axis=0)
+        leader = np.repeat(blocks[heads], sizes, axis=0)
+        parted = np.logical_or.reduceat(blocks != leader, heads, axis=0)
         parted |= np.arange(width) >= limit[:, None]
         shared = np.where(parted.any(1), parted.argmax(1), width)
         return _Groups(members, sizes, shared)
