@@ -122,7 +122,7 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
             executor.close()
 
     def say(message: str) -> None:
-        progress.console.print(message, markup=False, highlight=False)
+        progress.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     with workers.RayWorkers(options, say) as actors:
         actors.start()
