@@ -76,18 +76,35 @@ def test_paged_and_cascade_equal_the_gather_path(group) -> None:
 
 @pytest.mark.parametrize("padding", [0.0, float("inf")])
 def test_whole_rows_and_chunks_alike_equal_exact_attention(padding, monkeypatch) -> None:
-    """Forwards without cascade read chunks (ROWS_PADDING 0) or every row padded to the longest (ROWS_PADDING
-    inf): both equal exact attention through the whole scenario, with and without the cascade's merges."""
+    """On a CPU, forwards read chunks (ROWS_PADDING 0) or every row padded to the longest (ROWS_PADDING inf), the
+    cascade's passes too: both equal exact attention through the whole scenario, the merges of the cascade
+    included (which read the whole rows' log-sum-exp)."""
     whole_rows = []
     monkeypatch.setattr(attention, "ROWS_PADDING", padding)
-    def attend_paged(*args, paged=attention.attend_paged):
-        out, lse = paged(*args)
-        whole_rows.append(lse is None)
-        return out, lse
+    def attend_paged(q, k_pool, v_pool, keys, paged=attention.attend_paged):
+        whole_rows.append(keys.owner is None)
+        return paged(q, k_pool, v_pool, keys)
 
     monkeypatch.setattr(caches, "attend_paged", attend_paged)
     scenario(make_caches(), HKV * 3, torch.Generator().manual_seed(30))
-    assert any(whole_rows) == (padding > 0) and not all(whole_rows)  # the cascade's passes read chunks
+    assert set(whole_rows) == {padding > 0}
+
+
+@pytest.mark.parametrize("queries", [5, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_biased_gives_the_log_sum_exp_of_the_visible_scores(dtype, queries) -> None:
+    """The CPU flash kernel's output and log-sum-exp against a float64 softmax over the visible keys, GQA 3; the
+    mask per query, or one for all queries (broadcast with stride 0)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(4, 6, 5, D, generator=g), torch.randn(4, 2, 11, D, generator=g), torch.randn(4, 2, 11, D, generator=g)
+    visible = torch.rand(4, queries, 11, generator=g) > 0.4
+    visible[:, :, 3] = True
+    out, lse = attention.attend_biased(q.to(dtype), k.to(dtype), v.to(dtype), attention.visibility_bias(visible, dtype))
+    scores = (q.double() @ k.double().repeat_interleave(3, 1).transpose(2, 3)) * D**-0.5
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    tol = TOL if dtype == torch.float32 else 0.05
+    assert lse.dtype == torch.float32 and (lse - scores.logsumexp(-1)).abs().max() < tol
+    assert (out.double() - scores.softmax(-1) @ v.double().repeat_interleave(3, 1)).abs().max() < tol
 
 
 def test_cascade_with_a_prefix_longer_than_one_chunk_and_many_groups() -> None:

@@ -15,8 +15,8 @@ except ImportError:
 FLASH_BLOCK = 256  # flash-attn's paged KV cache takes blocks of a multiple of 256 tokens
 CHUNK_TOKENS = 128  # keys per unit of work of the torch paged path (whole blocks)
 SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longer query sets are sliced
-# A CPU forward whose results are not merged reads each row's blocks padded to the longest row's (one fused attention
-# per layer, a few torch calls instead of the chunks' ~30) when that reads at most this many times the chunks' blocks.
+# A CPU forward reads each row's blocks padded to the longest row's (one fused attention per layer, a few torch calls
+# instead of the chunks' ~30) when that reads at most this many times the chunks' blocks.
 ROWS_PADDING = 1.5
 
 
@@ -51,24 +51,42 @@ def attend_padded(
     return attend_masked(q, k, v, mask)
 
 
+def _grouped(q: torch.Tensor, mask: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA without repeating K/V: the g query heads sharing KV head j (heads j*g .. j*g+g-1, as in Hugging Face's
+    repeat_kv) become g*T query rows of one attention over head j. Returns those queries [R, Hkv, g*T, D] and
+    the mask of q [R, Hq, T, D]'s keys, [R, T, L] or [R, 1, L] (alike for every query), repeated for them
+    [R, 1, g*T, L] (a view of the latter, with stride 0 over the queries)."""
+    R, Hq, T, D = q.shape
+    g, L = Hq // kv_heads, mask.shape[2]
+    return q.reshape(R, kv_heads, g * T, D), mask[:, None, None].expand(R, 1, g, T, L).reshape(R, 1, g * T, L)
+
+
 def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (Hq a multiple of Hkv), key l visible to query t of
     row r where visible[r, t, l] (bool; every query must see a key). Returns [R, Hq, T, D]."""
-    R, Hq, T, D = q.shape
-    Hkv, L = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    # GQA without repeating K/V: the g query heads sharing KV head j (heads j*g .. j*g+g-1, as in
-    # Hugging Face's repeat_kv) become g*T query rows of one attention over head j.
-    qg = q.reshape(R, Hkv, g * T, D)
-    mask = visible[:, None, None].expand(R, 1, g, T, L).reshape(R, 1, g * T, L)
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(R, Hq, T, D)
+    qg, mask = _grouped(q, visible, k.shape[1])
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(q.shape)
+
+
+def visibility_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of `attend_biased`: 0 where `visible`, else -inf."""
+    return torch.full(visible.shape, float("-inf"), dtype=dtype, device=visible.device).masked_fill_(visible, 0.0)
+
+
+def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_masked` on CPU tensors, the mask given as `visibility_bias` [R, T or 1, L] in q's dtype, with the
+    log-sum-exp [R, Hq, T] (fp32) of each query's scaled scores: SDPA's CPU flash kernel, which computes it anyway."""
+    qg, grouped = _grouped(q, bias, k.shape[1])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, attn_mask=grouped)
+    return out.reshape(q.shape), lse.reshape(q.shape[:3])
 
 
 @dataclass
 class PagedKeys:
     """Where S sequences' keys lie in pool blocks, for `attend_paged`; built once per forward (`paged_keys`)
     and read by every layer. flash-attn reads `table` in place; the torch path reads chunks of whole blocks, or on a
-    CPU, where no merge follows, each row's blocks padded to the longest row's (`visible` set, `owner` None)."""
+    CPU each row's blocks padded to the longest row's (`bias` set, `owner` None)."""
 
     table: torch.Tensor  # [S, W] sequence s's key j is in block table[s, j // block_size] (past its keys: any id)
     cached: torch.Tensor  # [S] cached keys of each sequence
@@ -76,16 +94,15 @@ class PagedKeys:
     blocks: torch.Tensor | None = None  # torch path: the blocks of every chunk read, chunk after chunk; None: flash
     owner: torch.Tensor | None = None  # [P] the sequence of each chunk
     hidden: torch.Tensor | None = None  # [P, T, L] key l of chunk p is invisible to query t of its sequence
-    visible: torch.Tensor | None = None  # whole rows: [S, T, L] key l of sequence s is visible to its query t
+    bias: torch.Tensor | None = None  # whole rows: [S, T or 1, L] 0 where key l of sequence s is visible to query t, else -inf
 
 
 def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, queries: int,
-                 causal: bool, merged: bool = True) -> dict[str, np.ndarray]:
+                 causal: bool) -> dict[str, np.ndarray]:
     """The host half of `paged_keys`: where S sequences' keys lie, from host arrays (table [S, W] of block ids,
     cached [S]); for the torch path also the blocks it reads: the chunks of whole blocks of each sequence (owner
-    and index of every chunk, and its blocks), or on a CPU, when the results are not `merged` (no log-sum-exp
-    needed) and it costs at most ROWS_PADDING times the chunks' reads, every sequence's blocks padded to the
-    longest's. Send the arrays to the device (`transfer.upload_all`) and build the keys there with `paged_keys`:
+    and index of every chunk, and its blocks), or on a CPU, when it costs at most ROWS_PADDING times the chunks'
+    reads, every sequence's blocks padded to the longest's. Send the arrays to the device (`transfer.upload_all`) and build the keys there with `paged_keys`:
     nothing waits for the device."""
     layout = {"table": table, "cached": cached}
     block_size = k_pool.shape[1]
@@ -94,7 +111,7 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
     per_chunk = max(1, CHUNK_TOKENS // block_size)
     n_chunks = -(-(cached + queries * causal) // (per_chunk * block_size))
     width = int((-(-(cached + queries * causal) // block_size)).max())
-    if not merged and k_pool.device.type == "cpu" and len(cached) * width <= ROWS_PADDING * n_chunks.sum() * per_chunk:
+    if k_pool.device.type == "cpu" and len(cached) * width <= ROWS_PADDING * n_chunks.sum() * per_chunk:
         return {**layout, "blocks": table[:, :width].ravel()}
     width = -(-table.shape[1] // per_chunk) * per_chunk
     chunks = np.zeros((table.shape[0], width), table.dtype)  # the table padded to whole chunks
@@ -119,8 +136,8 @@ def paged_keys(k_pool: torch.Tensor, layout: dict[str, torch.Tensor], queries: i
             horizon = cached[:, None] + torch.arange(queries, device=table.device)  # [S, T]
             visible = position[None, None, :] <= horizon[:, :, None]
         else:
-            visible = (position[None, :] < cached[:, None])[:, None, :].expand(-1, queries, -1)
-        return PagedKeys(table, cached, causal, layout["blocks"], visible=visible)
+            visible = (position[None, :] < cached[:, None])[:, None, :]  # alike for every query
+        return PagedKeys(table, cached, causal, layout["blocks"], bias=visibility_bias(visible, k_pool.dtype))
     owner, index = layout["owner"], layout["index"]
     L = max(1, CHUNK_TOKENS // k_pool.shape[1]) * k_pool.shape[1]
     position = index[:, None] * L + torch.arange(L, device=table.device)  # [P, L]
@@ -137,7 +154,7 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """Attention of S sequences' queries q [S, Hq, T, D] over their keys in pools [blocks, block_size, Hkv, D]
     (Hq a multiple of Hkv), read through the block table (in chunks: with no padding to the longest sequence).
     Returns out [S, Hq, T, D] and lse [S, Hq, T] (fp32 log of each query's softmax denominator), so that
-    results over disjoint key sets merge exactly (`merge_partials`); lse is None for whole rows (not `merged`)."""
+    results over disjoint key sets merge exactly (`merge_partials`)."""
     if keys.blocks is None:
         out, lse = flash_attn_with_kvcache(
             q.transpose(1, 2), k_pool, v_pool, cache_seqlens=(keys.cached + q.shape[2] * keys.causal).int(),
@@ -146,10 +163,10 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         return out.transpose(1, 2), lse
     S, Hq, T, D = q.shape
     Hkv = k_pool.shape[2]
-    P, L = (S, keys.visible.shape[2]) if keys.owner is None else (keys.hidden.shape[0], keys.hidden.shape[2])
+    P, L = (S, keys.bias.shape[2]) if keys.owner is None else (keys.hidden.shape[0], keys.hidden.shape[2])
     k, v = (pool.index_select(0, keys.blocks).view(P, L, Hkv, D).transpose(1, 2) for pool in (k_pool, v_pool))
     if keys.owner is None:  # SDPA's CPU flash kernel reads the strided heads as they are
-        return attend_masked(q, k, v, keys.visible), None
+        return attend_biased(q, k, v, keys.bias)
     # Head-major copies [P, Hkv, L, D]: one batched matmul over all KV heads reads them contiguously.
     k, v = k.contiguous(), v.contiguous()
     # GQA: the g query heads of KV head j (heads j*g .. j*g+g-1) attend together over head j.
