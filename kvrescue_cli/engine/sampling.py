@@ -79,8 +79,14 @@ def uniforms(keys: torch.Tensor, counters: torch.Tensor, stages: torch.Tensor | 
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary entropy (nats) of softmax(logits) over the last dimension, in fp32."""
-    return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)
+    """Full-vocabulary entropy (nats) of softmax(logits) over the last dimension, in fp32: with z = logits - max,
+    H = log S - sum(e^z z) / S where S = sum(e^z), one exp per logit and no log of each probability (a -inf
+    logit, clamped to the lowest float, adds 0)."""
+    z = logits.float() - logits.amax(-1, keepdim=True).float()
+    z.clamp_(min=torch.finfo(torch.float32).min)
+    e = z.exp()
+    total = e.sum(-1)
+    return total.log() - (e * z).sum(-1) / total
 
 
 def as_keys(keys: Sequence[Sequence[int] | int], device: torch.device | str = "cpu") -> torch.Tensor:
