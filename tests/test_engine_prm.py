@@ -127,6 +127,9 @@ def test_opens_and_commits_are_fed_with_the_next_score_in_one_forward(prm, monke
     assert first[0] == pytest.approx(prm_scores(prm, PROBLEMS[0], STEPS[0][:1])[-1], abs=1e-4)
     for (key, text, _), score in zip(requests, second):
         assert score == pytest.approx(prm_scores(prm, PROBLEMS[key], [STEPS[key][0], text])[-1], abs=1e-4)
-    ids = scorer.inputs.step_ids  # problem 0: its prompt, two candidates, the committed step, one candidate
+    def ids(text):
+        return scorer.inputs.step_ids([text])[0]
+
+    # problem 0: its prompt, two candidates, the committed step, one candidate
     processed = len(scorer.inputs.problems[0].prompt) + 2 * len(ids(STEPS[0][0])) + len(ids("x = 7.\n\n"))
     assert scorer.close(0)[0] == processed + len(ids(STEPS[0][1]))

@@ -20,8 +20,9 @@ def _check(tokenizer) -> None:
     decode, encode = decoder(tokenizer), encoder(tokenizer)
     assert decode != tokenizer.decode  # the direct calls are used for these fast tokenizers
     rng = random.Random(1)
-    for text in _texts(tokenizer):
-        assert encode(text) == tokenizer.encode(text, add_special_tokens=False)
+    texts = _texts(tokenizer)
+    assert encode(texts) == [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    assert encode([]) == []
     for _ in range(300):
         ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 40))]
         assert decode(ids) == tokenizer.decode(ids)

@@ -135,18 +135,18 @@ class PRMInputs:
 
     def open(self, key: int, problem: str) -> PRMTrajectory:
         """Start a problem: its prompt's ids."""
-        ids = self.encode(_prompt_text(self.tokenizer, problem, self.system))
+        ids = self.encode([_prompt_text(self.tokenizer, problem, self.system)])[0]
         self.problems[key] = PRMTrajectory(ids)
         return self.problems[key]
 
-    def step_ids(self, text: str) -> list[int]:
-        """A generated step's ids as the PRM sees it, ending in <extra_0>."""
-        return self.encode(prm_step_text(text)) + [self.sep]
+    def step_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Generated steps' ids as the PRM sees them, each ending in <extra_0> (one batched tokenizer call)."""
+        return [ids + [self.sep] for ids in self.encode([prm_step_text(text) for text in texts])]
 
     def candidates(self, requests: Sequence[Request]) -> tuple[list[list[int]], list[int]]:
         """Each candidate's ids (a suffix of its problem's prefix), and the problems whose prefix lost steps
         to make room for their longest candidate."""
-        suffixes = [self.step_ids(text) for _, text, _ in requests]
+        suffixes = self.step_ids([text for _, text, _ in requests])
         need: dict[int, int] = {}
         for (key, _, _), s in zip(requests, suffixes):
             need[key] = max(need.get(key, 0), len(s))
@@ -158,7 +158,7 @@ class PRMInputs:
     def commit(self, key: int, text: str) -> tuple[list[int], bool]:
         """The problem committed this step: its ids, and whether older steps were dropped to fit it."""
         p = self.problems[key]
-        step = self.step_ids(text)
+        step = self.step_ids([text])[0]
         refit = p.fit(len(step), self.window)
         p.steps.append(step)
         return step, refit
