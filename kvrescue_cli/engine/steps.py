@@ -275,8 +275,7 @@ class StepDecoder:
         for i in np.flatnonzero(packed[4]):
             codes[i] = self._check_text(live[i], codes[i])
         ended = codes != 0
-        done = [self._finished(lane, FINISHES[c], packed[3][i]) for i, (lane, c) in
-                enumerate(zip(live, codes)) if c]
+        done = [self._finished(live[i], FINISHES[codes[i]], packed[3][i]) for i in np.flatnonzero(ended)]
         if ended.all():
             self.free += live.tolist()
             self._set_live(live[:0])
