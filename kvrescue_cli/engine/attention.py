@@ -25,6 +25,20 @@ def use_flash(x: torch.Tensor) -> bool:
     return flash_attn_with_kvcache is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
 
 
+def padded_visibility(kv_lengths: torch.Tensor, new_lengths: torch.Tensor, queries: int, keys: int) -> torch.Tensor:
+    """The mask of `attend_padded` [R, queries, keys]: row r holds kv_lengths[r] cached keys, then its
+    new_lengths[r] new ones (the queries' own) right after them, then padding; key j is visible to new token t
+    when it is cached or an earlier/same new token and not padding. A padded query (t >= new_lengths[r]) sees key
+    0 at least, so that its softmax stays finite. Computed once per forward, read by every layer."""
+    t = torch.arange(queries, device=kv_lengths.device)
+    j = torch.arange(keys, device=kv_lengths.device)
+    start = kv_lengths[:, None, None]
+    total = (kv_lengths + new_lengths)[:, None, None]
+    mask = (j[None, None, :] <= start + t[None, :, None]) & (j[None, None, :] < total)
+    mask[:, :, 0] = True
+    return mask
+
+
 def attend_padded(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -40,15 +54,7 @@ def attend_padded(
     kv_lengths, new_lengths: LongTensor [R] on q's device.
     Returns [R, Hq, T, D]; outputs at padded query positions are finite and meaningless.
     """
-    t = torch.arange(q.shape[2], device=q.device)
-    j = torch.arange(k.shape[2], device=q.device)
-    start = kv_lengths[:, None, None]
-    total = (kv_lengths + new_lengths)[:, None, None]
-    # Key j is visible to new token t when it is cached or an earlier/same new token and not padding.
-    mask = (j[None, None, :] <= start + t[None, :, None]) & (j[None, None, :] < total)
-    # A padded query row (t >= new_lengths) may see no key at all; give it key 0 so softmax stays finite.
-    mask[:, :, 0] = True
-    return attend_masked(q, k, v, mask)
+    return attend_masked(q, k, v, padded_visibility(kv_lengths, new_lengths, q.shape[2], k.shape[2]))
 
 
 def _grouped(q: torch.Tensor, mask: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

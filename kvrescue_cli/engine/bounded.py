@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvrescue_cli.engine.attention import attend_padded
+from kvrescue_cli.engine.attention import attend_masked, padded_visibility
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET, WINDOW, gather_positions, keep_positions
 from kvrescue_cli.engine.transfer import upload, upload_all
@@ -34,6 +34,7 @@ class _Forward:
     write_slots: torch.Tensor    # [N] slot of each valid new token
     write_pos: torch.Tensor      # [N] its physical index
     valid: torch.Tensor          # [N] its flat index (row * T + t) among the forward's padded tokens
+    visible: torch.Tensor        # [R, T, length] the keys each new token attends to (`padded_visibility`)
 
 
 class BoundedCache(KVCache):
@@ -225,6 +226,7 @@ class BoundedCache(KVCache):
             write_slots=dev["write_slots"],
             write_pos=dev["write_pos"],
             valid=dev["valid"],
+            visible=padded_visibility(dev["kv_lengths"], dev["new_lengths"], len(t), need),
         )
         self._appended(rows, new)
         return dev["positions"]
@@ -251,7 +253,7 @@ class BoundedCache(KVCache):
             joined = torch.cat([qp[f.slots], q], dim=2)
             idx = (f.new_lengths[:, None] + torch.arange(WINDOW, device=q.device))[:, None, :, None]
             qp[f.slots] = joined.gather(2, idx.expand(-1, q.shape[1], -1, q.shape[3]))
-        return attend_padded(q, kp[f.slots, :, : f.length], vp[f.slots, :, : f.length], f.kv_lengths, f.new_lengths)
+        return attend_masked(q, kp[f.slots, :, : f.length], vp[f.slots, :, : f.length], f.visible)
 
     def end(self) -> None:
         rows, self.fwd = self.fwd.rows, None
