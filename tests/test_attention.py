@@ -175,7 +175,7 @@ def test_cascade_only_where_it_saves_enough_re_reading() -> None:
     generator = torch.Generator().manual_seed(5)
     cache = FullCache(1, HKV, D, 4096, max_rows=64, block_size=16)
     parent = cache.create()
-    forward([cache], [parent], [1000], HKV, generator)
-    few, more = cache.fork(parent, 4), cache.fork(parent, 4)  # 992 shared tokens (62 blocks), re-read by all but one
-    assert forward([cache], few, [1] * 4, HKV, generator) == [[]] and CASCADE_FROM == 6144  # 3 x 992 < 6144
-    assert forward([cache], few + more, [1] * 8, HKV, generator) == [[992]]  # 7 x 992 >= 6144
+    forward([cache], [parent], [160], HKV, generator)
+    few, more = cache.fork(parent, 4), cache.fork(parent, 4)  # 160 shared tokens (10 blocks), re-read by all but one
+    assert forward([cache], few, [1] * 4, HKV, generator) == [[]] and CASCADE_FROM == 1024  # 3 x 160 < 1024
+    assert forward([cache], few + more, [1] * 8, HKV, generator) == [[160]]  # 7 x 160 >= 1024
