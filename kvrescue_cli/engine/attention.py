@@ -100,7 +100,7 @@ class PagedKeys:
     blocks: torch.Tensor | None = None  # torch path: the blocks of every chunk read, chunk after chunk; None: flash
     owner: torch.Tensor | None = None  # [P] the sequence of each chunk
     hidden: torch.Tensor | None = None  # [P, T, L] key l of chunk p is invisible to query t of its sequence
-    bias: torch.Tensor | None = None  # whole rows: [S, T or 1, L] 0 where key l of sequence s is visible to query t, else -inf
+    bias: torch.Tensor | None = None  # whole rows: [S, T or 1, L] 0 where key l of sequence s is visible to query t
 
 
 def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, queries: int,
@@ -108,8 +108,8 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
     """The host half of `paged_keys`: where S sequences' keys lie, from host arrays (table [S, W] of block ids,
     cached [S]); for the torch path also the blocks it reads: the chunks of whole blocks of each sequence (owner
     and index of every chunk, and its blocks), or on a CPU, when it costs at most ROWS_PADDING times the chunks'
-    reads, every sequence's blocks padded to the longest's. Send the arrays to the device (`transfer.upload_all`) and build the keys there with `paged_keys`:
-    nothing waits for the device."""
+    reads, every sequence's blocks padded to the longest's. Send the arrays to the device (`transfer.upload_all`)
+    and build the keys there with `paged_keys`: nothing waits for the device."""
     layout = {"table": table, "cached": cached}
     block_size = k_pool.shape[1]
     if use_flash(k_pool) and block_size % FLASH_BLOCK == 0:

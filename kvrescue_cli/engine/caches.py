@@ -318,7 +318,8 @@ class FullCache(KVCache):
         host = {"positions": positions, "slots": table[row, pos // bs] * bs + pos % bs}
         if n_new.min() < T:
             host["valid"] = np.flatnonzero(valid)
-        host.update(("own." + k, v) for k, v in paged_layout(self.k[0], own_table, lengths - skipped * bs, T, True).items())
+        own_layout = paged_layout(self.k[0], own_table, lengths - skipped * bs, T, True)
+        host.update(("own." + k, v) for k, v in own_layout.items())
         if groups is not None:
             n = int(groups.sizes.max())
             starts = np.cumsum(groups.sizes) - groups.sizes
