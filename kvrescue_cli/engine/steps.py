@@ -275,18 +275,20 @@ class StepDecoder:
         for i in np.flatnonzero(packed[4]):
             codes[i] = self._check_text(live[i], codes[i])
         ended = codes != 0
-        done = [self._finished(live[i], FINISHES[codes[i]], packed[3][i]) for i in np.flatnonzero(ended)]
+        finished = [(live[i], FINISHES[codes[i]], packed[3][i]) for i in np.flatnonzero(ended)]
         if ended.all():
             self.free += live.tolist()
             self._set_live(live[:0])
-            return done
-        if ended.any():
-            keep = np.flatnonzero(~ended)
-            self.free += live[ended].tolist()
-            self._set_live(live[keep], keep)
-            tokens = tokens[upload(keep, self.device)]
-        self.runner.decode(self.rows_t, s.rows[self.live].tolist(), tokens)
-        return done
+        else:
+            if ended.any():
+                keep = np.flatnonzero(~ended)
+                self.free += live[ended].tolist()
+                self._set_live(live[keep], keep)
+                tokens = tokens[upload(keep, self.device)]
+            self.runner.decode(self.rows_t, s.rows[self.live].tolist(), tokens)
+        # Built after the forward is launched: on a GPU it runs while the host decodes the finished steps' texts
+        # (their lanes are free, but nothing reuses them before the next `start`).
+        return [self._finished(*f) for f in finished]
 
     def _check_text(self, lane: int, code: int) -> int:
         """Host checks on the decoded text of one row: the gzip test, and the delimiter for an inexact table."""
