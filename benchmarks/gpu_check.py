@@ -578,16 +578,21 @@ def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, 
 def interrupted_at(deadline: float | None) -> Iterator[Callable[[], bool]]:
     """Run the body until `deadline` (None: no limit) at most: then it is interrupted (KeyboardInterrupt in
     this thread) and the context ends normally; the yielded function tells whether that happened. A real
-    Ctrl-C propagates."""
+    Ctrl-C propagates. The interrupt comes through SIGUSR1's slot, not SIGINT's: a job started in the
+    background (`&`, nohup) ignores SIGINT, and `interrupt_main` does nothing for an ignored signal."""
     lock, state = threading.Lock(), {"done": False, "fired": False}
 
     def fire() -> None:
         with lock:
             if not state["done"]:
                 state["fired"] = True
-                _thread.interrupt_main()
+                _thread.interrupt_main(signal.SIGUSR1)
+
+    def on_deadline(signum: int, frame) -> None:
+        raise KeyboardInterrupt
 
     timer = threading.Timer(max(0.0, deadline - time.perf_counter()), fire) if deadline is not None else None
+    previous = signal.signal(signal.SIGUSR1, on_deadline) if timer is not None else None
     if timer is not None:
         timer.start()
     try:
@@ -602,6 +607,7 @@ def interrupted_at(deadline: float | None) -> Iterator[Callable[[], bool]]:
     finally:
         if timer is not None:
             timer.cancel()
+            signal.signal(signal.SIGUSR1, previous)
 
 
 class Check:

@@ -1,6 +1,7 @@
 """Shared fixtures: small random checkpoints written once per session through the real saving code."""
 
 import importlib.util
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,12 @@ from kvrescue_cli.random_checkpoints import build_tokenizer, write_random_checkp
 # The vLLM tests (marker `vllm`, files test_vllm_*.py) run in .venv-vllm (`pytest -m vllm`). Elsewhere they are
 # deselected, and their files are not even collected: a module that needs vLLM to import would count as skipped.
 collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_vllm_*.py"]
+
+# A suite started in the background (`&` in a script, nohup) inherits SIGINT ignored, and so would the processes that
+# the Ctrl-C tests start and interrupt: handle it as an interactive run does (exec resets a handled signal to its
+# default in a child, while an ignored one stays ignored).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, init_std=0.1)
 # vLLM's CPU attention takes head sizes from 32 up: the checkpoints its tests load have 2 query heads of 32, 1 KV head.

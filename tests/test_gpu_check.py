@@ -3,6 +3,7 @@ its roofline arithmetic is right, and its time budget bounds every section."""
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -88,10 +89,15 @@ def test_budget_bounds_every_section(tmp_path):
     assert lines[-1].startswith("wrote ")
 
 
-def test_a_measurement_is_interrupted_at_its_deadline():
+def load_gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_a_measurement_is_interrupted_at_its_deadline():
+    module = load_gpu_check()
     start = time.perf_counter()
     with module.interrupted_at(start + 0.3) as cut:
         while time.perf_counter() < start + 30:
@@ -100,3 +106,19 @@ def test_a_measurement_is_interrupted_at_its_deadline():
     with module.interrupted_at(time.perf_counter() + 30) as cut:
         pass
     assert not cut()
+
+
+def test_the_deadline_holds_in_a_job_that_ignores_sigint():
+    """Started in the background (`&`, nohup), a process ignores SIGINT; the deadline still interrupts it."""
+    module = load_gpu_check()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        start = time.perf_counter()
+        with module.interrupted_at(start + 0.3) as cut:
+            while time.perf_counter() < start + 30:
+                time.sleep(0.01)
+        assert cut() and time.perf_counter() - start < 10
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
