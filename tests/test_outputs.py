@@ -21,7 +21,7 @@ import pytest
 from kvrescue_cli.outputs import (
     Candidate, ModelRef, RunConfig, RunFolder, RunFolderError, Step, Tokens, Trace,
     TornTraceWarning, busy_seconds, environment, problem_checksum, read_traces, run_dir, same_cell_elsewhere,
-    installed_version, summarize, write_json_atomic,
+    installed_version, summarize, write_atomic, write_json_atomic,
 )
 from kvrescue_cli.outputs.folder import git_state
 
@@ -479,13 +479,27 @@ def test_json_files_are_written_through_a_hidden_temporary_file_beside_them(tmp_
     assert (tmp_path / "summary.json").read_bytes() == b'{\n  "accuracy": 0.5,\n  "problems": 3\n}\n'
 
 
-def test_the_traces_and_lock_files_are_created_rw_r_r(tmp_path):
-    umask = os.umask(0o022)
+@pytest.mark.parametrize("umask, mode", [(0o022, "0o644"), (0o027, "0o640")], ids=["umask-022", "umask-027"])
+def test_every_file_of_a_folder_gets_the_mode_of_a_plain_write(tmp_path, umask, mode):
+    """0666 less the umask, as `open(path, "w")` gives: the atomic JSON files too (mkstemp made them 0600, so a
+    group could read a run's traces but not its config.json or summary.json)."""
+    old = os.umask(umask)
     try:
-        RunFolder.open(tmp_path, config()).close()
+        with RunFolder.open(tmp_path, config()) as rf:
+            rf.write_summary()
     finally:
-        os.umask(umask)
-    assert [oct((tmp_path / name).stat().st_mode & 0o777) for name in ("traces.jsonl", ".lock")] == ["0o644"] * 2
+        os.umask(old)
+    names = ("traces.jsonl", ".lock", "config.json", "summary.json")
+    assert [oct((tmp_path / name).stat().st_mode & 0o777) for name in names] == [mode] * 4
+
+
+def test_an_atomic_rewrite_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    path = tmp_path / "summary.json"
+    write_atomic(path, b"{}\n")
+    path.chmod(0o604)
+    write_atomic(path, b"[]\n")
+    assert path.read_bytes() == b"[]\n" and oct(path.stat().st_mode & 0o777) == "0o604"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
 def test_a_closed_folder_refuses_appends_and_closes_once(tmp_path):

@@ -9,11 +9,11 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import secrets
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -131,10 +131,14 @@ def git_state(root: Path) -> dict[str, Any]:
 
 def write_atomic(path: Path, payload: bytes) -> None:
     """Write `payload` to a temporary file in the same folder, fsync it, then rename it over `path`:
-    readers see the old file or the new one, never half of one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    readers see the old file or the new one, never half of one. The file gets the mode a plain write would
+    give it: that of the file it replaces, else 0666 less the umask (not mkstemp's 0600)."""
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
+            if path.exists():
+                os.fchmod(f.fileno(), path.stat().st_mode & 0o7777)
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
