@@ -240,6 +240,7 @@ class Controller:
 
     def _commit(self, ready: list[ProblemState]) -> None:
         commits: dict[str, list[tuple[ProblemState, list[int]]]] = {name: [] for name in self.runners}
+        losers: dict[str, list[int]] = {name: [] for name in self.runners}  # released once per runner
         for problem in ready:
             for cand in problem.candidates:
                 problem.generated[cand.source] += len(cand.tokens)
@@ -256,7 +257,7 @@ class Controller:
                     mine.remove(winner)
                 else:
                     problem.prefilled[name] += len(winner.tokens)
-                runner.release([c.row for c in mine])
+                losers[name] += [c.row for c in mine]
                 commits[name].append((problem, winner.tokens))
             problem.history.append(problem.candidates)
             problem.candidates = []
@@ -267,6 +268,7 @@ class Controller:
             elif len(problem.steps) >= self.settings.step_cap:
                 problem.stop = "steps"
         for name, runner in self.runners.items():
+            runner.release(losers[name])
             live = [(p, step) for p, step in commits[name] if not p.stop]
             if live:
                 runner.commit([p.rows[name] for p, _ in live], [step for _, step in live])
