@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
@@ -132,13 +132,13 @@ def git_state(root: Path) -> dict[str, Any]:
 def write_atomic(path: Path, payload: bytes) -> None:
     """Write `payload` to a temporary file in the same folder, fsync it, then rename it over `path`:
     readers see the old file or the new one, never half of one. The file gets the mode a plain write would
-    give it: that of the file it replaces, else 0666 less the umask (not mkstemp's 0600)."""
+    give it: that of the file it replaces, else 0666 less the umask."""
     tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            if path.exists():
-                os.fchmod(f.fileno(), path.stat().st_mode & 0o7777)
+            with suppress(FileNotFoundError):  # a new file keeps 0666 less the umask
+                os.fchmod(f.fileno(), os.stat(path).st_mode & 0o7777)
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
