@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvrescue_cli.random_checkpoints import build_tokenizer, write_random_checkpoint
+from tests import cuda_layouts
 
 # The vLLM tests (marker `vllm`, files test_vllm_*.py) run in .venv-vllm (`pytest -m vllm`). Elsewhere they are
 # deselected, and their files are not even collected: a module that needs vLLM to import would count as skipped.
@@ -21,6 +22,32 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, init_std=0.1)
 # vLLM's CPU attention takes head sizes from 32 up: the checkpoints its tests load have 2 query heads of 32, 1 KV head.
 VLLM_TINY = dict(TINY, num_heads=2, num_kv_heads=1)
+
+
+class KernelLayouts:
+    """The memory layouts the attention kernels of a test return: the CPU's own (`cuda` False) or CUDA's."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def flash(self, kernel):
+        """A flash_attn_with_kvcache stand-in, returning flash-attn's layouts under CUDA's."""
+        return cuda_layouts.flash_kvcache(kernel) if self.cuda else kernel
+
+    def env(self) -> dict[str, str] | None:
+        """The environment of a subprocess computing with these layouts (None: this process's)."""
+        return cuda_layouts.subprocess_env() if self.cuda else None
+
+
+@pytest.fixture(params=["cpu-layouts", "cuda-layouts"])
+def kernel_layouts(request, monkeypatch) -> KernelLayouts:
+    """Each test of a module marked `pytest.mark.usefixtures("kernel_layouts")` runs twice: with the CPU
+    kernels' layouts, and with SDPA returning CUDA's (`tests.cuda_layouts`); a test taking it as an argument
+    wraps its flash-attn stand-in with `.flash` and starts subprocesses with `.env()`."""
+    cuda = request.param == "cuda-layouts"
+    if cuda:
+        cuda_layouts.install(monkeypatch.setattr)
+    return KernelLayouts(cuda)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ from kvrescue_cli.engine import attention, caches
 from kvrescue_cli.engine.caches import CASCADE_FROM, FullCache
 from tests.gather_reference import exact_attend, gather_attend
 
+pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
+
 # Every fp32 result lies within 6.4e-7 of exact attention, identically with 1 to 16 threads and with uninitialised
 # memory filled with NaN (torch's fill_uninitialized_memory) or poisoned (glibc MALLOC_PERTURB_). Twice an error of
 # 4.4e-5 / 7.0e-5 was seen, both in the GQA-1 case run first in a fresh process (the second, in the cascading cache,
@@ -145,12 +147,13 @@ def reference_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_
 
 
 @pytest.mark.parametrize("group", [1, 6])
-def test_the_flash_attn_call_equals_the_gather_path(group, monkeypatch) -> None:
+def test_the_flash_attn_call_equals_the_gather_path(group, monkeypatch, kernel_layouts) -> None:
     """The flash-attn path only runs on a GPU with flash-attn installed; its calls are checked here through
     a plain-torch flash_attn_with_kvcache."""
     calls = []
+    flash = kernel_layouts.flash(reference_flash_attn_with_kvcache)
     monkeypatch.setattr(attention, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(kw["causal"])
-                        or reference_flash_attn_with_kvcache(*a, **kw))
+                        or flash(*a, **kw))
     monkeypatch.setattr(attention, "use_flash", lambda x: True)
     monkeypatch.setattr(attention, "FLASH_BLOCK", BLOCK)
     scenario(make_caches(), HKV * group, torch.Generator().manual_seed(20 + group))

@@ -15,6 +15,8 @@ from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from tests.conftest import TINY
 
+pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
+
 
 @pytest.fixture(scope="module")
 def net(qwen2_dir):

@@ -7,6 +7,8 @@ import torch
 from kvrescue_cli.engine import FullCache, load_model
 from kvrescue_cli.engine.attention import attend_padded
 
+pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
+
 TOL = 1e-4
 
 

@@ -10,6 +10,8 @@ from kvrescue_cli.engine import FullCache, ModelLoadError, load_model
 from kvrescue_cli.engine.loader import cpu_has_native_bf16, resolve_dtype
 from kvrescue_cli.engine.model import linear
 
+pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
+
 TOL = 1e-4
 
 

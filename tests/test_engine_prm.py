@@ -8,6 +8,8 @@ from transformers import Qwen2Model
 from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.prm import SYSTEM_PROMPT, PRMScorer, prm_last_scores, prm_scores
 
+pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
+
 PROBLEMS = ["What is 3x + 5 = 20 for x?", "Compute 1 + 2 + 3 + ... + 10."]
 STEPS = [
     ["Step 1: 3x = 15.\n\n", "Step 2: Dividing both sides by 3 gives x = 5.\n\n", "The answer is \\boxed{5}.<|im_end|>"],

@@ -12,6 +12,8 @@ from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine import steps as steps_module
 from kvrescue_cli.engine.steps import STEP_DELIMITER, StepRules, StepTable, generate_steps, step_table
 
+pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
+
 GREEDY = SamplingParams(temperature=0)
 
 

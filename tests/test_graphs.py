@@ -1,10 +1,13 @@
 """The static-shape decode step (what CUDA graphs capture on a GPU), run eagerly on the CPU against the dynamic one."""
 
+import pytest
 import torch
 
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.graphs import StaticDecode, bucket
 from kvrescue_cli.engine.loader import load_model
+
+pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
 
 def test_buckets_are_powers_of_two():
@@ -58,12 +61,12 @@ def reference_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, cache_
     return torch.stack(out)[:, None]
 
 
-def test_the_flash_attn_call_matches_the_dynamic_step(qwen2_dir, monkeypatch):
+def test_the_flash_attn_call_matches_the_dynamic_step(qwen2_dir, monkeypatch, kernel_layouts):
     """The flash-attn path only runs on a GPU with flash-attn installed; its call (layouts, lengths, slots) is
     checked here against a plain-torch implementation of flash_attn_with_kvcache's semantics."""
     from kvrescue_cli.engine import graphs
 
-    monkeypatch.setattr(graphs, "flash_attn_with_kvcache", reference_flash_attn_with_kvcache)
+    monkeypatch.setattr(graphs, "flash_attn_with_kvcache", kernel_layouts.flash(reference_flash_attn_with_kvcache))
     monkeypatch.setattr(graphs, "use_flash", lambda q: True)
     net = load_model(qwen2_dir).net
     generator = torch.Generator().manual_seed(1)

@@ -366,3 +366,19 @@ def test_cpu_demo_preset_on_smollm2(tmp_path):
     assert 1 <= trace["n_steps"] <= 3 and trace["output"].strip()
     assert all(len(cands) == 2 and {c["source"] for c in cands} == {"base", "helper"} for cands in trace["candidates"])
     assert all(s["score"] <= 0 for s in trace["steps"])  # mean log-probabilities
+
+
+def test_cuda_kernel_layouts_give_the_same_traces(grid, problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
+    """The same cells with SDPA returning CUDA's output layout (`tests.cuda_layouts`) in the run's process: the
+    evicting base's prefill, commits and decode, the full caches and the PRM compute the same tokens and scores."""
+    from tests.cuda_layouts import subprocess_env
+
+    done = subprocess.run([KVRESCUE, "run", "--bench", str(problems), "--method", "kvrescue,bon", "--n", "2",
+                           "--limit", "3", "--base", str(qwen2_dir), "--helper", str(llama_dir), "--prm", str(prm_dir),
+                           "--out", str(tmp_path), *SMALL], capture_output=True, timeout=600, env=subprocess_env())
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    strip = lambda t: {k: v for k, v in t.items() if k != "timings"}  # noqa: E731
+    for method in ("kvrescue", "bon"):
+        native = sorted(map(strip, read_folder(grid, method)[1]), key=lambda t: t["idx"])
+        cuda = sorted(map(strip, read_folder(tmp_path, method)[1]), key=lambda t: t["idx"])
+        assert cuda == native, method

@@ -69,9 +69,10 @@ def _grouped(q: torch.Tensor, mask: torch.Tensor, kv_heads: int) -> tuple[torch.
 
 def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (Hq a multiple of Hkv), key l visible to query t of
-    row r where visible[r, t, l] (bool; every query must see a key). Returns [R, Hq, T, D]."""
+    row r where visible[r, t, l] (bool; every query must see a key). Returns [R, Hq, T, D], in whatever layout
+    the kernel chose (CUDA's memory-efficient kernel lays [R, Hkv, gT, D] out as [R, gT, Hkv, D]: a copy then)."""
     qg, mask = _grouped(q, visible, k.shape[1])
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(q.shape)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(q.shape)
 
 
 def visibility_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
