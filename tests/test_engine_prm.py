@@ -135,3 +135,29 @@ def test_opens_and_commits_are_fed_with_the_next_score_in_one_forward(prm, monke
     # problem 0: its prompt, two candidates, the committed step, one candidate
     processed = len(scorer.inputs.problems[0].prompt) + 2 * len(ids(STEPS[0][0])) + len(ids("x = 7.\n\n"))
     assert scorer.close(0)[0] == processed + len(ids(STEPS[0][1]))
+
+
+def test_where_flash_attn_serves_the_prm_it_reads_its_cache_through_the_paged_kernel(prm, monkeypatch,
+                                                                                     kernel_layouts) -> None:
+    """On a device where flash-attn serves the PRM's tensors, its cache takes flash-attn's block size (the paged
+    kernel takes no other) and every forward reads it through flash_attn_with_kvcache (a plain-torch stand-in
+    here), the candidates' copied partial blocks too, with the from-scratch scores."""
+    from kvrescue_cli.engine import attention, caches
+    from tests.test_attention import reference_flash_attn_with_kvcache
+
+    calls = []
+    flash = kernel_layouts.flash(reference_flash_attn_with_kvcache)
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(kw["causal"])
+                        or flash(*a, **kw))
+    for module in (attention, caches):
+        monkeypatch.setattr(module, "use_flash", lambda x: True)
+    scorer = PRMScorer(prm, max_problems=2, max_candidates=4)
+    assert scorer.cache.block_size == attention.FLASH_BLOCK
+    scorer.open(0, PROBLEMS[0], [])
+    scorer.commit(0, STEPS[0][0], [])
+    texts = [STEPS[0][1], "A wrong turn: x = 7.\n\n"]
+    got = scorer.score([(0, text, []) for text in texts])
+    assert calls and all(calls)  # every forward, prefix and candidates, on the paged kernel
+    assert got == pytest.approx(prm_last_scores(prm, PROBLEMS[0], [[STEPS[0][0], t] for t in texts]), abs=1e-4)
+    scorer.close(0)
+    assert scorer.cache.blocks_in_use() == 0

@@ -75,10 +75,13 @@ class KVCache(ABC):
 CASCADE_FROM = 1024
 
 
+TORCH_BLOCK = 16  # tokens per block of a full cache on the torch attention path
+
+
 def block_size_for(x: torch.Tensor) -> int:
     """Tokens per block of a full cache holding tensors like `x`: FLASH_BLOCK when flash-attn serves them
-    (its paged cache needs it), else 16."""
-    return FLASH_BLOCK if use_flash(x) else 16
+    (its paged cache needs it), else TORCH_BLOCK."""
+    return FLASH_BLOCK if use_flash(x) else TORCH_BLOCK
 
 
 @dataclass

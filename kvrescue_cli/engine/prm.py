@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.caches import TORCH_BLOCK, FullCache, block_size_for
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.engine.steps import append_tokens
@@ -23,7 +23,6 @@ from kvrescue_cli.prompts import STEP_DELIMITER, SYSTEM_PROMPT, chatml
 STEP_TAG = "<extra_0>"
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
 WINDOW = 4096  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)
-BLOCK = 16  # the PRM cache's block size
 
 
 def prm_step_text(text: str) -> str:
@@ -175,9 +174,10 @@ class PRMScorer:
     name = "prm"
 
     @staticmethod
-    def cache_tokens(max_problems: int, max_candidates: int, max_step_tokens: int, window: int = WINDOW) -> int:
-        """Token room of the cache a scorer builds by default."""
-        return max_problems * (window + BLOCK) + max_candidates * (max_step_tokens + BLOCK + 1)
+    def cache_tokens(max_problems: int, max_candidates: int, max_step_tokens: int, window: int = WINDOW,
+                     block_size: int = TORCH_BLOCK) -> int:
+        """Token room of the cache a scorer builds by default, in blocks of `block_size` tokens."""
+        return max_problems * (window + block_size) + max_candidates * (max_step_tokens + block_size + 1)
 
     def __init__(
         self,
@@ -191,13 +191,15 @@ class PRMScorer:
         system: str = SYSTEM_PROMPT,
     ) -> None:
         """Cache room: every open problem's full window, plus candidate suffixes: `candidate_tokens`, by
-        default max_candidates full-length steps; candidates beyond the room are scored in several forwards."""
+        default max_candidates full-length steps; candidates beyond the room are scored in several forwards.
+        Blocks as the device's attention path takes them (`block_size_for`: flash-attn's paged path on a GPU)."""
         self.prm = prm
         self.inputs = PRMInputs(prm.tokenizer, _check_prm(prm), window, system)
-        room = candidate_tokens if candidate_tokens is not None else max_candidates * (max_step_tokens + BLOCK + 1)
+        bs = block_size_for(next(prm.net.parameters()))
+        room = candidate_tokens if candidate_tokens is not None else max_candidates * (max_step_tokens + bs + 1)
         self.cache = FullCache.for_model(
-            prm.net, max_problems * (window + BLOCK) + room, block_size=BLOCK,
-            max_rows=max_problems + max_candidates, max_row_tokens=window + BLOCK,
+            prm.net, max_problems * (window + bs) + room, block_size=bs,
+            max_rows=max_problems + max_candidates, max_row_tokens=window + bs,
         )
         self.rows: dict[int, int] = {}  # each problem's cache row, holding its prefix
         self.unfed: dict[int, list[int]] = {}  # tokens of a problem's prefix not yet in its row
