@@ -9,8 +9,8 @@ passes on the CPU and fails at its first CUDA forward. Through these wrappers th
   is not dense.
 - `flash_kvcache(kernel)`: a `flash_attn_with_kvcache` stand-in whose `out` is allocated as flash-attn's
   mha_fwd_kvcache does (`empty_like(q)`: q's strides where q is dense, else dense ones in the order of q's; with
-  one query per row and grouped heads, those of q regrouped as [B, g, Hkv, D]) and whose log-sum-exp is a contiguous [B, Hq, Sq] float32
-  ([B, Hq, 1] in that grouped case).
+  one query per row and grouped heads, those of q regrouped as [B, g, Hkv, D]) and whose log-sum-exp is a
+  contiguous float32 [B, Hq, Sq].
 - `install(setattr)`: puts `sdpa` in place of torch's function (`monkeypatch.setattr`, or plain `setattr`).
 - `SITE`: a folder that, first on a subprocess's PYTHONPATH, installs `sdpa` in it at startup (`subprocess_env`),
   so that `kvrescue run` in a subprocess computes with CUDA's layouts too.

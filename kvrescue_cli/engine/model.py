@@ -189,15 +189,19 @@ class Transformer(nn.Module):
 
         Returns head outputs at each row's last new token [R, out], or at every position [R, T, out].
         """
-        positions = cache.begin(rows, n_new)
-        try:
-            h = self.decoder(tokens, positions, cache)
-        finally:
-            cache.end()
+        h = self.append_hidden(tokens, cache, rows, n_new)
         if not last_only:
             return self.head(h)
         last = upload(np.asarray(n_new, np.int64) - 1, h.device)
         return self.head(h[torch.arange(len(rows), device=h.device), last])
+
+    def append_hidden(self, tokens: torch.Tensor, cache: KVCache, rows: list[int], n_new: list[int]) -> torch.Tensor:
+        """`prefill` without the head: the decoder's hidden states [R, T, dim] at every new position."""
+        positions = cache.begin(rows, n_new)
+        try:
+            return self.decoder(tokens, positions, cache)
+        finally:
+            cache.end()
 
     def decode(self, tokens: torch.Tensor, cache: KVCache, rows: list[int]) -> torch.Tensor:
         """Append one token per row (tokens [R]); returns head outputs [R, out]."""

@@ -6,12 +6,15 @@ candidate steps as suffixes of it, many problems per call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvrescue_cli.engine.runner import Runner
-from kvrescue_cli.engine.steps import append_tokens
+from kvrescue_cli.engine.steps import padded_tokens
+from kvrescue_cli.engine.transfer import upload_all
 
 Request = tuple[int, str, list[int]]  # (problem key, candidate text, candidate tokens in the policy models' tokenizer)
 
@@ -32,6 +35,18 @@ class Scorer(Protocol):
 
     def close(self, key: int) -> tuple[int, int]:
         """Stop following a problem; returns (tokens the scorer processed, times its input was truncated)."""
+
+
+LOGITS_BYTES = 1 << 28  # bound on the fp32 logits `chosen_logprobs` holds at once
+
+
+def chosen_logprobs(logits: Callable[[int, int], torch.Tensor], targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """log_softmax(logits)[target] at each of len(targets) positions, logits(a, b) [b - a, vocab] giving those of
+    positions a..b-1: as many positions at a time as fit LOGITS_BYTES in fp32."""
+    n, step = len(targets), max(1, LOGITS_BYTES // (4 * vocab))
+    parts = [torch.log_softmax(logits(a, min(a + step, n)).float(), dim=-1).gather(1, targets[a : a + step, None])
+             for a in range(0, n, step)]
+    return torch.cat(parts)[:, 0] if parts else torch.zeros(0, device=targets.device)
 
 
 class HelperLoglik:
@@ -57,21 +72,33 @@ class HelperLoglik:
 
     @torch.inference_mode()
     def score(self, requests: list[Request]) -> list[float]:
-        forks = self.runner.cache.fork_each([self.rows[key] for key, _, _ in requests], 1)
+        """Each candidate's mean token log-probability, all candidates in one forward and one wait for the device;
+        the fp32 logits exist a chunk of positions at a time (`chosen_logprobs`), never for all at once."""
+        if not requests:
+            return []
+        runner, token_lists = self.runner, [tokens for _, _, tokens in requests]
+        forks = runner.cache.fork_each([self.rows[key] for key, _, _ in requests], 1)
         try:
-            logits = append_tokens(self.runner.model, self.runner.cache, forks,
-                                   [tokens for _, _, tokens in requests], last_only=False)
+            batch, n_new = padded_tokens(token_lists, runner.device)
+            hidden = runner.model.net.append_hidden(batch, runner.cache, forks, n_new)  # [R, T, dim]
         finally:
-            self.runner.cache.release(forks)
-        scores = []
-        for i, (key, _, tokens) in enumerate(requests):
-            # The first token is predicted by the committed context, the rest by the candidate's own prefix.
-            predicting = torch.cat([self.next_logits[key][None], logits[i, : len(tokens) - 1]])
-            logprobs = torch.log_softmax(predicting, dim=-1)
-            chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, device=logprobs.device)]
-            scores.append(chosen.mean().item())
+            runner.cache.release(forks)
+        # Token 0 of a candidate is predicted by the committed context (its kept logits), token j > 0 by the hidden
+        # state of token j - 1: where each later token lies ([R, T] places) and which state predicts it.
+        owner = np.repeat(np.arange(len(requests)), np.asarray(n_new) - 1)
+        at = np.concatenate([np.arange(1, n) for n in n_new])
+        dev = upload_all({"first": [t[0] for t in token_lists], "later": np.concatenate([t[1:] for t in token_lists]),
+                          "owner": owner, "at": at, "state": owner * batch.shape[1] + at - 1, "n": n_new},
+                         runner.device)
+        kept = [self.next_logits[key] for key, _, _ in requests]
+        vocab = kept[0].shape[-1]
+        chosen = torch.zeros(batch.shape, dtype=torch.float32, device=runner.device)  # each token's log-probability
+        chosen[:, 0] = chosen_logprobs(lambda a, b: torch.stack(kept[a:b]), dev["first"], vocab)
+        states, head = hidden.flatten(0, 1).index_select(0, dev["state"]), runner.model.net.head
+        chosen[dev["owner"], dev["at"]] = chosen_logprobs(lambda a, b: head(states[a:b]), dev["later"], vocab)
+        for key, _, tokens in requests:
             self.processed[key] += len(tokens)
-        return scores
+        return (chosen.sum(1) / dev["n"]).tolist()
 
     def commit(self, key: int, text: str, tokens: list[int]) -> None:
         self.next_logits[key] = self.runner.append([self.rows[key]], [tokens])[0]

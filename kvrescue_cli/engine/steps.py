@@ -327,13 +327,19 @@ def append_tokens(model, cache: KVCache, rows: Sequence[int], token_lists: Seque
 
     Returns fp32 head outputs after each row's last token [R, V], or at every position [R, T, V].
     """
+    tokens, n_new = padded_tokens(token_lists, model.device)
+    return model.net.prefill(tokens, cache, list(rows), n_new, last_only).float()
+
+
+def padded_tokens(token_lists: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """The lists (each non-empty) right padded into one batch [R, T] on `device`, and their lengths."""
     n_new = [len(t) for t in token_lists]
     if min(n_new) < 1:
         raise ValueError("append_tokens: every row needs at least one token")
-    batch = np.zeros((len(rows), max(n_new)), np.int64)
+    batch = np.zeros((len(token_lists), max(n_new)), np.int64)
     for i, tokens in enumerate(token_lists):
         batch[i, : len(tokens)] = tokens
-    return model.net.prefill(upload(batch, model.device), cache, list(rows), n_new, last_only).float()
+    return upload(batch, device), n_new
 
 
 def generate_steps(runner, rows: Sequence[int], keys: Sequence[Sequence[int] | int], rules: StepRules,
