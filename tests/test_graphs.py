@@ -83,3 +83,103 @@ def test_the_flash_attn_call_matches_the_dynamic_step(qwen2_dir, monkeypatch, ke
         with torch.inference_mode():
             want = net.decode(tokens, dynamic, rows["dynamic"])
         torch.testing.assert_close(step(rows["static"], tokens.tolist()), want, atol=2e-5, rtol=1e-5)
+
+
+class CachingAllocator:
+    """The pools of one cache allocated as CUDA's caching allocator would: from blocks it keeps, a freed pool's block
+    handed to the next pool that fits (the lowest such block first), so a regrown pool can land where an old one was.
+    Serves the cache's growths (`Tensor.new_zeros` on its pools)."""
+
+    BLOCK = 1 << 20  # elements per block
+
+    def __init__(self, cache: BoundedCache, monkeypatch) -> None:
+        self.cache, self.blocks = cache, []
+        new_zeros = torch.Tensor.new_zeros
+
+        def allocate(tensor, *size, **kwargs):
+            if not any(tensor is getattr(cache, name) for name in ("k", "v", "q")):
+                return new_zeros(tensor, *size, **kwargs)
+            shape = torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
+            held = {getattr(cache, name).data_ptr() for name in ("k", "v", "q")}
+            block = next((b for b in self.blocks if b.data_ptr() not in held), None)
+            if block is None:
+                block = torch.empty(self.BLOCK, dtype=tensor.dtype)
+                self.blocks.append(block)
+            assert shape.numel() <= self.BLOCK
+            return block[: shape.numel()].view(shape).zero_()
+
+        monkeypatch.setattr(torch.Tensor, "new_zeros", allocate)
+
+    def at(self, address: int) -> torch.Tensor:
+        """The block starting at `address`."""
+        (block,) = [b for b in self.blocks if b.data_ptr() == address]
+        return block
+
+
+class PointerGraph:
+    """What replaying a CUDA graph does, on the CPU: the step captured once, then rerun on the pools' memory at the
+    addresses and with the strides they had at capture, whatever lies there now."""
+
+    def __init__(self, decode: StaticDecode, inputs: torch.Tensor, allocator: CachingAllocator) -> None:
+        self.decode, self.inputs, self.allocator = decode, inputs, allocator
+        pools = {name: getattr(decode.cache, name) for name in ("k", "v", "q")}
+        self.pools = {name: (t.data_ptr(), t.shape, t.stride()) for name, t in pools.items()}
+        self.logits = decode._forward(inputs)
+
+    def replay(self) -> None:
+        cache = self.decode.cache
+        now = {name: getattr(cache, name) for name in self.pools}
+        try:
+            for name, (address, shape, stride) in self.pools.items():
+                setattr(cache, name, self.allocator.at(address).as_strided(shape, stride))
+            self.logits.copy_(self.decode._forward(self.inputs))
+        finally:
+            for name, pool in now.items():
+                setattr(cache, name, pool)
+
+
+class PointerGraphs(StaticDecode):
+    """StaticDecode with its steps captured in `PointerGraph`s: its graph bookkeeping, run on the CPU."""
+
+    def __init__(self, net, cache: BoundedCache, allocator: CachingAllocator) -> None:
+        super().__init__(net, cache, graphs=False)
+        self.graphs, self.allocator = True, allocator
+
+    def _capture(self, inputs: torch.Tensor) -> tuple[PointerGraph, torch.Tensor]:
+        graph = PointerGraph(self, inputs, self.allocator)
+        return graph, graph.logits
+
+
+def test_graphs_are_captured_again_when_the_pools_regrew_even_at_the_same_address(qwen2_dir, monkeypatch):
+    """Four growths of the pools between two steps bring the K pool back to the block it had at capture, with
+    other strides (more rows): the step must be captured again, not replayed on what now lies there."""
+    net = load_model(qwen2_dir).net
+    generator = torch.Generator().manual_seed(2)
+    dynamic = BoundedCache.for_model(net, budget=16, policy="rkv", max_append=40, rows=4)
+    static = BoundedCache.for_model(net, budget=16, policy="rkv", max_append=40, rows=4)
+    allocator = CachingAllocator(static, monkeypatch)
+    step = PointerGraphs(net, static, allocator)  # the scratch slot: the pools' first growth, into blocks
+    captured_at = static.k.data_ptr()
+    prompt = torch.randint(0, net.args.vocab_size, (3, 20), generator=generator)
+    rows = {}
+    for name, cache in (("dynamic", dynamic), ("static", static)):
+        rows[name] = [cache.create() for _ in range(3)]
+        net.prefill(prompt, cache, rows[name], [20, 9, 14])
+
+    def decode(steps: int) -> None:
+        for _ in range(steps):
+            tokens = torch.randint(0, net.args.vocab_size, (3,), generator=generator)
+            with torch.inference_mode():
+                want = net.decode(tokens, dynamic, rows["dynamic"])
+            torch.testing.assert_close(step(rows["static"], tokens.tolist()), want, atol=2e-5, rtol=1e-5)
+
+    decode(3)
+    assert step.steps[4].graph is not None  # captured, and replayed twice
+    growths = static.generation
+    extra = []
+    while static.generation < growths + 4:  # rows 5 -> 10 -> 20 -> 40 -> 80
+        extra += [(dynamic.create(), static.create())]
+    assert static.k.data_ptr() == captured_at and static.k.stride() != step.steps[4].graph.pools["k"][2]
+    dynamic.release([d for d, _ in extra])
+    static.release([s for _, s in extra])
+    decode(3)

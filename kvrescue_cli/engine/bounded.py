@@ -84,6 +84,7 @@ class BoundedCache(KVCache):
         self.free_slots = list(range(rows - 1, -1, -1))
         self.free_ids: list[int] = []
         self.next_id = 0
+        self.generation = 0  # times the pools were reallocated (what reads them in place, CUDA graphs, must know)
         self.fwd: _Forward | None = None
 
     @classmethod
@@ -199,6 +200,7 @@ class BoundedCache(KVCache):
         q = self.q.new_zeros(n_layers, rows, *self.q.shape[2:])
         q[:, :old_rows] = self.q
         self.q = q
+        self.generation += 1
         self.free_slots = list(range(rows - 1, old_rows - 1, -1)) + self.free_slots
 
     # -- forward protocol ---------------------------------------------------------------------------

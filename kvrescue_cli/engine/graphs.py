@@ -66,7 +66,7 @@ class StaticDecode:
         self.scratch = cache.reserve_slot()
         self.span = cache.trigger
         self.steps: dict[int, _Step] = {}
-        self.pools_at = cache.k.data_ptr()
+        self.pools_from = cache.generation  # the pools the graphs read (their addresses and strides)
         self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
 
     @torch.inference_mode()
@@ -75,9 +75,9 @@ class StaticDecode:
         follow [R, out] (a fresh tensor)."""
         cache = self.cache
         tokens = torch.as_tensor(tokens, device=cache.k.device)
-        if cache.k.data_ptr() != self.pools_at:  # the pools were reallocated: graphs point at the old ones
+        if cache.generation != self.pools_from:  # reallocated: the graphs read the old pools (even at one address)
             self.steps.clear()
-            self.pools_at = cache.k.data_ptr()
+            self.pools_from = cache.generation
         size = bucket(len(rows))
         step = self.steps.get(size) or self._prepare(size)
         ids = np.asarray(rows, np.int64)
@@ -104,14 +104,20 @@ class StaticDecode:
         step = _Step(inputs)
         if self.graphs:
             inputs[1] = self.scratch  # warm-up and capture write only to the scratch slot
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(inputs)
-            torch.cuda.current_stream().wait_stream(stream)
-            step.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(step.graph, pool=self.memory):
-                step.logits = self._forward(inputs)
+            step.graph, step.logits = self._capture(inputs)
         self.steps[size] = step
         return step
+
+    def _capture(self, inputs: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The step over `inputs` captured in a CUDA graph (after a warm-up on a side stream), and its logits
+        buffer. The graph reads and writes the pools at their addresses and strides of now."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory):
+            logits = self._forward(inputs)
+        return graph, logits
