@@ -24,30 +24,16 @@ TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermedi
 VLLM_TINY = dict(TINY, num_heads=2, num_kv_heads=1)
 
 
-class KernelLayouts:
-    """The memory layouts the attention kernels of a test return: the CPU's own (`cuda` False) or CUDA's."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def flash(self, kernel):
-        """A flash_attn_with_kvcache stand-in, returning flash-attn's layouts under CUDA's."""
-        return cuda_layouts.flash_kvcache(kernel) if self.cuda else kernel
-
-    def env(self) -> dict[str, str] | None:
-        """The environment of a subprocess computing with these layouts (None: this process's)."""
-        return cuda_layouts.subprocess_env() if self.cuda else None
-
-
 @pytest.fixture(params=["cpu-layouts", "cuda-layouts"])
-def kernel_layouts(request, monkeypatch) -> KernelLayouts:
+def kernel_layouts(request, monkeypatch) -> cuda_layouts.KernelLayouts:
     """Each test of a module marked `pytest.mark.usefixtures("kernel_layouts")` runs twice: with the CPU
     kernels' layouts, and with SDPA returning CUDA's (`tests.cuda_layouts`); a test taking it as an argument
-    wraps its flash-attn stand-in with `.flash` and starts subprocesses with `.env()`."""
+    wraps its flash-attn stand-in with `.flash`. (A subprocess computes with CUDA's given
+    `cuda_layouts.subprocess_env()`.)"""
     cuda = request.param == "cuda-layouts"
     if cuda:
         cuda_layouts.install(monkeypatch.setattr)
-    return KernelLayouts(cuda)
+    return cuda_layouts.KernelLayouts(cuda)
 
 
 @pytest.fixture(scope="session")

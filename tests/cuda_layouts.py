@@ -5,13 +5,13 @@ passes on the CPU and fails at its first CUDA forward. Through these wrappers th
 
 - `sdpa`: `torch.nn.functional.scaled_dot_product_attention` whose output [B, H, M, D] lies in memory as
   [B, M, H, D], as CUDA's memory-efficient kernel (the one serving masks) allocates it (PyTorch attention.cu:
-  `res = at::empty({B, M, num_heads, Kv})`, returned `transpose(1, 2)`); flash's does the same for a query that
-  is not dense.
+  `res = at::empty({B, M, num_heads, Kv})`, returned `transpose(1, 2)`).
 - `flash_kvcache(kernel)`: a `flash_attn_with_kvcache` stand-in whose `out` is allocated as flash-attn's
   mha_fwd_kvcache does (`empty_like(q)`: q's strides where q is dense, else dense ones in the order of q's; with
   one query per row and grouped heads, those of q regrouped as [B, g, Hkv, D]) and whose log-sum-exp is a
   contiguous float32 [B, Hq, Sq].
 - `install(setattr)`: puts `sdpa` in place of torch's function (`monkeypatch.setattr`, or plain `setattr`).
+- `KernelLayouts`: what conftest's `kernel_layouts` fixture gives a test (`.cuda`, `.flash(stand_in)`).
 - `SITE`: a folder that, first on a subprocess's PYTHONPATH, installs `sdpa` in it at startup (`subprocess_env`),
   so that `kvrescue run` in a subprocess computes with CUDA's layouts too.
 """
@@ -73,3 +73,14 @@ def subprocess_env(env: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH")) if p)
     return env
+
+
+class KernelLayouts:
+    """The memory layouts the attention kernels of a test return: the CPU's own (`cuda` False) or CUDA's."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def flash(self, kernel: Callable) -> Callable:
+        """A flash_attn_with_kvcache stand-in, returning flash-attn's layouts under CUDA's."""
+        return flash_kvcache(kernel) if self.cuda else kernel
