@@ -175,9 +175,12 @@ class PRMScorer:
 
     @staticmethod
     def cache_tokens(max_problems: int, max_candidates: int, max_step_tokens: int, window: int = WINDOW,
-                     block_size: int = TORCH_BLOCK) -> int:
-        """Token room of the cache a scorer builds by default, in blocks of `block_size` tokens."""
-        return max_problems * (window + block_size) + max_candidates * (max_step_tokens + block_size + 1)
+                     block_size: int = TORCH_BLOCK, candidate_tokens: int | None = None) -> int:
+        """Token room of a scorer's cache in blocks of `block_size` tokens: every open problem's full window, plus
+        candidate suffixes: `candidate_tokens`, by default max_candidates full-length steps (each with the partial
+        block it copies from its prefix)."""
+        room = max_candidates * (max_step_tokens + block_size + 1) if candidate_tokens is None else candidate_tokens
+        return max_problems * (window + block_size) + room
 
     def __init__(
         self,
@@ -190,16 +193,14 @@ class PRMScorer:
         candidate_tokens: int | None = None,
         system: str = SYSTEM_PROMPT,
     ) -> None:
-        """Cache room: every open problem's full window, plus candidate suffixes: `candidate_tokens`, by
-        default max_candidates full-length steps; candidates beyond the room are scored in several forwards.
-        Blocks as the device's attention path takes them (`block_size_for`: flash-attn's paged path on a GPU)."""
+        """Cache room as `cache_tokens` counts it; candidates beyond it are scored in several forwards. Blocks as
+        the device's attention path takes them (`block_size_for`: flash-attn's paged kernel on a GPU)."""
         self.prm = prm
         self.inputs = PRMInputs(prm.tokenizer, _check_prm(prm), window, system)
         bs = block_size_for(next(prm.net.parameters()))
-        room = candidate_tokens if candidate_tokens is not None else max_candidates * (max_step_tokens + bs + 1)
         self.cache = FullCache.for_model(
-            prm.net, max_problems * (window + bs) + room, block_size=bs,
-            max_rows=max_problems + max_candidates, max_row_tokens=window + bs,
+            prm.net, self.cache_tokens(max_problems, max_candidates, max_step_tokens, window, bs, candidate_tokens),
+            block_size=bs, max_rows=max_problems + max_candidates, max_row_tokens=window + bs,
         )
         self.rows: dict[int, int] = {}  # each problem's cache row, holding its prefix
         self.unfed: dict[int, list[int]] = {}  # tokens of a problem's prefix not yet in its row
