@@ -194,7 +194,9 @@ class PRMScorer:
         system: str = SYSTEM_PROMPT,
     ) -> None:
         """Cache room as `cache_tokens` counts it; candidates beyond it are scored in several forwards. Blocks as
-        the device's attention path takes them (`block_size_for`: flash-attn's paged kernel on a GPU)."""
+        the device's attention path takes them (`block_size_for`: flash-attn's paged kernel on a GPU, whose
+        256-token blocks make each candidate copy up to 255 tokens of its prefix's partial last block, 15 with
+        the torch path's 16)."""
         self.prm = prm
         self.inputs = PRMInputs(prm.tokenizer, _check_prm(prm), window, system)
         bs = block_size_for(next(prm.net.parameters()))
