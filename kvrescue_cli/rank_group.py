@@ -4,8 +4,8 @@ Rank 0 is the group's worker (the `kvrescue run` process, or the group's Ray act
 1..K-1 as child processes on the other devices of the group; every rank loads its shards of the grid's
 models (`decoding.load_roles` with `options.tp`, gloo on the CPU, NCCL on CUDA). Rank 0 alone talks to
 the driver: it broadcasts each cell it starts and each problem it pulls (None after the last), over a
-gloo group kept for these messages, and the other ranks run the same `decoding.decode` on what it
-broadcasts and drop their traces. The controller is deterministic given its problems and logits, and
+gloo group kept for these messages, and the other ranks (`rank_follower.py`) run the same `decoding.decode` on
+what it broadcasts and drop their traces. The controller is deterministic given its problems and logits, and
 every rank holds the same logits (the LM head gathers them), so every rank issues the same collectives.
 
 A rank that dies makes the next collective of the others fail (gloo), so rank 0 raises and its group is
@@ -20,8 +20,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -42,7 +40,7 @@ def rank_device(group: tuple[str, ...], rank: int) -> str:
     return "cpu" if group[rank] == "cpu" else f"cuda:{rank}"
 
 
-def _join(rendezvous: Path, rank: int, world: int, device: str) -> Any:
+def join(rendezvous: Path, rank: int, world: int, device: str) -> Any:
     """Join the group's process group; the gloo group that carries rank 0's messages."""
     if device != "cpu":
         torch.cuda.set_device(device)
@@ -59,11 +57,11 @@ class RankGroup:
         (self.folder / "options.pickle").write_bytes(pickle.dumps(options))
         rendezvous = self.folder / "rendezvous"
         self.followers = [
-            subprocess.Popen([sys.executable, "-m", "kvrescue_cli.rank_group", str(self.folder), str(rank),
+            subprocess.Popen([sys.executable, "-m", "kvrescue_cli.rank_follower", str(self.folder), str(rank),
                               rank_device(group, rank), str(len(group)), str(os.getpid())])
             for rank in range(1, len(group))
         ]
-        self.control = _join(rendezvous, 0, len(group), rank_device(group, 0))
+        self.control = join(rendezvous, 0, len(group), rank_device(group, 0))
 
     def _send(self, message: tuple) -> None:
         dist.broadcast_object_list([message], src=0, group=self.control)
@@ -90,43 +88,8 @@ class RankGroup:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _receive(control: Any) -> tuple:
+def receive(control: Any) -> tuple:
+    """A rank > 0: the next message rank 0 broadcasts."""
     message = [None]
     dist.broadcast_object_list(message, src=0, group=control)
     return message[0]
-
-
-def _exit_with(parent: int) -> None:
-    """End this process soon after `parent` is gone (it may die without a word, SIGKILLed)."""
-    def watch() -> None:
-        while True:
-            try:
-                os.kill(parent, 0)
-            except ProcessLookupError:
-                os._exit(1)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> None:
-    """A rank > 0: load its shards, then decode every cell rank 0 broadcasts, until told to stop."""
-    from kvrescue_cli import decoding
-
-    _exit_with(parent)
-    options = pickle.loads((folder / "options.pickle").read_bytes())
-    control = _join(folder / "rendezvous", rank, world, device)
-    models = decoding.load_roles(options, device)
-
-    def problems() -> Iterator[Problem]:
-        while (message := _receive(control))[0] == "problem":
-            yield message[1]
-
-    while (message := _receive(control))[0] == "cell":
-        decoding.decode(options, message[1], models, problems(), lambda trace, tokens: None)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    folder, rank, device, world, parent = sys.argv[1:]
-    follow(Path(folder), int(rank), device, int(world), int(parent))

@@ -180,7 +180,7 @@ def test_a_killed_rank_fails_its_group_which_is_restarted(one_device, problems, 
         assert time.time() < deadline and process.poll() is None, "no trace written"
         time.sleep(0.05)
     (follower,) = [pid for pid in descendants(os.getpid())
-                   if b"kvrescue_cli.rank_group" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                   if b"kvrescue_cli.rank_follower" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     os.kill(follower, signal.SIGKILL)
     _, err = process.communicate(timeout=600)
     err = err.decode()
