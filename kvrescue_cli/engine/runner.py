@@ -108,7 +108,7 @@ class Runner:
         if self.steps is None or self.steps.rules != rules:
             if self.steps is not None and self.steps.busy:
                 raise RuntimeError("Runner.start: other rules while steps are open")
-            self.steps = StepDecoder(self, rules)
+            self.steps = StepDecoder(self.device, self.tokenizer, rules)
         self.steps.start(rows, keys, contexts, screened)
 
     @property
@@ -125,7 +125,7 @@ class Runner:
         """One token for every open candidate step; the steps that ended with it (`wait`: no effect, every call
         decodes)."""
         self.decoded += self.open_steps
-        return self.steps.advance() if self.steps is not None else []
+        return self.steps.advance(self) if self.steps is not None else []
 
     # -- tensors --------------------------------------------------------------------------------------
     def sample(self, rows: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor, params: SamplingParams,
