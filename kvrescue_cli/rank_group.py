@@ -35,11 +35,6 @@ if TYPE_CHECKING:
 TIMEOUT = timedelta(minutes=10)  # a collective that waits longer than this fails the group
 
 
-def rank_device(group: tuple[str, ...], rank: int) -> str:
-    """The device rank `rank` computes on: the CPU, or its GPU among those this process sees."""
-    return "cpu" if group[rank] == "cpu" else f"cuda:{rank}"
-
-
 def join(rendezvous: Path, rank: int, world: int, device: str) -> Any:
     """Join the group's process group; the gloo group that carries rank 0's messages."""
     if device != "cpu":
@@ -50,7 +45,9 @@ def join(rendezvous: Path, rank: int, world: int, device: str) -> Any:
 
 
 class RankGroup:
-    """Rank 0 of a K-device group: starts the other ranks and leads them."""
+    """Rank 0 of a K-device group: starts the other ranks and leads them. Rank r computes on `group[r]`, a device
+    named as this process sees it (the run's `--devices` in the `kvrescue run` process; `workers.actor_devices`
+    in a Ray actor); the other ranks inherit this process's CUDA_VISIBLE_DEVICES, so the names hold there too."""
 
     def __init__(self, options: GridOptions, group: tuple[str, ...]) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="kvrescue-tp-"))
@@ -58,10 +55,10 @@ class RankGroup:
         rendezvous = self.folder / "rendezvous"
         self.followers = [
             subprocess.Popen([sys.executable, "-m", "kvrescue_cli.rank_follower", str(self.folder), str(rank),
-                              rank_device(group, rank), str(len(group)), str(os.getpid())])
+                              group[rank], str(len(group)), str(os.getpid())])
             for rank in range(1, len(group))
         ]
-        self.control = join(rendezvous, 0, len(group), rank_device(group, 0))
+        self.control = join(rendezvous, 0, len(group), group[0])
 
     def _send(self, message: tuple) -> None:
         dist.broadcast_object_list([message], src=0, group=self.control)

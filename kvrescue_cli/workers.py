@@ -36,7 +36,7 @@ from kvrescue_cli import decoding
 from kvrescue_cli.data import Problem
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.outputs import Trace
-from kvrescue_cli.rank_group import RankGroup, rank_device
+from kvrescue_cli.rank_group import RankGroup
 from kvrescue_cli.search import DecodeProgress
 
 if TYPE_CHECKING:
@@ -124,6 +124,21 @@ def actor_resources(groups: list[tuple[str, ...]], group: int) -> dict[str, floa
     return {"num_cpus": 1, "num_gpus": len(devices) / shares}
 
 
+def actor_devices(group: tuple[str, ...], gpu_ids: list, visible: str | None) -> tuple[str, ...]:
+    """The devices of `group` as its actor names them. Ray shows an actor only the GPUs it assigned it, setting
+    its CUDA_VISIBLE_DEVICES to their IDs (`ray.get_gpu_ids()`), so the actor's r-th GPU is `cuda:k`, k the place
+    of its ID in `visible` (the actor's CUDA_VISIBLE_DEVICES), or the ID itself where Ray left that unset
+    (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES). Which of the named GPUs a group gets is Ray's choice (its
+    placement is recorded in config.json)."""
+    if group[0] == "cpu":
+        return group
+    ids = [str(i) for i in gpu_ids]
+    if len(ids) < len(group):
+        raise RuntimeError(f"Ray gave the actor of {','.join(group)} {len(ids)} GPU(s) for its {len(group)} ranks")
+    order = visible.split(",") if visible is not None else None
+    return tuple(f"cuda:{order.index(i) if order is not None else int(i)}" for i in ids[:len(group)])
+
+
 # -- the queue (pure bookkeeping, no processes) -----------------------------------------------------
 @dataclass
 class WorkQueue:
@@ -179,11 +194,10 @@ class GroupWorker:
         self.options = options
         self.outbox: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
-        device = rank_device(group, 0)  # Ray shows the actor its own GPUs only: cuda:0.. are the group's
+        group = actor_devices(group, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        device = group[0]
         if device == "cpu":
             torch.set_num_threads(threads)
-        else:
-            torch.cuda.set_device(device)
         placement = {"node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                      "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
         self.ranks = RankGroup(options, group) if len(group) > 1 else None  # --tp: this actor is rank 0

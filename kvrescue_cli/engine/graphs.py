@@ -104,6 +104,7 @@ class StaticDecode:
         step = _Step(inputs)
         if self.graphs:
             inputs[1] = self.scratch  # warm-up and capture write only to the scratch slot
+            torch.cuda.set_device(inputs.device)  # the capture stream and graph are the current device's: the cache's
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
