@@ -1,5 +1,5 @@
 """A rank > 0 of a device group (`python -m kvrescue_cli.rank_follower`, started by `rank_group.RankGroup`): it
-loads its shards of the grid's models, then decodes every cell rank 0 broadcasts, dropping the traces."""
+loads its shards of the grid's models, then decodes every cell rank 0 sends, dropping the traces."""
 
 from __future__ import annotations
 
@@ -35,17 +35,18 @@ def _exit_with(parent: int) -> None:
 
 
 def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> None:
-    """Load this rank's shards, then decode every cell rank 0 broadcasts, until told to stop."""
+    """Load this rank's shards, then decode every cell rank 0 sends, until told to stop."""
     _exit_with(parent)
     options = pickle.loads((folder / "options.pickle").read_bytes())
-    control = join(folder / "rendezvous", rank, world, device)
+    join(folder / "rendezvous", rank, world, device)
     models = decoding.load_roles(options, device)
+    pipe = sys.stdin.buffer  # rank 0's messages
 
     def problems() -> Iterator[Problem]:
-        while (message := receive(control))[0] == "problem":
+        while (message := receive(pipe))[0] == "problem":
             yield message[1]
 
-    while (message := receive(control))[0] == "cell":
+    while (message := receive(pipe))[0] == "cell":
         decoding.decode(options, message[1], models, problems(), lambda trace, tokens: None)
     dist.destroy_process_group()
 

@@ -189,3 +189,35 @@ def test_a_killed_rank_fails_its_group_which_is_restarted(one_device, problems, 
     traces = comparable(traces_of(out))
     assert [t["idx"] for t in traces] == list(range(12))  # each problem exactly once
     assert traces[:4] == comparable(one_device["kvrescue"], approx=True)
+
+
+def test_the_other_ranks_wait_between_cells_as_long_as_rank_0_lives(models, monkeypatch, tmp_path) -> None:
+    """With collectives timing out after 10 s, rank 0 waits 25 s between two cells (as a Ray actor waits for the
+    slowest actor of a grid): rank 1 is still there for the second cell, and exits when told to."""
+    from datetime import timedelta
+
+    from kvrescue_cli import decoding, rank_group
+    from kvrescue_cli.data import Problem, ProblemSet
+    from kvrescue_cli.grid import Cell, GridOptions
+    from kvrescue_cli.search import SearchSettings
+
+    monkeypatch.setenv("KVRESCUE_TP_TIMEOUT_S", "10")  # rank 1's (it reads it when it starts)
+    monkeypatch.setattr(rank_group, "TIMEOUT", timedelta(seconds=10))
+    roles = dict(zip(("base", "helper", "prm"), models[1::2]))
+    options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv", models=roles,
+                          scorer="prm", out=tmp_path, devices=("cpu", "cpu"), tp=2,
+                          settings=SearchSettings(batch=1, synthetic_steps=(4, 2), max_step_tokens=8, context_cap=256))
+    problems = [Problem(i, f"What is {i} + 1?", str(i + 1), {}) for i in range(2)]
+    cell = Cell(ProblemSet("t", "generic", "t.jsonl", problems), "bon", 16, 2, 0)
+    traces = []
+    group = decoding.InProcess(options, ("cpu", "cpu"))
+    try:
+        group.decode(cell, problems[:1], lambda trace, tokens: traces.append(trace))
+        time.sleep(25)
+        assert group.ranks.followers[0].poll() is None, "rank 1 is gone"
+        group.decode(cell, problems[1:], lambda trace, tokens: traces.append(trace))
+    finally:
+        group.close()
+    assert [t.idx for t in traces] == [0, 1] and all(t.n_steps == 2 for t in traces)
+    assert group.ranks.followers[0].returncode == 0
+
