@@ -27,7 +27,7 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import Cell, GridOptions
 from kvrescue_cli.outputs import Candidate, Tokens, Trace
 from kvrescue_cli.prompts import generation_prompt
-from kvrescue_cli.rank_group import RankGroup
+from kvrescue_cli.rank_group import RankGroup, RankZeroScores
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelConfigError, load_config
 from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings, StepRunner
@@ -267,8 +267,9 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
             on_progress(totals)
 
     settings = replace(options.settings, method=cell.method, n=cell.n, seed=cell.seed)
-    controller = Controller(settings, _runners(options, cell, models, vllm), _scorer(options, cell, models, vllm),
-                            set(eos_ids))
+    scorer = _scorer(options, cell, models, vllm)
+    controller = Controller(settings, _runners(options, cell, models, vllm),
+                            RankZeroScores(scorer) if options.tp > 1 else scorer, set(eos_ids))
     try:
         controller.run(work(), record, progress)
         grading.emit_graded(wait=True)

@@ -5,8 +5,9 @@ Rank 0 is the group's worker (the `kvrescue run` process, or the group's Ray act
 models (`decoding.load_roles` with `options.tp`, gloo on the CPU, NCCL on CUDA). Rank 0 alone talks to
 the driver: it sends each cell it starts and each problem it pulls (then "end") down a pipe to each other rank
 (`rank_follower.py`), which runs the same `decoding.decode` on what it receives and drops its traces. The
-controller is deterministic given its problems and logits, and every rank holds the same logits (the LM head
-gathers them), so every rank issues the same collectives.
+controller is deterministic given its problems, logits and scores, every rank holds the same logits (the LM head
+gathers them), and what copies of a model on different ranks could disagree on (sampled tokens, scores) comes
+from rank 0 (`tp.from_rank_0`, `RankZeroScores`), so every rank issues the same collectives.
 
 Between cells a rank > 0 waits on its pipe, without a timeout, as long as rank 0 lives (a Ray actor waits for the
 driver's next cell until the slowest actor has finished this one, hours maybe); collectives inside a cell fail
@@ -30,8 +31,11 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch
 import torch.distributed as dist
 
+from kvrescue_cli.engine.tp import values_from_rank_0
+
 if TYPE_CHECKING:
     from kvrescue_cli.data import Problem
+    from kvrescue_cli.engine.scoring import Request, Scorer
     from kvrescue_cli.grid import Cell, GridOptions
 
 # A collective that waits longer than this fails the group ($KVRESCUE_TP_TIMEOUT_S seconds, default 10 minutes).
@@ -102,3 +106,22 @@ def receive(pipe: BinaryIO) -> tuple:
         raise SystemExit("rank 0 of the group is gone")
     return pickle.loads(pipe.read(int.from_bytes(head, "little")))
 
+
+class RankZeroScores:
+    """A scorer of a `--tp` group whose scores every rank takes from rank 0: the scorer's copies on different
+    subgroups may score near-ties the other way round, and the winners decide every later collective's shape."""
+
+    def __init__(self, scorer: Scorer) -> None:
+        self.scorer, self.name = scorer, scorer.name
+
+    def open(self, key: int, problem: str, prompt: list[int]) -> None:
+        self.scorer.open(key, problem, prompt)
+
+    def score(self, requests: list[Request]) -> list[float]:
+        return values_from_rank_0(self.scorer.score(requests))
+
+    def commit(self, key: int, text: str, tokens: list[int]) -> None:
+        self.scorer.commit(key, text, tokens)
+
+    def close(self, key: int) -> tuple[int, int]:
+        return self.scorer.close(key)
