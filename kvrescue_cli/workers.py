@@ -121,6 +121,9 @@ def actor_resources(groups: list[tuple[str, ...]], group: int) -> dict[str, floa
         return {"num_cpus": 1, "num_gpus": 0}
     shares = max(sum(d == device for g in groups for d in g) for device in devices) \
         if devices[0].startswith("cuda:") else 1
+    if shares > 1 and len(devices) > 1:  # Ray gives a share below 1 of one GPU only
+        raise InputError(f"--devices {','.join(d for g in groups for d in g)}: the group {','.join(devices)} shares "
+                         f"its GPUs with another group; groups of --tp {len(devices)} need GPUs of their own")
     return {"num_cpus": 1, "num_gpus": len(devices) / shares}
 
 
@@ -277,6 +280,7 @@ class RayWorkers:
         self.options = options
         self.say = say
         self.groups = device_groups(options.devices, options.tp)
+        self.resources = [actor_resources(self.groups, group) for group in range(len(self.groups))]
         self.workers: list[_Worker] = []
         self.deaths: Counter = Counter()
         self.last_errors: dict[int, str] = {}
@@ -317,7 +321,7 @@ class RayWorkers:
         cpu_groups = sum(g[0] == "cpu" for g in self.groups)
         threads = max(1, (os.cpu_count() or 1) // max(cpu_groups, 1))
         actor = ray.remote(GroupWorker).options(
-            **actor_resources(self.groups, group), max_restarts=0,
+            **self.resources[group], max_restarts=0,
             max_concurrency=2,  # `begin` runs while `exchange` waits
         ).remote(self.options, devices, threads)
         worker = _Worker(self.started, group, devices, actor)

@@ -85,6 +85,13 @@ def test_an_actors_devices_are_its_place_among_the_gpus_ray_assigned_it():
         actor_devices(("cuda:0", "cuda:1"), ["0"], "0")
 
 
+def test_tp_groups_sharing_gpus_are_a_one_line_error_before_any_actor(models, tmp_path):
+    """Ray would give each actor one GPU (num_gpus 2 / 2 shares), and its second rank none."""
+    with pytest.raises(InputError, match="the group cuda:0,cuda:1 shares its GPUs with another group; groups of "
+                                         "--tp 2 need GPUs of their own"):
+        RayWorkers(options(models, ("cuda:0", "cuda:1", "cuda:0", "cuda:1"), 2, tmp_path), print)
+
+
 def test_ray_actors_of_tp_groups_get_disjoint_gpus_named_from_zero(models, monkeypatch, tmp_path):
     """A private Ray instance over four faked GPUs of the eight this process sees (CUDA_VISIBLE_DEVICES 4..7 of
     the machine): each of two `--tp 2` actors sees the two Ray assigned it as cuda:0 and cuda:1."""
