@@ -3,6 +3,7 @@ not allocate on top of them (on a GPU nothing runs the cyclic collector between 
 a cell's KV pools and CUDA-graph pools until some later full collection)."""
 
 import gc
+import types
 import weakref
 
 import orjson
@@ -64,3 +65,17 @@ def test_a_finished_cell_of_a_grid_is_freed_without_the_cyclic_collector(collect
     assert {name for _, name, _ in made} == {kind.__name__ for kind in TRACKED if kind is not unused}
     assert alive_at_start == [[]] * 6
     assert [name for _, name, ref in made if ref() is not None] == []
+    assert in_cycles() == []
+
+
+def in_cycles() -> list[str]:
+    """kvrescue_cli's objects and functions, and tensors, that only the cyclic collector would free now."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        names = [f"{o.__module__}.{o.__qualname__}" if isinstance(o, types.FunctionType)
+                 else f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    return [name for name in names if name.startswith(("kvrescue_cli.", "torch."))]
