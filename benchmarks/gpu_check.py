@@ -743,6 +743,8 @@ def main() -> None:
     args = parser.parse_args()
     device = "cpu" if args.tiny else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # cuda:N: graphs, streams and every default-device call on GPU N, not 0
     plan = SMALL if args.tiny else FULL
     if args.vllm_child is not None:
         vllm_child(args.vllm_child, device, dtype, args.tiny, plan)

@@ -27,7 +27,7 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import Cell, GridOptions
 from kvrescue_cli.outputs import Candidate, Tokens, Trace
 from kvrescue_cli.prompts import generation_prompt
-from kvrescue_cli.rank_group import RankGroup, rank_device
+from kvrescue_cli.rank_group import RankGroup, RankZeroScores
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelConfigError, load_config
 from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings, StepRunner
@@ -179,6 +179,7 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     loaded: dict[str, LoadedModel] = {}
     by_name: dict[str, LoadedModel] = {}
     if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # streams, graphs and NCCL use the current device: this one, not cuda:0
         refuse_what_does_not_fit(options, torch.cuda.mem_get_info(torch.device(device))[0], options.tp)
     for role in sorted(options.native_roles()):
         name = options.models[role]
@@ -266,8 +267,9 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
             on_progress(totals)
 
     settings = replace(options.settings, method=cell.method, n=cell.n, seed=cell.seed)
-    controller = Controller(settings, _runners(options, cell, models, vllm), _scorer(options, cell, models, vllm),
-                            set(eos_ids))
+    scorer = _scorer(options, cell, models, vllm)
+    controller = Controller(settings, _runners(options, cell, models, vllm),
+                            RankZeroScores(scorer) if options.tp > 1 else scorer, set(eos_ids))
     try:
         controller.run(work(), record, progress)
         grading.emit_graded(wait=True)
@@ -330,7 +332,7 @@ class InProcess:
         self.ranks = RankGroup(options, group) if len(group) > 1 else None
         self.vllm: VllmEngines | None = None
         try:
-            device = rank_device(group, 0)
+            device = group[0]  # a device of --devices, named as this process sees it
             shares = vllm_memory(options, device, *device_memory(device))  # one-line errors before any loading
             self.models = load_roles(options, device)
             if options.engine == "vllm":

@@ -3,13 +3,16 @@
 Rank 0 is the group's worker (the `kvrescue run` process, or the group's Ray actor). It starts ranks
 1..K-1 as child processes on the other devices of the group; every rank loads its shards of the grid's
 models (`decoding.load_roles` with `options.tp`, gloo on the CPU, NCCL on CUDA). Rank 0 alone talks to
-the driver: it broadcasts each cell it starts and each problem it pulls (None after the last), over a
-gloo group kept for these messages, and the other ranks run the same `decoding.decode` on what it
-broadcasts and drop their traces. The controller is deterministic given its problems and logits, and
-every rank holds the same logits (the LM head gathers them), so every rank issues the same collectives.
+the driver: it sends each cell it starts and each problem it pulls (then "end") down a pipe to each other rank
+(`rank_follower.py`), which runs the same `decoding.decode` on what it receives and drops its traces. The
+controller is deterministic given its problems, logits and scores, every rank holds the same logits (the LM head
+gathers them), and what copies of a model on different ranks could disagree on (sampled tokens, scores) comes
+from rank 0 (`tp.from_rank_0`, `RankZeroScores`), so every rank issues the same collectives.
 
-A rank that dies makes the next collective of the others fail (gloo), so rank 0 raises and its group is
-restarted like any dead worker; the other ranks exit when rank 0's process is gone.
+Between cells a rank > 0 waits on its pipe, without a timeout, as long as rank 0 lives (a Ray actor waits for the
+driver's next cell until the slowest actor has finished this one, hours maybe); collectives inside a cell fail
+the group after TIMEOUT. A rank that dies makes the next collective of the others fail (gloo), so rank 0 raises
+and its group is restarted like any dead worker; the other ranks exit when rank 0's process is gone.
 """
 
 from __future__ import annotations
@@ -20,56 +23,58 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 import torch.distributed as dist
 
+from kvrescue_cli.engine.tp import values_from_rank_0
+
 if TYPE_CHECKING:
     from kvrescue_cli.data import Problem
+    from kvrescue_cli.engine.scoring import Request, Scorer
     from kvrescue_cli.grid import Cell, GridOptions
 
-TIMEOUT = timedelta(minutes=10)  # a collective that waits longer than this fails the group
+# A collective that waits longer than this fails the group ($KVRESCUE_TP_TIMEOUT_S seconds, default 10 minutes).
+TIMEOUT = timedelta(seconds=float(os.environ.get("KVRESCUE_TP_TIMEOUT_S", "600")))
 
 
-def rank_device(group: tuple[str, ...], rank: int) -> str:
-    """The device rank `rank` computes on: the CPU, or its GPU among those this process sees."""
-    return "cpu" if group[rank] == "cpu" else f"cuda:{rank}"
-
-
-def _join(rendezvous: Path, rank: int, world: int, device: str) -> Any:
-    """Join the group's process group; the gloo group that carries rank 0's messages."""
+def join(rendezvous: Path, rank: int, world: int, device: str) -> None:
+    """Join the group's process group."""
     if device != "cpu":
         torch.cuda.set_device(device)
     backend = "gloo" if device == "cpu" else "nccl"
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=TIMEOUT)
-    return dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=TIMEOUT)
 
 
 class RankGroup:
-    """Rank 0 of a K-device group: starts the other ranks and leads them."""
+    """Rank 0 of a K-device group: starts the other ranks and leads them. Rank r computes on `group[r]`, a device
+    named as this process sees it (the run's `--devices` in the `kvrescue run` process; `workers.actor_devices`
+    in a Ray actor); the other ranks inherit this process's CUDA_VISIBLE_DEVICES, so the names hold there too."""
 
     def __init__(self, options: GridOptions, group: tuple[str, ...]) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="kvrescue-tp-"))
         (self.folder / "options.pickle").write_bytes(pickle.dumps(options))
         rendezvous = self.folder / "rendezvous"
         self.followers = [
-            subprocess.Popen([sys.executable, "-m", "kvrescue_cli.rank_group", str(self.folder), str(rank),
-                              rank_device(group, rank), str(len(group)), str(os.getpid())])
+            subprocess.Popen([sys.executable, "-m", "kvrescue_cli.rank_follower", str(self.folder), str(rank),
+                              group[rank], str(len(group)), str(os.getpid())], stdin=subprocess.PIPE)
             for rank in range(1, len(group))
         ]
-        self.control = _join(rendezvous, 0, len(group), rank_device(group, 0))
+        join(rendezvous, 0, len(group), group[0])
 
     def _send(self, message: tuple) -> None:
-        dist.broadcast_object_list([message], src=0, group=self.control)
+        """`message` down every other rank's pipe (a dead rank's raises BrokenPipeError: the group has failed)."""
+        data = pickle.dumps(message)
+        for follower in self.followers:
+            follower.stdin.write(len(data).to_bytes(8, "little") + data)
+            follower.stdin.flush()
 
     def lead(self, cell: Cell, problems: Iterable[Problem]) -> Iterator[Problem]:
-        """`problems`, each one broadcast to the other ranks as it is pulled (and `cell` first)."""
+        """`problems`, each one sent to the other ranks as it is pulled (and `cell` first)."""
         self._send(("cell", cell))
         for problem in problems:
             self._send(("problem", problem))
@@ -83,6 +88,10 @@ class RankGroup:
         finally:
             for follower in self.followers:
                 try:
+                    follower.stdin.close()
+                except OSError:  # it is gone already
+                    pass
+                try:
                     follower.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     follower.kill()
@@ -90,43 +99,29 @@ class RankGroup:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _receive(control: Any) -> tuple:
-    message = [None]
-    dist.broadcast_object_list(message, src=0, group=control)
-    return message[0]
+def receive(pipe: BinaryIO) -> tuple:
+    """A rank > 0: the next message rank 0 sent down `pipe`, waiting for it as long as rank 0 lives."""
+    head = pipe.read(8)
+    if len(head) < 8:
+        raise SystemExit("rank 0 of the group is gone")
+    return pickle.loads(pipe.read(int.from_bytes(head, "little")))
 
 
-def _exit_with(parent: int) -> None:
-    """End this process soon after `parent` is gone (it may die without a word, SIGKILLed)."""
-    def watch() -> None:
-        while True:
-            try:
-                os.kill(parent, 0)
-            except ProcessLookupError:
-                os._exit(1)
-            time.sleep(0.5)
+class RankZeroScores:
+    """A scorer of a `--tp` group whose scores every rank takes from rank 0: the scorer's copies on different
+    subgroups may score near-ties the other way round, and the winners decide every later collective's shape."""
 
-    threading.Thread(target=watch, daemon=True).start()
+    def __init__(self, scorer: Scorer) -> None:
+        self.scorer, self.name = scorer, scorer.name
 
+    def open(self, key: int, problem: str, prompt: list[int]) -> None:
+        self.scorer.open(key, problem, prompt)
 
-def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> None:
-    """A rank > 0: load its shards, then decode every cell rank 0 broadcasts, until told to stop."""
-    from kvrescue_cli import decoding
+    def score(self, requests: list[Request]) -> list[float]:
+        return values_from_rank_0(self.scorer.score(requests))
 
-    _exit_with(parent)
-    options = pickle.loads((folder / "options.pickle").read_bytes())
-    control = _join(folder / "rendezvous", rank, world, device)
-    models = decoding.load_roles(options, device)
+    def commit(self, key: int, text: str, tokens: list[int]) -> None:
+        self.scorer.commit(key, text, tokens)
 
-    def problems() -> Iterator[Problem]:
-        while (message := _receive(control))[0] == "problem":
-            yield message[1]
-
-    while (message := _receive(control))[0] == "cell":
-        decoding.decode(options, message[1], models, problems(), lambda trace, tokens: None)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    folder, rank, device, world, parent = sys.argv[1:]
-    follow(Path(folder), int(rank), device, int(world), int(parent))
+    def close(self, key: int) -> tuple[int, int]:
+        return self.scorer.close(key)

@@ -36,7 +36,7 @@ from kvrescue_cli import decoding
 from kvrescue_cli.data import Problem
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.outputs import Trace
-from kvrescue_cli.rank_group import RankGroup, rank_device
+from kvrescue_cli.rank_group import RankGroup
 from kvrescue_cli.search import DecodeProgress
 
 if TYPE_CHECKING:
@@ -121,7 +121,25 @@ def actor_resources(groups: list[tuple[str, ...]], group: int) -> dict[str, floa
         return {"num_cpus": 1, "num_gpus": 0}
     shares = max(sum(d == device for g in groups for d in g) for device in devices) \
         if devices[0].startswith("cuda:") else 1
+    if shares > 1 and len(devices) > 1:  # Ray gives a share below 1 of one GPU only
+        raise InputError(f"--devices {','.join(d for g in groups for d in g)}: the group {','.join(devices)} shares "
+                         f"its GPUs with another group; groups of --tp {len(devices)} need GPUs of their own")
     return {"num_cpus": 1, "num_gpus": len(devices) / shares}
+
+
+def actor_devices(group: tuple[str, ...], gpu_ids: list, visible: str | None) -> tuple[str, ...]:
+    """The devices of `group` as its actor names them. Ray shows an actor only the GPUs it assigned it, setting
+    its CUDA_VISIBLE_DEVICES to their IDs (`ray.get_gpu_ids()`), so the actor's r-th GPU is `cuda:k`, k the place
+    of its ID in `visible` (the actor's CUDA_VISIBLE_DEVICES), or the ID itself where Ray left that unset
+    (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES). Which of the named GPUs a group gets is Ray's choice (its
+    placement is recorded in config.json)."""
+    if group[0] == "cpu":
+        return group
+    ids = [str(i) for i in gpu_ids]
+    if len(ids) < len(group):
+        raise RuntimeError(f"Ray gave the actor of {','.join(group)} {len(ids)} GPU(s) for its {len(group)} ranks")
+    order = visible.split(",") if visible is not None else None
+    return tuple(f"cuda:{order.index(i) if order is not None else int(i)}" for i in ids[:len(group)])
 
 
 # -- the queue (pure bookkeeping, no processes) -----------------------------------------------------
@@ -179,11 +197,10 @@ class GroupWorker:
         self.options = options
         self.outbox: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
-        device = rank_device(group, 0)  # Ray shows the actor its own GPUs only: cuda:0.. are the group's
+        group = actor_devices(group, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        device = group[0]
         if device == "cpu":
             torch.set_num_threads(threads)
-        else:
-            torch.cuda.set_device(device)
         placement = {"node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                      "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
         self.ranks = RankGroup(options, group) if len(group) > 1 else None  # --tp: this actor is rank 0
@@ -263,6 +280,7 @@ class RayWorkers:
         self.options = options
         self.say = say
         self.groups = device_groups(options.devices, options.tp)
+        self.resources = [actor_resources(self.groups, group) for group in range(len(self.groups))]
         self.workers: list[_Worker] = []
         self.deaths: Counter = Counter()
         self.last_errors: dict[int, str] = {}
@@ -303,7 +321,7 @@ class RayWorkers:
         cpu_groups = sum(g[0] == "cpu" for g in self.groups)
         threads = max(1, (os.cpu_count() or 1) // max(cpu_groups, 1))
         actor = ray.remote(GroupWorker).options(
-            **actor_resources(self.groups, group), max_restarts=0,
+            **self.resources[group], max_restarts=0,
             max_concurrency=2,  # `begin` runs while `exchange` waits
         ).remote(self.options, devices, threads)
         worker = _Worker(self.started, group, devices, actor)

@@ -180,7 +180,7 @@ def test_a_killed_rank_fails_its_group_which_is_restarted(one_device, problems, 
         assert time.time() < deadline and process.poll() is None, "no trace written"
         time.sleep(0.05)
     (follower,) = [pid for pid in descendants(os.getpid())
-                   if b"kvrescue_cli.rank_group" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                   if b"kvrescue_cli.rank_follower" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     os.kill(follower, signal.SIGKILL)
     _, err = process.communicate(timeout=600)
     err = err.decode()
@@ -189,3 +189,67 @@ def test_a_killed_rank_fails_its_group_which_is_restarted(one_device, problems, 
     traces = comparable(traces_of(out))
     assert [t["idx"] for t in traces] == list(range(12))  # each problem exactly once
     assert traces[:4] == comparable(one_device["kvrescue"], approx=True)
+
+
+def test_the_other_ranks_wait_between_cells_as_long_as_rank_0_lives(models, monkeypatch, tmp_path) -> None:
+    """With collectives timing out after 10 s, rank 0 waits 25 s between two cells (as a Ray actor waits for the
+    slowest actor of a grid): rank 1 is still there for the second cell, and exits when told to."""
+    from datetime import timedelta
+
+    from kvrescue_cli import decoding, rank_group
+    from kvrescue_cli.data import Problem, ProblemSet
+    from kvrescue_cli.grid import Cell, GridOptions
+    from kvrescue_cli.search import SearchSettings
+
+    monkeypatch.setenv("KVRESCUE_TP_TIMEOUT_S", "10")  # rank 1's (it reads it when it starts)
+    monkeypatch.setattr(rank_group, "TIMEOUT", timedelta(seconds=10))
+    roles = dict(zip(("base", "helper", "prm"), models[1::2]))
+    options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv", models=roles,
+                          scorer="prm", out=tmp_path, devices=("cpu", "cpu"), tp=2,
+                          settings=SearchSettings(batch=1, synthetic_steps=(4, 2), max_step_tokens=8, context_cap=256))
+    problems = [Problem(i, f"What is {i} + 1?", str(i + 1), {}) for i in range(2)]
+    cell = Cell(ProblemSet("t", "generic", "t.jsonl", problems), "bon", 16, 2, 0)
+    traces = []
+    group = decoding.InProcess(options, ("cpu", "cpu"))
+    try:
+        group.decode(cell, problems[:1], lambda trace, tokens: traces.append(trace))
+        time.sleep(25)
+        assert group.ranks.followers[0].poll() is None, "rank 1 is gone"
+        group.decode(cell, problems[1:], lambda trace, tokens: traces.append(trace))
+    finally:
+        group.close()
+    assert [t.idx for t in traces] == [0, 1] and all(t.n_steps == 2 for t in traces)
+    assert group.ranks.followers[0].returncode == 0
+
+
+def test_every_rank_takes_rank_0s_decisions_where_copies_of_a_model_disagree(checkpoints, tmp_path) -> None:
+    """The helper held whole on each of 2 ranks (3 heads), the base sharded: rank 1's helper logits and PRM
+    scores are moved by noise (tests/tp_decisions.py); both ranks still sample, finish and commit alike."""
+    import pickle
+
+    from kvrescue_cli.data import Problem, ProblemSet
+    from kvrescue_cli.engine.sampling import SamplingParams
+    from kvrescue_cli.grid import Cell, GridOptions
+    from kvrescue_cli.search import SearchSettings
+
+    helper = write_random_checkpoint(tmp_path / "helper3", "llama", num_heads=3, num_kv_heads=1, seed=14,
+                                     hidden_size=48, num_layers=2, intermediate_size=128, init_std=0.1)
+    assert shard_degree(3, 1, 128, 2) == 1
+    settings = SearchSettings(sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0), max_step_tokens=10,
+                              max_steps=4, context_cap=256, batch=2)
+    options = GridOptions(benches=["t"], methods=["kvrescue"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
+                          models={"base": str(checkpoints[0]), "helper": str(helper), "prm": str(checkpoints[2])},
+                          scorer="prm", settings=settings, out=tmp_path, devices=("cpu", "cpu"), tp=2)
+    problems = [Problem(i, f"What is {i} + 2? Let x be the answer.", str(i + 2), {}) for i in range(3)]
+    setup = tmp_path / "setup.pickle"
+    setup.write_bytes(pickle.dumps((options, Cell(ProblemSet("t", "generic", "t.jsonl", problems), "kvrescue", 16, 2, 0))))
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_decisions", str(rank), "2", str(tmp_path / "rendezvous"),
+                               str(setup), str(tmp_path / f"rank{rank}.json")], cwd=ROOT, stderr=subprocess.PIPE)
+             for rank in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-3000:]
+    ranks = [orjson.loads((tmp_path / f"rank{rank}.json").read_bytes()) for rank in range(2)]
+    assert [t["idx"] for t in ranks[0]] == [0, 1, 2]
+    assert any(c[0] == "helper" for t in ranks[0] for cands in t["candidates"] for c in cands)
+    assert ranks[1] == ranks[0]

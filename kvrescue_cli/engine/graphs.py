@@ -111,6 +111,7 @@ class StaticDecode:
     def _capture(self, inputs: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The step over `inputs` captured in a CUDA graph (after a warm-up on a side stream), and its logits
         buffer. The graph reads and writes the pools at their addresses and strides of now."""
+        torch.cuda.set_device(inputs.device)  # the capture stream and graph are the current device's: the cache's
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

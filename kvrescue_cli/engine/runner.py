@@ -19,6 +19,7 @@ from kvrescue_cli.engine.graphs import StaticDecode
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.sampling import SamplingParams, sample
 from kvrescue_cli.engine.steps import CandidateStep, StepDecoder, StepRules, append_tokens
+from kvrescue_cli.engine.tp import from_rank_0
 from kvrescue_cli.engine.transfer import upload, upload_all
 
 
@@ -108,7 +109,7 @@ class Runner:
         if self.steps is None or self.steps.rules != rules:
             if self.steps is not None and self.steps.busy:
                 raise RuntimeError("Runner.start: other rules while steps are open")
-            self.steps = StepDecoder(self, rules)
+            self.steps = StepDecoder(self.device, self.tokenizer, rules)
         self.steps.start(rows, keys, contexts, screened)
 
     @property
@@ -125,14 +126,18 @@ class Runner:
         """One token for every open candidate step; the steps that ended with it (`wait`: no effect, every call
         decodes)."""
         self.decoded += self.open_steps
-        return self.steps.advance() if self.steps is not None else []
+        return self.steps.advance(self) if self.steps is not None else []
 
     # -- tensors --------------------------------------------------------------------------------------
     def sample(self, rows: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor, params: SamplingParams,
                stages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row from its kept logits (rows, keys, counters: int64 device tensors): tokens, entropies.
-        `stages`: the streams' tabled counter stages (`sampling.counter_stages`)."""
-        return sample(self.logits.index_select(0, rows)[:, : self.vocab], keys, counters, params, stages)
+        `stages`: the streams' tabled counter stages (`sampling.counter_stages`). Under `--tp` with copies of the
+        model on other ranks (`Shard.copied`), rank 0's tokens and entropies."""
+        tokens, entropies = sample(self.logits.index_select(0, rows)[:, : self.vocab], keys, counters, params, stages)
+        if self.model.net.shard.copied:
+            return from_rank_0(tokens.contiguous()), from_rank_0(entropies.contiguous())
+        return tokens, entropies
 
     @torch.inference_mode()
     def decode(self, rows_t: torch.Tensor, rows: list[int], tokens: torch.Tensor) -> None:

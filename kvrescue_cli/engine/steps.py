@@ -155,17 +155,18 @@ class _Lanes:
 
 
 class StepDecoder:
-    """The open candidate steps of one runner, advanced together one token per `advance`.
+    """The open candidate steps of one runner, advanced together one token per `advance(runner)`.
 
-    `runner` provides `device`, `tokenizer`, `sample(rows, keys, counters, params)` and
-    `decode(rows_tensor, rows, tokens)` (one token appended to each row, its logits kept).
+    The runner (passed in, not kept: a runner holds its decoder, and a reference back would make a cycle that
+    keeps a finished cell's caches until a full garbage collection) provides `sample(rows, keys, counters,
+    params, stages)` and `decode(rows_tensor, rows, tokens)` (one token appended to each row, its logits kept).
     """
 
-    def __init__(self, runner, rules: StepRules) -> None:
-        self.runner, self.rules = runner, rules
-        self.device = runner.device
-        self.table = step_table(runner.tokenizer).to(self.device)
-        self.decode_text = decoder(runner.tokenizer)
+    def __init__(self, device: torch.device, tokenizer, rules: StepRules) -> None:
+        self.rules = rules
+        self.device = device
+        self.table = step_table(tokenizer).to(self.device)
+        self.decode_text = decoder(tokenizer)
         self.eos = torch.zeros(len(self.table.contains), dtype=torch.bool, device=self.device)
         eos = [t for t in rules.eos if t < len(self.eos)]
         self.eos[eos] = True
@@ -229,13 +230,14 @@ class StepDecoder:
             self.rows_t = upload(self.lanes.rows[live], self.device)
         self.live = live
 
-    def advance(self) -> list[CandidateStep]:
-        """Sample one token for every live row and feed it to the rows that go on; return the steps that ended."""
+    def advance(self, runner) -> list[CandidateStep]:
+        """Sample one token for every live row of `runner` and feed it to the rows that go on; return the steps
+        that ended."""
         if not self.busy:
             return []
         rules, table, s = self.rules, self.table, self.lanes
         lanes, live = self.live_t, self.live
-        tokens, entropies = self.runner.sample(self.rows_t, s.keys[lanes], s.count[lanes], rules.sampling, self.stages)
+        tokens, entropies = runner.sample(self.rows_t, s.keys[lanes], s.count[lanes], rules.sampling, self.stages)
         n = s.count[lanes] + 1
         s.count[lanes] = n
         code = torch.zeros_like(tokens)  # the ends read on the device; the length ends are the host's (counts)
@@ -285,7 +287,7 @@ class StepDecoder:
                 self.free += live[ended].tolist()
                 self._set_live(live[keep], keep)
                 tokens = tokens[upload(keep, self.device)]
-            self.runner.decode(self.rows_t, s.rows[self.live].tolist(), tokens)
+            runner.decode(self.rows_t, s.rows[self.live].tolist(), tokens)
         # Built after the forward is launched: on a GPU it runs while the host decodes the finished steps' texts
         # (their lanes are free, but nothing reuses them before the next `start`).
         return [self._finished(*f) for f in finished]

@@ -64,6 +64,29 @@ class Shard:
         per = n_kv_heads // self.size
         return self.rank * per, per
 
+    @property
+    def copied(self) -> bool:
+        """Whether other ranks of the group hold other whole copies of this model (d < K): their forwards may
+        differ in the last bits (atomic adds on a GPU), so decisions from its outputs come from rank 0."""
+        return dist.is_initialized() and self.size < dist.get_world_size()
+
+
+def from_rank_0(x: torch.Tensor) -> torch.Tensor:
+    """`x` (contiguous, on this rank's device) as global rank 0 of the group holds it: one place takes each
+    decision (a sampled token, a score) that ranks could otherwise take differently, so that every rank then
+    issues the same collectives. `x` itself outside a group."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
+def values_from_rank_0(values: list[float]) -> list[float]:
+    """`values` (as many on every rank) as global rank 0 computed them (`from_rank_0`)."""
+    if not values or not (dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return from_rank_0(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
+
 
 _groups: dict[int, Any] = {}
 

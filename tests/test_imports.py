@@ -1,0 +1,72 @@
+"""kvrescue_cli's modules import one another without a circle (a circle makes import order matter and hides which layer depends on which).
+
+The graph is read statically with `ast`: every `import` and `from ... import` of a kvrescue_cli module, at the top of
+a file or inside a function (a deferred import is still a dependency), each edge to the module itself (not to the
+packages around it).
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "kvrescue_cli"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path, modules: set[str]) -> set[str]:
+    """The kvrescue_cli modules `path` imports."""
+    name, found = module_name(path), set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return found & modules - {name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = sorted((ROOT / PACKAGE).rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): imported(p, modules) for p in paths}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each back edge of a depth-first walk (none: the graph is acyclic)."""
+    found, state, path = [], {}, []
+
+    def walk(node: str) -> None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                walk(nxt)
+        path.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node)
+    return found
+
+
+def test_the_walk_finds_a_circle_and_reads_every_kind_of_import():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    graph = import_graph()
+    assert "kvrescue_cli.decoding" in graph["kvrescue_cli.runs"]  # from kvrescue_cli import decoding
+    assert "kvrescue_cli.engine.runner" in graph["kvrescue_cli.engine.scoring"]  # from kvrescue_cli.engine.runner import
+    assert "kvrescue_cli.engine.prm" in graph["kvrescue_cli.engine"]  # a package's own relative or absolute imports
+
+
+def test_no_module_of_kvrescue_cli_imports_itself_through_others():
+    assert cycles(import_graph()) == []
