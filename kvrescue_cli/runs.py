@@ -64,7 +64,8 @@ def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcess | wo
     problems = cell.problems.problems
     for note in same_cell_elsewhere(run_dir(options.out, config), config):
         progress.console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
-    with RunFolder.open(run_dir(options.out, config), config, total=len(problems), devices=list(options.devices),
+    with RunFolder.open(run_dir(options.out, config), config, root=options.out, total=len(problems),
+                        devices=list(options.devices),
                         executor=executor.record(),
                         overwrite=options.overwrite, shard=options.shard,
                         problems={p.idx: problem_checksum(p.problem, p.gt) for p in problems}) as folder:

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import numbers
 import re
 import time
-from dataclasses import asdict, dataclass, field
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +109,10 @@ class Trace:
         return trace
 
     def check(self) -> None:
-        """Raise ValueError when the record breaks the format's invariants."""
+        """Raise ValueError when the record breaks the format's invariants (a field of another type included)."""
+        wrong = type_error(self)
+        if wrong:
+            raise ValueError(f"trace idx {self.idx!r}: {wrong}")
         problems = []
         if self.stop not in STOPS:
             problems.append(f"stop {self.stop!r} not in {STOPS}")
@@ -163,9 +170,14 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        """Rebuild a configuration from config.json's `config` (raises KeyError/TypeError/ValueError if malformed)."""
         d = dict(d)
         d["models"] = {k: ModelRef(**v) for k, v in d["models"].items()}
-        return cls(**d)
+        config = cls(**d)
+        wrong = type_error(config) or type_error(config.settings.get("detector"), dict[str, Any] | None, "settings.detector")
+        if wrong:
+            raise ValueError(wrong)
+        return config
 
     def digest(self) -> str:
         """SHA-256 (hex) of the identity."""
@@ -181,3 +193,47 @@ class RunConfig:
         that leaves the root (no separators, no leading dots) or hides there."""
         stem = Path(self.bench).stem if self.bench.endswith(".jsonl") else self.bench
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).lstrip(".") or "bench"
+
+
+def type_error(value: Any, hint: Any = None, where: str = "") -> str | None:
+    """What in `value` does not have the type its dataclass fields declare ("tokens.base is 'x', not int"),
+    or None. `hint` checks a value against a type instead (int, float, str, bool, None, X | Y, list[X],
+    dict[str, X], a dataclass, Any); an int is no bool, a float may be an int, numpy's numbers count."""
+    if hint is None:
+        hint = type(value)
+    if hint is Any:
+        return None
+    if is_dataclass(hint):
+        if not isinstance(value, hint):
+            return f"{where or 'record'} is {value!r:.60}, not an object"
+        hints = _field_types(hint)
+        for f in fields(hint):
+            wrong = type_error(getattr(value, f.name), hints[f.name], f"{where}.{f.name}" if where else f.name)
+            if wrong:
+                return wrong
+        return None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if any(type_error(value, option, where) is None for option in args):
+            return None
+    elif origin is list:
+        if isinstance(value, list):
+            return next(filter(None, (type_error(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))), None)
+    elif origin is dict:
+        if isinstance(value, dict):
+            return next(filter(None, (type_error(k, args[0], f"{where} key") or type_error(v, args[1], f"{where}.{k}")
+                                      for k, v in value.items())), None)
+    elif hint is type(None):
+        if value is None:
+            return None
+    elif hint in (int, float):  # numpy's numbers too (a trace as the engine hands it over)
+        if isinstance(value, numbers.Integral if hint is int else numbers.Real) and not isinstance(value, bool):
+            return None
+    elif isinstance(value, hint):
+        return None
+    return f"{where} is {value!r:.60}, not {getattr(hint, '__name__', None) or hint}"
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
