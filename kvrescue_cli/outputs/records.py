@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 
@@ -199,41 +199,72 @@ def type_error(value: Any, hint: Any = None, where: str = "") -> str | None:
     """What in `value` does not have the type its dataclass fields declare ("tokens.base is 'x', not int"),
     or None. `hint` checks a value against a type instead (int, float, str, bool, None, X | Y, list[X],
     dict[str, X], a dataclass, Any); an int is no bool, a float may be an int, numpy's numbers count."""
-    if hint is None:
-        hint = type(value)
-    if hint is Any:
+    wrong = _checker(type(value) if hint is None else hint)(value)
+    if wrong is None:
         return None
-    if is_dataclass(hint):
-        if not isinstance(value, hint):
-            return f"{where or 'record'} is {value!r:.60}, not an object"
-        hints = _field_types(hint)
-        for f in fields(hint):
-            wrong = type_error(getattr(value, f.name), hints[f.name], f"{where}.{f.name}" if where else f.name)
-            if wrong:
-                return wrong
-        return None
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if any(type_error(value, option, where) is None for option in args):
-            return None
-    elif origin is list:
-        if isinstance(value, list):
-            return next(filter(None, (type_error(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))), None)
-    elif origin is dict:
-        if isinstance(value, dict):
-            return next(filter(None, (type_error(k, args[0], f"{where} key") or type_error(v, args[1], f"{where}.{k}")
-                                      for k, v in value.items())), None)
-    elif hint is type(None):
-        if value is None:
-            return None
-    elif hint in (int, float):  # numpy's numbers too (a trace as the engine hands it over)
-        if isinstance(value, numbers.Integral if hint is int else numbers.Real) and not isinstance(value, bool):
-            return None
-    elif isinstance(value, hint):
-        return None
-    return f"{where} is {value!r:.60}, not {getattr(hint, '__name__', None) or hint}"
+    path, bad, need = wrong
+    return f"{(where + ''.join(reversed(path))).lstrip('.') or 'record'} is {bad!r:.60}, not {need}"
+
+
+Wrong = tuple[list[str], Any, str]  # (the path to the bad value, innermost part first; the value; what it should be)
+Checker = Callable[[Any], "Wrong | None"]
 
 
 @functools.cache
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _checker(hint: Any) -> Checker:
+    """A fast check of values against `hint` (built once per type: reports read many thousands of records)."""
+    if hint is Any:
+        return lambda v: None
+    if is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        parts = [(f.name, f".{f.name}", _exact(hints[f.name]), _checker(hints[f.name])) for f in fields(hint)]
+
+        def check_record(v: Any) -> Wrong | None:
+            if not isinstance(v, hint):
+                return [], v, "an object"
+            for name, step, exact, check in parts:
+                x = getattr(v, name)
+                if type(x) in exact:
+                    continue
+                wrong = check(x)
+                if wrong is not None:
+                    wrong[0].append(step)
+                    return wrong
+            return None
+        return check_record
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    need = getattr(hint, "__name__", None) or str(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [_checker(option) for option in args]
+        return lambda v: None if any(check(v) is None for check in options) else ([], v, need)
+    if origin in (list, dict):
+        key = _checker(args[0]) if origin is dict else None
+        item = _checker(args[-1])
+
+        def check_items(v: Any) -> Wrong | None:
+            if not isinstance(v, origin):
+                return [], v, need
+            for k, x in v.items() if origin is dict else enumerate(v):
+                wrong = (key and key(k)) or item(x)
+                if wrong is not None:
+                    wrong[0].append(f".{k}" if origin is dict else f"[{k}]")
+                    return wrong
+            return None
+        return check_items
+    if hint is type(None):
+        return lambda v: None if v is None else ([], v, "null")
+    if hint in (int, float):  # numpy's numbers too (a trace as the engine hands it over)
+        exact = (int,) if hint is int else (int, float)
+        abstract = numbers.Integral if hint is int else numbers.Real
+        return lambda v: None if type(v) in exact or (isinstance(v, abstract) and not isinstance(v, bool)) \
+            else ([], v, need)
+    return lambda v: None if isinstance(v, hint) else ([], v, need)
+
+
+@functools.cache
+def _exact(hint: Any) -> frozenset[type]:
+    """Types whose values always satisfy `hint` (the fast path of `_checker`)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return frozenset().union(*map(_exact, typing.get_args(hint)))
+    return {int: frozenset({int}), float: frozenset({int, float}), str: frozenset({str}), bool: frozenset({bool}),
+            type(None): frozenset({type(None)})}.get(hint, frozenset())
