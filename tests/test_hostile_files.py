@@ -231,3 +231,23 @@ def test_a_full_disk_is_a_one_line_error_and_keeps_the_finished_problems(tmp_pat
     with pytest.warns(TornTraceWarning), RunFolder.open(folder, config()) as run:  # the torn line is cut
         assert [t.idx for t in run.traces] == [0]
     assert not list(folder.glob(".*.tmp"))
+
+
+def test_a_full_disk_stops_kvrescue_run_with_one_line(tmp_path: Path, qwen2_dir: Path) -> None:
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) + "\n"
+                                              for i in range(3)))
+
+    def small_disk() -> None:  # files stop growing at 6 kB: config.json fits, the traces soon do not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, resource.RLIM_INFINITY))
+
+    done = subprocess.run([KVRESCUE, "run", "--bench", "p.jsonl", "--base", str(qwen2_dir), "--helper", str(qwen2_dir),
+                           "--prm", "helper-loglik", "--method", "bon", "--n", "2", "--budget", "16", "--device", "cpu",
+                           "--max-step-tokens", "40", "--max-steps", "6", "--out", "out"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600, preexec_fn=small_disk)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr  # above it: the progress bar
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "traces.jsonl: cannot write (File too large); the problems finished " \
+        "before are kept" in last
+    lock = subprocess.run(["git", "rev-parse", "--git-path", "index.lock"], capture_output=True, text=True, cwd=ROOT)
+    assert not (ROOT / lock.stdout.strip()).exists()  # recording the git state wrote nothing (no torn index.lock)
+

@@ -153,9 +153,9 @@ def _import_providers() -> dict[str, list[str]]:
 def git_state(root: Path) -> dict[str, Any]:
     """The commit checked out in `root`'s repository and whether tracked files differ from it (untracked files
     do not count); both None without git, outside a repository, or before its first commit."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()
+    def git(*args: str) -> str:  # GIT_OPTIONAL_LOCKS=0: a query never rewrites the repository's index
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True,
+                              env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"}).stdout.strip()
 
     try:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
