@@ -34,13 +34,19 @@ def loads_exact(raw: bytes) -> Any:
         raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
 
 
-def dumps_line(record: Any) -> bytes:
-    """One JSONL line (newline included) holding `record` exactly: orjson, or the standard library's writer for
-    a record with an integer beyond 64 bits."""
+def dumps_exact(data: Any, indent: bool = False) -> bytes:
+    """JSON text of `data` exactly, newline included (indented by 2 when `indent`): orjson, or the standard
+    library's writer for data holding an integer beyond 64 bits."""
     try:
-        return orjson.dumps(record) + b"\n"
+        return orjson.dumps(data, option=orjson.OPT_INDENT_2 if indent else 0) + b"\n"
     except TypeError:
-        return json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8") + b"\n"
+        layout = {"indent": 2} if indent else {"separators": (",", ":")}
+        return json.dumps(data, ensure_ascii=False, allow_nan=False, **layout).encode("utf-8") + b"\n"
+
+
+def dumps_line(record: Any) -> bytes:
+    """One JSONL line (newline included) holding `record` exactly (`dumps_exact`)."""
+    return dumps_exact(record)
 
 
 def depth(value: Any) -> int:

@@ -72,8 +72,9 @@ class ModelArgs:
 
 # Upper bounds of a decoder's sizes: far beyond any released model, low enough that every count `kvrescue cost`
 # and the engine derive from them fits 64 bits.
-SIZE_LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 22, "num_hidden_layers": 1 << 12,
-               "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12, "head_dim": 1 << 12}
+SIZE_LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 22,
+               "num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
+               "head_dim": 1 << 12}
 
 
 def _size(key: str, value: Any) -> int:

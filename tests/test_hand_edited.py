@@ -86,6 +86,16 @@ def test_cost_refuses_a_mangled_checkpoint_config(tmp_path: Path, fields: dict, 
     assert message in one_line_error(kvrescue("cost", "--base", ".", "--helper", ".", cwd=tmp_path, timeout=60))
 
 
+def test_cost_of_the_largest_config_and_options_writes_exact_counts(tmp_path: Path) -> None:
+    write_config(tmp_path, vocab_size=1 << 24, hidden_size=1 << 20, intermediate_size=1 << 22, num_hidden_layers=1 << 12,
+                 num_attention_heads=1 << 12, num_key_value_heads=1 << 12, head_dim=1 << 12, torch_dtype="float32")
+    done = kvrescue("cost", "--base", ".", "--helper", ".", "--format", "json", "--batch", str(1 << 20), "--n",
+                    str(1 << 10), "--context", str(1 << 24), "--budget", str(1 << 24), cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    devices = json.loads(done.stdout)["devices"]
+    assert max(d["kv_bytes"] for d in devices) > 1 << 64 and all(isinstance(d["kv_bytes"], int) for d in devices)
+
+
 def test_a_deeply_nested_tokenizer_json_is_a_load_error(tmp_path: Path, qwen2_dir: Path) -> None:
     from kvrescue_cli.engine.loader import ModelLoadError, load_tokenizer
 

@@ -174,7 +174,8 @@ class RunConfig:
         d = dict(d)
         d["models"] = {k: ModelRef(**v) for k, v in d["models"].items()}
         config = cls(**d)
-        wrong = type_error(config) or type_error(config.settings.get("detector"), dict[str, Any] | None, "settings.detector")
+        detector = config.settings.get("detector")
+        wrong = type_error(config) or type_error(detector, dict[str, Any] | None, "settings.detector")
         if wrong:
             raise ValueError(wrong)
         return config
