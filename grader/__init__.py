@@ -84,12 +84,13 @@ atexit.register(_pool.close)
 
 
 def grade_many(items: Iterable[tuple[str, str, str]], workers: int = 1, timeout: float = 3.0) -> list[GradeResult]:
-    """Grade (output, gt, bench) items; worker requests are spread over `workers` processes."""
+    """Grade (output, gt, bench) items; worker requests are spread over `workers` processes (never more than
+    there are requests)."""
     prepared = [_prepare(output, gt, bench) for output, gt, bench in items]
     pending = [i for i, p in enumerate(prepared) if isinstance(p, tuple)]
     if pending:
         with _pool_lock:
-            replies = _pool.run([prepared[i] for i in pending], timeout, max(1, workers))
+            replies = _pool.run([prepared[i] for i in pending], timeout, max(1, min(workers, len(pending))))
         for i, reply in zip(pending, replies):
             prepared[i] = _finish(prepared[i], reply)
     return prepared

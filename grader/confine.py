@@ -2,8 +2,9 @@
 
 `confine(keep_fd)` makes code that somehow ran inside the worker useless: it can start no process,
 create, grow, rename or delete no file, open no socket, signal or trace no other process, push no
-input into a terminal, change nothing system-wide, and it holds a bounded amount of memory and no
-descriptor but stdin and `keep_fd` (stdout and stderr become /dev/null). Linux only; the syscall filter (seccomp) needs x86_64 or aarch64, elsewhere only the
+input into a terminal, change nothing system-wide, raise none of its own limits, use no I/O port, keyring,
+SysV IPC or message queue, and it holds a bounded amount of memory and no descriptor but stdin and `keep_fd`
+(stdout and stderr become /dev/null). Linux only; the syscall filter (seccomp) needs x86_64 or aarch64, elsewhere only the
 resource limits and the descriptor hygiene apply, and `confine` says so in its result.
 """
 
@@ -33,7 +34,13 @@ _DENIED = (
     "memfd_create", "mount", "umount2", "chroot", "pivot_root", "unshare", "setns", "io_uring_setup", "bpf",
     "open_by_handle_at", "reboot", "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
     "swapon", "swapoff", "sethostname", "setdomainname", "settimeofday", "clock_settime", "acct",
+    "setrlimit", "iopl", "ioperm", "keyctl", "add_key", "request_key",  # lift its own limits; ports; keyrings
+    "shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl", "semtimedop",  # SysV IPC, message queues
+    "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
+    "mq_getsetattr",
 )
+# prlimit64 is denied only with a new limit (its third argument not NULL): reading a limit stays allowed.
+_SET_LIMIT = "prlimit64"
 # ioctl requests refused: TIOCSTI (type into a terminal) and TIOCLINUX (the same on a Linux console).
 _DENIED_IOCTLS = (0x5412, 0x541C)
 # (audit arch, {syscall: number}, {open-like syscall: index of its flags argument})
@@ -52,6 +59,10 @@ _X86_64 = (0xC000003E, {
     "open_by_handle_at": 304, "reboot": 169, "init_module": 175, "finit_module": 313, "delete_module": 176,
     "kexec_load": 246, "kexec_file_load": 320, "swapon": 167, "swapoff": 168, "sethostname": 170,
     "setdomainname": 171, "settimeofday": 164, "clock_settime": 227, "acct": 163, "ioctl": 16,
+    "setrlimit": 160, "prlimit64": 302, "iopl": 172, "ioperm": 173, "keyctl": 250, "add_key": 248,
+    "request_key": 249, "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67, "semget": 64, "semop": 65,
+    "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "mq_open": 240,
+    "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244, "mq_getsetattr": 245,
 }, {2: 1, 257: 2})  # open(path, flags), openat(dirfd, path, flags)
 _AARCH64 = (0xC00000B7, {
     "clone": 220, "clone3": 435, "execve": 221, "execveat": 281, "kill": 129, "tkill": 130, "tgkill": 131,
@@ -65,7 +76,10 @@ _AARCH64 = (0xC00000B7, {
     "io_uring_setup": 425, "bpf": 280, "open_by_handle_at": 265, "reboot": 142, "init_module": 105,
     "finit_module": 273, "delete_module": 106, "kexec_load": 104, "kexec_file_load": 294, "swapon": 224,
     "swapoff": 225, "sethostname": 161, "setdomainname": 162, "settimeofday": 170, "clock_settime": 112,
-    "acct": 89, "ioctl": 29,
+    "acct": 89, "ioctl": 29, "setrlimit": 164, "prlimit64": 261, "keyctl": 219, "add_key": 217,
+    "request_key": 218, "shmget": 194, "shmat": 196, "shmctl": 195, "shmdt": 197, "semget": 190, "semop": 193,
+    "semctl": 191, "semtimedop": 192, "msgget": 186, "msgsnd": 189, "msgrcv": 188, "msgctl": 187, "mq_open": 180,
+    "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184, "mq_getsetattr": 185,
 }, {56: 2})  # openat(dirfd, path, flags)
 _ARCHES = {"x86_64": _X86_64, "amd64": _X86_64, "aarch64": _AARCH64, "arm64": _AARCH64}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -82,14 +96,18 @@ def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
 
 
 def syscall_filter(arch: int, numbers: dict[str, int], open_flags: dict[int, int]) -> bytes:
-    """The seccomp program: EPERM for the denied syscalls, for open-likes with a write flag, for the
-    denied ioctl requests, for another ABI; everything else allowed."""
+    """The seccomp program: EPERM for the denied syscalls, for prlimit64 setting a limit, for open-likes with a
+    write flag, for the denied ioctl requests, for another ABI; everything else allowed."""
     denied = sorted({numbers[name] for name in _DENIED if name in numbers})
     program = [_op(_LD_W_ABS, 4), _op(_JEQ_K, arch, jt=1), _op(_RET_K, _ERRNO_EPERM), _op(_LD_W_ABS, 0)]
     if arch == _X86_64[0]:
         program += [_op(_JGE_K, _X32_SYSCALL_BIT, jf=1), _op(_RET_K, _ERRNO_EPERM)]
     for nr in denied:
         program += [_op(_JEQ_K, nr, jf=1), _op(_RET_K, _ERRNO_EPERM)]
+    # prlimit64? its new-limit pointer (both words) zero -> allow; else EPERM. Not prlimit64: skip these 7.
+    program += [_op(_JEQ_K, numbers[_SET_LIMIT], jf=7), _op(_LD_W_ABS, 16 + 8 * 2), _op(_JEQ_K, 0, jt=1),
+                _op(_RET_K, _ERRNO_EPERM), _op(_LD_W_ABS, 16 + 8 * 2 + 4), _op(_JEQ_K, 0, jf=1), _op(_RET_K, _ALLOW),
+                _op(_RET_K, _ERRNO_EPERM)]
     for nr, arg in open_flags.items():
         # nr? load the flags' low word; a write flag -> EPERM; else allow. Not nr: skip these 4.
         program += [_op(_JEQ_K, nr, jf=4), _op(_LD_W_ABS, 16 + 8 * arg), _op(_JSET_K, _WRITE_FLAGS, jf=1),

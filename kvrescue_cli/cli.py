@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-import orjson
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -20,7 +19,7 @@ from rich.table import Table
 
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.errors import InputError
-from kvrescue_cli.outputs import write_atomic
+from kvrescue_cli.files import kind, write_file_atomic
 
 app = typer.Typer(help="KV-Rescue batch evaluation", no_args_is_help=True, add_completion=False)
 # Logs and pipes get the whole table rather than 80 truncated columns.
@@ -52,6 +51,8 @@ def check_output_file(out: Path | None, option: str) -> None:
         return
     if out.is_dir():
         raise InputError(f"{option} {out}: is a directory, not a file")
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        raise InputError(f"{option} {out}: is {kind(out.lstat().st_mode)}; kvrescue writes only regular files")
     parent = next((p for p in out.parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise InputError(f"{option} {out}: {parent} is a file, not a folder")
@@ -71,13 +72,18 @@ def png_path(path: Path, option: str) -> Path:
 
 def write_jsonl_atomically(records: list[dict], out: Path | None) -> None:
     """JSONL to stdout, or to `out` through a temporary file renamed at the end (never half-written)."""
-    payload = b"".join(orjson.dumps(record) + b"\n" for record in records)
+    from kvrescue_cli.jsonl import dumps_line
+
+    payload = b"".join(dumps_line(record) for record in records)
     if out is None:
         sys.stdout.buffer.write(payload)
         sys.stdout.buffer.flush()
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, payload)
+    write_file_atomic(out, payload)
+
+
+MAX_GRADE_WORKERS = 256
+MAX_GRADE_TIMEOUT_S = 86400  # a day: far beyond any comparison, and within what the workers' waits can count
 
 
 @app.command()
@@ -87,8 +93,9 @@ def grade(
     bench: str = typer.Option(..., help="grading treatment: math500, gsm8k, aime24, amc23, olympiadbench or generic"),
     output_field: str = typer.Option("output", help="field holding the model output"),
     gt_field: str = typer.Option("gt", help="field holding the raw answer (else derived from the benchmark's fields)"),
-    workers: int = typer.Option(1, min=1, help="grading processes"),
-    timeout: float = typer.Option(3.0, help="seconds per symbolic comparison"),
+    workers: int = typer.Option(1, min=1, max=MAX_GRADE_WORKERS, help="grading processes (at most one per record "
+                                "that needs one)"),
+    timeout: float = typer.Option(3.0, help=f"seconds per symbolic comparison (at most {MAX_GRADE_TIMEOUT_S})"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="write JSONL here instead of stdout"),
 ) -> None:
     """Grade boxed answers with the Qwen2.5-Math grader logic; JSONL out, a summary table on stderr."""
@@ -96,8 +103,8 @@ def grade(
     from kvrescue_cli.jsonl import read_jsonl
 
     check_bench(bench)
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise InputError(f"--timeout {timeout}: need a positive number of seconds")
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_GRADE_TIMEOUT_S):
+        raise InputError(f"--timeout {timeout}: need a positive number of seconds, at most {MAX_GRADE_TIMEOUT_S}")
     check_output_file(out, "--out")
     rows = read_jsonl(source)
     name = "<stdin>" if source == "-" else source
@@ -345,6 +352,7 @@ def view(
 
     if out.is_dir():
         raise InputError(f"--out {out} is a folder: give the HTML file to write, e.g. {out / 'runs.html'}")
+    check_output_file(out, "--out")
     runs, notes = write_view(run_dirs, out, candidate_texts)
     for note in notes:
         console.print(f"  {note.path}: {note.message}", highlight=False, soft_wrap=True)

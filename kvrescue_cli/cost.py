@@ -24,9 +24,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import orjson
-
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.jsonl import dumps_exact
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError
 from kvrescue_cli.shapes import SLACK, local_args, shard_degree
 
@@ -204,7 +203,7 @@ def cost_rows(c: Cost) -> list[tuple[str, str]]:
 
 def cost_json(c: Cost, plan: list[OnDevice], tp: int) -> bytes:
     data = {**asdict(c), "tp": tp, "devices": [asdict(m) for m in plan]}
-    return orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n"
+    return dumps_exact(data, indent=True)  # counts past 64 bits (huge configs and options) stay exact
 
 
 def _si(x: float, unit: str = "") -> str:

@@ -108,7 +108,7 @@ def load_problems(
         spec = BENCHES[bench]
         path = bench_file(bench, folder)
         if path is not None:
-            if not path.is_file():
+            if not os.path.lexists(path):
                 raise InputError(f"benchmark '{bench}' not found in the data folder", path=path)
             rows, source = read_jsonl(path), str(path)
         else:
@@ -116,9 +116,7 @@ def load_problems(
         name, usual_field = bench, spec.problem_field
     else:
         path = Path(bench)
-        if path.is_dir():
-            raise InputError("is a directory, not a JSONL file", path=path)
-        if not path.is_file():
+        if not os.path.lexists(path):
             known = ", ".join(BENCHES)
             raise InputError(f"unknown benchmark '{bench}': use one of {known} or a path to a JSONL file")
         rows, source, name, usual_field = read_jsonl(path), str(path), path.stem, None

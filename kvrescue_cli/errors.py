@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 
@@ -13,3 +15,18 @@ class InputError(Exception):
         if path is not None:
             where = f"{path}:{line}: " if line is not None else f"{path}: "
         super().__init__(where + message)
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A duration from the environment variable `name` (`default` when unset): a finite number >= 0, else an
+    InputError naming the variable."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise InputError(f"${name}={text!r}: need a number of seconds >= 0")
+    return value

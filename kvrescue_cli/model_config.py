@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import orjson
 
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.files import CONFIG_LIMIT, open_regular, read_regular
 
 FAMILIES = ("qwen2", "llama")
 GGUF_HEAD_BYTES = 1 << 20  # a GGUF file's metadata and tensor index sit at its start
@@ -47,21 +49,40 @@ class ModelArgs:
         Raises KeyError, TypeError or ValueError for a missing or mangled field; `unsupported` says whether
         the engine can run it.
         """
-        n_heads = int(cfg["num_attention_heads"])
+        dim = _size("hidden_size", cfg["hidden_size"])
+        n_heads = _size("num_attention_heads", cfg["num_attention_heads"])
+        n_kv_heads = _size("num_key_value_heads", cfg.get("num_key_value_heads") or n_heads)
+        if n_heads % n_kv_heads:
+            raise ValueError(f"num_attention_heads = {n_heads} is not a multiple of num_key_value_heads = {n_kv_heads}")
         params = cfg.get("rope_parameters") or {}
         return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            dim=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            n_layers=int(cfg["num_hidden_layers"]),
+            vocab_size=_size("vocab_size", cfg["vocab_size"]),
+            dim=dim,
+            intermediate_size=_size("intermediate_size", cfg["intermediate_size"]),
+            n_layers=_size("num_hidden_layers", cfg["num_hidden_layers"]),
             n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_heads),
+            n_kv_heads=n_kv_heads,
+            head_dim=_size("head_dim", cfg.get("head_dim") or dim // n_heads),
             rope_theta=float(cfg.get("rope_theta", params.get("rope_theta", 10000.0))),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
+
+
+# Upper bounds of a decoder's sizes: far beyond any released model, low enough that every count `kvrescue cost`
+# and the engine derive from them fits 64 bits.
+SIZE_LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 22,
+               "num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
+               "head_dim": 1 << 12}
+
+
+def _size(key: str, value: Any) -> int:
+    """A config size field: an integer from 1 to its `SIZE_LIMITS` bound, else ValueError naming it."""
+    limit = SIZE_LIMITS[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise ValueError(f"{key} = {value!r}: need an integer from 1 to {limit}")
+    return value
 
 
 def unsupported(cfg: dict[str, Any]) -> str | None:
@@ -80,9 +101,9 @@ def load_config(model: str) -> dict[str, Any]:
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
-    if path.exists():
+    if os.path.lexists(path):
         try:
-            return orjson.loads(path.read_bytes())
+            return orjson.loads(read_regular(path, CONFIG_LIMIT, ModelConfigError))
         except orjson.JSONDecodeError as e:
             raise ModelConfigError(f"{path}: not valid JSON ({e})") from None
     if Path(model).suffix == ".gguf":
@@ -123,21 +144,22 @@ def model_revision(model: str) -> str | None:
 
 
 def _local_digest(path: Path) -> str:
+    """The hash `model_revision` records; special files are an OSError (`files.open_regular`), never read."""
     digest = hashlib.sha256()
     if path.is_dir():
-        digest.update((path / "config.json").read_bytes())
+        digest.update(read_regular(path / "config.json", CONFIG_LIMIT, OSError))
         for index in sorted(path.glob("*.safetensors.index.json")):
-            digest.update(index.name.encode() + index.read_bytes())
+            digest.update(index.name.encode() + read_regular(index, CONFIG_LIMIT, OSError))
         for weights in sorted(path.glob("*.safetensors")):
             digest.update(weights.name.encode() + struct.pack("<Q", weights.stat().st_size) + _safetensors_header(weights))
     else:
-        with open(path, "rb") as f:
+        with open_regular(path, OSError) as f:
             digest.update(struct.pack("<Q", path.stat().st_size) + f.read(GGUF_HEAD_BYTES))
     return digest.hexdigest()
 
 
 def _safetensors_header(path: Path) -> bytes:
     """The JSON header of a safetensors file (its first 8 bytes give its length)."""
-    with open(path, "rb") as f:
+    with open_regular(path, OSError) as f:
         size = struct.unpack("<Q", f.read(8))[0]
         return f.read(min(size, 100 << 20))

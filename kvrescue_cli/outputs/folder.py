@@ -9,7 +9,7 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
-import secrets
+import re
 import signal
 import socket
 import subprocess
@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import orjson
 
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.files import CONFIG_LIMIT, OutputFolder, open_regular, read_bounded, read_regular, write_file_atomic
 from kvrescue_cli.outputs.records import RunConfig, Trace
 from kvrescue_cli.outputs.summary import Summary, summarize
 
@@ -62,6 +63,39 @@ class TornTraceWarning(UserWarning):
 def problem_checksum(text: str, answer: str) -> str:
     """16 hex digits of the SHA-256 of a problem's text and raw answer: what resuming checks."""
     return hashlib.sha256(orjson.dumps([text, answer])).hexdigest()[:16]
+
+
+def checked_record(stored: Any, path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """config.json's `run` and `problems` (empty when absent or not objects), checked field by field: a
+    hand-edited value of the wrong kind is a one-line `RunFolderError` naming it."""
+    if not isinstance(stored, dict):
+        raise RunFolderError(f"{path}: not a JSON object")
+    run, problems = (stored.get(key) if isinstance(stored.get(key), dict) else {} for key in ("run", "problems"))
+
+    def refuse(field: str, value: Any, need: str) -> RunFolderError:
+        return RunFolderError(f"{path}: {field} is {value!r:.60}, not {need}")
+
+    total, shard, shards = run.get("total"), run.get("shard"), run.get("shards", {})
+    if total is not None and not _is_count(total):
+        raise refuse("run.total", total, "a number of problems")
+    if shard is not None and not (isinstance(shard, list) and len(shard) == 2 and all(map(_is_count, shard))
+                                  and shard[0] < shard[1]):
+        raise refuse("run.shard", shard, "[i, k] with 0 <= i < k")
+    if not isinstance(shards, dict) or not all(_SHARD_KEY.fullmatch(str(key)) and (v is None or _is_count(v))
+                                               for key, v in shards.items()):
+        raise refuse("run.shards", shards, '{"i/k": number of problems}')
+    if len(shards) > 1 and shard is None:
+        raise refuse("run.shard", shard, "the latest of run.shards")
+    if not all(key.isdigit() and isinstance(v, str) for key, v in problems.items()):
+        raise refuse("problems", problems, '{"idx": checksum}')
+    return run, problems
+
+
+_SHARD_KEY = re.compile(r"(\d+)/(\d+)")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def recorded_shards(run: dict[str, Any]) -> dict[str, int | None]:
@@ -119,9 +153,9 @@ def _import_providers() -> dict[str, list[str]]:
 def git_state(root: Path) -> dict[str, Any]:
     """The commit checked out in `root`'s repository and whether tracked files differ from it (untracked files
     do not count); both None without git, outside a repository, or before its first commit."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()
+    def git(*args: str) -> str:  # GIT_OPTIONAL_LOCKS=0: a query never rewrites the repository's index
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True,
+                              env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"}).stdout.strip()
 
     try:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
@@ -130,54 +164,48 @@ def git_state(root: Path) -> dict[str, Any]:
 
 
 def write_atomic(path: Path, payload: bytes) -> None:
-    """Write `payload` to a temporary file in the same folder, fsync it, then rename it over `path`:
-    readers see the old file or the new one, never half of one. The file gets the mode a plain write would
-    give it: that of the file it replaces, else 0666 less the umask."""
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            with suppress(FileNotFoundError):  # a new file keeps 0666 less the umask
-                os.fchmod(f.fileno(), os.stat(path).st_mode & 0o7777)
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    """Write one file atomically (`files.write_file_atomic`: a regular file or absent, never through a link)."""
+    write_file_atomic(path, payload, RunFolderError)
+
+
+def json_bytes(data: Any) -> bytes:
+    """Indented JSON as config.json and summary.json hold it."""
+    return orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON atomically (`write_atomic`)."""
-    write_atomic(path, orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+    write_atomic(path, json_bytes(data))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def parse_json(data: bytes, path: Path) -> Any:
+    """JSON of a run folder's file; invalid JSON is a one-line `RunFolderError`."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_json(path: Path) -> Any:
-    """Read a JSON file; a missing or unreadable file is a one-line `RunFolderError`."""
-    try:
-        return orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise RunFolderError(f"{path}: missing") from None
+        return orjson.loads(data)
     except orjson.JSONDecodeError as e:
         raise RunFolderError(f"{path}: not valid JSON ({e})") from None
 
 
-def read_traces(path: Path, repair: bool = False) -> list[Trace]:
-    """Read traces.jsonl. A torn last line is dropped with a warning (and cut from the file when
-    `repair`); any other bad line, or a duplicate idx, raises `RunFolderError` naming the line."""
-    if not path.exists():
+def read_json(path: Path) -> Any:
+    """Read a JSON file (a regular file of at most `CONFIG_LIMIT` bytes); anything else is a one-line
+    `RunFolderError`."""
+    if not os.path.lexists(path):
+        raise RunFolderError(f"{path}: missing")
+    return parse_json(read_regular(path, CONFIG_LIMIT, RunFolderError), path)
+
+
+def read_traces(path: Path) -> list[Trace]:
+    """Read traces.jsonl (a regular file; none: no traces). A torn last line is dropped with a warning; any
+    other bad line, or a duplicate idx, raises `RunFolderError` naming the line."""
+    if not os.path.lexists(path):
         return []
-    data = path.read_bytes()
+    with open_regular(path, RunFolderError) as f:
+        return parse_traces(read_bounded(f, path, None, RunFolderError), path)[0]
+
+
+def parse_traces(data: bytes, path: Path) -> tuple[list[Trace], bytes]:
+    """The traces of traces.jsonl's bytes and its torn tail: b"" when the file ends cleanly, b"\n" when its last
+    record only lost its newline (kept), else the torn bytes (dropped with a `TornTraceWarning`)."""
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
     traces: list[Trace] = []
@@ -192,24 +220,29 @@ def read_traces(path: Path, repair: bool = False) -> list[Trace]:
             raise RunFolderError(f"{path}:{no}: duplicate idx {trace.idx} (first on line {seen[trace.idx]})")
         seen[trace.idx] = no
         traces.append(trace)
-    if tail:
-        no = len(lines) + 1
-        trace = _parse_line(tail)
-        if trace is not None and trace.idx not in seen:
-            # A complete record that only lost its newline: keep it.
-            traces.append(trace)
-            if repair:
-                with open(path, "ab") as f:
-                    f.write(b"\n")
-                    os.fsync(f.fileno())
+    if not tail:
+        return traces, b""
+    trace = _parse_line(tail)
+    if trace is not None and trace.idx not in seen:
+        traces.append(trace)  # a complete record that only lost its newline: keep it
+        return traces, b"\n"
+    warnings.warn(f"{path}:{len(lines) + 1}: dropped a torn last line ({len(tail)} bytes) left by an "
+                  "interrupted write", TornTraceWarning, stacklevel=3)
+    return traces, tail
+
+
+def _repair_traces(folder: OutputFolder, size: int, tail: bytes) -> None:
+    """Make traces.jsonl end cleanly after `parse_traces`: add the lost newline, or cut the torn tail."""
+    fd = folder.open_file(TRACES, os.O_RDWR)
+    try:
+        if tail == b"\n":
+            os.lseek(fd, 0, os.SEEK_END)
+            os.write(fd, b"\n")
         else:
-            warnings.warn(f"{path}:{no}: dropped a torn last line ({len(tail)} bytes) left by an "
-                          "interrupted write", TornTraceWarning, stacklevel=2)
-            if repair:
-                with open(path, "r+b") as f:
-                    f.truncate(len(data) - len(tail))
-                    os.fsync(f.fileno())
-    return traces
+            os.ftruncate(fd, size - len(tail))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _parse_line(line: bytes) -> Trace | None:
@@ -222,69 +255,78 @@ def _parse_line(line: bytes) -> Trace | None:
 class RunFolder:
     """An open run folder: resumes or starts a configuration, appends traces, writes the summary.
 
-    Holds an exclusive lock on the folder while open, so two runs can't write the same folder.
+    Holds an exclusive lock on the folder while open, so two runs can't write the same folder. Every file
+    is reached through `files.OutputFolder`: no link is followed and only regular files are written.
     """
 
-    def __init__(self, path: Path, config: RunConfig, traces: list[Trace], lock_fd: int) -> None:
-        self.path = path
+    def __init__(self, folder: OutputFolder, config: RunConfig, traces: list[Trace], lock_fd: int) -> None:
+        self.path = folder.path
         self.config = config
         self.traces = traces
         self.done: set[int] = {t.idx for t in traces}
+        self._folder = folder
         self._lock_fd = lock_fd
-        self._fd: int | None = os.open(path / TRACES, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: int | None = folder.open_file(TRACES, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     @classmethod
-    def open(cls, path: Path | str, config: RunConfig, *, total: int | None = None,
+    def open(cls, path: Path | str, config: RunConfig, *, root: Path | str | None = None, total: int | None = None,
              devices: list[str] | None = None, executor: dict[str, Any] | None = None,
              overwrite: bool = False, shard: tuple[int, int] | None = None,
              problems: dict[int, str] | None = None) -> RunFolder:
         """Open `path` for `config`: create it, or resume it if it holds the same configuration.
 
-        A different configuration raises `RunFolderError` unless `overwrite`, which clears the
-        folder's traces and summary whatever it held. `total` is the number of problems this
-        invocation selected (recorded so that a report can tell a finished run from a partial one);
-        `shard` (i, k) says it holds every k-th problem from the i-th (a report merges the shards;
-        shards run one after the other into one folder are each recorded). `problems` maps each
-        selected idx to its `problem_checksum`; a problem recorded before with another checksum is a
-        `RunFolderError` naming it, unless `overwrite`.
+        `root` is the output root `path` lies under (default: its parent): the folders below it are created
+        and opened without following links. A different configuration raises `RunFolderError` unless
+        `overwrite`, which clears the folder's traces and summary whatever it held. `total` is the number of
+        problems this invocation selected (recorded so that a report can tell a finished run from a partial
+        one); `shard` (i, k) says it holds every k-th problem from the i-th (a report merges the shards;
+        shards run one after the other into one folder are each recorded). `problems` maps each selected idx
+        to its `problem_checksum`; a problem recorded before with another checksum is a `RunFolderError`
+        naming it, unless `overwrite`.
         """
         path = Path(path)
+        root = path.parent if root is None else Path(root)
+        folder = OutputFolder.open(root, path.relative_to(root).parts, error=RunFolderError,
+                                   purpose="a run folder")
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise RunFolderError(f"{path}: cannot use as a run folder ({e.strerror})") from None
+            lock_fd = folder.open_file(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except BaseException:
+            folder.close()
+            raise
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(lock_fd)
+            folder.close()
             raise RunFolderError(f"{path}: another kvrescue process is writing this run folder") from None
         try:
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             created, run, checksums = now, {}, {}
             if overwrite:
-                (path / SUMMARY).unlink(missing_ok=True)
-                (path / TRACES).unlink(missing_ok=True)
-            elif (path / CONFIG).exists():
-                stored = read_json(path / CONFIG)
+                folder.unlink(SUMMARY)
+                folder.unlink(TRACES)
+            elif folder.has(CONFIG):
+                stored = parse_json(folder.read(CONFIG, CONFIG_LIMIT), path / CONFIG)
                 if not isinstance(stored, dict):
                     raise RunFolderError(f"{path / CONFIG}: not a JSON object; use --overwrite to replace it")
                 if stored.get("config") != config.to_dict():
                     diff = _config_diff(stored.get("config"), config.to_dict())
                     raise RunFolderError(f"{path} holds a different configuration ({diff}); "
                                          "use --overwrite to replace it")
-                run = stored.get("run") if isinstance(stored.get("run"), dict) else {}
+                run, checksums = checked_record(stored, path / CONFIG)
                 created = run.get("created_at", now)
-                checksums = stored.get("problems") if isinstance(stored.get("problems"), dict) else {}
-            elif (path / TRACES).exists():
+            elif folder.has(TRACES):
                 raise RunFolderError(f"{path} has traces but no config.json; use --overwrite to replace it")
-            traces = read_traces(path / TRACES, repair=True)
+            data = folder.read(TRACES) or b""
+            traces, tail = parse_traces(data, path / TRACES)
+            if tail:
+                _repair_traces(folder, len(data), tail)
             changed = _first_changed(problems or {}, checksums, traces)
             if changed is not None:
                 raise RunFolderError(f"{path}: problem {changed} (0-based, in the problem file) has changed since it "
                                      "was run (its text or answer differs); use --overwrite to start again")
             shards = {**recorded_shards(run), f"{shard[0]}/{shard[1]}": total} if shard else {}
-            write_json_atomic(path / CONFIG, {
+            folder.write_atomic(CONFIG, json_bytes({
                 "format": FORMAT,
                 "hash": config.digest(),
                 "config": config.to_dict(),
@@ -292,14 +334,16 @@ class RunFolder:
                         "created_at": created, "updated_at": now},
                 "problems": {**checksums, **{str(idx): digest for idx, digest in (problems or {}).items()}},
                 "environment": environment(devices, executor),
-            })
-            return cls(path, config, traces, lock_fd)
+            }))
+            return cls(folder, config, traces, lock_fd)
         except BaseException:
             os.close(lock_fd)
+            folder.close()
             raise
 
     def append(self, trace: Trace) -> None:
-        """Write one finished problem: one line, flushed and fsync'd before returning."""
+        """Write one finished problem: one line, flushed and fsync'd before returning. A failed write (a full
+        disk) is a one-line `RunFolderError`; the lines written before it stay valid."""
         if self._fd is None:
             raise ValueError(f"{self.path}: run folder is closed")
         if trace.idx in self.done:
@@ -307,17 +351,22 @@ class RunFolder:
         trace.check()
         line = memoryview(orjson.dumps(trace, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
         with interrupts_held():  # a line on disk is a line in the summary, whenever Ctrl-C comes
-            while line:
-                line = line[os.write(self._fd, line):]
-            os.fsync(self._fd)
+            try:
+                while line:
+                    line = line[os.write(self._fd, line):]
+                os.fsync(self._fd)
+            except OSError as e:
+                raise RunFolderError(f"{self.path / TRACES}: cannot write ({e.strerror}); the problems finished "
+                                     "before are kept: make room and run the same command again to resume") from None
             self.traces.append(trace)
             self.done.add(trace.idx)
 
     def write_summary(self) -> Summary:
         """Compute the summary from all traces so far and write summary.json atomically."""
-        total = recorded_total(read_json(self.path / CONFIG).get("run", {}))
+        stored = parse_json(self._folder.read(CONFIG, CONFIG_LIMIT) or b"{}", self.path / CONFIG)
+        total = recorded_total(stored.get("run", {}))
         summary = summarize(self.traces, self.config, total)
-        write_json_atomic(self.path / SUMMARY, asdict(summary))
+        self._folder.write_atomic(SUMMARY, json_bytes(asdict(summary)))
         return summary
 
     def close(self) -> None:
@@ -325,6 +374,7 @@ class RunFolder:
         if self._fd is not None:
             os.close(self._fd)
             os.close(self._lock_fd)
+            self._folder.close()
             self._fd = None
 
     def __enter__(self) -> RunFolder:

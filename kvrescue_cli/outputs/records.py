@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import numbers
 import re
 import time
-from dataclasses import asdict, dataclass, field
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 
@@ -105,7 +109,10 @@ class Trace:
         return trace
 
     def check(self) -> None:
-        """Raise ValueError when the record breaks the format's invariants."""
+        """Raise ValueError when the record breaks the format's invariants (a field of another type included)."""
+        wrong = type_error(self)
+        if wrong:
+            raise ValueError(f"trace idx {self.idx!r}: {wrong}")
         problems = []
         if self.stop not in STOPS:
             problems.append(f"stop {self.stop!r} not in {STOPS}")
@@ -163,9 +170,15 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        """Rebuild a configuration from config.json's `config` (raises KeyError/TypeError/ValueError if malformed)."""
         d = dict(d)
         d["models"] = {k: ModelRef(**v) for k, v in d["models"].items()}
-        return cls(**d)
+        config = cls(**d)
+        detector = config.settings.get("detector")
+        wrong = type_error(config) or type_error(detector, dict[str, Any] | None, "settings.detector")
+        if wrong:
+            raise ValueError(wrong)
+        return config
 
     def digest(self) -> str:
         """SHA-256 (hex) of the identity."""
@@ -181,3 +194,78 @@ class RunConfig:
         that leaves the root (no separators, no leading dots) or hides there."""
         stem = Path(self.bench).stem if self.bench.endswith(".jsonl") else self.bench
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).lstrip(".") or "bench"
+
+
+def type_error(value: Any, hint: Any = None, where: str = "") -> str | None:
+    """What in `value` does not have the type its dataclass fields declare ("tokens.base is 'x', not int"),
+    or None. `hint` checks a value against a type instead (int, float, str, bool, None, X | Y, list[X],
+    dict[str, X], a dataclass, Any); an int is no bool, a float may be an int, numpy's numbers count."""
+    wrong = _checker(type(value) if hint is None else hint)(value)
+    if wrong is None:
+        return None
+    path, bad, need = wrong
+    return f"{(where + ''.join(reversed(path))).lstrip('.') or 'record'} is {bad!r:.60}, not {need}"
+
+
+Wrong = tuple[list[str], Any, str]  # (the path to the bad value, innermost part first; the value; what it should be)
+Checker = Callable[[Any], "Wrong | None"]
+
+
+@functools.cache
+def _checker(hint: Any) -> Checker:
+    """A fast check of values against `hint` (built once per type: reports read many thousands of records)."""
+    if hint is Any:
+        return lambda v: None
+    if is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        parts = [(f.name, f".{f.name}", _exact(hints[f.name]), _checker(hints[f.name])) for f in fields(hint)]
+
+        def check_record(v: Any) -> Wrong | None:
+            if not isinstance(v, hint):
+                return [], v, "an object"
+            for name, step, exact, check in parts:
+                x = getattr(v, name)
+                if type(x) in exact:
+                    continue
+                wrong = check(x)
+                if wrong is not None:
+                    wrong[0].append(step)
+                    return wrong
+            return None
+        return check_record
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    need = getattr(hint, "__name__", None) or str(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [_checker(option) for option in args]
+        return lambda v: None if any(check(v) is None for check in options) else ([], v, need)
+    if origin in (list, dict):
+        key = _checker(args[0]) if origin is dict else None
+        item = _checker(args[-1])
+
+        def check_items(v: Any) -> Wrong | None:
+            if not isinstance(v, origin):
+                return [], v, need
+            for k, x in v.items() if origin is dict else enumerate(v):
+                wrong = (key and key(k)) or item(x)
+                if wrong is not None:
+                    wrong[0].append(f".{k}" if origin is dict else f"[{k}]")
+                    return wrong
+            return None
+        return check_items
+    if hint is type(None):
+        return lambda v: None if v is None else ([], v, "null")
+    if hint in (int, float):  # numpy's numbers too (a trace as the engine hands it over)
+        exact = (int,) if hint is int else (int, float)
+        abstract = numbers.Integral if hint is int else numbers.Real
+        return lambda v: None if type(v) in exact or (isinstance(v, abstract) and not isinstance(v, bool)) \
+            else ([], v, need)
+    return lambda v: None if isinstance(v, hint) else ([], v, need)
+
+
+@functools.cache
+def _exact(hint: Any) -> frozenset[type]:
+    """Types whose values always satisfy `hint` (the fast path of `_checker`)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return frozenset().union(*map(_exact, typing.get_args(hint)))
+    return {int: frozenset({int}), float: frozenset({int, float}), str: frozenset({str}), bool: frozenset({bool}),
+            type(None): frozenset({type(None)})}.get(hint, frozenset())

@@ -16,8 +16,8 @@ to tell finished runs from running or interrupted ones). Conventions:
 
 from kvrescue_cli.report.load import FolderNote, ReportError, Run, load_runs
 from kvrescue_cli.report.numbers import QUANTILES, Table
-from kvrescue_cli.report.render import fmt, plot, print_rich, to_csv, to_json, to_markdown
+from kvrescue_cli.report.render import fmt, plot, plot_image, print_rich, to_csv, to_json, to_markdown
 from kvrescue_cli.report.tables import build_tables, shown
 
 __all__ = ["QUANTILES", "FolderNote", "ReportError", "Run", "Table", "build_tables", "fmt", "load_runs", "plot",
-           "print_rich", "shown", "to_csv", "to_json", "to_markdown"]
+           "plot_image", "print_rich", "shown", "to_csv", "to_json", "to_markdown"]

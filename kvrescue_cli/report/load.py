@@ -10,8 +10,8 @@ from typing import Any, Iterable
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.outputs import (
-    CONFIG, SUMMARY, TRACES, RunConfig, RunFolderError, Summary, Trace, read_json, read_traces, recorded_shards, recorded_total,
-    summarize,
+    CONFIG, SUMMARY, TRACES, RunConfig, RunFolderError, Summary, Trace, checked_record, read_json, read_traces,
+    recorded_shards, recorded_total, summarize,
 )
 
 
@@ -98,6 +98,7 @@ def load_run(path: Path) -> tuple[Run | None, list[FolderNote]]:
     notes: list[FolderNote] = []
     try:
         stored = read_json(path / CONFIG)
+        run_meta = checked_record(stored, path / CONFIG)[0]
         config = RunConfig.from_dict(stored["config"])
     except RunFolderError as e:
         return None, [FolderNote(str(path), f"unusable run folder: {e}")]
@@ -114,7 +115,6 @@ def load_run(path: Path) -> tuple[Run | None, list[FolderNote]]:
     notes += [FolderNote(str(path), str(w.message)) for w in caught]
     if not traces:
         return None, notes + [FolderNote(str(path), "no finished problems yet (traces.jsonl empty or missing)")]
-    run_meta = stored.get("run") if isinstance(stored.get("run"), dict) else {}
     total = recorded_total(run_meta)
     summary = summarize(traces, config, total)
     in_progress = _missing_shards(run_meta) or _unfinished(path, summary, total)
@@ -131,9 +131,10 @@ def _unfinished(path: Path, summary: Summary, total: int | None) -> str | None:
     if total is not None and summary.problems < total:
         return f"{summary.problems} of {total} problems"
     try:
-        written = read_json(path / SUMMARY).get("problems")
+        stored = read_json(path / SUMMARY)
     except RunFolderError:
-        written = None
+        stored = None
+    written = stored.get("problems") if isinstance(stored, dict) else None
     if written != summary.problems:
         return f"summary.json is stale ({written} problems, traces hold {summary.problems})"
     return None

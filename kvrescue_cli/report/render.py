@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from kvrescue_cli.files import write_file_atomic
 from kvrescue_cli.report.load import FolderNote, ReportError, Run
 from kvrescue_cli.report.numbers import Stat, Table, method_rank, group_rows, oracle, recovery
 from kvrescue_cli.report.tables import row_label, setup_title
@@ -116,11 +117,20 @@ def print_rich(tables: list[Table], console: Any) -> None:
 
 
 def plot(runs: list[Run], out: Path) -> Path:
-    """Accuracy vs budget per bench (Figure 5): a line per method, dashed full, dotted helper."""
+    """Write `plot_image` to `out` atomically (a regular file or absent, never through a link), in the format
+    its suffix names."""
+    write_file_atomic(out, plot_image(runs, out.suffix.lstrip(".").lower() or "png"))
+    return out
+
+
+def plot_image(runs: list[Run], image_format: str) -> bytes:
+    """Accuracy vs budget per bench (Figure 5) as a `image_format` (png, svg) image: a line per method, dashed
+    full, dotted helper. Every text is plain text: a `$` in a model id is a dollar sign, never mathtext."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.text import Text
 
     groups = group_rows([r for r in runs if not r.config.synthetic])
     rows = [(setup, row) for setup, rs in groups.items() for row in rs]
@@ -161,8 +171,10 @@ def plot(runs: list[Run], out: Path) -> Path:
         ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
+    for text in fig.findobj(Text):
+        text.set_parse_math(False)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, format=image_format, dpi=120)
     plt.close(fig)
-    return out
+    return image.getvalue()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterable
 
 from kvrescue_cli import report as rep
-from kvrescue_cli.outputs import write_atomic
+from kvrescue_cli.files import write_file_atomic
 from kvrescue_cli.view.data import detail_chunks, page_data
 from kvrescue_cli.view.page import render
 
@@ -28,6 +28,5 @@ def write_view(paths: Iterable[Path | str], out: Path,
     runs, notes = rep.load_runs(paths)
     html = render(page_data(runs, notes, candidate_texts), [detail_chunks(run, candidate_texts) for run in runs],
                   title=f"kvrescue runs ({len(runs)} run{'s' * (len(runs) != 1)})")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, html.encode("utf-8"))
+    write_file_atomic(out, html.encode("utf-8"))
     return runs, notes

@@ -19,9 +19,7 @@ traces with idx // chunk == c, without the problem's text and answer (kept once 
 from __future__ import annotations
 
 import html
-import tempfile
 from dataclasses import fields, replace
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -59,12 +57,10 @@ def tables_html(tables: list[rep.Table]) -> str:
 
 def plot_svg(runs: list[rep.Run]) -> tuple[str | None, str | None]:
     """(the accuracy-vs-budget figure as an <svg> element, None) or (None, why there is none)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            path = rep.plot(runs, Path(tmp) / "plot.svg")
-        except rep.ReportError as e:
-            return None, str(e)
-        svg = path.read_text(encoding="utf-8")
+    try:
+        svg = rep.plot_image(runs, "svg").decode("utf-8")
+    except rep.ReportError as e:
+        return None, str(e)
     return svg[svg.index("<svg"):], None
 
 

@@ -316,13 +316,19 @@ async function showProblem(app, data, bench, idx, current) {
 
 let routed = 0;
 
+// The location's fragment, decoded; a malformed escape (#%E0) is kept as it is (it then names no view: the report).
+function fragment() {
+  const raw = location.hash.slice(1);
+  try { return decodeURIComponent(raw); } catch (err) { return raw; }
+}
+
 // Draws the view the location's fragment names; document.body.dataset.drawn names it once it is complete.
 async function route() {
   const mine = ++routed;
   const app = document.getElementById("app");
   app.replaceChildren();
   delete document.body.dataset.drawn;
-  const hash = decodeURIComponent(location.hash.slice(1));
+  const hash = fragment();
   const match = hash.match(/^p\/(.+)\/(\d+)$/);
   document.getElementById("nav-report").classList.toggle("current", hash === "" || hash === "report");
   document.getElementById("nav-problems").classList.toggle("current", hash.startsWith("p"));

@@ -3,13 +3,15 @@
 Each packed piece travels base64-encoded inside a `<script type="application/octet-stream">` element (so
 nothing in a model's output can close the script or inject markup) and is unpacked in the browser with the
 built-in `DecompressionStream`: the index when the page opens, a run's detail chunk when a problem page needs
-it. A Content-Security-Policy forbids every network request.
+it. A Content-Security-Policy forbids every network request, forms and `<base>`, and runs no script but the page's
+own (named by its SHA-256: text injected into the page could not run even if it escaped its element).
 """
 
 from __future__ import annotations
 
 import base64
 import gzip
+import hashlib
 import html
 import re
 from importlib.resources import files
@@ -34,5 +36,11 @@ def render(index: Any, details: list[dict[int, Any]], title: str) -> str:
     page, style, script = (_template(name) for name in TEMPLATE_FILES)
     chunks = "\n".join(f'<script type="application/octet-stream" id="kv-run-{run}-{number}">{packed(chunk)}</script>'
                        for run, by_number in enumerate(details) for number, chunk in by_number.items())
-    parts = {"title": html.escape(title), "style": style, "script": script, "data": packed(index), "details": chunks}
-    return re.sub(r"\{\{(title|style|script|data|details)\}\}", lambda m: parts[m.group(1)], page)
+    parts = {"title": html.escape(title), "style": style, "script": script, "script_hash": script_hash(script),
+             "data": packed(index), "details": chunks}
+    return re.sub(r"\{\{(title|style|script_hash|script|data|details)\}\}", lambda m: parts[m.group(1)], page)
+
+
+def script_hash(script: str) -> str:
+    """The CSP source hash of an inline script: base64 of the SHA-256 of its text (UTF-8)."""
+    return base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
