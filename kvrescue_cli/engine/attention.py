@@ -71,7 +71,7 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: to
     """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (Hq a multiple of Hkv), key l visible to query t of
     row r where visible[r, t, l] (bool; every query must see a key). Returns [R, Hq, T, D]."""
     qg, mask = _grouped(q, visible, k.shape[1])
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(q.shape)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(q.shape)  # CUDA kernels: [R, gT, Hkv, D] memory
 
 
 def visibility_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
