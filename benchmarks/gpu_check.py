@@ -9,6 +9,10 @@ downloaded). Sections, in this order:
 - `logits`: this engine vs transformers on a random Qwen2.5-0.5B-shaped Qwen2, in the run's dtype: a
   plain forward, and a prefill plus one-token decode steps through the static (CUDA-graph) path of the
   bounded cache (rkv with a budget beyond the sequence, so every token stays cached); max/mean |difference|, cosine, top-1 agreement and `ok` under the dtype's tolerance.
+- `numerics`: the caches' attention paths against a reference computed another way (`gpu_check_numerics`): the full
+  cache's paged attention and its cascade against a plain causal forward of the same sequences (flash-attn's paged
+  kernel where it is installed), and the bounded cache's static step (CUDA graphs on a GPU) through a compression
+  against the dynamic eager step from the same state; `ok` under the dtype's tolerance, as for `logits`.
 - `attention`: the full cache's attention at the helper's shape (Qwen2.5-Math-1.5B, 28 layers), gather vs
   paged vs cascade, decode step time and KV bytes read, context 1k/2k/4k, 8 and 64 problems x N = 8
   (`benchmarks/attention_bench.py`).
@@ -24,6 +28,8 @@ downloaded). Sections, in this order:
   VLLMPRMScorer, 4 problems x 4 steps x 8 candidates), each with engine / vLLM. vLLM gets VLLM_MEMORY of
   the device; it runs in a child process (`--vllm-child`). Where vLLM is not importable every record
   says so (skipped, with the install hint).
+- `memory`: a finished kvrescue cell leaves no bytes allocated with the cyclic garbage collector off (on a CPU on
+  fake CUDA, `kvrescue_cli.fake_cuda`).
 - `problems`: problems/min of bon and kvrescue with and without CUDA graphs, and full (which never
   uses them), through `kvrescue run`'s decode code, N = 8, B = 64, random 7B/1.5B/PRM-7B-shaped
   models, synthetic steps, after one warm-up problem.
@@ -39,8 +45,8 @@ budget, keeping the records it finished. Each measurement prints one line as it 
 JSON, so a killed check keeps what it measured; a table of every result ends the run.
 
 Each section is a module beside this entry point: gpu_check_setup (plans, shapes, random models), gpu_check_record
-(deadlines, the report, one line per result), gpu_check_logits, gpu_check_decode (roofline, attention, decode),
-gpu_check_vllm and gpu_check_problems.
+(deadlines, the report, one line per result), gpu_check_logits, gpu_check_numerics, gpu_check_decode (roofline,
+attention, decode), gpu_check_vllm, gpu_check_memory and gpu_check_problems.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # the sections' modules beside this script, also when it is imported
 from gpu_check_decode import attention_section, copy_bandwidth, decode_section
 from gpu_check_logits import check_logits
+from gpu_check_memory import memory_section
+from gpu_check_numerics import numerics_section
 from gpu_check_problems import problems_section
 from gpu_check_record import Check, interrupted_at, table  # noqa: F401 (interrupted_at: tests/test_gpu_check.py)
 from gpu_check_setup import FULL, SMALL
@@ -70,7 +78,8 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (always cpu with --tiny)")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--skip", default="",
-                        help="comma list of sections to leave out: logits,attention,decode,vllm,problems,tp")
+                        help="comma list of sections to leave out: logits,numerics,attention,decode,vllm,memory,"
+                             "problems,tp")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="seconds from the start within which every measurement starts and ends (see the top)")
     parser.add_argument("--vllm-child", type=Path, default=None, metavar="OUT",
@@ -93,12 +102,16 @@ def main() -> None:
     check.measure("roofline", {}, end, lambda: copy_bandwidth(device, args.tiny))
     if "logits" not in skip:
         check.measure("logits", {}, end, lambda: check_logits(device, dtype, args.tiny, plan))
+    if "numerics" not in skip:
+        numerics_section(check, device, dtype, args.tiny)
     if "attention" not in skip:
         attention_section(check, device, dtype, args.tiny)
     if "decode" not in skip:
         decode_section(check, device, dtype, args.tiny, plan)
     if "vllm" not in skip:
         vllm_section(check, device, dtype, args.tiny, plan)
+    if "memory" not in skip:
+        memory_section(check, device, dtype, args.tiny, plan)
     if "problems" not in skip:
         problems_section(check, device, dtype, args.tiny, plan)
     if "tp" not in skip and device.startswith("cuda") and torch.cuda.device_count() >= 2:

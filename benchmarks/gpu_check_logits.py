@@ -11,6 +11,23 @@ from kvrescue_cli.engine.graphs import StaticDecode
 from kvrescue_cli.engine.loader import _build
 
 
+def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    """How far logits `got` are from `ref` (both [..., V], fp32)."""
+    diff = (got - ref).abs()
+    cos = torch.nn.functional.cosine_similarity(got.flatten(0, -2), ref.flatten(0, -2), dim=-1)
+    return {"max_abs": diff.max().item(), "mean_abs": diff.mean().item(), "ref_std": ref.std().item(),
+            "min_cosine": cos.min().item(),
+            "top1_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+
+
+def verdict(dtype: torch.dtype, comparisons: list[dict]) -> dict:
+    """`tolerance` (the dtype's) and `ok` (every comparison within it)."""
+    if dtype == torch.float32:
+        return {"tolerance": "max_abs <= 1e-3", "ok": all(c["max_abs"] <= 1e-3 for c in comparisons)}
+    return {"tolerance": "min_cosine >= 0.99 and mean_abs <= 0.05 * ref_std",
+            "ok": all(c["min_cosine"] >= 0.99 and c["mean_abs"] <= 0.05 * c["ref_std"] for c in comparisons)}
+
+
 def check_logits(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dict:
     """Engine vs transformers logits: a plain forward, then prefill + static decode steps."""
     shape = TINY if tiny else QWEN25_05B
@@ -32,21 +49,7 @@ def check_logits(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dic
         assert all(cache.physical_length(r) == cache.length(r) for r in rows), "the check's rows were evicted"
     stepped = torch.stack(steps, dim=1)
 
-    def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
-        diff = (got - ref).abs()
-        cos = torch.nn.functional.cosine_similarity(got.flatten(0, -2), ref.flatten(0, -2), dim=-1)
-        return {"max_abs": diff.max().item(), "mean_abs": diff.mean().item(), "ref_std": ref.std().item(),
-                "min_cosine": cos.min().item(),
-                "top1_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
-
     result = {"shape": "tiny" if tiny else "Qwen2.5-0.5B", "dtype": str(dtype).removeprefix("torch."),
               "tokens": tokens, "forward": compare(plain, want),
               "prefill_then_decode": compare(stepped, want[:, prefix - 1: tokens - 1])}
-    if dtype == torch.float32:
-        result["tolerance"] = "max_abs <= 1e-3"
-        result["ok"] = all(result[k]["max_abs"] <= 1e-3 for k in ("forward", "prefill_then_decode"))
-    else:
-        result["tolerance"] = "min_cosine >= 0.99 and mean_abs <= 0.05 * ref_std"
-        result["ok"] = all(result[k]["min_cosine"] >= 0.99 and result[k]["mean_abs"] <= 0.05 * result[k]["ref_std"]
-                           for k in ("forward", "prefill_then_decode"))
-    return result
+    return {**result, **verdict(dtype, [result["forward"], result["prefill_then_decode"]])}

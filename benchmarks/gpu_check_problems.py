@@ -19,6 +19,8 @@ from kvrescue_cli.outputs import Trace
 from kvrescue_cli.random_checkpoints import build_tokenizer
 from kvrescue_cli.search import SearchSettings
 
+ROLES = ("base", "helper", "prm")
+
 
 def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems: ProblemSet, method: str,
                   plan: dict, stop_at: float) -> dict:
@@ -41,6 +43,20 @@ def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems
             "peak_base_rows": max(t.peak_base_rows for t in traces)}
 
 
+def synthetic_grid(plan: dict, device: str, dtype: torch.dtype, problems: int) -> tuple[GridOptions, ProblemSet]:
+    """The options of a bon/kvrescue/full grid on `device` with random models and synthetic steps (plan's N, budget,
+    batch and steps), and `problems` synthetic problems."""
+    problem_set = ProblemSet("synthetic", "generic", "gpu_check", [
+        Problem(i, f"What is {i} + {2 * i}? Let x be the answer.", str(3 * i), {}) for i in range(problems)])
+    settings = SearchSettings(sampling=PARAMS, batch=plan["batch"], synthetic_steps=plan["synthetic"],
+                              max_step_tokens=plan["synthetic"][0], context_cap=4096)
+    options = GridOptions(benches=["synthetic"], methods=["bon", "kvrescue", "full"], budgets=[plan["budget"]],
+                          ns=[plan["n"]], seeds=[0], evictor="rkv", models={r: f"random-{r}" for r in ROLES},
+                          scorer="prm", settings=settings, out=Path("unused"), devices=(device,),
+                          dtype=str(dtype).removeprefix("torch."))
+    return options, problem_set
+
+
 def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> None:
     """problems/min of bon and kvrescue with and without CUDA graphs, and full, after a warm-up problem."""
     tokenizer = build_tokenizer(512)
@@ -54,14 +70,8 @@ def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, 
                 built[role] = random_loaded(shape, device, dtype, 10 + seed, tokenizer, role)
         return built
 
-    problems = [Problem(i, f"What is {i} + {2 * i}? Let x be the answer.", str(3 * i), {}) for i in range(plan["problems"])]
-    problem_set = ProblemSet("synthetic", "generic", "gpu_check", problems)
-    settings = SearchSettings(sampling=PARAMS, batch=plan["batch"], synthetic_steps=plan["synthetic"],
-                              max_step_tokens=plan["synthetic"][0], context_cap=4096)
-    options = GridOptions(benches=["synthetic"], methods=["bon", "kvrescue", "full"], budgets=[plan["budget"]],
-                          ns=[plan["n"]], seeds=[0], evictor="rkv", models={r: f"random-{r}" for r in shapes},
-                          scorer="prm", settings=settings, out=Path("unused"), devices=(device,),
-                          dtype=str(dtype).removeprefix("torch."))
+    options, problem_set = synthetic_grid(plan, device, dtype, plan["problems"])
+    problems, settings = problem_set.problems, options.settings
     end = check.deadline(1.0)
     warm = replace(options, settings=replace(settings, synthetic_steps=(plan["synthetic"][0], 1)))
     check.measure("problems", {"method": "kvrescue", "cuda_graphs": False, "warm_up": True}, end, lambda: problems_rate(

@@ -125,6 +125,10 @@ def describe(section: str, r: dict) -> str:
         what = "copy bandwidth"
     elif section == "logits":
         what = f"{r.get('shape', '')} {r.get('dtype', '')}"
+    elif section == "numerics":
+        what = f"{r['path']} attention {r['shape']} {r['dtype']}"
+    elif section == "memory":
+        what = f"memory left by a {r['method']} cell ({r['shape']})"
     elif section == "attention":
         what = f"full-cache attention ctx={r['context']} problems={r['problems']}"
     elif section == "vllm":
@@ -144,6 +148,12 @@ def describe(section: str, r: dict) -> str:
     if section == "logits":
         return (f"{what}: ok={r['ok']} forward max|d|={r['forward']['max_abs']:.2e} top1={r['forward']['top1_agreement']:.3f}, "
                 f"decode max|d|={r['prefill_then_decode']['max_abs']:.2e} top1={r['prefill_then_decode']['top1_agreement']:.3f}")
+    if section == "numerics":
+        c = r["comparison"]
+        return f"{what}: ok={r['ok']} max|d|={c['max_abs']:.2e} top1={c['top1_agreement']:.3f}"
+    if section == "memory":
+        fake = " (fake CUDA)" if r["fake_cuda"] else ""
+        return f"{what}: ok={r['ok']} {r['bytes_left']} bytes left of {r['problems']} problems{fake}"
     if section == "attention":
         return f"{what}: " + ", ".join(f"{v} skipped" if "skipped" in r[v] else
                                        f"{v} {r[v]['step_ms']:.1f} ms/step {r[v]['kv_bytes_read'] / 1e9:.2f} GB"
@@ -162,7 +172,7 @@ def describe(section: str, r: dict) -> str:
 def table(report: dict) -> str:
     """Every result, one line each, grouped by section."""
     lines = ["", f"gpu_check on {report['device']} ({report['dtype']}), {report.get('elapsed_s', 0):.0f} s:"]
-    for section in ("roofline", "logits", "attention", "decode", "vllm", "problems", "tp"):
+    for section in ("roofline", "logits", "numerics", "attention", "decode", "vllm", "memory", "problems", "tp"):
         found = report.get(section)
         if found is None:
             continue
