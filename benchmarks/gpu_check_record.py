@@ -129,6 +129,8 @@ def describe(section: str, r: dict) -> str:
         what = f"{r['path']} attention {r['shape']} {r['dtype']}"
     elif section == "memory":
         what = f"memory left by a {r['method']} cell ({r['shape']})"
+    elif section == "devices":
+        what = f"models and caches of --devices {r['device']}"
     elif section == "attention":
         what = f"full-cache attention ctx={r['context']} problems={r['problems']}"
     elif section == "vllm":
@@ -154,6 +156,8 @@ def describe(section: str, r: dict) -> str:
     if section == "memory":
         fake = " (fake CUDA)" if r["fake_cuda"] else ""
         return f"{what}: ok={r['ok']} {r['bytes_left']} bytes left of {r['problems']} problems{fake}"
+    if section == "devices":
+        return f"{what}: ok={r['ok']} on {r['models_on']}, bytes gained {r['bytes_gained']}"
     if section == "attention":
         return f"{what}: " + ", ".join(f"{v} skipped" if "skipped" in r[v] else
                                        f"{v} {r[v]['step_ms']:.1f} ms/step {r[v]['kv_bytes_read'] / 1e9:.2f} GB"
@@ -172,7 +176,7 @@ def describe(section: str, r: dict) -> str:
 def table(report: dict) -> str:
     """Every result, one line each, grouped by section."""
     lines = ["", f"gpu_check on {report['device']} ({report['dtype']}), {report.get('elapsed_s', 0):.0f} s:"]
-    for section in ("roofline", "logits", "numerics", "attention", "decode", "vllm", "memory", "problems", "tp"):
+    for section in ("roofline", "logits", "numerics", "attention", "decode", "vllm", "memory", "devices", "problems", "tp"):
         found = report.get(section)
         if found is None:
             continue

@@ -292,7 +292,7 @@ class FakeCuda:
         ]
 
     def _name(self, device: Any = None) -> str:
-        index = self.current if device is None else torch.device(device).index
+        index = device if isinstance(device, int) or device is None else torch.device(device).index
         return f"cuda:{self.current if index is None else index}"
 
     def _set_device(self, device: Any) -> None:

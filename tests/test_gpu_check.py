@@ -76,10 +76,11 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     (memory,) = report["memory"]
     assert memory["fake_cuda"] and memory["problems"] == 2 and memory["bytes_before"] > 0
     assert memory["ok"] == (memory["bytes_left"] == 0)
+    assert report["devices"] == [{"device": None, "skipped": "needs two or more visible GPUs"}]
     # one flushed progress line per measurement, then the table repeats every one of them
     progress = [line for line in lines if line.startswith("[")]
     assert len(progress) == (2 + len(report["numerics"]) + len(report["attention"]) + len(report["decode"])
-                             + len(report["vllm"]) + len(report["memory"]) + len(report["problems"]))
+                             + len(report["vllm"]) + len(report["memory"]) + len(report["devices"]) + len(report["problems"]))
     table = lines[len(progress):]
     assert sum(" tok/s " in line for line in table) == len(measured)
     assert any("full graphs=off: 4 problems" in line for line in table)
