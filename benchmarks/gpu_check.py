@@ -9,10 +9,6 @@ downloaded). Sections, in this order:
 - `logits`: this engine vs transformers on a random Qwen2.5-0.5B-shaped Qwen2, in the run's dtype: a
   plain forward, and a prefill plus one-token decode steps through the static (CUDA-graph) path of the
   bounded cache (rkv with a budget beyond the sequence, so every token stays cached); max/mean |difference|, cosine, top-1 agreement and `ok` under the dtype's tolerance.
-- `numerics`: the caches' attention paths against a reference computed another way (`gpu_check_numerics`): the full
-  cache's paged attention and its cascade against a plain causal forward of the same sequences (flash-attn's paged
-  kernel where it is installed), and the bounded cache's static step (CUDA graphs on a GPU) through a compression
-  against the dynamic eager step from the same state; `ok` under the dtype's tolerance, as for `logits`.
 - `attention`: the full cache's attention at the helper's shape (Qwen2.5-Math-1.5B, 28 layers), gather vs
   paged vs cascade, decode step time and KV bytes read, context 1k/2k/4k, 8 and 64 problems x N = 8
   (`benchmarks/attention_bench.py`).
@@ -28,6 +24,10 @@ downloaded). Sections, in this order:
   VLLMPRMScorer, 4 problems x 4 steps x 8 candidates), each with engine / vLLM. vLLM gets VLLM_MEMORY of
   the device; it runs in a child process (`--vllm-child`). Where vLLM is not importable every record
   says so (skipped, with the install hint).
+- `numerics`: the caches' attention paths against a reference computed another way (`gpu_check_numerics`): the full
+  cache's paged attention and its cascade against a plain causal forward of the same sequences (flash-attn's paged
+  kernel where it is installed), and the bounded cache's static step (CUDA graphs on a GPU) through a compression
+  against the dynamic eager step from the same state; `ok` under the dtype's tolerance, as for `logits`.
 - `memory`: a finished kvrescue cell leaves no bytes allocated with the cyclic garbage collector off (on a CPU on
   fake CUDA, `kvrescue_cli.fake_cuda`).
 - `devices` (two or more GPUs; else a skip record): `kvrescue run`'s in-process executor given the last visible GPU
@@ -106,14 +106,14 @@ def main() -> None:
     check.measure("roofline", {}, end, lambda: copy_bandwidth(device, args.tiny))
     if "logits" not in skip:
         check.measure("logits", {}, end, lambda: check_logits(device, dtype, args.tiny, plan))
-    if "numerics" not in skip:
-        numerics_section(check, device, dtype, args.tiny)
     if "attention" not in skip:
         attention_section(check, device, dtype, args.tiny)
     if "decode" not in skip:
         decode_section(check, device, dtype, args.tiny, plan)
     if "vllm" not in skip:
         vllm_section(check, device, dtype, args.tiny, plan)
+    if "numerics" not in skip:
+        numerics_section(check, device, dtype, args.tiny)
     if "memory" not in skip:
         memory_section(check, device, dtype, args.tiny, plan)
     if "devices" not in skip:

@@ -338,7 +338,8 @@ class FakeCuda:
             raise RuntimeError(f"cannot pin a tensor on {tensor.device}: only dense CPU tensors can be pinned")
         if self.capturing:
             raise CaptureError("a pinned host copy during a CUDA graph capture")
-        return tensor if isinstance(tensor, FakeTensor) else self.mode.from_tensor(tensor)  # a copy, as pinning makes
+        return torch.empty(tensor.shape, dtype=tensor.dtype)  # a new tensor, as pinning makes; not a constant (a copy of
+        # a one-element constant to CUDA would run the real CUDA kernel)
 
 
 def _swap_unless_same(swap: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[torch.Tensor, torch.Tensor], None]:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrescue_cli.dry_run import dry_run
-from kvrescue_cli.engine import bounded
+from kvrescue_cli.engine import bounded, graphs
 from kvrescue_cli.engine.attention import attend_masked
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.loader import load_model
@@ -133,4 +133,18 @@ def test_the_dry_run_catches_a_cache_tensor_on_the_cpu(monkeypatch, qwen2_dir):
     cache = BoundedCache.for_model(model.net, 16, "rkv", rows=2, max_append=8)
     model.net.prefill(torch.tensor([[5, 6, 7]]), cache, [cache.create()], [3])
     with pytest.raises(Exception, match="cuda:0.*cpu|cpu.*cuda:0"):
+        dry_run(("bon",), n=1, batch=1, synthetic=(2, 1))
+
+
+def test_the_dry_run_catches_a_host_read_inside_a_cuda_graph(monkeypatch):
+    """A scalar read in the static step's attention would stop a real capture (cudaStreamCapture refuses it); on the
+    CPU the static step runs eagerly and nothing notices."""
+    attend = graphs._StaticView.attend
+
+    def reading(self, layer, q, k, v):
+        self.lengths.max().item()
+        return attend(self, layer, q, k, v)
+
+    monkeypatch.setattr(graphs._StaticView, "attend", reading)
+    with pytest.raises(CaptureError, match="during a CUDA graph capture"):
         dry_run(("bon",), n=1, batch=1, synthetic=(2, 1))
