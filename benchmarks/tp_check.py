@@ -71,7 +71,7 @@ def describe(r: dict) -> str:
 def _rank(rank: int, folder: Path, tiny: bool) -> None:
     """One rank: the sharded model (and on rank 0 the whole one), logits and decode rates."""
     import torch.distributed as dist
-    from gpu_check import decode_rate
+    from gpu_check_decode import decode_rate
 
     from kvrescue_cli.engine.loader import load_model
 

@@ -68,10 +68,19 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     for r in report["vllm"]:
         assert r["skipped"].startswith("gpu_check's vllm section needs vLLM, which is not installed here")
         assert "scripts/setup_vllm.sh" in r["skipped"]
+    # the caches' attention paths against a plain forward (paged, cascade) and the eager step (static, compressing)
+    numerics = {r["path"]: r for r in report["numerics"]}
+    assert set(numerics) == {"paged", "cascade", "static"} and all(r["ok"] for r in numerics.values()), numerics
+    assert numerics["static"]["compressions"] >= 1 and not numerics["static"]["cuda_graphs"]
+    # a finished cell's bytes, the collector off, on fake CUDA here (ok once no cycle keeps a cell's caches)
+    (memory,) = report["memory"]
+    assert memory["fake_cuda"] and memory["problems"] == 2 and memory["bytes_before"] > 0
+    assert memory["ok"] == (memory["bytes_left"] == 0)
+    assert report["devices"] == [{"device": None, "skipped": "needs two or more visible GPUs"}]
     # one flushed progress line per measurement, then the table repeats every one of them
     progress = [line for line in lines if line.startswith("[")]
-    assert len(progress) == (2 + len(report["attention"]) + len(report["decode"]) + len(report["vllm"])
-                             + len(report["problems"]))
+    assert len(progress) == (2 + len(report["numerics"]) + len(report["attention"]) + len(report["decode"])
+                             + len(report["vllm"]) + len(report["memory"]) + len(report["devices"]) + len(report["problems"]))
     table = lines[len(progress):]
     assert sum(" tok/s " in line for line in table) == len(measured)
     assert any("full graphs=off: 4 problems" in line for line in table)
@@ -83,6 +92,7 @@ def test_budget_bounds_every_section(tmp_path):
     report, lines = gpu_check(tmp_path, "--budget-s", "0")
     records = [report["roofline"], report["logits"], *report["decode"], *report["problems"]]
     assert len(records) == 2 + 20 + 6
+    records += [*report["numerics"], *report["memory"]]
     reasons = {r["skipped"].split(":")[0] for r in records}
     assert reasons == {"not started", "CUDA graphs need a GPU"}
     assert all(r["of_roofline"] is None for r in report["decode"] if "of_roofline" in r)

@@ -1,0 +1,185 @@
+"""gpu_check's recording: deadlines that interrupt a measurement, the report written as each measurement ends,
+and one line per result."""
+
+from __future__ import annotations
+
+import _thread
+import gc
+import json
+import math
+import signal
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+@contextmanager
+def interrupted_at(deadline: float | None) -> Iterator[Callable[[], bool]]:
+    """Run the body until `deadline` (None: no limit) at most: then it is interrupted (KeyboardInterrupt in
+    this thread) and the context ends normally; the yielded function tells whether that happened. A real
+    Ctrl-C propagates. The interrupt comes through SIGUSR1's slot, not SIGINT's: a job started in the
+    background (`&`, nohup) ignores SIGINT, and `interrupt_main` does nothing for an ignored signal."""
+    lock, state = threading.Lock(), {"done": False, "fired": False}
+
+    def fire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                _thread.interrupt_main(signal.SIGUSR1)
+
+    def on_deadline(signum: int, frame) -> None:
+        raise KeyboardInterrupt
+
+    timer = threading.Timer(max(0.0, deadline - time.perf_counter()), fire) if deadline is not None else None
+    previous = signal.signal(signal.SIGUSR1, on_deadline) if timer is not None else None
+    if timer is not None:
+        timer.start()
+    try:
+        yield lambda: state["fired"]
+        with lock:
+            state["done"] = True
+    except KeyboardInterrupt:
+        with lock:
+            state["done"] = True
+        if not state["fired"]:
+            raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+            signal.signal(signal.SIGUSR1, previous)
+
+
+class Check:
+    """The report being measured: each measurement is recorded, printed and written as soon as it ends."""
+
+    def __init__(self, out: Path, report: dict, budget_s: float) -> None:
+        self.out, self.report, self.budget_s = out, report, budget_s
+        self.started = time.perf_counter()
+
+    def deadline(self, share: float) -> float:
+        """The time by which `share` of the budget has passed."""
+        return self.started + share * self.budget_s
+
+    def measure(self, section: str, record: dict, start_by: float, fn: Callable[[], dict],
+                skip: str | None = None, interrupt: bool = True) -> None:
+        """Record `record` with what `fn` measured, or with why it was skipped (`skip`, or past `start_by`).
+        `fn` is interrupted at the end of the budget unless it bounds itself (`interrupt` False); an error
+        is recorded, not raised."""
+        now = time.perf_counter()
+        if skip is None and now > start_by:
+            skip = self.late()
+        if skip is not None:
+            self.add(section, {**record, "skipped": skip})
+            return
+        result: dict = {}
+        try:
+            with interrupted_at(self.deadline(1.0) if interrupt else None) as cut:
+                result = fn()
+            if cut() and not result:
+                result = {"skipped": f"interrupted at the end of the {self.budget_s:.0f} s budget"}
+        except Exception as err:  # noqa: BLE001 - one failed measurement must not cost the others
+            traceback.print_exc()
+            result = {"skipped": f"failed: {type(err).__name__}: {err}"[:300]}
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        self.add(section, {**record, **result, "seconds_taken": time.perf_counter() - now})
+
+    def late(self) -> str:
+        """Why a measurement was not started."""
+        return f"not started: {time.perf_counter() - self.started:.0f} s of the {self.budget_s:.0f} s budget had passed"
+
+    def add(self, section: str, record: dict) -> None:
+        """Keep one result (a list entry, or the section itself for roofline and logits), write, print."""
+        if section in ("roofline", "logits"):
+            self.report[section] = record
+        else:
+            self.report.setdefault(section, []).append(record)
+        self.report["elapsed_s"] = time.perf_counter() - self.started
+        self.out.write_text(json.dumps(self.report, indent=2) + "\n")
+        print(f"[{self.report['elapsed_s']:6.1f} s] {section}: {describe(section, record)}", flush=True)
+
+
+class RecordLines(Check):
+    """The vllm child's records: each appended to `out` as one JSON line as it ends (no budget: its parent ends it)."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(out, {}, math.inf)
+
+    def add(self, section: str, record: dict) -> None:
+        with self.out.open("a") as lines:
+            lines.write(json.dumps(record) + "\n")
+
+
+def describe(section: str, r: dict) -> str:
+    """One line for one result."""
+    if section == "tp":
+        from tp_check import describe as describe_tp  # benchmarks/, next to this script
+        return describe_tp(r)
+    if section == "roofline":
+        what = "copy bandwidth"
+    elif section == "logits":
+        what = f"{r.get('shape', '')} {r.get('dtype', '')}"
+    elif section == "numerics":
+        what = f"{r['path']} attention {r['shape']} {r['dtype']}"
+    elif section == "memory":
+        what = f"memory left by a {r['method']} cell ({r['shape']})"
+    elif section == "devices":
+        what = f"models and caches of --devices {r['device']}"
+    elif section == "attention":
+        what = f"full-cache attention ctx={r['context']} problems={r['problems']}"
+    elif section == "vllm":
+        what = (f"engine vs vLLM decode {r['shape']} batch={r['batch']}" if r["measure"] == "decode" else
+                f"engine vs vLLM PRM {r['shape']} {r['problems']}x{r['steps']}x{r['candidates']} candidates")
+    elif section == "decode":
+        budget = f" B={r['budget']}" if r["budget"] else ""
+        what = (f"{r['engine']} rows={r['rows']} ctx={r['context']} {r['evictor']}{budget}"
+                f" graphs={'on' if r['cuda_graphs'] else 'off'}")
+    else:
+        budget = f" B={r['budget']}" if r.get("budget") else ""
+        what = f"{r['method']}{budget} graphs={'on' if r['cuda_graphs'] else 'off'}{' (warm-up)' if r.get('warm_up') else ''}"
+    if "skipped" in r:
+        return f"{what}: skipped ({r['skipped']})"
+    if section == "roofline":
+        return f"{what}: {r['bytes_per_s'] / 1e9:.1f} GB/s"
+    if section == "logits":
+        return (f"{what}: ok={r['ok']} forward max|d|={r['forward']['max_abs']:.2e} top1={r['forward']['top1_agreement']:.3f}, "
+                f"decode max|d|={r['prefill_then_decode']['max_abs']:.2e} top1={r['prefill_then_decode']['top1_agreement']:.3f}")
+    if section == "numerics":
+        c = r["comparison"]
+        return f"{what}: ok={r['ok']} max|d|={c['max_abs']:.2e} top1={c['top1_agreement']:.3f}"
+    if section == "memory":
+        fake = " (fake CUDA)" if r["fake_cuda"] else ""
+        return f"{what}: ok={r['ok']} {r['bytes_left']} bytes left of {r['problems']} problems{fake}"
+    if section == "devices":
+        return f"{what}: ok={r['ok']} on {r['models_on']}, bytes gained {r['bytes_gained']}"
+    if section == "attention":
+        return f"{what}: " + ", ".join(f"{v} skipped" if "skipped" in r[v] else
+                                       f"{v} {r[v]['step_ms']:.1f} ms/step {r[v]['kv_bytes_read'] / 1e9:.2f} GB"
+                                       for v in ("gather", "paged", "cascade"))
+    if section == "vllm":
+        unit = "tokens_per_s" if r["measure"] == "decode" else "candidates_per_s"
+        return (f"{what}: {r[f'engine_{unit}']:.1f} vs {r[f'vllm_{unit}']:.1f} {unit.replace('_per_s', '/s')} "
+                f"(engine / vLLM {r['engine_over_vllm']:.2f})")
+    if section == "decode":
+        share = f" ({100 * r['of_roofline']:.1f}% of roofline)" if r["of_roofline"] is not None else ""
+        return f"{what}: {r['tokens_per_s']:.1f} tok/s{share}"
+    cut = f", {r['problems']} finished before the cut" if r["cut"] else ""
+    return f"{what}: {r['problems']} problems in {r['seconds']:.1f} s = {r['problems_per_min']:.2f}/min{cut}"
+
+
+def table(report: dict) -> str:
+    """Every result, one line each, grouped by section."""
+    lines = ["", f"gpu_check on {report['device']} ({report['dtype']}), {report.get('elapsed_s', 0):.0f} s:"]
+    for section in ("roofline", "logits", "numerics", "attention", "decode", "vllm", "memory", "devices", "problems", "tp"):
+        found = report.get(section)
+        if found is None:
+            continue
+        lines.append(f"  {section}")
+        lines += [f"    {describe(section, r)}" for r in (found if isinstance(found, list) else [found])]
+    return "\n".join(lines)

@@ -1,0 +1,150 @@
+"""The fake-CUDA dry run (`kvrescue_cli.fake_cuda`, `kvrescue_cli.dry_run`): the engine's CUDA path at the paper's
+shapes (Qwen2.5-Math-7B base, 1.5B helper, PRM-7B) on fake tensors, without a GPU. Device, dtype, shape and stride
+mistakes raise on the CPU as they would on a GPU; the CPU suite's real kernels cannot show them (contiguous outputs,
+one device)."""
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrescue_cli.dry_run import dry_run
+from kvrescue_cli.engine import bounded, graphs
+from kvrescue_cli.engine.attention import attend_masked
+from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.loader import load_model
+from kvrescue_cli.engine.transfer import upload_all
+from kvrescue_cli.fake_cuda import CaptureError, FakeCuda
+from kvrescue_cli.model_config import ModelArgs
+from kvrescue_cli.paper_shapes import PAPER_MODELS, hf_config
+
+CUDA = torch.device("cuda:0")
+
+
+def weight_bytes(shape: dict, prm: bool = False, itemsize: int = 2) -> int:
+    """Bytes of a Qwen2 checkpoint of `shape`, counted here from its config (q/k/v biases; the PRM's score head
+    instead of the LM head)."""
+    h, v, inter, layers = shape["hidden_size"], shape["vocab_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    layer = h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * inter + 2 * h
+    head = h * h + h + 2 * h + 2 if prm else (0 if shape["tie_word_embeddings"] else v * h)
+    return itemsize * (v * h + layers * layer + h + head)
+
+
+def test_sdpa_takes_the_cuda_kernels_and_their_layouts():
+    """bf16 with a mask: memory-efficient attention, whose output [B, H, M, K] lies as [B, M, H, K] in memory
+    (PyTorch's attention.cu); without a mask: flash-attention. A `.view` of the grouped heads then fails, as on CUDA."""
+    with FakeCuda():
+        q = torch.empty(2, 4, 7 * 3, 128, dtype=torch.bfloat16, device=CUDA)  # 4 KV heads, 7 query heads each, 3 tokens
+        k = torch.empty(2, 4, 50, 128, dtype=torch.bfloat16, device=CUDA)
+        mask = torch.ones(2, 1, 21, 50, dtype=torch.bool, device=CUDA)
+        masked = F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+        assert masked.shape == (2, 4, 21, 128) and masked.stride() == (21 * 4 * 128, 128, 4 * 128, 1)
+        with pytest.raises(Exception, match="view"):
+            masked.view(2, 28, 3, 128)
+        plain = F.scaled_dot_product_attention(q, k, k)
+        assert plain.shape == (2, 4, 21, 128) and plain.device == CUDA
+
+
+def test_grouped_attention_at_the_7b_heads_on_cuda():
+    """attend_masked at Qwen2.5-Math-7B's 28 query / 4 KV heads with bf16 CUDA tensors (fails with `.view`)."""
+    with FakeCuda():
+        q = torch.empty(3, 28, 5, 128, dtype=torch.bfloat16, device=CUDA)
+        k = torch.empty(3, 4, 40, 128, dtype=torch.bfloat16, device=CUDA)
+        out = attend_masked(q, k, k, torch.ones(3, 5, 40, dtype=torch.bool, device=CUDA))
+        assert out.shape == q.shape and out.device == CUDA and out.dtype == torch.bfloat16
+
+
+def test_fake_cuda_raises_what_a_gpu_raises():
+    with FakeCuda() as cuda:
+        x = torch.zeros(6, 4, device=CUDA)
+        index = torch.tensor([0, 2], device=CUDA)
+        x[index] = torch.ones(2, 4, device=CUDA)  # Python indexing works on fake CUDA tensors
+        assert x[index, 1:].shape == (2, 3) and x[index].device == CUDA
+        with pytest.raises(Exception, match="cuda:0 and cpu"):
+            x + torch.ones(6, 4)  # a CPU tensor in a CUDA computation
+        with pytest.raises(TypeError, match="copy it to the host"):
+            x.numpy()
+        assert x.cpu().numpy().shape == (6, 4) and cuda.syncs == 1  # host reads give zeros, each a sync
+        assert x.tolist() == [[0.0] * 4] * 6
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(CaptureError, match="host read"):
+            with torch.cuda.graph(graph):
+                x.sum().item()
+        with pytest.raises(CaptureError, match="copy to the host"):
+            with torch.cuda.graph(graph):
+                x.cpu()
+        with torch.cuda.graph(graph):
+            y = x * 2
+        graph.replay()
+        assert cuda.graph_replays == 1 and y.device == CUDA
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            torch.cuda.set_device("cuda:1")
+
+
+def test_the_memory_log_counts_storages_per_device_and_part_until_freed():
+    with FakeCuda(memory_gib=1.0) as cuda:
+        with cuda.memory.labelled("weights"):
+            w = torch.empty(2**20, dtype=torch.uint8, device=CUDA)
+        a = torch.empty(2**18, dtype=torch.float32, device=CUDA)
+        view = a[10:]
+        del a
+        assert cuda.memory.device_live["cuda:0"] == 2 * 2**20  # the view keeps its storage
+        assert torch.cuda.mem_get_info(CUDA) == (2**30 - 2 * 2**20, 2**30)
+        del view
+        gc.collect()
+        assert cuda.memory.device_live["cuda:0"] == 2**20 == torch.cuda.memory_allocated(CUDA)
+        assert cuda.memory.peak["cuda:0"] == 2 * 2**20
+        assert cuda.memory.at_peak["cuda:0"] == {"weights": 2**20, "other": 2**20}
+        del w
+
+
+def test_a_dry_run_of_bon_and_kvrescue_at_the_paper_shapes():
+    """Two problems of each method, N = 2, two synthetic steps of 2 tokens, at the paper's caps (512-token steps,
+    4,096-token contexts) and budget 64, through `decoding.decode` with CUDA graphs, on fake Qwen2.5-Math-7B,
+    1.5B and PRM-7B weights built by the loader's `_build`."""
+    run = dry_run(("bon", "kvrescue"), n=2, batch=2, synthetic=(2, 2))
+    assert run.weights == {"base": weight_bytes(PAPER_MODELS["base"]), "helper": weight_bytes(PAPER_MODELS["helper"]),
+                           "prm": weight_bytes(PAPER_MODELS["prm"], prm=True)}
+    assert run.weights["base"] / 2**30 == pytest.approx(14.19, abs=0.01)  # 7.6B parameters in bf16
+    for cell in run.cells:
+        assert cell.problems == 2 and cell.steps == 2 * 2
+        assert cell.graph_replays > 0  # the base's one-token steps replayed captured graphs
+        memory = cell.memory["cuda:0"]
+        assert memory["peak_bytes"] >= sum(run.weights.values())
+        assert {f"weights.{role}" for role in PAPER_MODELS} | {"engine.bounded", "engine.caches"} <= set(memory["at_peak"])
+        assert set(cell.memory) == {"cuda:0", "cpu"} and cell.memory["cpu"]["peak_bytes"] < 2**20  # host metadata only
+    bon, kvrescue = run.cells
+    # kvrescue holds the helper's full cache as well
+    assert kvrescue.memory["cuda:0"]["at_peak"]["engine.caches"] > bon.memory["cuda:0"]["at_peak"]["engine.caches"]
+
+
+def cpu_uploads(arrays, device):
+    """A mistake to catch: the bounded cache's per-forward index arrays left on the CPU."""
+    return upload_all(arrays, torch.device("cpu"))
+
+
+def test_the_dry_run_catches_a_cache_tensor_on_the_cpu(monkeypatch, qwen2_dir):
+    monkeypatch.setattr(bounded, "upload_all", cpu_uploads)
+    # The CPU suite cannot see it: on one device every tensor is on the CPU anyway.
+    model = load_model(qwen2_dir)
+    cache = BoundedCache.for_model(model.net, 16, "rkv", rows=2, max_append=8)
+    model.net.prefill(torch.tensor([[5, 6, 7]]), cache, [cache.create()], [3])
+    with pytest.raises(Exception, match="cuda:0.*cpu|cpu.*cuda:0"):
+        dry_run(("bon",), n=1, batch=1, synthetic=(2, 1))
+
+
+def test_the_dry_run_catches_a_host_read_inside_a_cuda_graph(monkeypatch):
+    """A scalar read in the static step's attention would stop a real capture (cudaStreamCapture refuses it); on the
+    CPU the static step runs eagerly and nothing notices."""
+    attend = graphs._StaticView.attend
+
+    def reading(self, layer, q, k, v):
+        self.lengths.max().item()
+        return attend(self, layer, q, k, v)
+
+    monkeypatch.setattr(graphs._StaticView, "attend", reading)
+    with pytest.raises(CaptureError, match="during a CUDA graph capture"):
+        dry_run(("bon",), n=1, batch=1, synthetic=(2, 1))
