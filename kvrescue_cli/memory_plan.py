@@ -27,7 +27,8 @@ from kvrescue_cli.cost import Architecture, format_bytes
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError, load_config
-from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, COMPRESS_BYTES, FLASH_BLOCK, OBSERVATION_WINDOW, PRM_WINDOW,
+from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, COMPRESS_BYTES, FLASH_BLOCK, OBSERVATION_WINDOW,
+                                 PRM_WINDOW,
                                  SCORE_BYTES, SLACK, local_args, shard_degree)
 
 GIB = 2**30
@@ -140,13 +141,16 @@ def attention_bytes(a: ModelArgs, b: int, rows: int, tokens: int, k: Keys, cuda:
     own = k.keys - k.shared + FULL_BLOCK if cascade else k.keys  # a row's keys past the shared blocks
     if k.path == "rows":
         held = rows * tokens * own * b  # the visibility bias
-        kernel = 2 * rows * hkv * own * hd * b + repeated * rows * g * tokens * own * b + out + rows * hq * tokens * FP32
+        kernel = (2 * rows * hkv * own * hd * b + repeated * rows * g * tokens * own * b + out
+                  + rows * hq * tokens * FP32)  # K, V gathered; the bias repeated per grouped query; out; lse
     else:
         chunks = rows * -(-own // CHUNK_TOKENS)
         scores = min(SCORE_BYTES, FP32 * chunks * hq * tokens * CHUNK_TOKENS)
-        held, kernel = 0, 4 * chunks * CHUNK_TOKENS * hkv * hd * b + scores * 5 // 2 + 2 * rows * hq * tokens * hd * FP32
+        held = 0  # K, V gathered and made contiguous; the fp32 scores, their exponentials; the fp32 outputs
+        kernel = 4 * chunks * CHUNK_TOKENS * hkv * hd * b + scores * 5 // 2 + 2 * rows * hq * tokens * hd * FP32
     if cascade:  # the shared pass, then the merge of its results with the rows' own
-        kernel = max(kernel, 2 * out + 2 * k.groups * hkv * k.shared * hd * b + 2 * out + 3 * rows * hq * tokens * hd * FP32)
+        shared = 2 * k.groups * hkv * k.shared * hd * b + 2 * out
+        kernel = max(kernel, 2 * out + shared + 3 * rows * hq * tokens * hd * FP32)
     return held, kernel
 
 

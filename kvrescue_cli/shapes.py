@@ -1,5 +1,6 @@
-"""Shape arithmetic shared by the engine and `kvrescue cost`, free of torch so that `kvrescue cost` starts
-without it: the engine's sizing constants (the bounded cache's slack, windows, blocks, memory bounds), and what one rank of a tensor-parallel group holds (engine/tp.py)."""
+"""Shape arithmetic shared by the engine, the memory planner and `kvrescue cost`, free of torch so that `kvrescue
+cost` starts without it: the engine's sizing constants (the bounded cache's slack, windows, blocks, memory bounds),
+and what one rank of a tensor-parallel group holds (engine/tp.py)."""
 
 from __future__ import annotations
 

@@ -216,3 +216,22 @@ def test_a_restarted_worker_waits_for_its_predecessors_memory(tmp_path, monkeypa
     seconds[0] = 0.0
     with pytest.raises(decoding.InputError, match=r"10\.0 GiB is free"):
         decoding.wait_for_room(options, ("cuda:0",), wait_s=5.0, clock=clock, sleep=sleep)
+
+
+def test_cost_and_run_plan_alike(tmp_path):
+    """`kvrescue cost`'s per-device figures are the plan `run` refuses and sizes its batch with (they differed: cost
+    counted the base ~4x and the PRM ~3x below what the run allocates)."""
+    import orjson
+    from typer.testing import CliRunner
+
+    from kvrescue_cli.cli import app
+
+    options = gpu_options(tmp_path, ("cuda:0",))
+    paths = options.models
+    result = CliRunner().invoke(app, ["cost", "--base", paths["base"], "--helper", paths["helper"], "--prm",
+                                      paths["prm"], "--batch", "8", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    cost = orjson.loads(result.stdout)
+    plan = decoding.memory_plan(options, "cuda:0")
+    assert cost["device_bytes"] == plan.total
+    assert {m["role"]: m["kv_bytes"] for m in cost["devices"]} == {role: plan.bytes(role, "kv") for role in plan.roles}
