@@ -211,7 +211,7 @@ def run(
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="on a GPU, run the evicted base's decode step as CUDA graphs"),
     batch: Optional[str] = typer.Option(None, help="problems in flight per worker, or auto: the most whose memory plan "
-                                        "fits the device with headroom (default: auto on GPU, 4 on CPU)"),
+                                        "fits the device with headroom (default: auto on GPU, 64 on a Ray cluster, 4 on CPU)"),
     plan: bool = typer.Option(False, "--plan", help="print each device's memory plan (from config.json files, no "
                               "weights read) and the batch it would use, then exit: 0 when it fits"),
     device_memory: Optional[str] = typer.Option(None, help="each device's memory for the plan, e.g. 80GiB, in place of "
@@ -256,13 +256,13 @@ def run(
     models.update({k: v for k, v in {"base": base, "helper": helper, "prm": prm}.items() if v})
     device_list = resolve_devices(devices, ray_address, visible=not plan)
     on_gpu = device_list[0].startswith("cuda")
-    auto = batch == "auto" or (batch is None and on_gpu)
+    auto = batch == "auto" or (batch is None and on_gpu and ray_address is None)
     settings = SearchSettings(
         sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
         detector=DetectorConfig(tau_ent=tau_ent, ent_window=ent_window, min_tokens=ent_min_tokens, tau_cmp=tau_cmp,
                                 cmp_chars=cmp_chars),
         max_step_tokens=max_step_tokens, max_steps=max_steps, context_cap=context_cap,
-        batch=1 if auto else _positive(batch or "4", "--batch"),
+        batch=1 if auto else _positive(batch or ("64" if on_gpu else "4"), "--batch"),
         synthetic_steps=_synthetic(synthetic_steps),
     )
     options = GridOptions(
@@ -326,9 +326,14 @@ def sized_batch(options, auto: bool):
     options.check()
     if not auto:
         return options
+    if options.ray_address is not None and options.device_memory is None:
+        raise InputError("--batch auto on a Ray cluster needs --device-memory (this process does not see the "
+                         "workers' GPUs), or give --batch N")
     groups = device_groups(options.devices, options.tp)
     shares = max(device_shares(groups, g) for g in range(len(groups)))
-    batch = decoding.auto_batch(options, groups, shares)
+    # Workers in other processes (Ray): plan from the GPUs' total memory, without a CUDA context here; each worker's
+    # own check then refuses what its device's free memory cannot hold.
+    batch = decoding.auto_batch(options, groups, shares, context=len(groups) == 1)
     console.print(f"--batch auto: {batch} problems in flight per worker (the most whose memory plan fits)",
                   highlight=False)
     return replace(options, settings=replace(options.settings, batch=batch), batch_auto=True)
@@ -354,8 +359,7 @@ def print_plan(options) -> bool:
             plan = decoding.memory_plan(options, device)
             if plan is None:
                 raise InputError("--plan: a model has no readable config.json")
-            free, total = decoding.device_memory(device, options.device_memory)
-            room = min(free, total // shares)
+            room = decoding.device_room(options, device, shares)
             usable = room - memory_plan.headroom(room)
             for i, role in enumerate(plan.roles):
                 table.add_row(named if i == 0 else "", device if i == 0 else "", role,

@@ -101,15 +101,22 @@ def device_memory(device: str, given: int | None = None) -> tuple[int, int]:
     return ram.available, ram.total
 
 
-def group_room(options: GridOptions, group: tuple[str, ...], shares: int = 1) -> tuple[str, int]:
-    """The group's device with the least memory for this worker and its bytes: what is free of it, at most its
-    1/`shares` (a device named by `shares` workers, `--devices cuda:0,cuda:0`: each plans its share)."""
-    rooms = []
-    for rank in range(len(group)):
-        device = rank_device(group, rank)
+def device_room(options: GridOptions, device: str, shares: int = 1, context: bool = True) -> int:
+    """Bytes of `device` this worker may plan for: what is free of it (`context=False`: its total, read without
+    creating a CUDA context, for a driver whose workers run elsewhere), at most its 1/`shares` (a device named by
+    `shares` workers, `--devices cuda:0,cuda:0`), less vLLM's share of it with `--engine vllm`."""
+    if not context and options.device_memory is None and device.startswith("cuda"):
+        free = total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    else:
         free, total = device_memory(device, options.device_memory)
-        rooms.append((min(free, total // shares), device))
-    room, device = min(rooms)
+    vllm = int(options.vllm_memory * total) if options.engine == "vllm" else 0
+    return min(free - vllm, total // shares)
+
+
+def group_room(options: GridOptions, group: tuple[str, ...], shares: int = 1, context: bool = True) -> tuple[str, int]:
+    """The group's device with the least room for this worker (`device_room`), and its bytes."""
+    room, device = min((device_room(options, rank_device(group, rank), shares, context), rank_device(group, rank))
+                       for rank in range(len(group)))
     return device, room
 
 
@@ -141,10 +148,10 @@ def wait_for_room(options: GridOptions, group: tuple[str, ...], shares: int = 1,
     refuse_what_does_not_fit(options, room, device=device)
 
 
-def auto_batch(options: GridOptions, groups: list[tuple[str, ...]], shares: int = 1) -> int:
+def auto_batch(options: GridOptions, groups: list[tuple[str, ...]], shares: int = 1, context: bool = True) -> int:
     """`--batch auto`: the most problems in flight whose plan fits every group's devices with headroom; a one-line
-    error when one problem does not fit."""
-    device, free = min((group_room(options, group, shares) for group in groups), key=lambda found: found[1])
+    error when one problem does not fit. `context=False`: from the devices' total memory (`device_room`)."""
+    device, free = min((group_room(options, group, shares, context) for group in groups), key=lambda found: found[1])
     kind, models = device_kind(options, device), planner.grid_models(options)
     batch = planner.largest_batch(lambda b: planner.plan_grid(options, kind, b, models), free - planner.headroom(free))
     if batch is None:
