@@ -192,8 +192,8 @@ def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> lis
 
 
 def batch_record(options: GridOptions) -> dict:
-    """The batch a run used, for config.json's executor: problems in flight, and whether --batch auto chose it."""
-    return {"batch": options.settings.batch, **({"batch_auto": True} if options.batch_auto else {})}
+    """The batch --batch auto chose, for config.json's executor (nothing for a batch given as a number)."""
+    return {"batch": options.settings.batch, "batch_auto": True} if options.batch_auto else {}
 
 
 def check_policy_tokenizers(tokenizers: dict[str, Any]) -> None:
