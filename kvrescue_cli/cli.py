@@ -217,7 +217,12 @@ def run(
                               "or AMX; else float32), float32, float16 or bfloat16; the resolved one is in config.json"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="on a GPU, run the evicted base's decode step as CUDA graphs"),
-    batch: Optional[int] = typer.Option(None, min=1, help="problems in flight (default: 4 on CPU, 64 on GPU)"),
+    batch: Optional[str] = typer.Option(None, help="problems in flight per worker, or auto: the most whose memory plan "
+                                        "fits the device with headroom (default: auto on GPU, 64 on a Ray cluster, 4 on CPU)"),
+    plan: bool = typer.Option(False, "--plan", help="print each device's memory plan (from config.json files, no "
+                              "weights read) and the batch it would use, then exit: 0 when it fits"),
+    device_memory: Optional[str] = typer.Option(None, help="each device's memory for the plan, e.g. 80GiB, in place of "
+                                                "what is free (plans GPUs on a machine without them)"),
     overwrite: bool = typer.Option(False, help="replace a run folder holding a different configuration"),
     data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl (else $KVRESCUE_DATA_DIR, else the bundled copies, else the Hub)"),
     problem_field: Optional[str] = typer.Option(None, help="problem field of a custom JSONL"),
@@ -256,14 +261,15 @@ def run(
     elif preset is not None:
         raise InputError(f"unknown preset '{preset}': the only preset is cpu-demo")
     models.update({k: v for k, v in {"base": base, "helper": helper, "prm": prm}.items() if v})
-    device_list = resolve_devices(devices, ray_address)
+    device_list = resolve_devices(devices, ray_address, visible=not plan)
     on_gpu = device_list[0].startswith("cuda")
+    auto = batch == "auto" or (batch is None and on_gpu and ray_address is None)
     settings = SearchSettings(
         sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
         detector=DetectorConfig(tau_ent=tau_ent, ent_window=ent_window, min_tokens=ent_min_tokens, tau_cmp=tau_cmp,
                                 cmp_chars=cmp_chars),
         max_step_tokens=max_step_tokens, max_steps=max_steps, context_cap=context_cap,
-        batch=batch or (64 if on_gpu else 4),
+        batch=1 if auto else _positive(batch or ("64" if on_gpu else "4"), "--batch"),
         synthetic_steps=_synthetic(synthetic_steps),
     )
     options = GridOptions(
@@ -273,7 +279,12 @@ def run(
         scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
         overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp, engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
+        device_memory=None if device_memory is None else parse_bytes(device_memory, "--device-memory"),
     )
+    if auto or plan:
+        options = sized_batch(options, auto)
+    if plan:
+        raise typer.Exit(0 if print_plan(options) else 1)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())
     try:
@@ -286,6 +297,93 @@ def run(
         console.print(f"[bold red]stopped:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     console.print(summary_table(results))
+
+
+BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value: str, option: str) -> int:
+    """'80GiB', '40 GB', '1e9' -> bytes; a one-line error for anything else."""
+    text = value.strip().upper()
+    number = text.rstrip("KMGTIB ")
+    unit = text[len(number):].strip()
+    try:
+        size = float(number) * BYTE_UNITS[unit]
+    except (KeyError, ValueError):
+        raise InputError(f"{option} {value!r}: expected a size such as 80GiB, 40GB or 1e9 (bytes)") from None
+    if not size >= 1:
+        raise InputError(f"{option} {value!r}: need a positive size")
+    return int(size)
+
+
+def _positive(value: str, option: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise InputError(f"{option} {value!r}: expected a positive number of problems, or auto")
+    return int(value)
+
+
+def sized_batch(options, auto: bool):
+    """The options with --batch auto resolved (printed); others as they are. Configs only: no weights are read."""
+    from dataclasses import replace
+
+    from kvrescue_cli import decoding
+    from kvrescue_cli.workers import device_groups, device_shares
+
+    options.check()
+    if not auto:
+        return options
+    if options.ray_address is not None and options.device_memory is None:
+        raise InputError("--batch auto on a Ray cluster needs --device-memory (this process does not see the "
+                         "workers' GPUs), or give --batch N")
+    groups = device_groups(options.devices, options.tp)
+    shares = max(device_shares(groups, g) for g in range(len(groups)))
+    # Workers in other processes (Ray): plan from the GPUs' total memory, without a CUDA context here; each worker's
+    # own check then refuses what its device's free memory cannot hold.
+    batch = decoding.auto_batch(options, groups, shares, context=len(groups) == 1)
+    console.print(f"--batch auto: {batch} problems in flight per worker (the most whose memory plan fits)",
+                  highlight=False)
+    return replace(options, settings=replace(options.settings, batch=batch), batch_auto=True)
+
+
+def print_plan(options) -> bool:
+    """`run --plan`: each device's weights, KV, buffers and activation peak for the grid's largest cell, the device
+    each rank computes on, and whether it fits (its free memory, or --device-memory, less the headroom)."""
+    from kvrescue_cli import decoding, memory_plan
+    from kvrescue_cli.workers import device_groups, device_shares
+
+    groups = device_groups(options.devices, options.tp)
+    table = Table(title=f"kvrescue run --plan: batch {options.settings.batch}"
+                  + (" (auto)" if options.batch_auto else "") + f", --tp {options.tp}")
+    for column in ("device", "computes on", "role", "weights", "KV", "buffers", "activation peak", "total", "memory"):
+        table.add_column(column, justify="left" if column in ("device", "computes on", "role") else "right")
+    fits, notes = True, []
+    for g, group in enumerate(groups):
+        shares = device_shares(groups, g)
+        for rank, named in enumerate(group):
+            device = group[rank]
+            plan = decoding.memory_plan(options, device)
+            if plan is None:
+                raise InputError("--plan: a model has no readable config.json")
+            room = decoding.device_room(options, device, shares)
+            usable = room - memory_plan.headroom(room)
+            for i, role in enumerate(plan.roles):
+                table.add_row(named if i == 0 else "", device if i == 0 else "", role,
+                              *(memory_plan.gib(plan.bytes(role, kind)) for kind in
+                                ("weights", "kv", "buffers", "activations")), "", "")
+            ok = plan.total <= usable
+            fits &= ok
+            table.add_row("", "", "[bold]all[/]", "", "", "", memory_plan.gib(plan.peak_moment.bytes),
+                          memory_plan.gib(plan.total), f"{memory_plan.gib(usable)} usable "
+                          + ("[green]fits[/]" if ok else "[red]does not fit[/]"), end_section=True)
+            if not ok:
+                notes.append(f"{named}: needs {memory_plan.gib(plan.total)} but {memory_plan.gib(usable)} is usable "
+                             f"({memory_plan.gib(room)} less {memory_plan.gib(memory_plan.headroom(room))} of headroom)"
+                             f"; its peak is the {plan.peak_moment.role} {plan.peak_moment.what}")
+    console.print(table)
+    for note in notes:
+        console.print(f"[red]does not fit:[/] {escape(note)}", highlight=False, soft_wrap=True)
+    return fits
 
 
 def summary_table(results) -> Table:
@@ -374,9 +472,11 @@ def cost(
     batch: int = typer.Option(1, min=1, max=1 << 20, help="problems decoded at once (per-device plan)"),
     format: str = typer.Option("table", "--format", help="table (rich, stderr) or json (stdout)"),
 ) -> None:
-    """KV memory and decode FLOPs of the evicted base and the full helper (the paper's Appendix D), and
-    each device's weights and KV under --tp."""
-    from kvrescue_cli.cost import Architecture, cost_json, cost_rows, device_plan, estimate, plan_rows
+    """KV memory and decode FLOPs of the evicted base and the full helper (the paper's Appendix D), and what
+    each device allocates under --tp for `batch` problems of KV-Rescue at once (the planner `run` uses; bf16, on a
+    GPU with CUDA graphs and torch attention)."""
+    from kvrescue_cli.cost import Architecture, cost_json, cost_rows, estimate
+    from kvrescue_cli.memory_plan import CellShape, DeviceKind, plan_cell, plan_json, plan_rows
     from kvrescue_cli.model_config import load_config
 
     if format not in ("table", "json"):
@@ -384,10 +484,10 @@ def cost(
     archs = {role: Architecture.from_config(name, load_config(name))
              for role, name in (("base", base), ("helper", helper), ("prm", prm)) if name}
     result = estimate(archs["base"], archs["helper"], budget, context, n, alpha)
-    tokens = {"base": batch * n * min(context, result.physical_budget), "helper": batch * n * context, "prm": batch * context}
-    plan = device_plan({role: (arch, tokens[role]) for role, arch in archs.items()}, tp)
+    cell = CellShape(batch, n, "bounded", budget, True, "prm" if prm else None, context_cap=context)
+    plan = plan_cell(archs, cell, DeviceKind(cuda=True, dtype_bytes=archs["base"].dtype_bytes, cuda_graphs=True, tp=tp))
     if format == "json":
-        sys.stdout.buffer.write(cost_json(result, plan, tp))
+        sys.stdout.buffer.write(cost_json(result, plan_json(plan, tp)))
         return
     table = Table(title=f"cost: base {base}, helper {helper}, B={budget}, L={context}, N={n}")
     table.add_column("quantity")

@@ -14,9 +14,8 @@ Conventions (they reproduce the paper's Table 4):
   the evicted base over min(L, B')).
 - Per device under tensor parallelism over K devices (`--tp K`, engine/tp.py): each model is split over
   d ranks (d = K for the base), so one rank holds 1/d of its heads and MLP columns, its KV heads (or one
-  replicated KV head), ceil(vocab / d) embedding and LM-head rows, and whole norms (and PRM score head);
-  it caches K/V for its own KV heads of every row: the evicted base N rows of B' entries, the helper N
-  rows of L tokens and the PRM one row of L tokens, per problem decoded at once.
+  replicated KV head), ceil(vocab / d) embedding and LM-head rows, and whole norms (and PRM score head)
+  (`Architecture.rank_params`); what each device allocates for a run is `memory_plan.py`'s.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from typing import Any
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.jsonl import dumps_exact
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError
-from kvrescue_cli.shapes import SLACK, local_args, shard_degree
+from kvrescue_cli.shapes import SLACK, local_args
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
@@ -147,49 +146,15 @@ def estimate(base: Architecture, helper: Architecture, budget: int = 64, context
     )
 
 
-@dataclass
-class OnDevice:
-    """One model's share of each device under `--tp K`: its weights and the K/V of its cached tokens."""
-
-    role: str
-    name: str
-    ranks: int          # d: the devices one copy spans
-    weight_bytes: int
-    kv_bytes: int
-
-
-def device_plan(models: dict[str, tuple[Architecture, int]], tp: int = 1) -> list[OnDevice]:
-    """Per-device memory of role -> (architecture, tokens its cache holds); the `base` must split evenly
-    (a --tp its heads cannot split is a one-line error)."""
-    plan = []
-    for role, (arch, tokens) in models.items():
-        a = arch.args
-        try:
-            d = shard_degree(a.n_heads, a.n_kv_heads, a.intermediate_size, tp, exact_heads=role == "base")
-        except ValueError as e:
-            raise InputError(f"{arch.name}: {e}") from None
-        plan.append(OnDevice(role, arch.name, d, arch.rank_params(d) * arch.dtype_bytes,
-                             tokens * arch.rank_kv_bytes_per_token(d)))
-    return plan
-
-
-def plan_rows(plan: list[OnDevice], tp: int) -> list[tuple[str, str]]:
-    """(quantity, value) rows for display."""
-    rows = [(f"per device, --tp {tp}: {m.role} ({m.ranks} rank{'s' if m.ranks > 1 else ''} per copy) weights / KV",
-             f"{_bytes(m.weight_bytes)} / {_bytes(m.kv_bytes)}") for m in plan]
-    total = sum(m.weight_bytes + m.kv_bytes for m in plan)
-    return rows + [(f"per device, --tp {tp}: total", _bytes(total))]
-
-
 def cost_rows(c: Cost) -> list[tuple[str, str]]:
     """(quantity, value) rows for display."""
     return [
         ("KV per token: base / helper", f"{_kib(c.base_kv_bytes_per_token)} / {_kib(c.helper_kv_bytes_per_token)}"),
         (f"base KV per sequence: full (L={c.context}) / evicted (B'={c.physical_budget})",
-         f"{_bytes(c.base_full_kv_bytes)} / {_bytes(c.base_evicted_kv_bytes)}"),
-        (f"base KV for N={c.n}: full / evicted", f"{_bytes(c.base_full_kv_bytes_n)} / {_bytes(c.base_evicted_kv_bytes_n)}"),
-        (f"helper KV for N={c.n} (full)", _bytes(c.helper_kv_bytes_n)),
-        (f"KV-Rescue KV for N={c.n}: evicted base + helper", _bytes(c.kvrescue_kv_bytes_n)),
+         f"{format_bytes(c.base_full_kv_bytes)} / {format_bytes(c.base_evicted_kv_bytes)}"),
+        (f"base KV for N={c.n}: full / evicted", f"{format_bytes(c.base_full_kv_bytes_n)} / {format_bytes(c.base_evicted_kv_bytes_n)}"),
+        (f"helper KV for N={c.n} (full)", format_bytes(c.helper_kv_bytes_n)),
+        (f"KV-Rescue KV for N={c.n}: evicted base + helper", format_bytes(c.kvrescue_kv_bytes_n)),
         ("parameters: base / helper", f"{_si(c.base_params)} / {_si(c.helper_params)}"),
         ("dense decode FLOPs/token: base / helper",
          f"{_si(c.base_dense_flops, 'FLOP')} / {_si(c.helper_dense_flops, 'FLOP')}"),
@@ -201,9 +166,9 @@ def cost_rows(c: Cost) -> list[tuple[str, str]]:
     ]
 
 
-def cost_json(c: Cost, plan: list[OnDevice], tp: int) -> bytes:
-    data = {**asdict(c), "tp": tp, "devices": [asdict(m) for m in plan]}
-    return dumps_exact(data, indent=True)  # counts past 64 bits (huge configs and options) stay exact
+def cost_json(c: Cost, devices: dict[str, Any]) -> bytes:
+    """The estimate and the per-device plan (`memory_plan.plan_json`) as JSON (counts past 64 bits stay exact)."""
+    return dumps_exact({**asdict(c), **devices}, indent=True)
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -218,7 +183,7 @@ def _kib(b: int) -> str:
     return f"{b / 1024:g} KiB"
 
 
-def _bytes(b: int) -> str:
+def format_bytes(b: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
         if b >= size:
             return f"{b / size:.2f} {unit}"

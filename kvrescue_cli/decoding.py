@@ -5,6 +5,7 @@ The same code runs in the `kvrescue run` process (one device) and in every worke
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,7 +16,8 @@ import psutil
 import torch
 
 from grader import grade
-from kvrescue_cli.cost import Architecture, OnDevice, device_plan
+from kvrescue_cli import memory_plan as planner
+from kvrescue_cli.cost import Architecture
 from kvrescue_cli.data import Problem
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
@@ -32,7 +34,6 @@ from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelConfigError, load_config
 from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings, StepRunner
 from kvrescue_cli.vllm_engine.roles import VllmEngines, engine_specs
-from kvrescue_cli.shapes import SLACK
 
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
 
@@ -76,63 +77,86 @@ def refuse_large_on_cpu(role: str, name: str) -> None:
                          "use --device cuda, --preset cpu-demo, or smaller local models with --base/--helper/--prm")
 
 
-def _full_tokens(s: SearchSettings, n: int) -> int:
-    """Token room of a full-context cache for `batch` problems of N candidates (base `full`, helper)."""
-    return s.batch * (s.context_cap + 2 * n * s.max_step_tokens)
+def device_kind(options: GridOptions, device: str) -> planner.DeviceKind:
+    """How the engine computes on `device` for the planner: its kernels follow the device, dtype and flash-attn."""
+    cuda, size = device.startswith("cuda"), DTYPES[options.dtype].itemsize
+    flash = cuda and size == 2 and importlib.util.find_spec("flash_attn") is not None
+    return planner.DeviceKind(cuda, size, flash, options.cuda_graphs, options.tp)
 
 
-def _loglik_tokens(s: SearchSettings, n: int) -> int:
-    """Token room of the helper-loglik scorer's cache."""
-    return s.batch * (2 * s.context_cap + 2 * n * s.max_step_tokens)
+def memory_plan(options: GridOptions, device: str = "cuda:0", batch: int | None = None) -> planner.DevicePlan | None:
+    """One device's plan for the grid's largest cell (`batch`: in place of --batch); None when a model has no
+    readable config (the loader then says why)."""
+    return planner.readable_plan(options, device_kind(options, device), batch)
 
 
-def _cache_tokens(options: GridOptions, role: str) -> int:
-    """K/V entries the caches of the grid's largest cell hold for `role` on this engine (what `_runners`/`_scorer`
-    build)."""
-    s, n = options.settings, max(options.ns)
-    if role == "base":
-        evicted = s.batch * (n + 1) * (max(options.budgets) + SLACK + s.max_step_tokens)
-        return max([evicted if options.evicts(m) else _full_tokens(s, n) for m in options.methods
-                    if METHODS[m].base and not options.on_vllm("base", m)])
-    if role == "prm":
-        return PRMScorer.cache_tokens(s.batch, s.batch * 2 * n, s.max_step_tokens)
-    sampled = any(METHODS[m].helper for m in options.methods) and not options.vllm_roles() & {"helper"}
-    return max(_loglik_tokens(s, n) if options.scorer == "helper-loglik" else 0, _full_tokens(s, n) if sampled else 0)
-
-
-def memory_plan(options: GridOptions, tp: int = 1) -> list[OnDevice] | None:
-    """Each device's share of the grid's models and of the caches of its largest cell, in the run's
-    dtype; None when a model has no readable config (the loader then says why)."""
-    try:
-        archs = {role: Architecture.from_config(options.models[role], load_config(options.models[role]))
-                 for role in sorted(options.native_roles())}
-    except (ModelConfigError, KeyError, TypeError, ValueError):
-        return None
-    size = DTYPES[options.dtype].itemsize
-    return device_plan({role: (replace(a, dtype_bytes=size), _cache_tokens(options, role)) for role, a in archs.items()}, tp)
-
-
-def refuse_what_does_not_fit(options: GridOptions, free_bytes: int, tp: int = 1, beside_vllm: bool = False) -> None:
-    """A one-line error, before any weights are read, when the memory plan needs more than `free_bytes` (with
-    `beside_vllm`: what is left beside vLLM's share)."""
-    plan = memory_plan(options, tp) or []
-    need = sum(m.weight_bytes + m.kv_bytes for m in plan)
-    if need > free_bytes:
-        parts = ", ".join(f"{m.role} {m.weight_bytes / 2**30:.1f} + KV {m.kv_bytes / 2**30:.1f}" for m in plan)
-        dtype = ", --dtype bfloat16" if DTYPES[options.dtype].itemsize > 2 else ""
-        free = f"{free_bytes / 2**30:.1f} GiB is left beside vLLM's share" if beside_vllm else \
-            f"{free_bytes / 2**30:.1f} GiB is free"
-        vllm = ", --vllm-memory" if beside_vllm else ""
-        raise InputError(f"the models and caches need {need / 2**30:.1f} GiB per device ({parts}) but {free}; "
-                         f"lower --batch or --n{dtype}{vllm}, or use larger devices")
-
-
-def device_memory(device: str) -> tuple[int, int]:
-    """(free, total) bytes of a GPU, or of RAM (available, total) for the CPU."""
+def device_memory(device: str, given: int | None = None) -> tuple[int, int]:
+    """(free, total) bytes of a GPU, or of RAM (available, total) for the CPU; `given` (--device-memory) stands for
+    both."""
+    if given is not None:
+        return given, given
     if device.startswith("cuda"):
         return torch.cuda.mem_get_info(torch.device(device))
     ram = psutil.virtual_memory()
     return ram.available, ram.total
+
+
+def device_room(options: GridOptions, device: str, shares: int = 1, context: bool = True) -> int:
+    """Bytes of `device` this worker may plan for: what is free of it (`context=False`: its total, read without
+    creating a CUDA context, for a driver whose workers run elsewhere), at most its 1/`shares` (a device named by
+    `shares` workers, `--devices cuda:0,cuda:0`), less vLLM's share of it with `--engine vllm`."""
+    if not context and options.device_memory is None and device.startswith("cuda"):
+        free = total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    else:
+        free, total = device_memory(device, options.device_memory)
+    vllm = int(options.vllm_memory * total) if options.engine == "vllm" else 0
+    return min(free - vllm, total // shares)
+
+
+def group_room(options: GridOptions, group: tuple[str, ...], shares: int = 1, context: bool = True) -> tuple[str, int]:
+    """The group's device with the least room for this worker (`device_room`), and its bytes."""
+    room, device = min((device_room(options, group[rank], shares, context), group[rank])
+                       for rank in range(len(group)))
+    return device, room
+
+
+def checks_memory(options: GridOptions, device: str) -> bool:
+    """Whether a worker on `device` is refused a plan that does not fit: on CUDA, or wherever --device-memory says."""
+    return device.startswith("cuda") or options.device_memory is not None
+
+
+def refuse_what_does_not_fit(options: GridOptions, free_bytes: int, beside_vllm: bool = False,
+                             device: str = "cuda:0") -> None:
+    """A one-line error, before any weights are read, when the grid's largest cell needs more than `free_bytes` on
+    `device` (with `beside_vllm`: what is left beside vLLM's share)."""
+    hints = [h for h, on in (("--dtype bfloat16", DTYPES[options.dtype].itemsize > 2),
+                             ("--vllm-memory", beside_vllm)) if on]
+    planner.refuse_what_does_not_fit(memory_plan(options, device), free_bytes, device, beside_vllm, hints)
+
+
+def wait_for_room(options: GridOptions, group: tuple[str, ...], shares: int = 1, wait_s: float = 0.0,
+                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Refuse, before any group forms, a plan that does not fit the group's devices; with `wait_s`, first wait up to
+    that long for memory to be released (a restarted worker: its dead predecessor's memory may not be yet)."""
+    if not checks_memory(options, group[0]):
+        return
+    plan, deadline = memory_plan(options, group[0]), clock() + wait_s
+    device, room = group_room(options, group, shares)
+    while plan is not None and plan.total > room - planner.headroom(room) and clock() < deadline:
+        sleep(1.0)
+        device, room = group_room(options, group, shares)
+    refuse_what_does_not_fit(options, room, device=device)
+
+
+def auto_batch(options: GridOptions, groups: list[tuple[str, ...]], shares: int = 1, context: bool = True) -> int:
+    """`--batch auto`: the most problems in flight whose plan fits every group's devices with headroom; a one-line
+    error when one problem does not fit. `context=False`: from the devices' total memory (`device_room`)."""
+    device, free = min((group_room(options, group, shares, context) for group in groups), key=lambda found: found[1])
+    kind, models = device_kind(options, device), planner.grid_models(options)
+    batch = planner.largest_batch(lambda b: planner.plan_grid(options, kind, b, models), free - planner.headroom(free))
+    if batch is None:
+        planner.refuse_what_does_not_fit(planner.plan_grid(options, kind, 1, models), free, device)
+    return batch
 
 
 def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> list[dict]:
@@ -160,11 +184,16 @@ def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> lis
         shares.append({"memory": each / total} if device.startswith("cuda")
                       else {"kv_cache_bytes": int(each - arch.params * size)})
     if device.startswith("cuda"):
-        refuse_what_does_not_fit(options, int(free - share), options.tp, beside_vllm=True)
+        refuse_what_does_not_fit(options, int(free - share), beside_vllm=True, device=device)
     elif share > free:
         raise InputError(f"--vllm-memory {options.vllm_memory}: {share / 2**30:.1f} GiB of RAM for vLLM, but "
                          f"{free / 2**30:.1f} GiB is available; lower --vllm-memory")
     return shares
+
+
+def batch_record(options: GridOptions) -> dict:
+    """The batch --batch auto chose, for config.json's executor (nothing for a batch given as a number)."""
+    return {"batch": options.settings.batch, "batch_auto": True} if options.batch_auto else {}
 
 
 def check_policy_tokenizers(tokenizers: dict[str, Any]) -> None:
@@ -180,7 +209,6 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     by_name: dict[str, LoadedModel] = {}
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # streams, graphs and NCCL use the current device: this one, not cuda:0
-        refuse_what_does_not_fit(options, torch.cuda.mem_get_info(torch.device(device))[0], options.tp)
     for role in sorted(options.native_roles()):
         name = options.models[role]
         if device == "cpu":
@@ -199,6 +227,16 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     return loaded
 
 
+def full_tokens(s: SearchSettings, n: int) -> int:
+    """Token room of a full-context cache (base `full`, helper) for a cell of N candidates."""
+    return planner.full_cache_tokens(s.batch, n, s.max_step_tokens, s.context_cap)
+
+
+def loglik_tokens(s: SearchSettings, n: int) -> int:
+    """Token room of the helper-loglik scorer's cache."""
+    return planner.loglik_cache_tokens(s.batch, n, s.max_step_tokens, s.context_cap)
+
+
 def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel],
              vllm: VllmEngines | None = None) -> dict[str, StepRunner]:
     """Fresh caches for one cell: the base evicted or full, the helper full; a role on vLLM, a fresh `VllmRunner`."""
@@ -210,11 +248,11 @@ def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel],
         base = models["base"]
         cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, max_append=s.max_step_tokens,
                                         rows=s.batch * (cell.n + 1))
-                 if options.evicts(cell.method) else FullCache.for_model(base.net, _full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
+                 if options.evicts(cell.method) else FullCache.for_model(base.net, full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
         runners["base"] = Runner(base, cache, cuda_graphs=options.cuda_graphs)
     if spec.helper and "helper" not in runners:
         helper = models["helper"]
-        cache = FullCache.for_model(helper.net, _full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
+        cache = FullCache.for_model(helper.net, full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
         runners["helper"] = Runner(helper, cache)
     return runners
 
@@ -227,7 +265,7 @@ def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], vl
         return PRMScorer(models["prm"], max_problems=s.batch, max_candidates=s.batch * 2 * cell.n,
                          max_step_tokens=s.max_step_tokens)
     helper = models["helper"]
-    cache = FullCache.for_model(helper.net, _loglik_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
+    cache = FullCache.for_model(helper.net, loglik_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
     return HelperLoglik(Runner(helper, cache))
 
 
@@ -329,11 +367,15 @@ class InProcess:
     def __init__(self, options: GridOptions, group: tuple[str, ...]) -> None:
         self.options = options
         self.group = group
-        self.ranks = RankGroup(options, group) if len(group) > 1 else None
+        self.ranks: RankGroup | None = None
         self.vllm: VllmEngines | None = None
+        device = group[0]  # a device of --devices, named as this process sees it
+        # One-line errors before any group forms or weights are read (a refusal inside a group would hang its ranks).
+        shares = vllm_memory(options, device, *device_memory(device, options.device_memory))
+        if not shares:
+            wait_for_room(options, group)
         try:
-            device = group[0]  # a device of --devices, named as this process sees it
-            shares = vllm_memory(options, device, *device_memory(device))  # one-line errors before any loading
+            self.ranks = RankGroup(options, group) if len(group) > 1 else None
             self.models = load_roles(options, device)
             if options.engine == "vllm":
                 self.vllm = VllmEngines(options, shares)
@@ -361,4 +403,5 @@ class InProcess:
     def record(self) -> dict:
         """The executor, for config.json."""
         return {"kind": "in-process", "devices": list(self.group), **({"tp": self.options.tp} if self.ranks else {}),
+                **batch_record(self.options),
                 **({"vllm_memory": self.options.vllm_memory} if self.vllm else {})}

@@ -55,6 +55,8 @@ class GridOptions:
     tp: int = 1  # devices per group: every model is sharded over a group's K devices (rank_group.py)
     engine: str = "native"  # vllm: the full-context roles on vLLM (vllm_roles), the rest on this engine
     vllm_memory: float = 0.4  # with engine vllm: vLLM's share of the device (of RAM on a CPU)
+    device_memory: int | None = None  # --device-memory: each device's bytes, for the plan, in place of its free memory
+    batch_auto: bool = False  # settings.batch was chosen by --batch auto (the largest that fits)
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""

@@ -117,7 +117,7 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
         i, k = options.shard
         sets = [replace(problems, problems=problems.problems[i::k]) for problems in sets]
     cells = options.cells(sets)
-    decoding.memory_plan(options, options.tp)  # a base whose heads --tp does not split: an error before loading
+    decoding.memory_plan(options, options.devices[0])  # a base whose heads --tp does not split: an error before loading
     groups = workers.device_groups(options.devices, options.tp)
     if len(groups) == 1 and options.ray_address is None:
         executor = decoding.InProcess(options, groups[0])

@@ -1,5 +1,6 @@
-"""Shape arithmetic shared by the engine and `kvrescue cost`, free of torch so that `kvrescue cost` starts
-without it: the bounded cache's slack, and what one rank of a tensor-parallel group holds (engine/tp.py)."""
+"""Shape arithmetic shared by the engine, the memory planner and `kvrescue cost`, free of torch so that `kvrescue
+cost` starts without it: the engine's sizing constants (the bounded cache's slack, windows, blocks, memory bounds),
+and what one rank of a tensor-parallel group holds (engine/tp.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ from dataclasses import replace
 from kvrescue_cli.model_config import ModelArgs
 
 SLACK = 128  # w: entries the bounded cache appends past the budget B before a compression (B' = B + w)
+OBSERVATION_WINDOW = 8  # evictors' window alpha: the last 8 positions, always kept (their queries are kept too)
+COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched compression (all layers, some rows)
+PRM_WINDOW = 4096  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)
+FLASH_BLOCK = 256  # flash-attn's paged KV cache takes blocks of a multiple of 256 tokens
+CHUNK_TOKENS = 128  # keys per unit of work of the torch paged path (whole blocks)
+# Cascade when a forward's rows would otherwise re-read at least this many shared tokens (engine/caches.py says why).
+CASCADE_FROM = 1024
+SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longer query sets are sliced
+LOGITS_BYTES = 1 << 28  # bound on the fp32 logits helper-loglik's log-likelihoods hold at once
 
 
 def shard_degree(heads: int, kv_heads: int, width: int, k: int, *, exact_heads: bool = False) -> int:

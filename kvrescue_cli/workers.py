@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 STRIKES = 2          # actor deaths a problem may be part of before it is recorded as failed
 GROUP_RESTARTS = 3   # deaths after which a device group gets no new actor
+RELEASE_WAIT_S = 60.0  # how long a restarted actor waits for its dead predecessor's device memory to be released
 OBJECT_STORE = 128 * 2**20  # a private instance's object store: problems and traces are small and travel inline
 RAY_QUIET = dict(include_dashboard=False, log_to_driver=False, logging_level="warning")
 
@@ -52,12 +53,15 @@ class WorkersGone(RuntimeError):
     """Every worker died; the run folder holds what finished and the run resumes when re-run."""
 
 
-def resolve_devices(spec: str, ray_address: str | None = None) -> tuple[str, ...]:
+def resolve_devices(spec: str, ray_address: str | None = None, visible: bool = True) -> tuple[str, ...]:
     """`auto` (every visible GPU, else the CPU), `cpu`, `cuda` (= cuda:0), or a comma list (`cuda:0,cuda:1`,
     `cpu,cpu`). With `ray_address` (joined here) `auto` is every GPU of the cluster and each entry asks Ray
-    for one device of its kind, `cuda` (any GPU) or `cpu`, on whichever node has one free."""
+    for one device of its kind, `cuda` (any GPU) or `cpu`, on whichever node has one free. `visible=False`
+    (`run --plan`): the devices named, whether or not this machine has them."""
     import torch
 
+    if not visible and spec != "auto":
+        return _device_list(spec)
     if ray_address is not None:
         return _cluster_devices(spec, ray_address)
     if spec == "auto":
@@ -119,12 +123,20 @@ def actor_resources(groups: list[tuple[str, ...]], group: int) -> dict[str, floa
     devices = groups[group]
     if devices[0] == "cpu":
         return {"num_cpus": 1, "num_gpus": 0}
-    shares = max(sum(d == device for g in groups for d in g) for device in devices) \
-        if devices[0].startswith("cuda:") else 1
+    shares = device_shares(groups, group)
     if shares > 1 and len(devices) > 1:  # Ray gives a share below 1 of one GPU only
         raise InputError(f"--devices {','.join(d for g in groups for d in g)}: the group {','.join(devices)} shares "
                          f"its GPUs with another group; groups of --tp {len(devices)} need GPUs of their own")
     return {"num_cpus": 1, "num_gpus": len(devices) / shares}
+
+
+def device_shares(groups: list[tuple[str, ...]], group: int) -> int:
+    """How many workers share the devices of `groups[group]`: a local GPU named by several groups
+    (`cuda:0,cuda:0`) is shared, and each worker plans its memory for its share of it."""
+    devices = groups[group]
+    if not devices[0].startswith("cuda:"):
+        return 1
+    return max(sum(d == device for g in groups for d in g) for device in devices)
 
 
 def actor_devices(group: tuple[str, ...], gpu_ids: list, visible: str | None) -> tuple[str, ...]:
@@ -190,7 +202,11 @@ class WorkQueue:
 class GroupWorker:
     """A Ray actor: one device group's models, and a thread decoding the problems the driver hands out."""
 
-    def __init__(self, options: GridOptions, group: tuple[str, ...], threads: int) -> None:
+    def __init__(self, options: GridOptions, group: tuple[str, ...], threads: int, shares: int = 1,
+                 restarted: bool = False) -> None:
+        """`shares`: workers sharing this group's devices (each plans its share); `restarted`: a dead worker of the
+        group came before, whose memory the device may take a while to release (its check waits up to
+        RELEASE_WAIT_S for it)."""
         import ray
         import torch
 
@@ -203,8 +219,10 @@ class GroupWorker:
             torch.set_num_threads(threads)
         placement = {"node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                      "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
-        self.ranks = RankGroup(options, group) if len(group) > 1 else None  # --tp: this actor is rank 0
-        try:
+        self.ranks: RankGroup | None = None
+        try:  # the memory check before the group forms: a refusal inside it would hang its ranks
+            decoding.wait_for_room(options, group, shares, RELEASE_WAIT_S if restarted else 0.0)
+            self.ranks = RankGroup(options, group) if len(group) > 1 else None  # --tp: this actor is rank 0
             self.models = decoding.load_roles(options, device)
             self.outbox.put(("ready", placement))
         except InputError as err:
@@ -323,7 +341,7 @@ class RayWorkers:
         actor = ray.remote(GroupWorker).options(
             **self.resources[group], max_restarts=0,
             max_concurrency=2,  # `begin` runs while `exchange` waits
-        ).remote(self.options, devices, threads)
+        ).remote(self.options, devices, threads, device_shares(self.groups, group), self.deaths[group] > 0)
         worker = _Worker(self.started, group, devices, actor)
         worker.call = actor.exchange.remote([])
         self.workers.append(worker)
@@ -346,6 +364,7 @@ class RayWorkers:
         import ray
 
         return {"kind": "ray", "ray": ray.__version__, "address": self.options.ray_address or "local",
+                **decoding.batch_record(self.options),
                 "nodes": sum(node["Alive"] for node in ray.nodes()),
                 "workers": [{"devices": list(w.devices), **(w.placement or {})} for w in self.workers]}
 

@@ -7,14 +7,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvrescue_cli.shapes import CHUNK_TOKENS, FLASH_BLOCK, SCORE_BYTES
+
 try:
     from flash_attn import flash_attn_with_kvcache
 except ImportError:
     flash_attn_with_kvcache = None
 
-FLASH_BLOCK = 256  # flash-attn's paged KV cache takes blocks of a multiple of 256 tokens
-CHUNK_TOKENS = 128  # keys per unit of work of the torch paged path (whole blocks)
-SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longer query sets are sliced
 # A CPU forward reads each row's blocks padded to the longest row's (one fused attention per layer, a few torch calls
 # instead of the chunks' ~30) when that reads at most this many times the chunks' blocks.
 ROWS_PADDING = 1.5

@@ -19,9 +19,7 @@ from kvrescue_cli.engine.attention import attend_masked, padded_visibility
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET, WINDOW, gather_positions, keep_positions
 from kvrescue_cli.engine.transfer import upload, upload_all
-from kvrescue_cli.shapes import SLACK
-
-COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched compression (all layers, some rows)
+from kvrescue_cli.shapes import COMPRESS_BYTES, SLACK
 
 
 @dataclass

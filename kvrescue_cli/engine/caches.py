@@ -14,6 +14,7 @@ import torch
 from kvrescue_cli.engine.attention import (FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys,
                                            paged_layout, use_flash)
 from kvrescue_cli.engine.transfer import upload_all
+from kvrescue_cli.shapes import CASCADE_FROM
 
 
 class KVCache(ABC):
@@ -67,12 +68,11 @@ class KVCache(ABC):
         """The forward is finished (an evicting cache compresses rows here)."""
 
 
-# Cascade when a forward's rows would otherwise re-read at least this many shared tokens (each group's shared
-# prefix once per row but one): below it the extra pass and merge cost more than they save on the CPU
+# CASCADE_FROM (shapes.py): cascade when a forward's rows would otherwise re-read at least that many shared tokens
+# (each group's shared prefix once per row but one): below it the extra pass and merge cost more than they save on the CPU
 # (attention_bench, helper shape, N = 8, both passes in SDPA's CPU flash kernel: cascade 0.7x the paged time at
 # a 64-token prefix, i.e. 448 re-read per problem, 1.2x at 128 with one problem, 0.93x at 64 with 8 problems,
 # 1.4x at 128). On a GPU the extra kernels' fixed cost is what matters; gpu_check's attention section measures it.
-CASCADE_FROM = 1024
 
 
 TORCH_BLOCK = 16  # tokens per block of a full cache on the torch attention path

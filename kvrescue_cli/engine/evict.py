@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-WINDOW = 8  # observation window alpha: the last 8 positions, always kept
+from kvrescue_cli.shapes import OBSERVATION_WINDOW as WINDOW  # the last 8 positions, always kept
 MIN_BUDGET = 2 * WINDOW  # the smallest budget B any evictor accepts
 
 

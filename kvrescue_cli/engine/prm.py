@@ -19,10 +19,11 @@ from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.engine.steps import append_tokens
 from kvrescue_cli.engine.texts import encoder
 from kvrescue_cli.prompts import STEP_DELIMITER, SYSTEM_PROMPT, chatml
+from kvrescue_cli.shapes import PRM_WINDOW
 
 STEP_TAG = "<extra_0>"
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
-WINDOW = 4096  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)
+WINDOW = PRM_WINDOW  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)
 
 
 def prm_step_text(text: str) -> str:

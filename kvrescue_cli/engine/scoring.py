@@ -15,6 +15,7 @@ import torch
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.steps import padded_tokens
 from kvrescue_cli.engine.transfer import upload_all
+from kvrescue_cli.shapes import LOGITS_BYTES
 
 Request = tuple[int, str, list[int]]  # (problem key, candidate text, candidate tokens in the policy models' tokenizer)
 
@@ -36,8 +37,6 @@ class Scorer(Protocol):
     def close(self, key: int) -> tuple[int, int]:
         """Stop following a problem; returns (tokens the scorer processed, times its input was truncated)."""
 
-
-LOGITS_BYTES = 1 << 28  # bound on the fp32 logits `chosen_logprobs` holds at once
 
 
 def chosen_logprobs(logits: Callable[[int, int], torch.Tensor], targets: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -1,0 +1,237 @@
+"""The memory planner against the bytes a real cell allocates on the CPU, and its uses (refusal, --batch auto)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from kvrescue_cli import decoding, memory_plan
+from kvrescue_cli.data import Problem, ProblemSet
+from kvrescue_cli.grid import Cell, GridOptions
+from kvrescue_cli.prompts import generation_prompt
+from kvrescue_cli.random_checkpoints import build_tokenizer, write_random_checkpoint
+from kvrescue_cli.search import SearchSettings
+from tests.tensor_bytes import TensorBytes, parameter_bytes
+
+SHAPE = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, init_std=0.1)
+STEP_TOKEN = "!"  # re-encodes to itself, one token each, and never makes a step delimiter
+
+
+@pytest.fixture(scope="module")
+def worst_case_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A Qwen2 checkpoint that samples `!` after every token (its layers' outputs zeroed, so the last hidden state
+    is the embedding's direction, which only `!`'s head row follows), and a PRM: every step then has exactly the
+    tokens it was given, in the policy's and the PRM's tokenizer alike, so a cell reaches the shapes it is planned
+    for (its longest steps, its whole context)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    policy = write_random_checkpoint(tmp_path_factory.mktemp("bang"), "qwen2", seed=7, **SHAPE)
+    weights = load_file(policy / "model.safetensors")
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name].zero_()
+    weights["model.embed_tokens.weight"][:] = 1.0
+    weights["model.norm.weight"][:] = 1.0
+    weights["lm_head.weight"][build_tokenizer().convert_tokens_to_ids(STEP_TOKEN)] = 1.0
+    save_file(weights, policy / "model.safetensors", metadata={"format": "pt"})
+    prm = write_random_checkpoint(tmp_path_factory.mktemp("bang-prm"), "prm", seed=8, **SHAPE)
+    return policy, prm
+
+
+def measured_cell(policy: Path, prm: Path, method: str, scorer: str, batch: int, n: int, step: int, cap: int,
+                  tmp_path: Path) -> tuple[int, memory_plan.DevicePlan]:
+    """Weights + the peak bytes of the tensors live during one real cell (synthetic steps of `step` tokens until
+    the context cap), and the planner's plan for it with the cell's prompt length."""
+    import torch
+
+    models = {"base": str(policy), "helper": str(policy), "prm": str(prm) if scorer == "prm" else scorer}
+    options = GridOptions(benches=["t"], methods=[method], budgets=[16], ns=[n], seeds=[0], evictor="rkv",
+                          models=models, scorer=scorer, out=tmp_path, dtype="float32",
+                          settings=SearchSettings(batch=batch, synthetic_steps=(step, 1000), max_step_tokens=step,
+                                                  context_cap=cap))
+    problems = [Problem(i, "What is one plus one?", "2", {}) for i in range(batch)]
+    loaded = decoding.load_roles(options, "cpu")
+    tokenizer = loaded["base" if "base" in loaded else "helper"].tokenizer
+    prompt = len(tokenizer.encode(generation_prompt(tokenizer, problems[0].problem), add_special_tokens=False))
+    weights = parameter_bytes(*{id(m.net): m.net for m in loaded.values()}.values())
+    cell = Cell(ProblemSet("t", "generic", "t.jsonl", problems), method, 16, n, 0)
+    mode = TensorBytes()
+    with torch.inference_mode(), mode:
+        decoding.decode(options, cell, loaded, problems, lambda trace, tokens: None)
+    shape = replace(memory_plan.cell_shapes(options)[0], prompt_tokens=prompt)
+    plan = memory_plan.plan_cell(memory_plan.grid_models(options), shape, memory_plan.DeviceKind(dtype_bytes=4))
+    return weights + mode.peak, plan
+
+
+@pytest.mark.parametrize("method, scorer, batch, n, step, cap", [
+    ("bon", "prm", 1, 16, 64, 512),       # the PRM scoring 16 candidates over the whole context
+    ("kvrescue", "prm", 2, 4, 96, 640),   # base and helper candidates, the base's compression
+    ("full", "prm", 2, 2, 128, 640),      # the full base cache, long steps
+])
+def test_the_plan_is_within_10_percent_of_a_cells_measured_peak(worst_case_dirs, tmp_path, method, scorer, batch,
+                                                                 n, step, cap):
+    measured, plan = measured_cell(*worst_case_dirs, method, scorer, batch, n, step, cap, tmp_path)
+    assert abs(plan.total - measured) <= 0.1 * measured, (plan.total, measured, plan.peak_moment)
+
+
+# -- the planner's uses ----------------------------------------------------------------------------
+def write_paper_configs(folder: Path) -> dict[str, str]:
+    """config.json folders of the paper's models (their published values, tests/test_cost.py)."""
+    import orjson
+
+    from tests.test_cost import QWEN_72B, QWEN_MATH_1_5B, QWEN_MATH_7B, QWEN_MATH_PRM_7B
+
+    paths = {}
+    for name, cfg in (("base-7b", QWEN_MATH_7B), ("base-72b", QWEN_72B), ("helper", QWEN_MATH_1_5B),
+                      ("prm", QWEN_MATH_PRM_7B)):
+        (folder / name).mkdir()
+        (folder / name / "config.json").write_bytes(orjson.dumps(cfg))
+        paths[name] = str(folder / name)
+    return paths
+
+
+def run_cli(*args: str):
+    """`kvrescue run ...` in this process (no weights are read by --plan)."""
+    from typer.testing import CliRunner
+
+    from kvrescue_cli.cli import app
+
+    return CliRunner().invoke(app, ["run", *args])
+
+
+def test_plan_prints_each_device_and_the_paper_settings_fit(tmp_path):
+    """The README's default command on one 80 GB GPU (named, on a CPU-only machine) with --batch auto, the default
+    on CUDA; the 72B base at --tp 8 on 8 x 40 GB; and what does not fit: the 72B base on one 80 GB GPU."""
+    paths = write_paper_configs(tmp_path)
+    seven = ["--base", paths["base-7b"], "--helper", paths["helper"], "--prm", paths["prm"], "--out", str(tmp_path)]
+    result = run_cli("--bench", "math500", "--budget", "64", "--n", "8", *seven, "--devices", "cuda:0",
+                     "--device-memory", "80GB", "--plan")
+    assert result.exit_code == 0, result.output
+    batch = int(result.stderr.split("--batch auto: ")[1].split()[0])
+    assert batch >= 8, result.stderr
+    assert "kvrescue run --plan: batch" in result.stderr and "fits" in result.stderr and "prm" in result.stderr
+    eight = ",".join(f"cuda:{i}" for i in range(8))
+    result = run_cli("--base", paths["base-72b"], "--helper", paths["helper"], "--prm", paths["prm"], "--out",
+                     str(tmp_path), "--devices", eight, "--tp", "8", "--device-memory", "40GB", "--plan")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("usable fits") == 8 and "cuda:7" in result.stderr
+    result = run_cli("--base", paths["base-72b"], "--helper", paths["helper"], "--prm", paths["prm"], "--out",
+                     str(tmp_path), "--devices", "cuda:0", "--batch", "4", "--device-memory", "80GiB", "--plan")
+    assert result.exit_code == 1, result.output
+    assert "does not fit: cuda:0: needs" in result.stderr and not (tmp_path / "math500").exists()
+
+
+def test_batch_auto_is_the_largest_that_fits(tmp_path):
+    """--batch auto's batch fits the device with headroom, and one more problem would not."""
+    from dataclasses import replace
+
+    paths = write_paper_configs(tmp_path)
+    options = GridOptions(benches=["math500"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv",
+                          models={"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},
+                          scorer="prm", settings=SearchSettings(), out=tmp_path, dtype="bfloat16",
+                          devices=("cuda:0",), device_memory=80 * 10**9)
+    batch = decoding.auto_batch(options, [("cuda:0",)])
+    room = 80 * 10**9 - memory_plan.headroom(80 * 10**9)
+    assert decoding.memory_plan(options, "cuda:0", batch).total <= room < decoding.memory_plan(
+        options, "cuda:0", batch + 1).total
+    shared = decoding.auto_batch(replace(options, devices=("cuda:0", "cuda:0")), [("cuda:0",), ("cuda:0",)], 2)
+    assert shared < batch  # two workers on one GPU: each plans its half
+
+
+def test_helper_loglik_counts_both_helper_caches(tmp_path):
+    """kvrescue with --prm helper-loglik holds the sampled helper's cache and the scorer's: both are counted."""
+    from kvrescue_cli.cost import Architecture
+    from kvrescue_cli.model_config import load_config
+
+    paths = write_paper_configs(tmp_path)
+    archs = {role: Architecture.from_config(p, load_config(p)) for role, p in (("base", paths["base-7b"]),
+                                                                               ("helper", paths["helper"]))}
+    cell = memory_plan.CellShape(4, 8, "bounded", 64, True, "helper-loglik")
+    plan = memory_plan.plan_cell(archs, cell, memory_plan.DeviceKind(cuda=True, dtype_bytes=2))
+    helper = archs["helper"].kv_bytes_per_token // 2 * 2  # bf16
+    assert plan.bytes("helper", "kv") == memory_plan.full_cache_tokens(4, 8, 512, 4096) * helper
+    assert plan.bytes("helper-loglik", "kv") == memory_plan.loglik_cache_tokens(4, 8, 512, 4096) * helper
+    assert plan.bytes(None, "weights") == (archs["base"].params + archs["helper"].params) * 2  # the helper once
+
+
+def gpu_options(tmp_path: Path, devices: tuple[str, ...], tp: int = 1) -> GridOptions:
+    paths = write_paper_configs(tmp_path)
+    return GridOptions(benches=["math500"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv",
+                       models={"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},
+                       scorer="prm", settings=SearchSettings(batch=8), out=tmp_path, dtype="bfloat16", devices=devices,
+                       tp=tp)
+
+
+def fake_gpus(monkeypatch, free: Callable[[str], int], total: int = 80 * 2**30) -> None:
+    """torch.cuda.mem_get_info answering `free(device)` of `total` bytes, as on a machine with GPUs."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free(str(device)), total))
+
+
+def test_a_tp_group_too_large_for_its_devices_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    """--tp 2 on two GPUs, the second nearly full: a one-line error before the group's process group forms (a
+    refusal inside it hung the other ranks, or surfaced as a gloo error)."""
+    formed = []
+
+    class NoGroup:
+        def __init__(self, *args) -> None:
+            formed.append(args)
+            raise AssertionError("the process group formed before the memory check")
+
+    fake_gpus(monkeypatch, lambda device: 2**30 if device == "cuda:1" else 80 * 2**30)
+    monkeypatch.setattr(decoding, "RankGroup", NoGroup)
+    with pytest.raises(decoding.InputError, match=r"batch 8 needs .* on cuda:1 .* but 1\.0 GiB is free"):
+        decoding.InProcess(gpu_options(tmp_path, ("cuda:0", "cuda:1"), tp=2), ("cuda:0", "cuda:1"))
+    assert not formed
+
+
+def test_workers_sharing_a_gpu_each_plan_their_share(tmp_path, monkeypatch):
+    """--devices cuda:0,cuda:0: each of the two workers plans half of the GPU, not the whole of it."""
+    fake_gpus(monkeypatch, lambda device: 80 * 2**30)
+    options = gpu_options(tmp_path, ("cuda:0", "cuda:0"))
+    need = decoding.memory_plan(options, "cuda:0").total
+    assert 40 * 2**30 < need < 75 * 2**30  # fits the GPU, not half of it
+    decoding.wait_for_room(options, ("cuda:0",), shares=1)
+    with pytest.raises(decoding.InputError, match=r"but 40\.0 GiB is free"):
+        decoding.wait_for_room(options, ("cuda:0",), shares=2)
+
+
+def test_a_restarted_worker_waits_for_its_predecessors_memory(tmp_path, monkeypatch):
+    """A restarted worker's check sees the dead process's memory for a while: it waits for it to be released
+    rather than stopping the run; a first start does not wait."""
+    seconds = [0.0]
+    released_at = 20.0
+    fake_gpus(monkeypatch, lambda device: 80 * 2**30 if seconds[0] >= released_at else 10 * 2**30)
+    options = gpu_options(tmp_path, ("cuda:0",))
+    clock, sleep = (lambda: seconds[0]), (lambda s: seconds.__setitem__(0, seconds[0] + s))
+    with pytest.raises(decoding.InputError, match=r"10\.0 GiB is free"):
+        decoding.wait_for_room(options, ("cuda:0",), clock=clock, sleep=sleep)
+    decoding.wait_for_room(options, ("cuda:0",), wait_s=60.0, clock=clock, sleep=sleep)
+    assert seconds[0] == released_at
+    seconds[0] = 0.0
+    with pytest.raises(decoding.InputError, match=r"10\.0 GiB is free"):
+        decoding.wait_for_room(options, ("cuda:0",), wait_s=5.0, clock=clock, sleep=sleep)
+
+
+def test_cost_and_run_plan_alike(tmp_path):
+    """`kvrescue cost`'s per-device figures are the plan `run` refuses and sizes its batch with (they differed: cost
+    counted the base ~4x and the PRM ~3x below what the run allocates)."""
+    import orjson
+    from typer.testing import CliRunner
+
+    from kvrescue_cli.cli import app
+
+    options = gpu_options(tmp_path, ("cuda:0",))
+    paths = options.models
+    result = CliRunner().invoke(app, ["cost", "--base", paths["base"], "--helper", paths["helper"], "--prm",
+                                      paths["prm"], "--batch", "8", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    cost = orjson.loads(result.stdout)
+    plan = decoding.memory_plan(options, "cuda:0")
+    assert cost["device_bytes"] == plan.total
+    assert {m["role"]: m["kv_bytes"] for m in cost["devices"]} == {role: plan.bytes(role, "kv") for role in plan.roles}
