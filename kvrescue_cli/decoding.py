@@ -203,12 +203,18 @@ def check_policy_tokenizers(tokenizers: dict[str, Any]) -> None:
         raise InputError("base and helper tokenizers differ; KV-Rescue commits the same tokens to both models")
 
 
+def use_device(device: str) -> None:
+    """Make a GPU this process's current device: streams, graphs, NCCL and every default-device call use it, not
+    cuda:0."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+
+
 def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     """Every model the grid runs on this engine, loaded once on `device`; base and helper must share a tokenizer."""
     loaded: dict[str, LoadedModel] = {}
     by_name: dict[str, LoadedModel] = {}
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)  # streams, graphs and NCCL use the current device: this one, not cuda:0
+    use_device(device)
     for role in sorted(options.native_roles()):
         name = options.models[role]
         if device == "cpu":
@@ -370,6 +376,7 @@ class InProcess:
         self.ranks: RankGroup | None = None
         self.vllm: VllmEngines | None = None
         device = group[0]  # a device of --devices, named as this process sees it
+        use_device(device)
         # One-line errors before any group forms or weights are read (a refusal inside a group would hang its ranks).
         shares = vllm_memory(options, device, *device_memory(device, options.device_memory))
         if not shares:

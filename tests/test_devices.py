@@ -69,11 +69,14 @@ def test_each_rank_of_a_tp_group_computes_on_its_named_device(gpus, models, monk
             ["1", "cuda:5"], ["2", "cuda:6"], ["3", "cuda:7"]]
     finally:
         rank_group.shutil.rmtree(leader.folder)
+    gpus.clear()
+    with pytest.raises(InputError, match="GiB is free"):
+        decoding.wait_for_room(grid, group)  # rank 0's check of every rank's device, before the group forms
+    assert {d for _, d in gpus} == set(group) and all(("mem_get_info", device) in gpus for device in group)
     for device in group:
         gpus.clear()
-        with pytest.raises(InputError, match="GiB is free"):
-            decoding.load_roles(grid, device)  # what each rank runs first, on the device it was started with
-        assert {d for _, d in gpus} == {device} and ("mem_get_info", device) in gpus
+        decoding.use_device(device)  # what each rank's load_roles does first, on the device it was started with
+        assert gpus == [("set_device", device)]
 
 
 def test_an_actors_devices_are_its_place_among_the_gpus_ray_assigned_it():
