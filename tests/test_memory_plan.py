@@ -167,10 +167,12 @@ def gpu_options(tmp_path: Path, devices: tuple[str, ...], tp: int = 1) -> GridOp
 
 
 def fake_gpus(monkeypatch, free: Callable[[str], int], total: int = 80 * 2**30) -> None:
-    """torch.cuda.mem_get_info answering `free(device)` of `total` bytes, as on a machine with GPUs."""
+    """torch.cuda.mem_get_info answering `free(device)` of `total` bytes, as on a machine with GPUs (whose
+    set_device then takes any device)."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free(str(device)), total))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
 
 
 def test_a_tp_group_too_large_for_its_devices_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
