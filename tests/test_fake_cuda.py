@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvrescue_cli.cost import Architecture
 from kvrescue_cli.dry_run import dry_run
 from kvrescue_cli.engine import bounded, graphs
 from kvrescue_cli.engine.attention import attend_masked
@@ -17,6 +18,7 @@ from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.engine.transfer import upload_all
 from kvrescue_cli.fake_cuda import CaptureError, FakeCuda
+from kvrescue_cli.memory_plan import CellShape, DeviceKind, plan_cell
 from kvrescue_cli.model_config import ModelArgs
 from kvrescue_cli.paper_shapes import PAPER_MODELS, hf_config
 
@@ -119,6 +121,18 @@ def test_a_dry_run_of_bon_and_kvrescue_at_the_paper_shapes():
     bon, kvrescue = run.cells
     # kvrescue holds the helper's full cache as well
     assert kvrescue.memory["cuda:0"]["at_peak"]["engine.caches"] > bon.memory["cuda:0"]["at_peak"]["engine.caches"]
+    # The planner counts what the fake device allocated: the weights exactly, the caches (bounded pool, query
+    # rings, helper and PRM blocks) within 1 %, and a peak at least as high (its activations are the worst case).
+    archs = {role: Architecture.from_config(role, {**shape, "model_type": "qwen2", "torch_dtype": "bfloat16",
+                                                   **({"architectures": ["Qwen2ForProcessRewardModel"]}
+                                                      if role == "prm" else {})})
+             for role, shape in PAPER_MODELS.items()}
+    plan = plan_cell(archs, CellShape(batch=2, n=2, base="bounded", budget=64, helper=True, scorer="prm"),
+                     DeviceKind(cuda=True, dtype_bytes=2, cuda_graphs=True))
+    at_peak = kvrescue.memory["cuda:0"]["at_peak"]
+    assert plan.bytes(kind="weights") == sum(run.weights.values())
+    assert plan.bytes(kind="kv") == pytest.approx(at_peak["engine.bounded"] + at_peak["engine.caches"], rel=0.01)
+    assert kvrescue.memory["cuda:0"]["peak_bytes"] <= plan.total
 
 
 def cpu_uploads(arrays, device):
