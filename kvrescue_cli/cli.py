@@ -151,6 +151,17 @@ def _comma_list(value: str, cast: Callable = str, option: str = "") -> list:
     return items
 
 
+def _ks(value: str) -> list[int]:
+    """--k: the k of pass@k and maj@k, positive integers."""
+    ks = _comma_list(value, int, "--k")
+    if any(k < 1 for k in ks):
+        raise InputError(f"--k {value!r}: every k must be a positive integer")
+    return sorted(set(ks))
+
+
+K_HELP = "k of pass@k and maj@k over seeds (comma list; those above a row's seeds are left out)"
+
+
 def _synthetic(value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -309,6 +320,7 @@ def report(
     run_dirs: list[Path] = typer.Argument(..., help="run folders, or folders above them (e.g. runs/)"),
     format: str = typer.Option("table", "--format", help="table (rich, stderr), md, csv or json (stdout)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write accuracy vs budget (Figure 5) to this PNG"),
+    k: str = typer.Option("1,4,8", "--k", help=K_HELP),
 ) -> None:
     """The paper's tables (accuracy, recovery, cost, ablation, helper share, oracle, calibration) from run folders."""
     from kvrescue_cli import report as rep
@@ -317,8 +329,9 @@ def report(
         raise InputError(f"unknown --format '{format}': use table, md, csv or json")
     if plot is not None:
         plot = png_path(plot, "--plot")
+    ks = _ks(k)
     runs, notes = rep.load_runs(run_dirs)
-    tables = rep.build_tables(runs, notes)
+    tables = rep.build_tables(runs, notes, ks)
     if format == "table":
         rep.print_rich(tables, console)
     elif format == "json":
@@ -339,13 +352,14 @@ def view(
     run_dirs: list[Path] = typer.Argument(..., help="run folders, or folders above them (e.g. runs/)"),
     out: Path = typer.Option(Path("runs.html"), "--out", "-o", help="the HTML file to write"),
     candidate_texts: bool = typer.Option(True, help="keep the texts of candidates not committed (most of the page's size)"),
+    k: str = typer.Option("1,4,8", "--k", help=K_HELP),
 ) -> None:
     """One self-contained HTML file (no network) to explore runs: report, problem list, step-by-step trajectories."""
     from kvrescue_cli.view import write_view
 
     if out.is_dir():
         raise InputError(f"--out {out} is a folder: give the HTML file to write, e.g. {out / 'runs.html'}")
-    runs, notes = write_view(run_dirs, out, candidate_texts)
+    runs, notes = write_view(run_dirs, out, candidate_texts, _ks(k))
     for note in notes:
         console.print(f"  {note.path}: {note.message}", highlight=False, soft_wrap=True)
     console.print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB, {len(runs)} runs); open it in a browser",
