@@ -6,11 +6,12 @@ Machine-readable results go to stdout or files; tables, progress and errors go t
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional, get_args, get_type_hints
 
 import orjson
 import typer
@@ -18,25 +19,34 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvrescue_cli.config_file import read_grid_file
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.outputs import write_atomic
+
+if TYPE_CHECKING:
+    from kvrescue_cli.grid import GridAxes
 
 app = typer.Typer(help="KV-Rescue batch evaluation", no_args_is_help=True, add_completion=False)
 # Logs and pipes get the whole table rather than 80 truncated columns.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 
+def fail(err: InputError) -> NoReturn:
+    """`error: <message>` on stderr and exit status 2, never a traceback."""
+    console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2) from None
+
+
 def one_line_errors(command: Callable) -> Callable:
-    """Turn InputError into `error: <message>` on stderr and exit status 2, never a traceback."""
+    """Turn InputError into a one-line error (`fail`)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except InputError as err:
-            console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            fail(err)
 
     return wrapper
 
@@ -162,6 +172,58 @@ def _ks(value: str) -> list[int]:
 K_HELP = "k of pass@k and maj@k over seeds (comma list; those above a row's seeds are left out)"
 
 
+GRIDS = "kvrescue.grids"  # ctx.meta key: a --config file's [[grid]] tables
+
+
+def _run_option_kinds(ctx: typer.Context) -> tuple[dict[str, type], dict[str, str]]:
+    """Each `run` option's type, and every grid-file key (long names without dashes, parameter names) -> option."""
+    hints = get_type_hints(inspect.unwrap(ctx.command.callback))
+    kinds, keys = {}, {}
+    for param in ctx.command.params:
+        if param.name == "config" or not param.opts:
+            continue
+        hint = hints[param.name]
+        kinds[param.name] = next((a for a in get_args(hint) if a is not type(None)), hint)
+        keys |= {param.name: param.name, **{o.lstrip("-"): param.name for o in param.opts if o.startswith("--")}}
+    return kinds, keys
+
+
+def _grid_file(ctx: typer.Context, path: Optional[Path]) -> Optional[Path]:
+    """--config: the file's options become the defaults of the options the command line does not give."""
+    if path is None:
+        return None
+    try:
+        grid = read_grid_file(path, *_run_option_kinds(ctx))
+        for param in ctx.command.params:
+            for value in [grid.options.get(param.name), *(g.get(param.name) for g in grid.grids)]:
+                if value is None:
+                    continue
+                try:
+                    param.process_value(ctx, value)
+                except typer.BadParameter as err:
+                    raise InputError(f"{path}: key '{param.name.replace('_', '-')}': {err.message}") from None
+    except InputError as err:
+        fail(err)
+    ctx.default_map = {**(ctx.default_map or {}), **grid.options}
+    ctx.meta[GRIDS] = grid.grids
+    return path
+
+
+def _grids(ctx: typer.Context, axes: dict[str, str]) -> tuple[GridAxes, ...]:
+    """The [[grid]] tables' axes, each missing axis (and every axis the command line gives) from `axes`."""
+    given = {a for a in axes if ctx.get_parameter_source(a).name == "COMMANDLINE"}
+    return tuple(_axes({**axes, **{a: v for a, v in table.items() if a not in given}})
+                 for table in ctx.meta.get(GRIDS, []))
+
+
+def _axes(values: dict[str, str]) -> GridAxes:
+    from kvrescue_cli.grid import GridAxes
+
+    return GridAxes(_comma_list(values["bench"], str, "--bench"), _comma_list(values["method"], str, "--method"),
+                    _comma_list(values["budget"], int, "--budget"), _comma_list(values["n"], int, "--n"),
+                    _comma_list(values["seed"], int, "--seed"))
+
+
 def _synthetic(value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -183,6 +245,10 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @app.command()
 @one_line_errors
 def run(
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(None, "--config", is_eager=True, callback=_grid_file,
+                                          help="a TOML grid file: run options by long name (lists for the axes; "
+                                          "[[grid]] tables for more grids); the command line overrides it"),
     bench: str = typer.Option("math500", help="benchmarks (comma list) or a path to any JSONL"),
     method: str = typer.Option("kvrescue", help="kvrescue, interleave, bon, full, helper (comma list)"),
     budget: str = typer.Option("64", help="KV budgets B (comma list)"),
@@ -270,10 +336,13 @@ def run(
         batch=batch or (64 if on_gpu else 4),
         synthetic_steps=_synthetic(synthetic_steps),
     )
+    axes = _axes({"bench": bench, "method": method, "budget": budget, "n": n, "seed": seed})
+    grids = _grids(ctx, {"bench": bench, "method": method, "budget": budget, "n": n, "seed": seed})
+    if grids:
+        axes = functools.reduce(lambda a, b: a.union(b), grids)
     options = GridOptions(
-        benches=_comma_list(bench, str, "--bench"), methods=_comma_list(method, str, "--method"),
-        budgets=_comma_list(budget, int, "--budget"), ns=_comma_list(n, int, "--n"),
-        seeds=_comma_list(seed, int, "--seed"), evictor=evictor, models=models,
+        benches=axes.benches, methods=axes.methods, budgets=axes.budgets, ns=axes.ns, seeds=axes.seeds, grids=grids,
+        evictor=evictor, models=models,
         scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
         overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp, engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
