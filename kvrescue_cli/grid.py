@@ -10,6 +10,7 @@ from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
 from kvrescue_cli.engine.loader import DTYPES
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.grading import check_grader
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.search import SearchSettings
 
@@ -70,6 +71,8 @@ class GridOptions:
     tp: int = 1  # devices per group: every model is sharded over a group's K devices (rank_group.py)
     engine: str = "native"  # vllm: the full-context roles on vLLM (vllm_roles), the rest on this engine
     vllm_memory: float = 0.4  # with engine vllm: vLLM's share of the device (of RAM on a CPU)
+    grader: str = "qwen"  # decides `correct` (grader.GRADERS)
+    also_grade: tuple[str, ...] = ()  # other graders whose verdicts the traces record too
     grids: tuple[GridAxes, ...] = ()  # several grids (a --config file's [[grid]] tables); the axes above: their union
 
     def evicts(self, method: str) -> bool:
@@ -122,6 +125,8 @@ class GridOptions:
                              f"{','.join(self.devices)}{' or a Ray cluster' if self.ray_address else ''}")
         if not 0 < self.vllm_memory < 1:
             raise InputError(f"--vllm-memory {self.vllm_memory}: expected a share of the device between 0 and 1")
+        for grader in (self.grader, *self.also_grade):
+            check_grader(grader, "--also-grade" if grader != self.grader else "--grader")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise InputError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 <= i < k")
 

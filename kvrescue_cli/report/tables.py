@@ -7,7 +7,8 @@ from pathlib import Path
 
 from kvrescue_cli.report.load import FolderNote, Run
 from kvrescue_cli.report.numbers import (
-    QUANTILES, Row, Table, budget_rank, find_row, method_rank, quantiles, thresholds, group_rows, oracle, recovery,
+    QUANTILES, Row, Table, agreement, budget_rank, find_row, method_rank, quantiles, thresholds, group_rows, oracle,
+    recovery,
 )
 from kvrescue_cli.report.seeds import DEFAULT_KS, seed_metrics
 
@@ -36,7 +37,8 @@ def build_tables(runs: list[Run], notes: list[FolderNote], ks: Sequence[int] = D
     tables = [runs_table(runs, notes)]
     for setup, rows in group_rows(runs).items():
         title = setup_title(setup)
-        tables += [accuracy_table(rows, title), seeds_table(rows, title, ks), recovery_table(rows, title),
+        tables += [accuracy_table(rows, title), seeds_table(rows, title, ks), graders_table(rows, title),
+                   recovery_table(rows, title),
                    cost_table(rows, title),
                    ablation_table(rows, title), helper_share_table(rows, title), oracle_table(rows, title),
                    calibration_table(rows, title)]
@@ -102,6 +104,25 @@ def seeds_table(rows: list[Row], setup: str, ks: Sequence[int]) -> Table:
                     "choice of k seeds; n/a where k exceeds the seeds"]
     if any(r.partial for r in rows):
         t.notes.append("* includes runs still in progress")
+    return t
+
+
+def graders_table(rows: list[Row], setup: str) -> Table:
+    """Per configuration and other grader (`--also-grade`): accuracy by each and where they agree."""
+    t = Table("graders", f"Cross-grader agreement — {setup}",
+              ["bench", "method", "N", "budget", "grader", "other", "problems", "accuracy", "other accuracy",
+               "both correct", "only grader", "only other", "neither"],
+              ["text", "text", "int", "int", "text", "text", "int", "pct", "pct", "int", "int", "int", "int"])
+    for row in rows:
+        primary = row.runs[0].config.settings.get("grader", "qwen")
+        traces = [tr for run in row.runs for tr in run.traces]
+        for other in sorted({name for tr in traces for name in tr.graders}):
+            pairs = [(bool(tr.correct), bool(tr.graders[other]["correct"])) for tr in traces if other in tr.graders]
+            t.rows.append([row.key.bench, *row_label(row, rows), row.key.n, row.key.budget, primary, other, len(pairs),
+                           sum(a for a, _ in pairs) / len(pairs), sum(b for _, b in pairs) / len(pairs),
+                           *agreement(pairs)])
+    if t.rows:
+        t.notes.append("problems of every seed whose trace has both verdicts (kvrescue run --also-grade)")
     return t
 
 
