@@ -10,6 +10,7 @@ from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
 from kvrescue_cli.engine.loader import DTYPES
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.grading import check_grader
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.search import SearchSettings
 
@@ -26,6 +27,21 @@ class Cell:
     budget: int | None
     n: int
     seed: int
+
+
+@dataclass(frozen=True)
+class GridAxes:
+    """One grid's axes: its cells are their product."""
+
+    benches: list[str]
+    methods: list[str]
+    budgets: list[int]
+    ns: list[int]
+    seeds: list[int]
+
+    def union(self, other: GridAxes) -> GridAxes:
+        """Every value of either, in order of first appearance."""
+        return GridAxes(*(list(dict.fromkeys([*a, *b])) for a, b in zip(vars(self).values(), vars(other).values())))
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,9 @@ class GridOptions:
     tp: int = 1  # devices per group: every model is sharded over a group's K devices (rank_group.py)
     engine: str = "native"  # vllm: the full-context roles on vLLM (vllm_roles), the rest on this engine
     vllm_memory: float = 0.4  # with engine vllm: vLLM's share of the device (of RAM on a CPU)
+    grader: str = "qwen"  # decides `correct` (grader.GRADERS)
+    also_grade: tuple[str, ...] = ()  # other graders whose verdicts the traces record too
+    grids: tuple[GridAxes, ...] = ()  # several grids (a --config file's [[grid]] tables); the axes above: their union
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
@@ -106,20 +125,26 @@ class GridOptions:
                              f"{','.join(self.devices)}{' or a Ray cluster' if self.ray_address else ''}")
         if not 0 < self.vllm_memory < 1:
             raise InputError(f"--vllm-memory {self.vllm_memory}: expected a share of the device between 0 and 1")
+        for grader in (self.grader, *self.also_grade):
+            check_grader(grader, "--also-grade" if grader != self.grader else "--grader")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise InputError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 <= i < k")
 
     def cells(self, problem_sets: list[ProblemSet]) -> list[Cell]:
-        """The grid; methods without an evicted cache run once whatever the budget list."""
+        """The grid (each of `grids` in turn), `problem_sets` those of `benches`; methods without an evicted cache
+        run once whatever the budget list."""
+        sets = dict(zip(self.benches, problem_sets))
+        grids = self.grids or (GridAxes(self.benches, self.methods, self.budgets, self.ns, self.seeds),)
         cells, seen = [], set()
-        for problems, method, budget, n, seed in itertools.product(
-            problem_sets, self.methods, self.budgets, self.ns, self.seeds
-        ):
-            cell = Cell(problems, method, budget if METHODS[method].evicted else None, n, seed)
-            key = (problems.name, method, cell.budget, n, seed)
-            if key not in seen:
-                seen.add(key)
-                cells.append(cell)
+        for axes in grids:
+            for bench, method, budget, n, seed in itertools.product(
+                axes.benches, axes.methods, axes.budgets, axes.ns, axes.seeds
+            ):
+                cell = Cell(sets[bench], method, budget if METHODS[method].evicted else None, n, seed)
+                key = (sets[bench].name, method, cell.budget, n, seed)
+                if key not in seen:
+                    seen.add(key)
+                    cells.append(cell)
         return cells
 
 

@@ -41,6 +41,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             "synthetic_steps": list(s.synthetic_steps) if s.synthetic_steps else None,
             "dtype": options.dtype, "problem_field": options.problem_field, "answer_field": options.answer_field,
             "random_stream": STREAM_VERSION,
+            **({"grader": options.grader} if options.grader != "qwen" else {}),  # absent: the Qwen grader
             **_engine(options, cell),
         },
     )

@@ -77,6 +77,7 @@ class Trace:
     timings: dict[str, float]
     peak_base_rows: int
     prm_truncations: int
+    graders: dict[str, dict[str, Any]] = field(default_factory=dict)  # --also-grade: {pred, correct, timed_out}
 
     @classmethod
     def skipped(cls, idx: int, problem: str, gt: str, gt_norm: str, reason: str) -> Trace:
@@ -123,6 +124,11 @@ class Trace:
             for c in cands:
                 if c.source not in SOURCES or c.finish not in FINISHES:
                     problems.append(f"step {i}: candidate source/finish {c.source!r}/{c.finish!r}")
+        for name, verdict in self.graders.items():
+            if not (isinstance(verdict, dict) and set(verdict) == {"pred", "correct", "timed_out"}
+                    and isinstance(verdict["pred"], str) and isinstance(verdict["correct"], bool)
+                    and isinstance(verdict["timed_out"], bool)):
+                problems.append(f"graders[{name!r}]: expected {{pred, correct, timed_out}}")
         missing = {"wall_s", "started_at", "finished_at"} - set(self.timings)
         if missing:
             problems.append(f"timings lack {sorted(missing)}")
