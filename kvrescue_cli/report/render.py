@@ -115,7 +115,30 @@ def print_rich(tables: list[Table], console: Any) -> None:
             console.print(f"  {n}", highlight=False, soft_wrap=True)
 
 
+MIN_ACCURACY_SPAN = 10.0  # percentage points: an axis over equal accuracies still reads as a scale
+
+
 def plot(runs: list[Run], out: Path) -> Path:
+    """Write `accuracy_figure(runs)` to `out` (PNG or SVG, by its suffix)."""
+    import matplotlib.pyplot as plt
+
+    fig = accuracy_figure(runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def accuracy_limits(low: float, high: float) -> tuple[float, float]:
+    """The accuracy axis: the data's range within 0-100 %, at least MIN_ACCURACY_SPAN points wide."""
+    low, high = max(0.0, low), min(100.0, high)
+    grow = max(0.0, MIN_ACCURACY_SPAN - (high - low)) / 2
+    low, high = low - grow, high + grow
+    shift = max(0.0, -low) - max(0.0, high - 100.0)  # slide a widened axis back inside 0-100
+    return max(0.0, low + shift), min(100.0, high + shift)
+
+
+def accuracy_figure(runs: list[Run]):
     """Accuracy vs budget per bench (Figure 5): a line per method, dashed full, dotted helper."""
     import matplotlib
 
@@ -159,10 +182,8 @@ def plot(runs: list[Run], out: Path) -> Path:
         ax.set_title(bench)
         ax.set_xlabel("KV budget B")
         ax.set_ylabel("accuracy (%)")
+        ax.set_ylim(*accuracy_limits(*ax.get_ylim()))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig
