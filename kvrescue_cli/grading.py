@@ -11,6 +11,7 @@ from kvrescue_cli.data import BENCHES, GENERIC, raw_gt
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.jsonl import require_field
 from kvrescue_cli.outputs.records import UNDECODED
+from kvrescue_cli.prompts import THINK_CLOSE
 
 GRADING_BENCHES = (*BENCHES, GENERIC)
 
@@ -27,6 +28,13 @@ class GradeTally:
     @property
     def accuracy(self) -> float:
         return self.correct / self.records if self.records else 0.0
+
+
+def answer_part(output: str) -> tuple[str, str]:
+    """(the text the answer is read from, where): after the last `</think>` when the output has one, as R-KV's and
+    Qwen's evaluations of reasoning models read it ("after_think"), else the whole output ("output")."""
+    _, close, tail = output.rpartition(THINK_CLOSE)
+    return (tail, "after_think") if close else (output, "output")
 
 
 def check_bench(bench: str) -> None:
@@ -67,8 +75,8 @@ def regrade_runs(paths: list[Path], grader: str, workers: int = 1,
         config = run.config
         bench = config.bench if config.bench in BENCHES else GENERIC
         traces = [t for t in run.traces if t.stop not in UNDECODED]
-        results = grade_many([(t.output, t.gt, bench) for t in traces], workers=workers, timeout=timeout,
-                             grader=grader)
+        results = grade_many([(answer_part(t.output)[0], t.gt, bench) for t in traces], workers=workers,
+                             timeout=timeout, grader=grader)
         recorded = config.settings.get("grader", "qwen")
         for t, r in zip(traces, results):
             records.append({"folder": str(run.path), "bench": config.bench, "method": config.method,
@@ -104,12 +112,14 @@ def grade_records(
         if not isinstance(output, str):
             raise InputError(f"field '{output_field}' is not a string", path=source, line=line)
         items.append((output, raw_gt(record, bench, gt_field, source, line), bench))
-    results = grade_many(items, workers=workers, timeout=timeout, grader=grader)
+    answers = [answer_part(output) for output, _, _ in items]
+    results = grade_many([(text, gt, b) for (text, _), (_, gt, b) in zip(answers, items)], workers=workers,
+                         timeout=timeout, grader=grader)
     tally = GradeTally()
     graded = []
-    for (_, record), result in zip(rows, results):
+    for (_, record), result, (_, where) in zip(rows, results, answers):
         graded.append({**record, "pred": result.pred, "gt_norm": result.gt, "correct": result.correct,
-                       "timed_out": result.timed_out})
+                       "timed_out": result.timed_out, "answer_from": where})
         tally.records += 1
         tally.correct += result.correct
         tally.timeouts += result.timed_out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvrescue_cli.data import ProblemSet
@@ -12,6 +12,7 @@ from kvrescue_cli.engine.loader import DTYPES
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grading import check_grader
 from kvrescue_cli.methods import METHODS
+from kvrescue_cli.prompts import PROMPT_STYLES, resolve_style
 from kvrescue_cli.search import SearchSettings
 
 SCORERS = ("prm", "helper-loglik")
@@ -71,6 +72,7 @@ class GridOptions:
     tp: int = 1  # devices per group: every model is sharded over a group's K devices (rank_group.py)
     engine: str = "native"  # vllm: the full-context roles on vLLM (vllm_roles), the rest on this engine
     vllm_memory: float = 0.4  # with engine vllm: vLLM's share of the device (of RAM on a CPU)
+    prompt: str = "math"  # the prompt style (prompts.PROMPT_STYLES; `auto` resolved by `resolve_prompt`)
     grader: str = "qwen"  # decides `correct` (grader.GRADERS)
     also_grade: tuple[str, ...] = ()  # other graders whose verdicts the traces record too
     grids: tuple[GridAxes, ...] = ()  # several grids (a --config file's [[grid]] tables); the axes above: their union
@@ -125,6 +127,8 @@ class GridOptions:
                              f"{','.join(self.devices)}{' or a Ray cluster' if self.ray_address else ''}")
         if not 0 < self.vllm_memory < 1:
             raise InputError(f"--vllm-memory {self.vllm_memory}: expected a share of the device between 0 and 1")
+        if self.prompt not in PROMPT_STYLES:
+            raise InputError(f"unknown --prompt '{self.prompt}': use one of {', '.join(PROMPT_STYLES)}")
         for grader in (self.grader, *self.also_grade):
             check_grader(grader, "--also-grade" if grader != self.grader else "--grader")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
@@ -146,6 +150,20 @@ class GridOptions:
                     seen.add(key)
                     cells.append(cell)
         return cells
+
+
+def resolve_prompt(options: GridOptions) -> GridOptions:
+    """`options` with `--prompt auto` resolved from the policy model (the base, else the helper) and its config."""
+    if options.prompt != "auto":
+        return options
+    from kvrescue_cli.model_config import ModelConfigError, load_config
+
+    model = options.models["base" if any(METHODS[m].base for m in options.methods) else "helper"]
+    try:
+        model_type = load_config(model).get("model_type")
+    except ModelConfigError:  # a GGUF file, or offline: the model's name decides
+        model_type = None
+    return replace(options, prompt=resolve_style("auto", model, model_type))
 
 
 def roles_needed(methods: list[str], scorer: str) -> set[str]:

@@ -21,6 +21,12 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# Qwen3's generation prompt: with `enable_thinking=False` the assistant turn opens with an empty thought.
+QWEN3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ '<|im_start|>assistant\\n' }}",
+    "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}",
+)
 SAMPLE_TEXT = """Please reason step by step, and put your final answer within \\boxed{}.
 
 Step 1: Let x be the number of apples. Then 3x + 5 = 20, so 3x = 15.
@@ -37,7 +43,7 @@ Let f(x) = x^2 - 4x + 4 = (x - 2)^2, so f has a double root at x = 2.
 """
 
 
-def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = 512, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained offline on SAMPLE_TEXT, with Qwen's special tokens."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -53,7 +59,7 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
     )
 
@@ -108,7 +114,7 @@ def write_random_checkpoint(
         raise ValueError(f"arch must be qwen2, qwen3, llama or prm, not {arch!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(tokenizer_vocab)
+    tok = build_tokenizer(tokenizer_vocab, QWEN3_CHAT_TEMPLATE if arch == "qwen3" else CHAT_TEMPLATE)
     vocab_size = max(vocab_size or 0, len(tok))
     config = _config(
         arch, vocab_size, tok, hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,

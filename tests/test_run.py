@@ -165,6 +165,7 @@ def test_qwen3_base_and_helper_run_end_to_end(problems, qwen3_dir, prm_dir, tmp_
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     config, traces, summary = read_folder(tmp_path, "kvrescue")
     assert config["config"]["models"]["base"]["id"] == str(qwen3_dir) and len(traces) == 2
+    assert config["config"]["settings"]["prompt"] == "qwen3-think"  # --prompt auto, by the config's model_type
     assert all(t["stop"] != "skipped" and t["n_steps"] >= 1 for t in traces)
     assert max(t["peak_base_rows"] for t in traces) <= 16 + 128 + 12
 

@@ -17,6 +17,7 @@ FINISHES = ("step", "eos", "length", "entropy", "repetition")
 DETECTOR_FINISHES = ("entropy", "repetition")
 STOPS = ("eos", "context", "steps", "skipped", "failed")
 UNDECODED = ("skipped", "failed")
+ANSWER_FROM = ("output", "after_think")
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Trace:
     peak_base_rows: int
     prm_truncations: int
     graders: dict[str, dict[str, Any]] = field(default_factory=dict)  # --also-grade: {pred, correct, timed_out}
+    answer_from: str = "output"  # "after_think": the answer was read after the output's last </think>
 
     @classmethod
     def skipped(cls, idx: int, problem: str, gt: str, gt_norm: str, reason: str) -> Trace:
@@ -129,6 +131,8 @@ class Trace:
                     and isinstance(verdict["pred"], str) and isinstance(verdict["correct"], bool)
                     and isinstance(verdict["timed_out"], bool)):
                 problems.append(f"graders[{name!r}]: expected {{pred, correct, timed_out}}")
+        if self.answer_from not in ANSWER_FROM:
+            problems.append(f"answer_from {self.answer_from!r} not in {ANSWER_FROM}")
         missing = {"wall_s", "started_at", "finished_at"} - set(self.timings)
         if missing:
             problems.append(f"timings lack {sorted(missing)}")
