@@ -286,7 +286,7 @@ def run(
     budget: str = typer.Option("64", help="KV budgets B (comma list)"),
     n: str = typer.Option("8", "--n", help="candidates per model per step (comma list)"),
     seed: str = typer.Option("0", help="seeds (comma list)"),
-    evictor: str = typer.Option("rkv", help="rkv, snapkv, streaming or none"),
+    evictor: str = typer.Option("rkv", help="rkv, snapkv, streaming, tova or none"),
     base: Optional[str] = typer.Option(None, help="base model: Hub id, local folder or .gguf file"),
     helper: Optional[str] = typer.Option(None, help="helper model: Hub id, local folder or .gguf file"),
     prm: Optional[str] = typer.Option(None, help="PRM: Hub id or folder, or 'helper-loglik' (named alternative scorer)"),
