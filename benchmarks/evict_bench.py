@@ -53,9 +53,10 @@ def random_qwen2(device: str, dtype: torch.dtype) -> CausalLM:
     return net.to(device=device, dtype=dtype).eval()
 
 
-def make_rows(net: CausalLM, budget: int, batch: int, physical: int, logical: int) -> tuple[BoundedCache, list[int]]:
-    """An rkv cache whose `batch` rows hold `physical` random entries at logical length `logical`."""
-    cache = BoundedCache.for_model(net, budget=budget, policy="rkv", rows=batch,
+def make_rows(net: CausalLM, budget: int, batch: int, physical: int, logical: int,
+              policy: str = "rkv") -> tuple[BoundedCache, list[int]]:
+    """A `policy` cache whose `batch` rows hold `physical` random entries at logical length `logical`."""
+    cache = BoundedCache.for_model(net, budget=budget, policy=policy, rows=batch,
                                    capacity=max(physical, budget + SLACK) + 8)
     rows = [cache.create() for _ in range(batch)]
     cache.row_physical[rows] = cache.row_peak[rows] = physical  # benchmark only: as if appended
@@ -136,11 +137,11 @@ def evicted_cycle(net, budget, batch, device) -> float:
 
 
 @torch.inference_mode()
-def compression_time(net, budget, batch, device, repeats: int = 3) -> float:
-    """Seconds to compress `batch` rows of B' entries to B (all layers, scored together)."""
+def compression_time(net, budget, batch, device, repeats: int = 3, policy: str = "rkv") -> float:
+    """Seconds to compress `batch` rows of B' entries to B with `policy` (all layers, scored together)."""
     best = float("inf")
     for _ in range(repeats):
-        cache, rows = make_rows(net, budget, batch, budget + SLACK, 4096)
+        cache, rows = make_rows(net, budget, batch, budget + SLACK, 4096, policy)
         sync(device)
         t = time.perf_counter()
         cache.compress(rows)
@@ -182,6 +183,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,2048,4096", help="contexts reported in the table")
     ap.add_argument("--extra-contexts", default="256,1024,1536,3072", help="more uncompressed points for the crossover")
     ap.add_argument("--budgets", default="64,512")
+    ap.add_argument("--evictors", default="rkv,snapkv,tova,streaming",
+                    help="evictors whose compression cost per token is compared with rkv's")
     ap.add_argument("--rounds", type=int, default=4, help="round-robin passes over the lengths")
     ap.add_argument("--steps", type=int, default=2, help="timed decodes per length and round")
     ap.add_argument("--cycle", action="store_true", help="also time real 128-token rkv cycles (slow on a CPU)")
@@ -231,6 +234,15 @@ def main() -> None:
               f"{peak * per_entry_7b / 2**20:.1f} MiB/row for Qwen2.5-Math-7B bf16")
     for c in shown:
         print(f"  full cache at {c}: {c * per_entry / 2**20:.2f} MiB/row here, {c * per_entry_7b / 2**20:.1f} MiB/row for 7B")
+
+    print("\nper-token cost by evictor (decode at B + 64 plus one compression per 128 tokens; ms per row-token, "
+          "and the compression's share against rkv's)")
+    for b in budgets:
+        per = {e: comp[b] if e == "rkv" else compression_time(net, b, args.batch, args.device, policy=e)
+               for e in args.evictors.split(",")}
+        decode = step[("bounded", b + SLACK // 2)] / args.batch
+        print(f"  B={b}: " + ", ".join(f"{e} {(decode + c / SLACK / args.batch) * 1e3:.3f} "
+                                     f"(compression x{c / per['rkv']:.2f})" for e, c in per.items()))
 
     print("\nuncompressed bounded decode by context (ms per row-token): "
           + ", ".join(f"{c}: {bounded[c] * 1e3:.2f}" for c in contexts))

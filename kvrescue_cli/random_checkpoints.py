@@ -1,4 +1,4 @@
-"""Small random Qwen2, Llama and PRM checkpoints written to disk, with a tokenizer built offline.
+"""Small random Qwen2, Qwen3, Llama and PRM checkpoints written to disk, with a tokenizer built offline.
 
 Tests, the CPU demo and benchmarks use them: each folder holds config.json, model.safetensors and
 tokenizer files that both transformers and this engine load. The tokenizer is a byte-level BPE trained
@@ -11,12 +11,21 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2Model
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2Model, Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<extra_0>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Qwen3's generation prompt: with `enable_thinking=False` the assistant turn opens with an empty thought.
+QWEN3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ '<|im_start|>assistant\\n' }}",
+    "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}",
 )
 SAMPLE_TEXT = """Please reason step by step, and put your final answer within \\boxed{}.
 
@@ -34,7 +43,7 @@ Let f(x) = x^2 - 4x + 4 = (x - 2)^2, so f has a double root at x = 2.
 """
 
 
-def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = 512, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained offline on SAMPLE_TEXT, with Qwen's special tokens."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -50,12 +59,12 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
     )
 
 
-def _config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast, **shape) -> Qwen2Config | LlamaConfig:
+def _config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast, **shape) -> Qwen2Config | Qwen3Config | LlamaConfig:
     common = dict(
         vocab_size=vocab_size,
         hidden_size=shape["hidden_size"],
@@ -71,6 +80,9 @@ def _config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast, **shape) -
     )
     if arch == "llama":
         return LlamaConfig(**common, tie_word_embeddings=True, bos_token_id=tok.pad_token_id)
+    if arch == "qwen3":  # its own head_dim (Qwen3-0.6B: hidden 1024, 16 heads of 128), no q/k/v bias, tied
+        return Qwen3Config(**common, head_dim=shape["head_dim"] or 2 * shape["hidden_size"] // shape["num_heads"],
+                           tie_word_embeddings=True, attention_bias=False)
     return Qwen2Config(**common, tie_word_embeddings=False)
 
 
@@ -87,24 +99,26 @@ def write_random_checkpoint(
     tokenizer_vocab: int = 512,
     rope_theta: float = 10000.0,
     init_std: float = 0.02,
+    head_dim: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> Path:
-    """Write a random `qwen2` (q/k/v bias, untied), `llama` (tied embeddings) or `prm` checkpoint.
+    """Write a random `qwen2` (q/k/v bias, untied), `qwen3` (q/k norms, `head_dim` default twice hidden / heads,
+    tied), `llama` (tied embeddings) or `prm` checkpoint.
 
     `prm` is a Qwen2 decoder with the Qwen2ForProcessRewardModel head (`score.0`, `score.2`).
     vocab_size defaults to the tokenizer's size and may be larger (as in Qwen2.5). Returns the folder.
     """
-    if arch not in ("qwen2", "llama", "prm"):
-        raise ValueError(f"arch must be qwen2, llama or prm, not {arch!r}")
+    if arch not in ("qwen2", "qwen3", "llama", "prm"):
+        raise ValueError(f"arch must be qwen2, qwen3, llama or prm, not {arch!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(tokenizer_vocab)
+    tok = build_tokenizer(tokenizer_vocab, QWEN3_CHAT_TEMPLATE if arch == "qwen3" else CHAT_TEMPLATE)
     vocab_size = max(vocab_size or 0, len(tok))
     config = _config(
         arch, vocab_size, tok, hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, init_std=init_std, rope_theta=rope_theta,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, init_std=init_std, rope_theta=rope_theta, head_dim=head_dim,
     )
     torch.manual_seed(seed)
     with torch.device(device):
@@ -120,7 +134,11 @@ def write_random_checkpoint(
             cfg["architectures"] = ["Qwen2ForProcessRewardModel"]
             (folder / "config.json").write_text(json.dumps(cfg, indent=2))
         else:
-            model = (LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM)(config).to(dtype)
+            model = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM}[arch](config)
+            for name, param in model.named_parameters():  # Qwen3's q/k norms start at 1: make each one count
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.data.uniform_(0.5, 1.5)
+            model = model.to(dtype)
             model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder

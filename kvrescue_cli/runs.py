@@ -11,7 +11,7 @@ from rich.progress import Progress
 from kvrescue_cli import decoding, workers
 from kvrescue_cli.data import GENERIC, data_dir, load_problems
 from kvrescue_cli.engine.sampling import STREAM_VERSION
-from kvrescue_cli.grid import Cell, GridOptions, roles_needed
+from kvrescue_cli.grid import Cell, GridOptions, resolve_prompt, roles_needed
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import model_revision
 from kvrescue_cli.outputs import (
@@ -42,6 +42,8 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             "synthetic_steps": list(s.synthetic_steps) if s.synthetic_steps else None,
             "dtype": options.dtype, "problem_field": options.problem_field, "answer_field": options.answer_field,
             "random_stream": STREAM_VERSION,
+            **({"grader": options.grader} if options.grader != "qwen" else {}),  # absent: the Qwen grader
+            **({"prompt": options.prompt} if options.prompt != "math" else {}),  # absent: the paper's prompt
             **_engine(options, cell),
         },
     )
@@ -110,6 +112,7 @@ def _cell_label(config: RunConfig) -> str:
 def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, Summary]]:
     """Every cell of the grid, models loaded once; cells already complete are only summarised."""
     options.check()
+    options = resolve_prompt(options)
     folder = data_dir(options.data_dir)
     sets = [load_problems(b, folder=folder, problem_field=options.problem_field, answer_field=options.answer_field,
                           limit=options.limit) for b in options.benches]

@@ -447,7 +447,7 @@ class RayWorkers:
                                        else f"its group died {self.deaths[worker.group]} times: no new worker"))
         for problem in failed:  # a queue holding problems comes with their cell
             errors = queue.errors[problem.idx]
-            gt_norm = grade("", problem.gt, cell.problems.grading_bench).gt
+            gt_norm = grade("", problem.gt, cell.problems.grading_bench, grader=self.options.grader).gt
             emit(Trace.failed(problem.idx, problem.problem, problem.gt, gt_norm,
                               f"killed {len(errors)} workers: " + "; ".join(errors)), 0)
             self.say(f"problem {problem.idx} killed {len(errors)} workers: recorded as failed")

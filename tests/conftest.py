@@ -43,6 +43,12 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen3 checkpoint (q/k norms, head_dim 32 = twice hidden / heads, no bias, tied embeddings)."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", rope_theta=1e6, seed=6, **TINY)
+
+
+@pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Llama checkpoint (no bias, tied embeddings)."""
     return write_random_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=2, **TINY)

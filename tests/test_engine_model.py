@@ -1,4 +1,4 @@
-"""The engine's decoder equals transformers on random Qwen2 and Llama checkpoints saved to disk."""
+"""The engine's decoder equals transformers on random Qwen2, Qwen3 and Llama checkpoints saved to disk."""
 
 import os
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under C
 TOL = 1e-4
 
 
-@pytest.fixture(params=["qwen2_dir", "llama_dir"])
+@pytest.fixture(params=["qwen2_dir", "qwen3_dir", "llama_dir"])
 def pair(request):
     folder = request.getfixturevalue(request.param)
     ours = load_model(folder, dtype="float32", device="cpu")
@@ -138,3 +138,22 @@ def test_linear_equals_exact_matmul(rows, dtype) -> None:
         assert got.shape == (rows, 1, 80) and got.dtype == dtype and got.is_contiguous()
         want = exact if b is not None else exact - bias.double()
         assert (got.double() - want).abs().max() <= (8e-3 if dtype == torch.bfloat16 else 1e-4) * want.abs().max()
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "Qwen3 MoE checkpoints (model_type "
+     "'qwen3_moe') are not supported"),
+    ({"attention_bias": True}, "unsupported attention_bias: an o_proj bias is not implemented"),
+    ({"use_sliding_window": True}, "unsupported use_sliding_window"),
+])
+def test_qwen3_variants_the_engine_does_not_run_are_one_line_errors(qwen3_dir, tmp_path, change, says) -> None:
+    import shutil
+
+    import orjson
+
+    folder = shutil.copytree(qwen3_dir, tmp_path / "variant")
+    config = orjson.loads((folder / "config.json").read_bytes())
+    (folder / "config.json").write_bytes(orjson.dumps({**config, **change}))
+    with pytest.raises(ModelLoadError) as e:
+        load_model(folder)
+    assert says in str(e.value) and "\n" not in str(e.value)

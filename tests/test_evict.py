@@ -18,6 +18,7 @@ from kvrescue_cli.engine.evict import (
     snapkv_scores,
     streaming_keep,
     streaming_scores,
+    tova_scores,
 )
 
 
@@ -62,6 +63,18 @@ def loop_redundancy(keys: list, h: int, threshold: float) -> list[float]:
     r = [sum(sim[i][j] for i in range(length)) / length for j in range(length)]
     top = max(r)
     exps = [math.exp(x - top) for x in r]
+    return [e / sum(exps) for e in exps]
+
+
+def loop_tova(keys: list, queries: list, h: int, h_kv: int) -> list[float]:
+    """TOVA's score of past positions for KV head h: the newest query's attention, written out position by position
+    (logits maxed over the KV head's query group before the softmax)."""
+    length, d = len(keys[h]), len(keys[h][0])
+    group = len(queries) // h_kv
+    logits = [max(sum(queries[h * group + g][-1][c] * keys[h][j][c] for c in range(d)) / math.sqrt(d)
+                  for g in range(group)) for j in range(length - 8)]
+    top = max(logits)
+    exps = [math.exp(x - top) for x in logits]
     return [e / sum(exps) for e in exps]
 
 
@@ -140,6 +153,24 @@ def test_snapkv_matches_loop_transcription(shape):
     assert torch.equal(snapkv_keep(keys, queries, budget), expected)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tova_matches_loop_transcription(shape):
+    h_kv, group, length, d, budget, shared = shape
+    keys, queries = random_inputs(h_kv, group, length, d, seed=length + 3, shared=shared)
+    k, q = keys.double().tolist(), queries.double().tolist()
+    scores = [loop_tova(k, q, h, h_kv) for h in range(h_kv)]
+    torch.testing.assert_close(tova_scores(keys, queries).double(), torch.tensor(scores, dtype=torch.float64),
+                               rtol=1e-4, atol=1e-7)
+    expected = torch.tensor([loop_keep(s, length, budget) for s in scores])
+    assert torch.equal(keep_positions("tova", keys, queries, budget), expected)
+    earlier = queries.clone()
+    earlier[:, -1] = torch.randn_like(earlier[:, -1])  # only the newest query counts: another one moves the scores
+    assert not torch.equal(tova_scores(keys, earlier), tova_scores(keys, queries))
+    same_newest = queries.clone()
+    same_newest[:, :-1] = 0.0
+    assert torch.equal(tova_scores(keys, same_newest), tova_scores(keys, queries))
+
+
 def test_rkv_parameters_are_honoured():
     keys, queries = random_inputs(2, 2, 40, 8, seed=3)
     for lam, kernel, threshold in [(0.5, 3, 0.2), (0.9, 1, 0.8)]:
@@ -209,7 +240,7 @@ def test_bad_budgets_are_refused():
     assert rkv_keep(keys, queries, 20).tolist() == [list(range(20))]  # a budget of the whole length keeps all
     with pytest.raises(ValueError):
         streaming_keep(20, 20)
-    with pytest.raises(ValueError, match=r"^policy 'none' does not compress; choose one of \('rkv', 'snapkv', 'streaming'\)$"):
+    with pytest.raises(ValueError, match=r"^policy 'none' does not compress; choose one of \('rkv', 'snapkv', 'streaming', 'tova'\)$"):
         keep_positions("none", keys, queries, 16)
 
 
@@ -246,7 +277,7 @@ def test_streaming_budget_bounds():
 def test_every_policy_scores_on_the_keys_device():
     """The meta device stands in for a GPU: a position tensor made on the CPU beside it is an error."""
     keys, queries = random_inputs(2, 2, 40, 8, seed=1)
-    for policy in ("rkv", "snapkv", "streaming"):
+    for policy in ("rkv", "snapkv", "streaming", "tova"):
         kept = keep_positions(policy, keys[None].to("meta"), queries[None].to("meta"), 16)
         assert kept.device.type == "meta" and kept.shape == (1, 2, 16)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from grader import grade, grade_many
+from grader import GRADERS, grade, grade_many
 from grader.sandbox import SymbolicPool
 
 # Each payload, evaluated as Python, creates {p}; each survives strip_string and is refused by every
@@ -39,13 +39,14 @@ def marker():
     folder.rmdir()
 
 
+@pytest.mark.parametrize("grader", GRADERS)
 @pytest.mark.parametrize("side", ["prediction", "answer"])
 @pytest.mark.parametrize("name", sorted(PAYLOADS))
-def test_payload_is_never_executed(name: str, side: str, marker: Path) -> None:
+def test_payload_is_never_executed(name: str, side: str, grader: str, marker: Path) -> None:
     payload = PAYLOADS[name].replace("{p}", str(marker))
     output = "The answer is $\\boxed{" + (payload if side == "prediction" else "x+1") + "}$."
     gt = payload if side == "answer" else "x+1"
-    result = grade(output, gt, "math500", timeout=10.0)
+    result = grade(output, gt, "math500", timeout=10.0, grader=grader)
     assert not marker.exists(), f"{name} ran on the {side} side"
     assert not result.timed_out
     assert not result.correct
@@ -196,14 +197,17 @@ def test_parent_trusts_only_a_well_formed_verdict_for_its_request(behaviour: str
         pool.close()
 
 
-def test_whole_item_grading_is_bounded_by_the_timeout() -> None:
+@pytest.mark.parametrize("grader", GRADERS)
+def test_whole_item_grading_is_bounded_by_the_timeout(grader: str) -> None:
     """A 4 MB output (extraction alone takes seconds) ends within the limit, as a timeout."""
-    grade("\\boxed{x^2}", "x*x", "math500")  # a warm worker: start-up is not part of the limit
+    grade("\\boxed{x^2}", "x*x", "math500", grader=grader)  # a warm worker: start-up is not part of the limit
     output = "\\boxed{" + "x+1 " * 1_000_000 + "}"
     start = time.monotonic()
-    result = grade(output, "5", "math500", timeout=1.0)
+    result = grade(output, "5", "math500", timeout=1.0, grader=grader)
     assert time.monotonic() - start < 4.0
     assert result.timed_out and not result.correct and result.symbolic
+    if grader != "qwen":
+        return
     long_but_easy = "reasoning " * 5_000 + "so \\boxed{5}"
     result = grade(long_but_easy, "5", "math500", timeout=10.0)
     assert (result.correct, result.pred, result.gt, result.symbolic) == (True, "5", "5", True)
@@ -220,15 +224,23 @@ def test_kvrescue_grade_and_run_never_execute_their_input(marker: Path, qwen2_di
     outputs = tmp_path / "outputs.jsonl"
     outputs.write_text("".join(json.dumps(r) + "\n" for p in payloads
                                for r in ({"output": f"\\boxed{{{p}}}", "gt": "x+1"}, {"output": "\\boxed{x}", "gt": p})))
-    done = subprocess.run([kvrescue, "grade", str(outputs), "--bench", "math500"], capture_output=True, timeout=300)
-    assert done.returncode == 0, done.stderr.decode()
-    assert not marker.exists()
-    assert [json.loads(line)["correct"] for line in done.stdout.splitlines()] == [False] * 2 * len(payloads)
+    for grader in GRADERS:
+        done = subprocess.run([kvrescue, "grade", str(outputs), "--bench", "math500", "--grader", grader],
+                              capture_output=True, timeout=300)
+        assert done.returncode == 0, done.stderr.decode()
+        assert not marker.exists()
+        assert [json.loads(line)["correct"] for line in done.stdout.splitlines()] == [False] * 2 * len(payloads)
     problems = tmp_path / "problems.jsonl"
     problems.write_text("".join(json.dumps({"question": "What is x?", "answer": p}) + "\n" for p in payloads[:2]))
     done = subprocess.run([kvrescue, "run", "--bench", str(problems), "--method", "bon", "--n", "1", "--base",
                            str(qwen2_dir), "--prm", str(prm_dir), "--out", str(tmp_path / "out"), "--max-step-tokens",
-                           "8", "--max-steps", "2", "--context-cap", "320", "--device", "cpu", "--batch", "2"],
-                          capture_output=True, timeout=600)
+                           "8", "--max-steps", "2", "--context-cap", "320", "--device", "cpu", "--batch", "2",
+                           "--also-grade", "math-verify"], capture_output=True, timeout=600)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert not marker.exists()
+    traces = [json.loads(line) for f in (tmp_path / "out").glob("*/*/traces.jsonl") for line in f.read_text().splitlines()]
+    assert len(traces) == 2 and all(set(t["graders"]) == {"math-verify"} for t in traces)
+    done = subprocess.run([kvrescue, "grade", "--runs", str(tmp_path / "out"), "--grader", "math-verify"],
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert not marker.exists() and len(done.stdout.splitlines()) == 2

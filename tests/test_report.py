@@ -527,3 +527,24 @@ def test_oracle_goes_on_past_a_helper_run_it_cannot_pair(tmp_path, unpaired, rea
     assert first == oracle_record(reason=reason)
     assert second == oracle_record(helper="Zz/Other-Helper", seeds=1, bon=0.3, helper_acc=0.2, oracle=pytest.approx(0.4),
                                    full=0.8, recovered=pytest.approx((0.4 - 0.3) / (0.8 - 0.3)))
+
+
+def test_accuracy_axes_stay_within_0_and_100_percent(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from kvrescue_cli.report.render import accuracy_limits
+
+    assert accuracy_limits(-0.04, 0.04) == (0.0, 10.0)  # every accuracy 0: matplotlib's default is -0.04..0.04
+    assert accuracy_limits(96.0, 104.0) == (90.0, 100.0)
+    assert accuracy_limits(20.0, 80.0) == (20.0, 80.0)
+    assert accuracy_limits(44.0, 46.0) == (40.0, 50.0)
+    for acc in (set(), set(range(10))):  # every problem wrong, every problem right
+        root = tmp_path / str(len(acc))
+        for method in ("bon", "kvrescue", "full"):
+            write_run(root, method, correct=acc)
+        drawn = []
+        monkeypatch.setattr(plt, "close", drawn.append)
+        assert CliRunner().invoke(app, ["report", str(root), "--plot", str(root / "plot.png")]).exit_code == 0
+        (fig,) = drawn
+        low, high = fig.axes[0].get_ylim()
+        assert 0.0 <= low < high <= 100.0 and high - low >= 10.0

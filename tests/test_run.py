@@ -157,6 +157,19 @@ def test_each_step_records_the_base_cache_length(grid):
                 assert max(rows) < 16 + 128  # compressed to B whenever it reaches B' = B + 128
 
 
+def test_qwen3_base_and_helper_run_end_to_end(problems, qwen3_dir, prm_dir, tmp_path):
+    """A Qwen3 base on the evicting cache and a Qwen3 helper: every problem decoded, the base bounded."""
+    done = kvrescue_run("--bench", str(problems), "--method", "kvrescue", "--n", "2", "--limit", "2",
+                        "--base", str(qwen3_dir), "--helper", str(qwen3_dir), "--prm", str(prm_dir),
+                        "--out", str(tmp_path), *SMALL)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    config, traces, summary = read_folder(tmp_path, "kvrescue")
+    assert config["config"]["models"]["base"]["id"] == str(qwen3_dir) and len(traces) == 2
+    assert config["config"]["settings"]["prompt"] == "qwen3-think"  # --prompt auto, by the config's model_type
+    assert all(t["stop"] != "skipped" and t["n_steps"] >= 1 for t in traces)
+    assert max(t["peak_base_rows"] for t in traces) <= 16 + 128 + 12
+
+
 def test_same_seed_gives_identical_traces(grid, problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
     done = kvrescue_run("--bench", str(problems), "--method", "kvrescue", "--n", "2", "--limit", "3",
                         "--base", str(qwen2_dir), "--helper", str(llama_dir), "--prm", str(prm_dir),

@@ -17,6 +17,7 @@ from tests.test_run import KVRESCUE, kvrescue_run
 
 MODELS = lambda q, p: ["--base", str(q), "--prm", str(p), "--device", "cpu"]  # noqa: E731
 BUDGET = 16
+EVICTING = ("rkv", "snapkv", "streaming", "tova")
 B_PRIME = BUDGET + 128
 # 12 synthetic steps of 48 tokens: a ~57-token prompt grows to ~632 cached tokens, over four times B' - B past B'
 SYNTHETIC = ["--synthetic-steps", "48:12", "--max-step-tokens", "48", "--context-cap", "1024"]
@@ -73,7 +74,7 @@ def evictor_runs(tmp_path_factory, problems, qwen2_dir, prm_dir) -> Path:
     common = ["--bench", str(problems), "--n", "2", "--limit", "2", "--budget", str(BUDGET), "--batch", "2",
               "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--out", str(out),
               *MODELS(qwen2_dir, prm_dir), *SYNTHETIC]
-    for evictor in ("rkv", "snapkv", "streaming"):
+    for evictor in EVICTING:
         ok(kvrescue_run(*common, "--method", "bon", "--evictor", evictor))
     ok(kvrescue_run(*common, "--method", "bon,full", "--evictor", "none"))
     return out
@@ -86,7 +87,7 @@ def cached(trace: dict) -> int:
 
 def test_every_evicting_row_is_compressed_several_times(evictor_runs):
     found = folders(evictor_runs)
-    for evictor in ("rkv", "snapkv", "streaming"):
+    for evictor in EVICTING:
         folder = found[f"tiny/bon-{evictor}-b{BUDGET}-n2-s0"]
         for t in traces(folder):
             # one token at a time, a row reaches exactly B' and drops to B, so it never held more than B';
@@ -100,7 +101,7 @@ def test_every_evicting_row_is_compressed_several_times(evictor_runs):
 def test_evictors_change_the_outputs_and_none_equals_full(evictor_runs):
     found = folders(evictor_runs)
     outputs = {e: [t["output"] for t in traces(found[f"tiny/bon-{e}-b{BUDGET}-n2-s0"])]
-               for e in ("rkv", "snapkv", "streaming", "none")}
+               for e in (*EVICTING, "none")}
     for a, b in combinations(outputs, 2):
         assert all(x != y for x, y in zip(outputs[a], outputs[b])), (a, b)
     none, full = found[f"tiny/bon-none-b{BUDGET}-n2-s0"], found["tiny/full-none-bfull-n2-s0"]

@@ -1,8 +1,8 @@
 """Tensor parallelism: two gloo ranks (real subprocesses) compute what one device computes.
 
-The base (Qwen2, 4/2 heads, vocab 515: the vocab-parallel head pads its last shard) is sharded over
-both ranks; the helper (Llama, tied embeddings, 4/1 heads) replicates its single KV head on both; the
-PRM is sharded with its score head replicated. One workload (tests/tp_scenario.py) runs on each rank
+The base (Qwen3: q/k norms, head_dim twice hidden / heads, 4/2 heads, vocab 515: the vocab-parallel head pads
+its last shard) is sharded over both ranks; the helper (Llama, tied embeddings, 4/1 heads) replicates its single
+KV head on both; the PRM (a Qwen2 decoder: q/k/v bias) is sharded with its score head replicated. One workload (tests/tp_scenario.py) runs on each rank
 and in this process; fp32 outputs must agree within 1e-5 and the evicting cache must keep the same
 positions per layer and KV head.
 """
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def checkpoints(tmp_path_factory) -> list[Path]:
     tmp = tmp_path_factory.mktemp("tp")
     return [
-        write_random_checkpoint(tmp / "base", "qwen2", num_heads=4, num_kv_heads=2, vocab_size=515, seed=11, **SHAPE),
+        write_random_checkpoint(tmp / "base", "qwen3", num_heads=4, num_kv_heads=2, vocab_size=515, seed=11, **SHAPE),
         write_random_checkpoint(tmp / "helper", "llama", num_heads=4, num_kv_heads=1, seed=12, **SHAPE),
         write_random_checkpoint(tmp / "prm", "prm", num_heads=4, num_kv_heads=2, seed=13, **SHAPE),
     ]

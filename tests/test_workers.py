@@ -18,7 +18,7 @@ from kvrescue_cli.workers import WorkQueue, resolve_devices
 
 KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
 # `--batch 1`: each problem decodes alone, so its traces do not depend on which problems a worker happens to
-# batch together (a batch's shape moves a row's logits in their last bits: README, "Reproducibility")
+# batch together (a batch's shape moves a row's logits in their last bits: docs/reproducibility.md)
 SMALL = ["--method", "kvrescue", "--n", "2", "--max-step-tokens", "12", "--max-steps", "5", "--context-cap", "320",
          "--budget", "16", "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--batch", "1"]
 

@@ -27,17 +27,20 @@ from kvrescue_cli.shapes import OBSERVATION_WINDOW as WINDOW  # the last 8 posit
 MIN_BUDGET = 2 * WINDOW  # the smallest budget B any evictor accepts
 
 
-def importance(keys: Tensor, queries: Tensor, *, kernel: int = 7) -> Tensor:
-    """SnapKV/R-KV attention importance of each past position, fp32, [..., H_kv, L - WINDOW].
-
-    Logits q.k/sqrt(d), max over each KV head's query group (before softmax), softmax over the
-    past keys, mean over the window queries, then 1-D max-pool (kernel, stride 1, same padding).
-    """
+def past_attention(keys: Tensor, queries: Tensor) -> Tensor:
+    """Each query's attention over the past keys, fp32, [..., H_kv, W, L - WINDOW]: logits q.k/sqrt(d), max over
+    each KV head's query group (before softmax), softmax over the past keys."""
     h_kv, d = keys.shape[-3], keys.shape[-1]
     h_q, w = queries.shape[-3], queries.shape[-2]
     q = queries.float().reshape(*queries.shape[:-3], h_kv, h_q // h_kv, w, d)
     logits = q @ keys.float()[..., :-WINDOW, :].unsqueeze(-3).transpose(-1, -2) / math.sqrt(d)
-    attn = logits.amax(dim=-3).softmax(dim=-1).mean(dim=-2)  # [..., H_kv, L - WINDOW]
+    return logits.amax(dim=-3).softmax(dim=-1)
+
+
+def importance(keys: Tensor, queries: Tensor, *, kernel: int = 7) -> Tensor:
+    """SnapKV/R-KV attention importance of each past position, fp32, [..., H_kv, L - WINDOW]: the window
+    queries' `past_attention` averaged, then 1-D max-pooled (kernel, stride 1, same padding)."""
+    attn = past_attention(keys, queries).mean(dim=-2)  # [..., H_kv, L - WINDOW]
     flat = attn.reshape(-1, attn.shape[-1])
     return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(attn.shape)
 
@@ -74,6 +77,12 @@ def rkv_scores(keys: Tensor, queries: Tensor, *, lam: float = 0.1, kernel: int =
 def snapkv_scores(keys: Tensor, queries: Tensor, *, kernel: int = 7) -> Tensor:
     """Decode-time SnapKV: R-KV without the redundancy term."""
     return importance(keys, queries, kernel=kernel)
+
+
+def tova_scores(keys: Tensor, queries: Tensor) -> Tensor:
+    """TOVA (Oren et al. 2024): the `past_attention` of the newest query alone, fp32, [..., H_kv, L - WINDOW]
+    (its query group combined as for R-KV)."""
+    return past_attention(keys, queries[..., -1:, :])[..., 0, :]
 
 
 def streaming_scores(length: int, *, sink: int = 4, device: torch.device | str = "cpu") -> Tensor:
@@ -130,6 +139,7 @@ EVICTORS: dict[str, Evictor] = {e.name: e for e in (
     Evictor("rkv", "R-KV (Cai et al. 2025): attention importance minus key redundancy", rkv_scores),
     Evictor("snapkv", "SnapKV (Li et al. 2024) at decode time: attention importance alone", snapkv_scores),
     Evictor("streaming", "StreamingLLM (Xiao et al. 2023): the 4 first positions (attention sinks) and the most recent", _streaming),
+    Evictor("tova", "TOVA (Oren et al. 2024): the newest query's attention alone", tova_scores),
 )}
 NO_EVICTION = "none"  # `--evictor none`: the base keeps a full cache (no evictor runs)
 CHOICES = (*EVICTORS, NO_EVICTION)

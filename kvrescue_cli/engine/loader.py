@@ -190,11 +190,13 @@ class _RankWeights(Mapping):
 
 
 def _build(
-    sources: Mapping[str, Any], cfg: dict[str, Any], dtype: torch.dtype, device: str, tp: int = 1, exact_heads: bool = False
+    sources: Mapping[str, Any], cfg: dict[str, Any], dtype: torch.dtype, device: str, tp: int = 1,
+    exact_heads: bool = False, name: str = "model",
 ) -> Transformer:
-    """The engine network of a checkpoint's tensors, as this rank of `tp` holds it."""
-    if unsupported(cfg):
-        raise ValueError(unsupported(cfg))
+    """The engine network of a checkpoint's tensors, as this rank of `tp` holds it (`name`: for errors)."""
+    reason = unsupported(cfg)
+    if reason:
+        raise ModelLoadError(f"model {name!r}: {reason}")
     args = ModelArgs.from_hf(cfg)
     is_prm = "score.0.weight" in sources or any("ProcessRewardModel" in a for a in cfg.get("architectures") or [])
     if is_prm and "score.0.weight" not in sources:
@@ -229,7 +231,7 @@ def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
             raise ModelLoadError(f"model {name!r}: {f} is not a readable safetensors file ({e})") from None
         sources.update({key: handle.get_slice(key) for key in handle.keys()})
     try:
-        net = _build(sources, cfg, **place)
+        net = _build(sources, cfg, **place, name=name)
     except ModelLoadError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:
@@ -268,7 +270,7 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
         raise ModelLoadError(f"model {str(path)!r}: not a readable GGUF file ({type(e).__name__}: {reason})") from None
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)
-    net = _build(dict(hf.state_dict()), cfg, **place)
+    net = _build(dict(hf.state_dict()), cfg, **place, name=str(path))
     gen_cfg = hf.generation_config.to_dict()
     del hf
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

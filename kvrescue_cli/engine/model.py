@@ -1,4 +1,4 @@
-"""One compact decoder for the Qwen2 and Llama families (gpt-fast style), plus the LM and PRM heads.
+"""One compact decoder for the Qwen2, Qwen3 and Llama families (gpt-fast style), plus the LM and PRM heads.
 
 Attention is delegated to a `KVCache` so the same decoder serves the evicting base, the full-context
 helper and the PRM; without a cache it runs a plain causal forward. Under tensor parallelism (`tp.py`)
@@ -78,12 +78,17 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wqkv = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None  # Qwen3: per head, before RoPE
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         R, T, _ = x.shape
         qk_heads = self.n_heads + self.n_kv_heads
         qkv = self.wqkv(x).view(R, T, qk_heads + self.n_kv_heads, self.head_dim).transpose(1, 2)
-        qk = apply_rope(qkv[:, :qk_heads], cos, sin)  # the queries' and keys' heads in one pass
+        qk = qkv[:, :qk_heads]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, : self.n_heads]), self.k_norm(qk[:, self.n_heads :])], dim=1)
+        qk = apply_rope(qk, cos, sin)  # the queries' and keys' heads in one pass
         q, k, v = qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, qk_heads:]
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
@@ -235,7 +240,7 @@ class ProcessRewardModel(Transformer):
 
 
 def hf_to_engine_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Map Hugging Face Qwen2/Llama(/PRM) weight names to this module's, fusing q/k/v and gate/up."""
+    """Map Hugging Face Qwen2/Qwen3/Llama(/PRM) weight names to this module's, fusing q/k/v and gate/up."""
     out: dict[str, torch.Tensor] = {}
     pre = "model."
     out["decoder.tok_embeddings.weight"] = sd[pre + "embed_tokens.weight"]
@@ -247,6 +252,9 @@ def hf_to_engine_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dic
         if args.qkv_bias:
             out[o + "attention.wqkv.bias"] = torch.cat([sd[a + f"{x}_proj.bias"] for x in "qkv"])
         out[o + "attention.wo.weight"] = sd[a + "o_proj.weight"]
+        if args.qk_norm:
+            out[o + "attention.q_norm.weight"] = sd[a + "q_norm.weight"]
+            out[o + "attention.k_norm.weight"] = sd[a + "k_norm.weight"]
         m = p + "mlp."
         out[o + "feed_forward.w13.weight"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
         out[o + "feed_forward.w2.weight"] = sd[m + "down_proj.weight"]

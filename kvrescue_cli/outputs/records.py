@@ -21,6 +21,7 @@ FINISHES = ("step", "eos", "length", "entropy", "repetition")
 DETECTOR_FINISHES = ("entropy", "repetition")
 STOPS = ("eos", "context", "steps", "skipped", "failed")
 UNDECODED = ("skipped", "failed")
+ANSWER_FROM = ("output", "after_think")
 
 
 @dataclass
@@ -81,6 +82,8 @@ class Trace:
     timings: dict[str, float]
     peak_base_rows: int
     prm_truncations: int
+    graders: dict[str, dict[str, Any]] = field(default_factory=dict)  # --also-grade: {pred, correct, timed_out}
+    answer_from: str = "output"  # "after_think": the answer was read after the output's last </think>
 
     @classmethod
     def skipped(cls, idx: int, problem: str, gt: str, gt_norm: str, reason: str) -> Trace:
@@ -130,6 +133,13 @@ class Trace:
             for c in cands:
                 if c.source not in SOURCES or c.finish not in FINISHES:
                     problems.append(f"step {i}: candidate source/finish {c.source!r}/{c.finish!r}")
+        for name, verdict in self.graders.items():
+            if not (isinstance(verdict, dict) and set(verdict) == {"pred", "correct", "timed_out"}
+                    and isinstance(verdict["pred"], str) and isinstance(verdict["correct"], bool)
+                    and isinstance(verdict["timed_out"], bool)):
+                problems.append(f"graders[{name!r}]: expected {{pred, correct, timed_out}}")
+        if self.answer_from not in ANSWER_FROM:
+            problems.append(f"answer_from {self.answer_from!r} not in {ANSWER_FROM}")
         missing = {"wall_s", "started_at", "finished_at"} - set(self.timings)
         if missing:
             problems.append(f"timings lack {sorted(missing)}")

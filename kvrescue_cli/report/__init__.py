@@ -12,6 +12,8 @@ to tell finished runs from running or interrupted ones). Conventions:
 - Oracle-of-two: per seed present in both, a problem counts correct when `bon` (N = 1) or `helper`
   (N = 1) solved it, over the problems both recorded; the share of the eviction loss it recovers is
   (A_oracle - A_bon) / (A_full - A_bon) with `full` at N = 1.
+- Over seeds (configurations with two seeds or more): avg@n, unbiased pass@k and maj@k over the problems every
+  seed recorded (`report.seeds`).
 """
 
 from kvrescue_cli.report.load import FolderNote, ReportError, Run, load_runs

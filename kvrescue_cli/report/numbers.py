@@ -169,6 +169,12 @@ def oracle(rows: list[Row]) -> list[dict[str, Any]]:
     return out
 
 
+def agreement(pairs: list[tuple[bool, bool]]) -> tuple[int, int, int, int]:
+    """Of (verdict a, verdict b) pairs: how many both correct, only a, only b, neither."""
+    return (sum(a and b for a, b in pairs), sum(a and not b for a, b in pairs), sum(b and not a for a, b in pairs),
+            sum(not a and not b for a, b in pairs))
+
+
 def quantiles(values: list[float]) -> list[float | None]:
     """Linear-interpolation quantiles (numpy's default)."""
     if not values:

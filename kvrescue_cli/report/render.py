@@ -116,6 +116,9 @@ def print_rich(tables: list[Table], console: Any) -> None:
             console.print(f"  {n}", highlight=False, soft_wrap=True)
 
 
+MIN_ACCURACY_SPAN = 10.0  # percentage points: an axis over equal accuracies still reads as a scale
+
+
 def plot(runs: list[Run], out: Path) -> Path:
     """Write `plot_image` to `out` atomically (a regular file or absent, never through a link), in the format
     its suffix names."""
@@ -124,8 +127,28 @@ def plot(runs: list[Run], out: Path) -> Path:
 
 
 def plot_image(runs: list[Run], image_format: str) -> bytes:
-    """Accuracy vs budget per bench (Figure 5) as a `image_format` (png, svg) image: a line per method, dashed
-    full, dotted helper. Every text is plain text: a `$` in a model id is a dollar sign, never mathtext."""
+    """`accuracy_figure(runs)` as a `image_format` (png, svg) image."""
+    import matplotlib.pyplot as plt
+
+    fig = accuracy_figure(runs)
+    image = io.BytesIO()
+    fig.savefig(image, format=image_format, dpi=120)
+    plt.close(fig)
+    return image.getvalue()
+
+
+def accuracy_limits(low: float, high: float) -> tuple[float, float]:
+    """The accuracy axis: the data's range within 0-100 %, at least MIN_ACCURACY_SPAN points wide."""
+    low, high = max(0.0, low), min(100.0, high)
+    grow = max(0.0, MIN_ACCURACY_SPAN - (high - low)) / 2
+    low, high = low - grow, high + grow
+    shift = max(0.0, -low) - max(0.0, high - 100.0)  # slide a widened axis back inside 0-100
+    return max(0.0, low + shift), min(100.0, high + shift)
+
+
+def accuracy_figure(runs: list[Run]):
+    """Accuracy vs budget per bench (Figure 5): a line per method, dashed full, dotted helper. Every text is plain
+    text: a `$` in a model id is a dollar sign, never mathtext."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,12 +192,10 @@ def plot_image(runs: list[Run], image_format: str) -> bytes:
         ax.set_title(bench)
         ax.set_xlabel("KV budget B")
         ax.set_ylabel("accuracy (%)")
+        ax.set_ylim(*accuracy_limits(*ax.get_ylim()))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     for text in fig.findobj(Text):
         text.set_parse_math(False)
     fig.tight_layout()
-    image = io.BytesIO()
-    fig.savefig(image, format=image_format, dpi=120)
-    plt.close(fig)
-    return image.getvalue()
+    return fig

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvrescue_cli.report.load import FolderNote, Run
 from kvrescue_cli.report.numbers import (
-    QUANTILES, Row, Table, budget_rank, find_row, method_rank, quantiles, thresholds, group_rows, oracle, recovery,
+    QUANTILES, Row, Table, agreement, budget_rank, find_row, method_rank, quantiles, thresholds, group_rows, oracle,
+    recovery,
 )
+from kvrescue_cli.report.seeds import DEFAULT_KS, seed_metrics
 
 
 def setup_title(setup: tuple[str, str | None]) -> str:
@@ -29,12 +32,14 @@ def row_label(row: Row, rows: list[Row]) -> list[str]:
     return [label + (f" ({', '.join(extra)})" if extra else "")]
 
 
-def build_tables(runs: list[Run], notes: list[FolderNote]) -> list[Table]:
-    """Every table of the report, in display order."""
+def build_tables(runs: list[Run], notes: list[FolderNote], ks: Sequence[int] = DEFAULT_KS) -> list[Table]:
+    """Every table of the report, in display order; `ks`: the k of pass@k and maj@k."""
     tables = [runs_table(runs, notes)]
     for setup, rows in group_rows(runs).items():
         title = setup_title(setup)
-        tables += [accuracy_table(rows, title), recovery_table(rows, title), cost_table(rows, title),
+        tables += [accuracy_table(rows, title), seeds_table(rows, title, ks), graders_table(rows, title),
+                   recovery_table(rows, title),
+                   cost_table(rows, title),
                    ablation_table(rows, title), helper_share_table(rows, title), oracle_table(rows, title),
                    calibration_table(rows, title)]
     return [t for t in tables if t.rows]
@@ -77,6 +82,47 @@ def accuracy_table(rows: list[Row], setup: str) -> Table:
         t.notes.append("* includes runs still in progress")
     if any(r.runs[0].config.synthetic for r in rows):
         t.notes.append("synthetic runs (random checkpoints) report no accuracy")
+    return t
+
+
+def seeds_table(rows: list[Row], setup: str, ks: Sequence[int]) -> Table:
+    """avg@n, pass@k and maj@k of every configuration run with two seeds or more (k up to the most seeds)."""
+    rows = [r for r in rows if len(r.runs) >= 2 and not r.runs[0].config.synthetic]
+    most = max((len(r.runs) for r in rows), default=0)
+    ks = [k for k in ks if k <= most]
+    t = Table("seeds", f"Over seeds: avg@n, pass@k, maj@k — {setup}",
+              ["bench", "method", "N", "budget", "seeds", "problems", "avg@n",
+               *[f"pass@{k}" for k in ks], *[f"maj@{k}" for k in ks]],
+              ["text", "text", "int", "int", "int", "int", "pct", *["pct"] * (2 * len(ks))])
+    for row in rows:
+        m = seed_metrics(row, ks)
+        t.rows.append([row.key.bench, *row_label(row, rows), row.key.n, row.key.budget, m.seeds, m.problems, m.avg,
+                       *(m.pass_at[k] for k in ks), *(m.maj_at[k] for k in ks)])
+    if t.rows:
+        t.notes += ["over the problems every seed recorded; pass@k: the unbiased estimator (Chen et al. 2021); "
+                    "maj@k: majority of k seeds' predictions, ties to the lowest seed's answer, averaged over every "
+                    "choice of k seeds; n/a where k exceeds the seeds"]
+    if any(r.partial for r in rows):
+        t.notes.append("* includes runs still in progress")
+    return t
+
+
+def graders_table(rows: list[Row], setup: str) -> Table:
+    """Per configuration and other grader (`--also-grade`): accuracy by each and where they agree."""
+    t = Table("graders", f"Cross-grader agreement — {setup}",
+              ["bench", "method", "N", "budget", "grader", "other", "problems", "accuracy", "other accuracy",
+               "both correct", "only grader", "only other", "neither"],
+              ["text", "text", "int", "int", "text", "text", "int", "pct", "pct", "int", "int", "int", "int"])
+    for row in rows:
+        primary = row.runs[0].config.settings.get("grader", "qwen")
+        traces = [tr for run in row.runs for tr in run.traces]
+        for other in sorted({name for tr in traces for name in tr.graders}):
+            pairs = [(bool(tr.correct), bool(tr.graders[other]["correct"])) for tr in traces if other in tr.graders]
+            t.rows.append([row.key.bench, *row_label(row, rows), row.key.n, row.key.budget, primary, other, len(pairs),
+                           sum(a for a, _ in pairs) / len(pairs), sum(b for _, b in pairs) / len(pairs),
+                           *agreement(pairs)])
+    if t.rows:
+        t.notes.append("problems of every seed whose trace has both verdicts (kvrescue run --also-grade)")
     return t
 
 

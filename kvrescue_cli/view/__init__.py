@@ -9,24 +9,26 @@ by side with the same problem under the other runs, aligned by step. `data` buil
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable
 
 from kvrescue_cli import report as rep
 from kvrescue_cli.files import write_file_atomic
+from kvrescue_cli.report.seeds import DEFAULT_KS
 from kvrescue_cli.view.data import detail_chunks, page_data
 from kvrescue_cli.view.page import render
 
 
-def write_view(paths: Iterable[Path | str], out: Path,
-               candidate_texts: bool = True) -> tuple[list[rep.Run], list[rep.FolderNote]]:
+def write_view(paths: Iterable[Path | str], out: Path, candidate_texts: bool = True,
+               ks: Sequence[int] = DEFAULT_KS) -> tuple[list[rep.Run], list[rep.FolderNote]]:
     """Read the run folders under `paths` and write the page to `out` atomically (without the texts of
-    candidates that were not committed unless `candidate_texts`: they are most of a page's size).
+    candidates that were not committed unless `candidate_texts`: they are most of a page's size); `ks`: the k of
+    the report's pass@k and maj@k.
 
     Returns the runs shown and the notes on folders (unusable folders, runs in progress), as `report.load_runs`.
     """
     runs, notes = rep.load_runs(paths)
-    html = render(page_data(runs, notes, candidate_texts), [detail_chunks(run, candidate_texts) for run in runs],
+    html = render(page_data(runs, notes, candidate_texts, ks), [detail_chunks(run, candidate_texts) for run in runs],
                   title=f"kvrescue runs ({len(runs)} run{'s' * (len(runs) != 1)})")
     write_file_atomic(out, html.encode("utf-8"))
     return runs, notes

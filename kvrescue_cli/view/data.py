@@ -19,12 +19,14 @@ traces with idx // chunk == c, without the problem's text and answer (kept once 
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any
 
 import orjson
 
 from kvrescue_cli import report as rep
+from kvrescue_cli.report.seeds import DEFAULT_KS
 from kvrescue_cli.outputs import Trace
 
 SHARED_FIELDS = ("problem", "gt", "gt_norm", "output")
@@ -87,9 +89,10 @@ def detail_chunks(run: rep.Run, candidate_texts: bool = True) -> dict[int, list[
     return chunks
 
 
-def page_data(runs: list[rep.Run], notes: list[rep.FolderNote], candidate_texts: bool = True) -> dict[str, Any]:
+def page_data(runs: list[rep.Run], notes: list[rep.FolderNote], candidate_texts: bool = True,
+              ks: Sequence[int] = DEFAULT_KS) -> dict[str, Any]:
     """The index the page unpacks when it opens, as plain JSON data (see the module docstring)."""
-    tables = rep.build_tables(runs, notes)
+    tables = rep.build_tables(runs, notes, ks)
     svg, plot_note = plot_svg(runs)
     shown: dict[tuple[str, int], dict[str, Any]] = {}
     for run in runs:

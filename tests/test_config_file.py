@@ -1,0 +1,125 @@
+"""`kvrescue run --config FILE.toml`: the shipped grids parse into the paper's, the command line overrides the
+file, a folder made from a file is the folder made from the same flags, and bad files are one-line errors."""
+
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from kvrescue_cli import runs
+from kvrescue_cli.cli import _run_option_kinds, app
+from kvrescue_cli.config_file import read_grid_file
+from kvrescue_cli.data import ProblemSet
+from kvrescue_cli.grid import GridOptions
+from tests.test_run import kvrescue_run
+from tests.test_run_options import MODELS, folders, ok, problems  # noqa: F401  (problems: a fixture)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+PAPER_METHODS = ["full", "helper", "bon", "kvrescue"]
+FIVE_SEEDS = [0, 1, 2, 3, 4]
+
+
+def grid_of(monkeypatch, *args: str) -> GridOptions:
+    """The GridOptions `kvrescue run ARGS` hands to `run_grid` (which is replaced: nothing is decoded)."""
+    seen: list[GridOptions] = []
+    monkeypatch.setattr(runs, "run_grid", lambda options, progress: seen.append(options) or [])
+    done = CliRunner().invoke(app, ["run", *args])
+    assert done.exit_code == 0, done.output
+    (options,) = seen
+    return options
+
+
+def cells(options: GridOptions) -> set[tuple]:
+    """(bench, method, budget, n, seed) of every cell, from the grid's own rule."""
+    sets = [ProblemSet(name=b, source=b, grading_bench=b, problems=[]) for b in options.benches]
+    return {(c.problems.name, c.method, c.budget, c.n, c.seed) for c in options.cells(sets)}
+
+
+def paper_cells(benches: list[str], methods: list[str], budgets: list[int], seeds: list[int]) -> set[tuple]:
+    return {(b, m, budget if m in ("bon", "interleave", "kvrescue") else None, 8, s)
+            for b in benches for m in methods for budget in budgets for s in seeds}
+
+
+def test_paper_7b_is_table_5s_grid(monkeypatch):
+    options = grid_of(monkeypatch, "--config", str(EXAMPLES / "paper-7b.toml"), "--devices", "cpu")
+    assert options.models == {"base": "Qwen/Qwen2.5-Math-7B-Instruct", "helper": "Qwen/Qwen2.5-Math-1.5B-Instruct",
+                              "prm": "Qwen/Qwen2.5-Math-PRM-7B"}
+    assert options.scorer == "prm" and options.evictor == "rkv" and options.out == Path("runs/paper-7b")
+    budgets = [64, 128, 256, 512]
+    assert cells(options) == (paper_cells(["math500", "gsm8k", "olympiadbench"], PAPER_METHODS, budgets, [0])
+                              | paper_cells(["aime24", "amc23"], PAPER_METHODS, budgets, FIVE_SEEDS))
+    assert len(cells(options)) == 3 * (2 + 2 * 4) + 2 * 5 * (2 + 2 * 4)
+
+
+def test_paper_72b_is_table_3s_setting(monkeypatch):
+    # the file names 8 GPUs; on this machine the command line gives the CPU instead (and overrides the file)
+    options = grid_of(monkeypatch, "--config", str(EXAMPLES / "paper-72b-tp8.toml"), "--devices", "cpu")
+    assert options.tp == 8 and options.models["base"] == "Qwen/Qwen2.5-Math-72B-Instruct"
+    assert cells(options) == (paper_cells(["math500", "gsm8k", "olympiadbench"], ["full", "bon", "kvrescue"], [64], [0])
+                              | paper_cells(["aime24", "amc23"], ["full", "bon", "kvrescue"], [64], FIVE_SEEDS))
+    command = typer.main.get_command(app).commands["run"]
+    kinds = _run_option_kinds(typer.Context(command))
+    assert read_grid_file(EXAMPLES / "paper-72b-tp8.toml", *kinds).options["devices"] == \
+        ",".join(f"cuda:{i}" for i in range(8))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "grid.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_command_line_overrides_the_file(monkeypatch, tmp_path):
+    path = write(tmp_path, 'n = 8\ntemperature = 0.5\ntop-k = 5\nproblem_field = "q"\nbench = ["gsm8k"]\n'
+                           '[[grid]]\nseed = [1, 2]\n[[grid]]\nseed = 7\nmethod = "bon"\n')
+    options = grid_of(monkeypatch, "--config", str(path), "--devices", "cpu", "--n", "2", "--top-k", "9",
+                      "--seed", "3")
+    assert options.ns == [2] and options.settings.sampling.top_k == 9  # the command line
+    assert options.settings.sampling.temperature == 0.5 and options.problem_field == "q"  # the file
+    assert cells(options) == {("gsm8k", "kvrescue", 64, 2, 3), ("gsm8k", "bon", 64, 2, 3)}  # --seed in every grid
+
+
+def test_a_file_and_the_same_flags_make_the_same_folders(tmp_path, problems, qwen2_dir, prm_dir):  # noqa: F811
+    out = tmp_path / "runs"
+    path = write(tmp_path, f'bench = "{problems}"\nmethod = ["bon", "kvrescue"]\nbudget = 16\nn = 2\nlimit = 2\n'
+                           f'base = "{qwen2_dir}"\nhelper = "{qwen2_dir}"\nprm = "{prm_dir}"\ndevice = "cpu"\nout = "{out}"\n'
+                           'synthetic-steps = "48:2"\nmax-step-tokens = 48\ncontext-cap = 1024\n')
+    ok(kvrescue_run("--config", str(path)))
+    made = folders(out)
+    assert sorted(made) == ["tiny/bon-rkv-b16-n2-s0", "tiny/kvrescue-rkv-b16-n2-s0"]
+    written = {name: (p / "traces.jsonl").read_bytes() for name, p in made.items()}
+    again = ok(kvrescue_run("--bench", str(problems), "--method", "bon,kvrescue", "--budget", "16", "--n", "2",
+                            "--limit", "2", *MODELS(qwen2_dir, prm_dir), "--helper", str(qwen2_dir), "--out", str(out), "--synthetic-steps", "48:2",
+                            "--max-step-tokens", "48", "--context-cap", "1024"))
+    assert folders(out) == made  # the same folders (no note of a folder with other settings), nothing decoded again
+    assert b"note:" not in again.stderr
+    assert {name: (p / "traces.jsonl").read_bytes() for name, p in made.items()} == written
+
+
+@pytest.mark.parametrize("text, says", [
+    ("bnech = 'math500'\n", "unknown key 'bnech'"),
+    ("n = 'eight'\n", "key 'n': expected an integer or a non-empty list of them, got str 'eight'"),
+    ("temperature = 'hot'\n", "key 'temperature': expected a number"),
+    ("top-k = 2.5\n", "key 'top-k': expected an integer"),
+    ("overwrite = 1\n", "key 'overwrite': expected true or false"),
+    ("limit = true\n", "key 'limit': expected an integer"),
+    ("budget = []\n", "key 'budget': expected an integer or a non-empty list"),
+    ("problem-field = 'a'\nproblem_field = 'b'\n", "key 'problem_field' conflicts with key 'problem-field'"),
+    ("limit = 0\n", "key 'limit':"),
+    ("[[grid]]\ntemperature = 0.5\n", "[[grid]] 1: key 'temperature': a [[grid]] gives only the axes"),
+    ("grid = 3\n", "key 'grid': expected [[grid]] tables"),
+    ("n = [8\n", "not valid TOML"),
+])
+def test_bad_files_are_one_line_errors(tmp_path, text, says):
+    path = write(tmp_path, text)
+    done = CliRunner().invoke(app, ["run", "--config", str(path), "--devices", "cpu"])
+    assert done.exit_code == 2, done.output
+    lines = done.output.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and says in lines[0], done.output
+
+
+def test_a_folder_or_an_oversized_file_is_refused(tmp_path):
+    for path, says in ((tmp_path, "not a regular file"), (write(tmp_path, "#" * (2 << 20)), "larger than")):
+        done = CliRunner().invoke(app, ["run", "--config", str(path)])
+        assert done.exit_code == 2 and says in done.output and len(done.output.strip().splitlines()) == 1
