@@ -32,7 +32,6 @@ from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelConfigError, load_config
 from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings, StepRunner
 from kvrescue_cli.vllm_engine.roles import VllmEngines, engine_specs
-from kvrescue_cli.shapes import SLACK
 
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
 
@@ -91,7 +90,7 @@ def _cache_tokens(options: GridOptions, role: str) -> int:
     build)."""
     s, n = options.settings, max(options.ns)
     if role == "base":
-        evicted = s.batch * (n + 1) * (max(options.budgets) + SLACK + s.max_step_tokens)
+        evicted = s.batch * (n + 1) * (max(options.budgets) + options.buffer + s.max_step_tokens)
         return max([evicted if options.evicts(m) else _full_tokens(s, n) for m in options.methods
                     if METHODS[m].base and not options.on_vllm("base", m)])
     if role == "prm":
@@ -207,8 +206,8 @@ def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel],
         runners[role] = vllm.runner(role)
     if spec.base and "base" not in runners:
         base = models["base"]
-        cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, max_append=s.max_step_tokens,
-                                        rows=s.batch * (cell.n + 1))
+        cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, slack=options.buffer,
+                                        max_append=s.max_step_tokens, rows=s.batch * (cell.n + 1))
                  if options.evicts(cell.method) else FullCache.for_model(base.net, _full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
         runners["base"] = Runner(base, cache, cuda_graphs=options.cuda_graphs)
     if spec.helper and "helper" not in runners:

@@ -12,6 +12,7 @@ from kvrescue_cli.engine.loader import DTYPES
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.search import SearchSettings
+from kvrescue_cli.shapes import SLACK
 
 SCORERS = ("prm", "helper-loglik")
 ENGINES = ("native", "vllm")
@@ -55,6 +56,7 @@ class GridOptions:
     tp: int = 1  # devices per group: every model is sharded over a group's K devices (rank_group.py)
     engine: str = "native"  # vllm: the full-context roles on vLLM (vllm_roles), the rest on this engine
     vllm_memory: float = 0.4  # with engine vllm: vLLM's share of the device (of RAM on a CPU)
+    buffer: int = SLACK  # W: entries an evicted row appends past the budget before a compression (B' = B + W)
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
@@ -83,6 +85,8 @@ class GridOptions:
                 raise InputError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
         if self.evictor not in CHOICES:
             raise InputError(f"unknown evictor '{self.evictor}': use one of {', '.join(CHOICES)}")
+        if self.buffer < 1:
+            raise InputError(f"--buffer {self.buffer}: need at least 1 entry past the budget (B' = B + W)")
         if self.scorer not in SCORERS:
             raise InputError(f"unknown scorer '{self.scorer}': use a PRM, or one of {', '.join(SCORERS[1:])}")
         cap = self.settings.context_cap

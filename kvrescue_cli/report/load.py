@@ -9,6 +9,7 @@ from typing import Any, Iterable
 
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
+from kvrescue_cli.shapes import SLACK
 from kvrescue_cli.outputs import (
     CONFIG, SUMMARY, TRACES, RunConfig, RunFolderError, Summary, Trace, read_json, read_traces, recorded_shards, recorded_total,
     summarize,
@@ -45,10 +46,16 @@ class Run:
         return self.config.scorer, prm.id if prm else None
 
     @property
+    def evictor(self) -> str:
+        """The evictor, with R-KV's buffer W when it is not the default (runs at other buffers are other rows)."""
+        buffer = self.config.settings.get("buffer")
+        return self.config.evictor + (f", W={buffer}" if buffer not in (None, SLACK) else "")
+
+    @property
     def row(self) -> RowKey:
         c = self.config
         spec = METHODS[c.method]
-        return RowKey(c.bench_name(), c.method, c.evictor, c.n, c.budget, self.base if spec.base else None,
+        return RowKey(c.bench_name(), c.method, self.evictor, c.n, c.budget, self.base if spec.base else None,
                       self.helper if spec.helper else None)
 
 
