@@ -183,6 +183,9 @@ def run(
     base: Optional[str] = typer.Option(None, help="base model: Hub id, local folder or .gguf file"),
     helper: Optional[str] = typer.Option(None, help="helper model: Hub id, local folder or .gguf file"),
     prm: Optional[str] = typer.Option(None, help="PRM: Hub id or folder, or 'helper-loglik' (named alternative scorer)"),
+    prm_format: str = typer.Option("paper", help="the PRM's input: paper (prompt, then the steps each ending in "
+                                   "\\n\\n, scored at the last token) or model-card (steps joined by <extra_0>, "
+                                   "scored at the last one); README, PRM recipes"),
     preset: Optional[str] = typer.Option(None, help="cpu-demo: SmolLM2-135M from PyPI as base and helper, helper-loglik scorer"),
     limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
     out: Path = typer.Option(Path("runs"), help="root folder of run folders"),
@@ -268,7 +271,7 @@ def run(
         scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
         overwrite=overwrite, devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp, engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
-        buffer=buffer,
+        buffer=buffer, prm_format=prm_format,
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())

@@ -21,6 +21,7 @@ from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import DTYPES, LoadedModel, ModelLoadError, load_model
 from kvrescue_cli.engine.prm import PRMScorer
+from kvrescue_cli.engine.prm_recipe import RECIPES
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
 from kvrescue_cli.errors import InputError
@@ -223,7 +224,7 @@ def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], vl
         return vllm.scorer()
     if options.scorer == "prm":
         return PRMScorer(models["prm"], max_problems=s.batch, max_candidates=s.batch * 2 * cell.n,
-                         max_step_tokens=s.max_step_tokens)
+                         max_step_tokens=s.max_step_tokens, recipe=RECIPES[options.prm_format])
     helper = models["helper"]
     cache = FullCache.for_model(helper.net, _loglik_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
     return HelperLoglik(Runner(helper, cache))

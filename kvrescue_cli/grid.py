@@ -9,6 +9,7 @@ from pathlib import Path
 from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
 from kvrescue_cli.engine.loader import DTYPES
+from kvrescue_cli.engine.prm_recipe import PRM_FORMATS
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.search import SearchSettings
@@ -57,6 +58,7 @@ class GridOptions:
     engine: str = "native"  # vllm: the full-context roles on vLLM (vllm_roles), the rest on this engine
     vllm_memory: float = 0.4  # with engine vllm: vLLM's share of the device (of RAM on a CPU)
     buffer: int = SLACK  # W: entries an evicted row appends past the budget before a compression (B' = B + W)
+    prm_format: str = "paper"  # the PRM's input recipe (engine/prm_recipe.py)
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
@@ -89,6 +91,8 @@ class GridOptions:
             raise InputError(f"--buffer {self.buffer}: need at least 1 entry past the budget (B' = B + W)")
         if self.scorer not in SCORERS:
             raise InputError(f"unknown scorer '{self.scorer}': use a PRM, or one of {', '.join(SCORERS[1:])}")
+        if self.prm_format not in PRM_FORMATS:
+            raise InputError(f"--prm-format {self.prm_format!r}: expected {' or '.join(PRM_FORMATS)}")
         cap = self.settings.context_cap
         for budget in self.budgets:
             if budget < MIN_BUDGET:

@@ -298,3 +298,20 @@ def test_ctrl_c_writes_what_finished_and_the_same_command_resumes(problems, qwen
     assert b"kvrescue run" in done.stderr
     after = traces(folder)
     assert [t["idx"] for t in after] == list(range(6)) and all(t in after for t in kept)
+
+
+# -- the PRM's recipe ------------------------------------------------------------------------------------
+def test_prm_format_is_part_of_the_configuration_and_changes_the_scores(problems, qwen2_dir, prm_dir, tmp_path):
+    common = ["--bench", str(problems), "--method", "bon", "--budget", "16", "--n", "2", "--limit", "1",
+              *MODELS(qwen2_dir, prm_dir), "--max-step-tokens", "8", "--max-steps", "3", "--out", str(tmp_path)]
+    ok(kvrescue_run(*common))  # the paper's recipe by default
+    ok(kvrescue_run(*common, "--prm-format", "model-card"))
+    folders_ = sorted(p for p in (tmp_path / "tiny").iterdir())
+    assert len(folders_) == 2  # two folder identities
+    by_format = {orjson.loads((f / "config.json").read_bytes())["config"]["settings"]["prm_format"]: f for f in folders_}
+    assert set(by_format) == {"paper", "model-card"}
+    first = [traces(by_format[k])[0]["candidates"][0] for k in ("paper", "model-card")]
+    assert [c["tokens"] for c in first[0]] == [c["tokens"] for c in first[1]]  # the same candidates, scored apart
+    assert [c["score"] for c in first[0]] != [c["score"] for c in first[1]]
+    report = ok(subprocess.run([KVRESCUE, "report", str(tmp_path), "--format", "md"], capture_output=True))
+    assert b"paper recipe" in report.stdout and b"model-card recipe" in report.stdout

@@ -40,10 +40,18 @@ class Run:
         return self.config.models["helper"].id if "helper" in self.config.models else None
 
     @property
+    def prm_format(self) -> str | None:
+        """The PRM's input recipe (`--prm-format`); None without a PRM, and in runs recorded before the option (they
+        used the model card's)."""
+        return self.config.settings.get("prm_format")
+
+    @property
     def setup(self) -> tuple[str, str | None]:
-        """What every compared run must share: the scorer (and PRM model)."""
+        """What every compared run must share: the scorer (and PRM model, with its input recipe)."""
         prm = self.config.models.get("prm")
-        return self.config.scorer, prm.id if prm else None
+        if prm is None:
+            return self.config.scorer, None
+        return self.config.scorer, prm.id + (f", {self.prm_format} recipe" if self.prm_format else "")
 
     @property
     def evictor(self) -> str:
