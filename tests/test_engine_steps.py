@@ -1,16 +1,18 @@
 """Step generation on a real loaded checkpoint whose weights are set to follow a bigram script."""
 
+import math
 import random
 
 import pytest
 import torch
 
-from kvrescue_cli.detect import Detector, DetectorConfig
+from kvrescue_cli.detect import DetectorConfig, gzip_ratio
 from kvrescue_cli.engine import FullCache, load_model
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine import steps as steps_module
 from kvrescue_cli.engine.steps import STEP_DELIMITER, StepRules, StepTable, generate_steps, step_table
+from tests.detector_oracle import Detector
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
@@ -119,6 +121,21 @@ def test_context_cap_and_the_detector_screens_every_token_the_last_one_too(qwen2
     assert res[0].finish == "entropy" and res[0].fired_at == 1
 
 
+def _agrees_with_the_oracle(tokenizer, r, config: DetectorConfig) -> None:
+    """The decode loop's finish, firing position and extremes equal the per-token oracle fed the same tokens."""
+    det = Detector(config)
+    reason, text = None, ""
+    for i, (token, h) in enumerate(zip(r.tokens, r.entropies)):
+        piece = tokenizer.decode(r.tokens[: i + 1]).rstrip("\ufffd")[len(text):]
+        text += piece
+        reason = det.update(piece, h)
+        if reason:
+            break
+    assert (reason or r.finish) == r.finish and (det.fired_at if reason else None) == r.fired_at
+    assert det.max_mean_entropy == pytest.approx(r.max_mean_entropy, abs=1e-9) if det.max_mean_entropy else r.max_mean_entropy is None
+    assert det.min_ratio == r.min_ratio
+
+
 def test_vectorised_detector_matches_the_per_token_reference(qwen2_dir) -> None:
     """Sampled steps screened on the device: finish, max mean entropy and min ratio equal `Detector` fed token by token."""
     m = load_model(qwen2_dir)
@@ -128,17 +145,78 @@ def test_vectorised_detector_matches_the_per_token_reference(qwen2_dir) -> None:
                      max_step_tokens=60, detector=config)
     assert {"entropy", "repetition", "length"} <= {r.finish for r in res}
     for r in res:
-        det = Detector(config)
-        reason, text = None, ""
-        for i, (token, h) in enumerate(zip(r.tokens, r.entropies)):
-            piece = m.tokenizer.decode(r.tokens[: i + 1]).rstrip("\ufffd")[len(text):]
-            text += piece
-            reason = det.update(piece, h)
-            if reason:
-                break
-        assert (reason or r.finish) == r.finish and (det.fired_at if reason else None) == r.fired_at
-        assert det.max_mean_entropy == pytest.approx(r.max_mean_entropy, abs=1e-9) if det.max_mean_entropy else r.max_mean_entropy is None
-        assert det.min_ratio == r.min_ratio
+        _agrees_with_the_oracle(m.tokenizer, r, config)
+
+
+# -- the detector's precedence and eligibility edges, on the decode loop (a one-character token repeated: the
+# text holds n characters after n tokens, and every token has the same entropy) ----------------------------------
+K = 8  # min_tokens: the first token the entropy test applies to
+OFF = dict(tau_ent=float("inf"), tau_cmp=float("-inf"))
+
+
+@pytest.fixture(scope="module")
+def repeat(qwen2_dir, tok):
+    (x,) = _ids(tok, "x")
+    return _scripted(qwen2_dir, {x: x}), x
+
+
+def _screened(m, prompt: list[int], config: DetectorConfig, max_step_tokens: int = 40):
+    (r,), _, _ = _run(m, [prompt], screened=[True], max_step_tokens=max_step_tokens, detector=config)
+    _agrees_with_the_oracle(m.tokenizer, r, config)
+    return r
+
+
+@pytest.mark.parametrize("cmp_chars, finish, at", [(K, "entropy", K), (K - 3, "repetition", K - 3),
+                                                    (K + 3, "entropy", K)])
+def test_entropy_wins_when_both_tests_fire_on_one_token(repeat, cmp_chars, finish, at) -> None:
+    m, x = repeat
+    # tau_ent -1 fires at the first token the entropy test applies to, tau_cmp 10 at the first the gzip test does
+    config = DetectorConfig(tau_ent=-1.0, ent_window=4, min_tokens=K, tau_cmp=10.0, cmp_chars=cmp_chars)
+    r = _screened(m, [x], config)
+    assert (r.finish, r.fired_at, len(r.tokens)) == (finish, at, at)
+
+
+def test_each_threshold_does_not_fire_at_equality_and_fires_just_past_it(repeat) -> None:
+    m, x = repeat
+    window = dict(ent_window=4, min_tokens=K, cmp_chars=K + 4)
+    calm = _screened(m, [x], DetectorConfig(**window, **OFF))
+    assert calm.finish == "length" and calm.min_ratio == gzip_ratio("x" * (K + 4))
+    mean, ratio = calm.max_mean_entropy, calm.min_ratio  # every checked position has these values
+    at = _screened(m, [x], DetectorConfig(**window, tau_ent=mean, tau_cmp=ratio))
+    assert at.finish == "length" and (at.max_mean_entropy, at.min_ratio) == (mean, ratio)
+    ent = _screened(m, [x], DetectorConfig(**window, tau_ent=math.nextafter(mean, -math.inf), tau_cmp=ratio))
+    assert (ent.finish, ent.fired_at) == ("entropy", K)  # the first eligible token
+    cmp = _screened(m, [x], DetectorConfig(**window, tau_ent=mean, tau_cmp=math.nextafter(ratio, math.inf)))
+    assert (cmp.finish, cmp.fired_at) == ("repetition", K + 4)  # the first token with cmp_chars characters
+
+
+def test_the_last_token_of_a_step_is_screened_whatever_ended_it(qwen2_dir, tok, repeat) -> None:
+    m, x = repeat
+    for config, finish in ((DetectorConfig(tau_ent=-1.0, min_tokens=K, **{"tau_cmp": OFF["tau_cmp"]}), "entropy"),
+                           (DetectorConfig(cmp_chars=K, tau_cmp=10.0, **{"tau_ent": OFF["tau_ent"]}), "repetition")):
+        r = _screened(m, [x], config, max_step_tokens=K)  # the length cap's token is the first eligible one
+        assert (r.finish, r.fired_at, len(r.tokens)) == (finish, K, K)
+    (nl,) = _ids(tok, "\n")
+    ends = _scripted(qwen2_dir, {x: nl, nl: nl})  # "\n" "\n": the delimiter ends the step at its second token
+    for config, finish in ((DetectorConfig(tau_ent=-1.0, min_tokens=2, ent_window=1, tau_cmp=OFF["tau_cmp"]), "entropy"),
+                           (DetectorConfig(cmp_chars=2, tau_cmp=100.0, tau_ent=OFF["tau_ent"]), "repetition")):
+        r = _screened(ends, [x], config)
+        assert (r.finish, r.fired_at, r.tokens) == (finish, 2, [nl, nl])
+    assert _screened(ends, [x], DetectorConfig(min_tokens=2, ent_window=1, **OFF)).finish == "step"
+
+
+def test_a_two_byte_character_at_the_800_character_boundary(qwen2_dir, tok) -> None:
+    """"é" is two byte tokens: after 1599 tokens the text holds 799 characters and half of one (not text yet), so
+    the gzip test first applies at token 1600, to 800 characters (1600 bytes)."""
+    e1, e2 = tok.encode("é")
+    m = _scripted(qwen2_dir, {e1: e2, e2: e1})
+    ratio = gzip_ratio("é" * 800)
+    config = DetectorConfig(tau_cmp=math.nextafter(ratio, math.inf))  # the paper's 800 characters
+    r = _screened(m, [e2], config, max_step_tokens=1700)
+    assert (r.finish, r.fired_at, r.min_ratio) == ("repetition", 1600, ratio)
+    assert r.text == "é" * 800
+    r = _screened(m, [e2], DetectorConfig(tau_cmp=100.0), max_step_tokens=1700)  # fires at the first eligible token
+    assert (r.finish, r.fired_at, r.min_ratio) == ("repetition", 1600, ratio)
 
 
 def test_sampled_steps_reproducible_and_batch_independent(qwen2_dir) -> None:

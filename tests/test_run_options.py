@@ -110,6 +110,25 @@ def test_evictors_change_the_outputs_and_none_equals_full(evictor_runs):
     assert config["evictor"] == "snapkv" and config["settings"]["synthetic_steps"] == [48, 12]
 
 
+def test_buffer_sets_b_prime_and_is_part_of_the_configuration(evictor_runs, problems, qwen2_dir, prm_dir, tmp_path):
+    out, buffer = tmp_path / "runs", 64  # B + W = 80 exceeds the ~57-token prompts
+    ok(kvrescue_run("--bench", str(problems), "--n", "2", "--limit", "2", "--budget", str(BUDGET), "--batch", "2",
+                    "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--out", str(out), "--method", "bon,full",
+                    "--buffer", str(buffer), *MODELS(qwen2_dir, prm_dir), *SYNTHETIC))
+    found = folders(out)
+    bon, full = found[f"tiny/bon-rkv-b{BUDGET}-n2-s0"], found["tiny/full-none-bfull-n2-s0"]
+    for t in traces(bon):  # compressed at B + W instead of B + 128, several times
+        assert t["peak_base_rows"] == BUDGET + buffer and cached(t) >= BUDGET + buffer + 3 * buffer
+    default = folders(evictor_runs)[f"tiny/bon-rkv-b{BUDGET}-n2-s0"]
+    assert bon.name != default.name  # another folder identity
+    assert [t["output"] for t in traces(bon)] != [t["output"] for t in traces(default)]
+    assert orjson.loads((bon / "config.json").read_bytes())["config"]["settings"]["buffer"] == buffer
+    assert orjson.loads((default / "config.json").read_bytes())["config"]["settings"]["buffer"] == 128
+    assert orjson.loads((full / "config.json").read_bytes())["config"]["settings"]["buffer"] is None  # no eviction
+    assert f"bon[rkv, W={buffer}]" in ok(subprocess.run([KVRESCUE, "report", str(out), str(evictor_runs), "--format",
+                                                         "csv"], capture_output=True)).stdout.decode()
+
+
 def test_synthetic_steps_end_every_step_after_len_tokens_and_every_problem_after_count(evictor_runs):
     for folder in folders(evictor_runs).values():
         for t in traces(folder):
@@ -280,3 +299,20 @@ def test_ctrl_c_writes_what_finished_and_the_same_command_resumes(problems, qwen
     assert b"kvrescue run" in done.stderr
     after = traces(folder)
     assert [t["idx"] for t in after] == list(range(6)) and all(t in after for t in kept)
+
+
+# -- the PRM's recipe ------------------------------------------------------------------------------------
+def test_prm_format_is_part_of_the_configuration_and_changes_the_scores(problems, qwen2_dir, prm_dir, tmp_path):
+    common = ["--bench", str(problems), "--method", "bon", "--budget", "16", "--n", "2", "--limit", "1",
+              *MODELS(qwen2_dir, prm_dir), "--max-step-tokens", "8", "--max-steps", "3", "--out", str(tmp_path)]
+    ok(kvrescue_run(*common))  # the paper's recipe by default
+    ok(kvrescue_run(*common, "--prm-format", "model-card"))
+    folders_ = sorted(p for p in (tmp_path / "tiny").iterdir())
+    assert len(folders_) == 2  # two folder identities
+    by_format = {orjson.loads((f / "config.json").read_bytes())["config"]["settings"]["prm_format"]: f for f in folders_}
+    assert set(by_format) == {"paper", "model-card"}
+    first = [traces(by_format[k])[0]["candidates"][0] for k in ("paper", "model-card")]
+    assert [c["tokens"] for c in first[0]] == [c["tokens"] for c in first[1]]  # the same candidates, scored apart
+    assert [c["score"] for c in first[0]] != [c["score"] for c in first[1]]
+    report = ok(subprocess.run([KVRESCUE, "report", str(tmp_path), "--format", "md"], capture_output=True))
+    assert b"paper recipe" in report.stdout and b"model-card recipe" in report.stdout

@@ -181,8 +181,9 @@ def test_base_win_adopts_in_the_base_and_appends_to_the_helper_and_the_reverse()
     # the last step is not appended (the problem stopped).
     for runner in (base, helper):
         assert [c[2] for c in runner.calls if c[0] == "commit"] == [[[1, 1, 1, 1]], [[12, 1, 1, 1]]]
-    # The appending model's prefill counts the other model's step; the adopting one already holds it.
-    assert state.prefilled == {"base": 3 + 4 + 4, "helper": 3 + 4}
+    # The appending model's prefill counts the other model's step; the adopting one already holds it; the last
+    # step (helper's, the problem stopped) is never appended to the base, so its prefill does not count it.
+    assert state.prefilled == {"base": 3 + 4, "helper": 3 + 4}
     assert state.generated == {"base": 3 * 2 * 4, "helper": 3 * 2 * 4}
     assert state.stop == "steps"
     # Every candidate row but the adopted one is released each step (2 + 2 per step, minus the winner).
@@ -304,7 +305,8 @@ def test_committed_steps_record_text_source_score_tokens_and_the_base_row_length
     assert [c for c in scorer.calls if c[0] == "commit"] == [("commit", 0, "1 1 1"), ("commit", 0, "10 1 1"),
                                                             ("commit", 0, "20 1")]
     # The base row adopts the winner's fork (the scripted cache holds all but the last token of a step):
-    # its length after each commit is what the step records, and its peak is the Finished's.
+    # its length after each commit is what the step records, and its peak is the Finished's: the committed
+    # lineage only (step 2's losing candidate 21 reached 3 + 2 + 2 + 3 rows; docs/outputs.md says so).
     base = runners["base"]
     row = done.state.rows["base"]
     assert [c[1] for c in base.calls if c[0] == "adopt"] == [row, row, row]

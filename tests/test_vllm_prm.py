@@ -1,13 +1,15 @@
 """PRM scores from vLLM's pooling runner equal PRMScorer's (fp32, random PRM), driven through the same scorer
-protocol: several problems, multi-step trajectories, several candidates a step, and a window that drops steps."""
+protocol in both recipes: several problems, multi-step trajectories, several candidates a step, and a window that
+drops steps; the same token ids, the same token count, and the committed prefix read from vLLM's prefix cache."""
 
 import pytest
 
 from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.loader import load_tokenizer
 from kvrescue_cli.engine.prm import PRMScorer
+from kvrescue_cli.engine.prm_recipe import RECIPES
 from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
-from tests.test_engine_prm import PROBLEMS, STEPS
+from tests.test_engine_prm import PROBLEMS, STEPS, recipe_ids
 
 pytestmark = pytest.mark.vllm
 
@@ -16,9 +18,27 @@ MORE_STEPS = STEPS + [["The square root of 144 is 12, since 12 * 12 = 144.\n\n",
 DISTRACTORS = ["A wrong turn: x = 7.\n\n", "\n\nWe start over", "Check: 3 * 5 + 5 = 15 + 5 = 20.<|im_end|>"]
 
 
-def drive(scorer, problems: list[str], steps: list[list[str]]) -> tuple[list[float], list[tuple[int, int]]]:
+class Recording:
+    """A vLLM engine that keeps the token ids of every request sent to `encode`, and its outputs."""
+
+    def __init__(self, llm) -> None:
+        self.llm, self.sent, self.outputs = llm, [], []
+
+    def __getattr__(self, name: str):
+        return getattr(self.llm, name)
+
+    def encode(self, prompts, *args, **kwargs):
+        self.sent += [p["prompt_token_ids"] for p in prompts]
+        outputs = self.llm.encode(prompts, *args, **kwargs)
+        self.outputs += outputs
+        return outputs
+
+
+def drive(scorer, problems: list[str], steps: list[list[str]], processed: list[int] | None = None
+          ) -> tuple[list[float], list[tuple[int, int]]]:
     """Every problem's candidates (its true step and the distractors) scored in one call per step, then the
-    true step committed; returns every score and each problem's (dropped steps, truncations)."""
+    true step committed; returns every score and each problem's (dropped steps, truncations), and appends each
+    problem's processed tokens to `processed`."""
     scores = []
     for key, problem in enumerate(problems):
         scorer.open(key, problem, [])
@@ -28,7 +48,10 @@ def drive(scorer, problems: list[str], steps: list[list[str]]) -> tuple[list[flo
         for k in live:
             scorer.commit(k, steps[k][t], [])
     dropped = [scorer.inputs.problems[k].kept_from for k in range(len(problems))]
-    return scores, [(d, scorer.close(k)[1]) for k, d in enumerate(dropped)]
+    closed = [scorer.close(k) for k in range(len(problems))]
+    if processed is not None:
+        processed += [tokens for tokens, _ in closed]
+    return scores, [(d, truncations) for d, (_, truncations) in zip(dropped, closed)]
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +59,39 @@ def prm(vllm_prm_dir):
     return load_model(vllm_prm_dir)
 
 
-def test_vllm_scores_equal_prm_scorer(prm, vllm_prm, vllm_prm_dir) -> None:
-    want, _ = drive(PRMScorer(prm, max_problems=4, max_candidates=16), MORE_PROBLEMS, MORE_STEPS)
+@pytest.mark.parametrize("recipe", ["paper", "model-card"])
+def test_vllm_scores_and_token_counts_equal_prm_scorer(prm, vllm_prm, vllm_prm_dir, recipe) -> None:
+    want_tokens, got_tokens = [], []
+    want, _ = drive(PRMScorer(prm, max_problems=4, max_candidates=16, recipe=RECIPES[recipe]), MORE_PROBLEMS,
+                    MORE_STEPS, want_tokens)
     tokenizer, _ = load_tokenizer(vllm_prm_dir)  # read as `--engine vllm` reads it, apart from PRMScorer's model
-    got, truncated = drive(VLLMPRMScorer(vllm_prm, tokenizer), MORE_PROBLEMS, MORE_STEPS)
+    got, truncated = drive(VLLMPRMScorer(vllm_prm, tokenizer, recipe=RECIPES[recipe]), MORE_PROBLEMS, MORE_STEPS,
+                           got_tokens)
     assert len(got) == len(want) == 4 * (3 + 3 + 2)
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
     assert len({round(s, 4) for s in want}) > len(want) // 2  # the candidates are told apart
     assert truncated == [(0, 0)] * 3
+    assert got_tokens == want_tokens  # a committed prefix counted once on both engines, and every candidate
+
+
+@pytest.mark.parametrize("recipe", ["paper", "model-card"])
+def test_vllm_is_sent_exactly_the_recipe_s_ids_and_reads_the_prefix_from_its_cache(vllm_prm, vllm_prm_dir,
+                                                                                    recipe) -> None:
+    tokenizer, _ = load_tokenizer(vllm_prm_dir)
+    llm = Recording(vllm_prm)
+    scorer = VLLMPRMScorer(llm, tokenizer, recipe=RECIPES[recipe])
+    problem = PROBLEMS[0] + " " + " ".join(f"Then {i} + {i} = {2 * i}." for i in range(40))  # over a 128-token block
+    scorer.open(0, problem, [])
+    for t, step in enumerate(STEPS[0]):
+        candidates = [step, *DISTRACTORS]
+        scorer.score([(0, text, []) for text in candidates])
+        for sent, text in zip(llm.sent[-len(candidates):], candidates):
+            assert sent == recipe_ids(tokenizer, recipe, problem, STEPS[0][:t] + [text])[0]
+        scorer.commit(0, step, [])
+    block = vllm_prm.llm_engine.vllm_config.cache_config.block_size
+    assert len(scorer.inputs.problems[0].prompt) >= block
+    assert all(out.num_cached_tokens >= block for out in llm.outputs[1:])  # the prefix computed once
+    scorer.close(0)
 
 
 def test_the_window_drops_the_same_steps(prm, vllm_prm) -> None:

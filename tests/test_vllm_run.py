@@ -90,3 +90,21 @@ def test_bad_vllm_options_are_one_line_errors(args, message, problems, step_qwen
     assert done.returncode == 2 and message in err, err[-2000:]
     assert len([line for line in err.splitlines() if line.strip()]) == 1
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("recipe", ["paper", "model-card"])
+def test_bon_scored_on_vllm_makes_the_native_choices_and_counts_the_same_prm_tokens(recipe, problems, step_qwen2_dir,
+                                                                                     vllm_prm_dir, tmp_path):
+    """bon's base decodes on this engine either way, so only the PRM moves to vLLM: the same steps are chosen, and
+    tokens.prm and prm_truncations are counted alike (vLLM reads each committed prefix from its prefix cache)."""
+    common = ["--bench", str(problems), "--method", "bon", "--limit", "2", "--base", str(step_qwen2_dir), "--prm",
+              str(vllm_prm_dir), "--prm-format", recipe, *SMALL]
+    for engine in ("native", "vllm"):
+        done = kvrescue_run("--engine", engine, "--out", str(tmp_path / engine), *common)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+    native, on_vllm = (sorted(read_folder(tmp_path / engine, "bon")[1], key=lambda t: t["idx"])
+                       for engine in ("native", "vllm"))
+    assert [t["output"] for t in on_vllm] == [t["output"] for t in native]
+    assert [(t["tokens"]["prm"], t["prm_truncations"]) for t in on_vllm] == \
+        [(t["tokens"]["prm"], t["prm_truncations"]) for t in native]
+    assert all(t["tokens"]["prm"] > 0 for t in native)

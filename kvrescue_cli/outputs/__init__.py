@@ -56,7 +56,8 @@ traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each prob
     n_steps         int: number of committed steps (== len(steps)).
     timings         dict of floats; always ``wall_s`` (the problem's own latency), ``started_at`` and
                     ``finished_at`` (Unix times); the controller may add more ``*_s`` entries.
-    peak_base_rows  int: the largest physical length any base cache row reached.
+    peak_base_rows  int: the largest physical length the committed base row reached (forks it inherited
+                    from included; losing candidates' rows are not counted).
     prm_truncations int: how many times the scorer input was cut to fit its window.
 
     Reading back: a last line without its newline (a crash mid-write) is dropped with a

@@ -9,6 +9,7 @@ from typing import Any, Iterable
 
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
+from kvrescue_cli.shapes import SLACK
 from kvrescue_cli.outputs import (
     CONFIG, SUMMARY, TRACES, RunConfig, RunFolderError, Summary, Trace, checked_record, read_json, read_traces,
     recorded_shards, recorded_total, summarize,
@@ -39,16 +40,30 @@ class Run:
         return self.config.models["helper"].id if "helper" in self.config.models else None
 
     @property
+    def prm_format(self) -> str | None:
+        """The PRM's input recipe (`--prm-format`); None without a PRM, and in runs recorded before the option (they
+        used the model card's)."""
+        return self.config.settings.get("prm_format")
+
+    @property
     def setup(self) -> tuple[str, str | None]:
-        """What every compared run must share: the scorer (and PRM model)."""
+        """What every compared run must share: the scorer (and PRM model, with its input recipe)."""
         prm = self.config.models.get("prm")
-        return self.config.scorer, prm.id if prm else None
+        if prm is None:
+            return self.config.scorer, None
+        return self.config.scorer, prm.id + (f", {self.prm_format} recipe" if self.prm_format else "")
+
+    @property
+    def evictor(self) -> str:
+        """The evictor, with R-KV's buffer W when it is not the default (runs at other buffers are other rows)."""
+        buffer = self.config.settings.get("buffer")
+        return self.config.evictor + (f", W={buffer}" if buffer not in (None, SLACK) else "")
 
     @property
     def row(self) -> RowKey:
         c = self.config
         spec = METHODS[c.method]
-        return RowKey(c.bench_name(), c.method, c.evictor, c.n, c.budget, self.base if spec.base else None,
+        return RowKey(c.bench_name(), c.method, self.evictor, c.n, c.budget, self.base if spec.base else None,
                       self.helper if spec.helper else None)
 
 

@@ -34,11 +34,13 @@ CHUNK = 20
 
 
 def run_label(run: rep.Run) -> str:
-    """method[evictor] B=.. N=.. seed=.., with a * when the run is in progress."""
+    """method[evictor] B=.. N=.. seed=.. (and the PRM's recipe when not the paper's), with a * when the run is in
+    progress."""
     c = run.config
-    method = c.method if c.evictor in ("rkv", "none") else f"{c.method}[{c.evictor}]"
+    method = c.method if run.evictor in ("rkv", "none") else f"{c.method}[{run.evictor}]"
     budget = "" if c.budget is None else f" B={c.budget}"
-    return f"{method}{budget} N={c.n} s{c.seed}" + ("*" if run.in_progress else "")
+    recipe = f" prm:{run.prm_format}" if run.prm_format not in (None, "paper") else ""
+    return f"{method}{budget} N={c.n} s{c.seed}{recipe}" + ("*" if run.in_progress else "")
 
 
 def tables_html(tables: list[rep.Table]) -> str:

@@ -3,6 +3,11 @@
 On a CPU vLLM's `gpu_memory_utilization` is the share of RAM it reserves (its default, 0.92, fails on a shared
 machine), so a CPU engine is given its KV cache's size in bytes instead. The engine core is a spawned process:
 a script that starts one needs the `if __name__ == "__main__"` guard.
+
+A pooling engine (the PRM's) pools `ALL` tokens with prefix caching on: vLLM allows the prefix cache for causal
+pooling models except with `STEP` pooling (the PRM's default; `ModelConfig.is_prefix_caching_supported` in 0.32),
+and with it each request returns the head at the tokens it computed, its last one among them, where both PRM
+recipes read the score.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ def start_llm(
     """A `vllm.LLM`: `runner` "pooling" for a PRM's token scores, "generate" for sampling; `memory` is the share
     of the device (vLLM's gpu_memory_utilization), `kv_cache_bytes` the KV cache's exact size (wins over it)."""
     vllm = require_vllm()
+    if runner == "pooling":
+        from vllm.config import PoolerConfig
+
+        engine_args.setdefault("pooler_config", PoolerConfig(tok_pooling_type="ALL"))
+        engine_args.setdefault("enable_prefix_caching", True)
     if memory is not None:
         engine_args["gpu_memory_utilization"] = memory
     if kv_cache_bytes is not None:

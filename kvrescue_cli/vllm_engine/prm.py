@@ -1,10 +1,10 @@
-"""PRM scores through vLLM's pooling runner: Qwen2ForProcessRewardModel's STEP pooling reads the head's logits at
-every `<extra_0>`; a candidate's score is softmax(logits)[1] at its last one (DESIGN section 5).
+"""PRM scores through vLLM's pooling runner: Qwen2ForProcessRewardModel's head logits at every token the request
+computes (`ALL` token pooling, which vLLM 0.32 lets read the prefix cache, where the PRM's default `STEP` pooling
+does not); a candidate's score is softmax(logits)[1] at its last token, in both recipes (DESIGN section 5).
 
-The token ids are PRMScorer's (engine/prm.py `PRMInputs`): same prompt, steps, dropped steps and cut candidates.
-vLLM's token classification reads no prefix cache (pooling over every token needs every token's hidden state),
-so each candidate is one request holding its problem's whole prefix: the prefix is recomputed per candidate,
-where PRMScorer computes it once per step.
+The token ids are PRMScorer's (engine/prm.py `PRMInputs`): same recipe, prompt, steps, dropped steps and cut
+candidates, and the same token count. Each candidate is one request holding its problem's whole prefix; vLLM's
+prefix cache computes the prefix's full blocks once, as PRMScorer computes the prefix once (llm.start_llm).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrescue_cli.engine.prm import WINDOW, PRMInputs, step_tag_id
+from kvrescue_cli.engine.prm import WINDOW, PRMInputs
+from kvrescue_cli.engine.prm_recipe import RECIPES, PRMRecipe
 from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.prompts import SYSTEM_PROMPT
 
@@ -23,30 +24,32 @@ class VLLMPRMScorer:
 
     name = "prm"
 
-    def __init__(self, llm, tokenizer, *, window: int = WINDOW, system: str = SYSTEM_PROMPT) -> None:
+    def __init__(self, llm, tokenizer, *, window: int = WINDOW, system: str = SYSTEM_PROMPT,
+                 recipe: PRMRecipe = RECIPES["paper"]) -> None:
         """`tokenizer`: the PRM's, as `engine.loader.load_tokenizer` reads it (the one PRMScorer's model has), so
         that both scorers feed the same token ids."""
         from vllm import PoolingParams
 
+        recipe.check(tokenizer, llm.model_config.model)
         self.llm = llm
-        self.inputs = PRMInputs(tokenizer, step_tag_id(tokenizer, llm.model_config.model), window, system)
-        # Raw head logits (no activation) at each <extra_0>: the softmax is taken here, as PRMScorer does.
-        self.params = PoolingParams(use_activation=False, step_tag_id=self.inputs.sep)
+        self.inputs = PRMInputs(tokenizer, recipe, window, system)
+        # Raw head logits (no activation): the softmax is taken here, as PRMScorer does. Token pooling skips the prefix
+        # cache unless told (its output would miss the cached tokens): here only the last token is read.
+        self.params = PoolingParams(use_activation=False, skip_reading_prefix_cache=False)
 
     def open(self, key: int, problem: str, prompt: list[int] | None = None) -> None:
         """Start following a problem (the policy's `prompt` tokens are not needed)."""
         self.inputs.open(key, problem)
 
     def score(self, requests: Sequence[Request]) -> list[float]:
-        """softmax(head)[1] at each candidate's <extra_0>, all candidates of all problems in one `encode` call."""
+        """softmax(head)[1] at each candidate's last token, all candidates of all problems in one `encode` call."""
         if not requests:
             return []
-        suffixes, _ = self.inputs.candidates(requests)
+        suffixes = self.inputs.candidates(requests)
+        self.inputs.take_unfed()  # the prefixes' new tokens, computed by the first request that holds them
         ids = [self.inputs.problems[key].prefix() + s for (key, _, _), s in zip(requests, suffixes)]
         outputs = self.llm.encode([{"prompt_token_ids": row} for row in ids], self.params,
                                   pooling_task="token_classify", use_tqdm=False)
-        for (key, _, _), row in zip(requests, ids):
-            self.inputs.problems[key].processed += len(row)
         return [torch.softmax(out.outputs.data[-1].float(), dim=-1)[1].item() for out in outputs]
 
     def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:
@@ -54,6 +57,6 @@ class VLLMPRMScorer:
         self.inputs.commit(key, text)
 
     def close(self, key: int) -> tuple[int, int]:
-        """Stop following a problem; returns (tokens vLLM processed, times its input was truncated)."""
-        p = self.inputs.problems.pop(key)
-        return p.processed, p.truncations
+        """Stop following a problem; returns (tokens the PRM processed, counted as PRMScorer counts them, and
+        times its input was cut to the window)."""
+        return self.inputs.close(key)

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvrescue_cli.engine.loader import ModelLoadError, load_tokenizer, model_folder
 from kvrescue_cli.engine.prm import WINDOW
+from kvrescue_cli.engine.prm_recipe import RECIPES
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import GridOptions
 from kvrescue_cli.vllm_engine import require_vllm
@@ -46,6 +47,7 @@ class VllmEngines:
         """`memory`: each engine's share of the device as `start_llm` takes it (decoding.vllm_memory), in
         `engine_specs` order."""
         self.version = require_vllm().__version__
+        self.recipe = RECIPES[options.prm_format]
         self.engines: list[SteppedEngine | Any] = []
         self.steppers: dict[str, SteppedEngine] = {}
         self.tokenizers: dict[str, tuple[Any, list[int]]] = {}  # role -> (tokenizer, EOS ids), read once per engine
@@ -66,8 +68,7 @@ class VllmEngines:
             raise InputError(f"{'/'.join(spec.roles)} model: {err}") from None
         try:
             llm = start_llm(folder, dtype=dtype, max_model_len=spec.max_model_len,
-                            runner="pooling" if spec.pooling else "generate", enable_prefix_caching=not spec.pooling,
-                            **share)
+                            runner="pooling" if spec.pooling else "generate", enable_prefix_caching=True, **share)
         except Exception as err:  # vLLM's own reasons are in its log lines above; keep ours to one line
             raise InputError(f"vLLM could not start the {what}: {type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''}") from None
@@ -86,7 +87,7 @@ class VllmEngines:
 
     def scorer(self) -> VLLMPRMScorer:
         """The PRM scorer for one cell (the PRM's tokenizer read once, when its engine started)."""
-        return VLLMPRMScorer(self.prm, self.tokenizers["prm"][0])
+        return VLLMPRMScorer(self.prm, self.tokenizers["prm"][0], recipe=self.recipe)
 
     def close(self) -> None:
         """Shut every engine's processes down."""
