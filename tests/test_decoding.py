@@ -25,11 +25,11 @@ def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_pa
 
     graded_on, grade = [], decoding.grade
 
-    def grade_slowly(output, gt, bench):
+    def grade_slowly(output, gt, bench, **options):
         graded_on.append(threading.current_thread())
         if gt == "1":  # problem 0: its grading ends only once the decode retired the last problem
             assert last_retired.wait(60), "the decode waited for the grader"
-        return grade(output, gt, bench)
+        return grade(output, gt, bench, **options)
 
     monkeypatch.setattr(Controller, "_retire", retire_and_tell)
     monkeypatch.setattr(decoding, "grade", grade_slowly)

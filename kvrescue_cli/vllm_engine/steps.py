@@ -96,7 +96,8 @@ class VllmRunner:
         self.engine = engine
         self.tokenizer = tokenizer
         self.rows: dict[int, tuple[int, ...]] = {}  # each row's trajectory: prompt + committed steps
-        self.in_flight: dict[str, tuple[int, StepRules]] = {}  # request id -> (row, rules)
+        # request id -> (row, rules, stream key, context, the step's tokens before this request)
+        self.in_flight: dict[str, tuple[int, StepRules, Sequence[int] | int, int, list[int]]] = {}
         self.decoded = 0  # candidate tokens of the steps returned so far
         self._ids = itertools.count()
 
@@ -158,20 +159,21 @@ class VllmRunner:
         tokens before the step. The detector runs on this engine only: no row may be screened."""
         if any(screened):
             raise ValueError("VllmRunner.start: the detector screens base candidates, which decode on this engine")
-        requests = []
-        for row, key, context in zip(rows, keys, contexts):
-            request_id = f"{row}-{next(_REQUEST_IDS)}"
-            requests.append((request_id, list(self.rows[row]), self._params(rules, key, context)))
-            self.in_flight[request_id] = (row, rules)
-        self.engine.submit(requests)
+        self.engine.submit([self._request(row, rules, key, context, []) for row, key, context in zip(rows, keys, contexts)])
+
+    def _request(self, row: int, rules: StepRules, key: Sequence[int] | int, context: int, done: list[int]) -> tuple:
+        """The request that decodes row's step on from its first `done` tokens, recorded as in flight."""
+        request_id = f"{row}-{next(_REQUEST_IDS)}"
+        self.in_flight[request_id] = (row, rules, key, context, done)
+        return request_id, [*self.rows[row], *done], self._params(rules, key, context, len(done))
 
     @staticmethod
-    def _params(rules: StepRules, key: Sequence[int] | int, context: int):
+    def _params(rules: StepRules, key: Sequence[int] | int, context: int, done: int = 0):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         s = rules.sampling
-        cap = min(rules.max_step_tokens, rules.max_context - context)
+        cap = min(rules.max_step_tokens, rules.max_context - context) - done  # `done`: the step's tokens so far
         if rules.fixed_length is not None:  # synthetic steps: a fixed length, EOS and the delimiter ignored
             stop, stop_ids, cap = None, None, min(cap, rules.fixed_length)
         else:
@@ -196,21 +198,34 @@ class VllmRunner:
 
     def advance(self, wait: bool = False) -> list[CandidateStep]:
         """The steps that ended since the last call; with `wait`, at least one if any is open (blocks)."""
-        done = []
+        done, again = [], []
         for output in self.engine.finished(wait and self.busy):
-            row, rules = self.in_flight.pop(output.request_id)
-            done.append(self._step(row, rules, output.outputs[0]))
-            self.decoded += len(done[-1].tokens)
+            row, rules, key, context, before = self.in_flight.pop(output.request_id)
+            tokens = before + list(output.outputs[0].token_ids)
+            self.decoded += len(tokens) - len(before)
+            if self._false_stop(rules, output.outputs[0], tokens, context):
+                again.append(self._request(row, rules, key, context, tokens))
+                continue
+            done.append(self._step(row, rules, output.outputs[0], tokens))
+        if again:
+            self.engine.submit(again)
         return done
 
-    def _step(self, row: int, rules: StepRules, output) -> CandidateStep:
-        tokens = list(output.token_ids)
+    def _false_stop(self, rules: StepRules, output, tokens: list[int], context: int) -> bool:
+        """Whether vLLM stopped at a `\n\n` the step's own text lacks: where the context ends inside a UTF-8
+        character, its detokenizer reports text of the context's tail with a step's first tokens. The step then
+        decodes on from its tokens (a new request), as this engine would, within its caps."""
+        return (rules.fixed_length is None and output.stop_reason == STEP_DELIMITER
+                and STEP_DELIMITER not in self.tokenizer.decode(tokens)
+                and len(tokens) < min(rules.max_step_tokens, rules.max_context - context))
+
+    def _step(self, row: int, rules: StepRules, output, tokens: list[int]) -> CandidateStep:
         if rules.fixed_length is not None:
             finish = "step" if len(tokens) == rules.fixed_length else "length"
+        elif output.finish_reason == "stop" and tokens and tokens[-1] in rules.eos:
+            finish = "eos"  # before the delimiter: a false stop (`_false_stop`) can come with an EOS token
         elif output.stop_reason == STEP_DELIMITER:
             finish = "step"
-        elif output.finish_reason == "stop" and tokens and tokens[-1] in rules.eos:
-            finish = "eos"
         elif output.finish_reason == "length":
             finish = "length"
         else:
