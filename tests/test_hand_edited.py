@@ -60,8 +60,9 @@ def test_grade_timeout_beyond_a_day_is_refused(tmp_path: Path) -> None:
 
 
 def test_grade_starts_no_more_workers_than_requests(tmp_path: Path) -> None:
-    from grader import _pool, grade_many
+    from grader import _pool, grade_many, shutdown
 
+    shutdown()  # the pool is the process's: workers earlier tests started would stay counted
     grade_many([("\\boxed{x^2}", "x*x", "math500")], workers=6, timeout=30.0)
     assert len(_pool._slots) == 1
 
