@@ -52,6 +52,7 @@ def one_line_errors(command: Callable) -> Callable:
 
 GRADER_HELP = "qwen (the Qwen2.5-Math grader logic, the paper's) or math-verify (Hugging Face's Math-Verify, an extra)"
 
+
 @app.callback()
 def main() -> None:
     """kvrescue: evicted-KV reasoning with a full-context helper and a PRM."""
@@ -209,8 +210,6 @@ def _ks(value: str) -> list[int]:
 
 
 K_HELP = "k of pass@k and maj@k over seeds (comma list; those above a row's seeds are left out)"
-
-
 GRIDS = "kvrescue.grids"  # ctx.meta key: a --config file's [[grid]] tables
 
 
@@ -392,8 +391,8 @@ def run(
         batch=1 if auto else _positive(batch or ("64" if on_gpu else "4"), "--batch"),
         synthetic_steps=_synthetic(synthetic_steps),
     )
-    axes = _axes({"bench": bench, "method": method, "budget": budget, "n": n, "seed": seed})
-    grids = _grids(ctx, {"bench": bench, "method": method, "budget": budget, "n": n, "seed": seed})
+    given = {"bench": bench, "method": method, "budget": budget, "n": n, "seed": seed}
+    axes, grids = _axes(given), _grids(ctx, given)
     if grids:
         axes = functools.reduce(lambda a, b: a.union(b), grids)
     options = GridOptions(
@@ -482,20 +481,19 @@ def print_plan(options) -> bool:
     groups = device_groups(options.devices, options.tp)
     table = Table(title=f"kvrescue run --plan: batch {options.settings.batch}"
                   + (" (auto)" if options.batch_auto else "") + f", --tp {options.tp}")
-    for column in ("device", "computes on", "role", "weights", "KV", "buffers", "activation peak", "total", "memory"):
-        table.add_column(column, justify="left" if column in ("device", "computes on", "role") else "right")
+    for column in ("device", "worker, rank", "role", "weights", "KV", "buffers", "activation peak", "total", "memory"):
+        table.add_column(column, justify="left" if column in ("device", "worker, rank", "role") else "right")
     fits, notes = True, []
     for g, group in enumerate(groups):
         shares = device_shares(groups, g)
-        for rank, named in enumerate(group):
-            device = group[rank]
+        for rank, device in enumerate(group):  # rank r of a group computes on its r-th device
             plan = decoding.memory_plan(options, device)
             if plan is None:
                 raise InputError("--plan: a model has no readable config.json")
             room = decoding.device_room(options, device, shares)
             usable = room - memory_plan.headroom(room)
             for i, role in enumerate(plan.roles):
-                table.add_row(named if i == 0 else "", device if i == 0 else "", role,
+                table.add_row(device if i == 0 else "", f"{g}, {rank}" if i == 0 else "", role,
                               *(memory_plan.gib(plan.bytes(role, kind)) for kind in
                                 ("weights", "kv", "buffers", "activations")), "", "")
             ok = plan.total <= usable
@@ -504,7 +502,7 @@ def print_plan(options) -> bool:
                           memory_plan.gib(plan.total), f"{memory_plan.gib(usable)} usable "
                           + ("[green]fits[/]" if ok else "[red]does not fit[/]"), end_section=True)
             if not ok:
-                notes.append(f"{named}: needs {memory_plan.gib(plan.total)} but {memory_plan.gib(usable)} is usable "
+                notes.append(f"{device}: needs {memory_plan.gib(plan.total)} but {memory_plan.gib(usable)} is usable "
                              f"({memory_plan.gib(room)} less {memory_plan.gib(memory_plan.headroom(room))} of headroom)"
                              f"; its peak is the {plan.peak_moment.role} {plan.peak_moment.what}")
     console.print(table)

@@ -120,8 +120,7 @@ def device_room(options: GridOptions, device: str, shares: int = 1, context: boo
 
 def group_room(options: GridOptions, group: tuple[str, ...], shares: int = 1, context: bool = True) -> tuple[str, int]:
     """The group's device with the least room for this worker (`device_room`), and its bytes."""
-    room, device = min((device_room(options, group[rank], shares, context), group[rank])
-                       for rank in range(len(group)))
+    room, device = min((device_room(options, device, shares, context), device) for device in group)
     return device, room
 
 
