@@ -1,13 +1,25 @@
 """Shared fixtures: small random checkpoints written once per session through the real saving code."""
 
 import importlib.util
+import os
 import signal
 from pathlib import Path
 
-import pytest
+# One compute thread per process (this one and the CLI, Ray and rank subprocesses it starts, which inherit it) unless
+# the environment names another count: the tests' models are tiny, and a second OpenMP thread that has to wait for a
+# core held by another process makes each small matrix product take milliseconds instead of microseconds (a
+# 64-wide linear layer: 5.6 ms on two threads, 0.02 ms on one, on 2 busy cores; docs/benchmarks.md).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from kvrescue_cli.random_checkpoints import build_tokenizer, write_random_checkpoint
-from tests import cuda_layouts
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvrescue_cli.random_checkpoints import build_tokenizer, write_random_checkpoint  # noqa: E402
+from tests import cuda_layouts  # noqa: E402
+from tests.helpers import tiny_problems  # noqa: E402
+
+if os.environ["OMP_NUM_THREADS"].isdigit():  # torch may have been imported before this file set it
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The vLLM tests (marker `vllm`, files test_vllm_*.py) run in .venv-vllm (`pytest -m vllm`). Elsewhere they are
 # deselected, and their files are not even collected: a module that needs vLLM to import would count as skipped.
@@ -34,6 +46,12 @@ def kernel_layouts(request, monkeypatch) -> cuda_layouts.KernelLayouts:
     if cuda:
         cuda_layouts.install(monkeypatch.setattr)
     return cuda_layouts.KernelLayouts(cuda)
+
+
+@pytest.fixture(scope="session")
+def problems(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny.jsonl: six additions (`tests.helpers.PAIRS`), read by the tests' runs (none writes to it)."""
+    return tiny_problems(tmp_path_factory.mktemp("data") / "tiny.jsonl")
 
 
 @pytest.fixture(scope="session")

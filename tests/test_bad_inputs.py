@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,14 +12,13 @@ from kvrescue_cli.data import load_problems
 from kvrescue_cli.engine.loader import ModelLoadError, load_model
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.outputs import CONFIG, ModelRef, RunConfig, RunFolder, RunFolderError
-
-KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
+from tests.helpers import kvrescue
 OUTPUT = {"output": "so \\boxed{2}", "gt": "2"}
 
 
 def one_line_error(*args: str, cwd: Path) -> str:
-    """Run kvrescue; assert exit status 2 and a single `error:` line on stderr, and return that line."""
-    done = subprocess.run([KVRESCUE, *args], capture_output=True, timeout=300, cwd=cwd)
+    """Run kvrescue (in this process); assert exit status 2 and a single `error:` line on stderr, and return it."""
+    done = kvrescue(*args, cwd=cwd)
     lines = done.stderr.decode().strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), done.stderr.decode()
     return lines[0]
@@ -68,8 +65,8 @@ def test_grade_of_a_directory_says_so(tmp_path: Path) -> None:
     (["--budget", "99999999999999999999"], "--budget"),
 ])
 def test_cost_out_of_range_is_a_usage_error(args: list[str], message: str, qwen2_dir: Path, tmp_path: Path) -> None:
-    done = subprocess.run([KVRESCUE, "cost", "--base", str(qwen2_dir), "--helper", str(qwen2_dir), "--format", "json",
-                           *args], capture_output=True, timeout=300, cwd=tmp_path)
+    done = kvrescue("cost", "--base", str(qwen2_dir), "--helper", str(qwen2_dir), "--format", "json", *args,
+                    cwd=tmp_path)
     assert done.returncode == 2 and b"Traceback" not in done.stderr and message.encode() in done.stderr
     assert done.stdout == b""
 

@@ -12,8 +12,8 @@ from kvrescue_cli.cli import _run_option_kinds, app
 from kvrescue_cli.config_file import read_grid_file
 from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.grid import GridOptions
-from tests.test_run import kvrescue_run
-from tests.test_run_options import MODELS, folders, ok, problems  # noqa: F401  (problems: a fixture)
+from tests.helpers import kvrescue_run, ok
+from tests.test_run_options import MODELS, folders
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PAPER_METHODS = ["full", "helper", "bon", "kvrescue"]
@@ -80,7 +80,7 @@ def test_the_command_line_overrides_the_file(monkeypatch, tmp_path):
     assert cells(options) == {("gsm8k", "kvrescue", 64, 2, 3), ("gsm8k", "bon", 64, 2, 3)}  # --seed in every grid
 
 
-def test_a_file_and_the_same_flags_make_the_same_folders(tmp_path, problems, qwen2_dir, prm_dir):  # noqa: F811
+def test_a_file_and_the_same_flags_make_the_same_folders(tmp_path, problems, qwen2_dir, prm_dir):
     out = tmp_path / "runs"
     path = write(tmp_path, f'bench = "{problems}"\nmethod = ["bon", "kvrescue"]\nbudget = 16\nn = 2\nlimit = 2\n'
                            f'base = "{qwen2_dir}"\nhelper = "{qwen2_dir}"\nprm = "{prm_dir}"\ndevice = "cpu"\nout = "{out}"\n'

@@ -1,7 +1,6 @@
 """Prompt styles per model family (`--prompt`), and answers read after `</think>` in grading."""
 
 import json
-import subprocess
 
 import orjson
 import pytest
@@ -9,7 +8,8 @@ import pytest
 from kvrescue_cli.grading import answer_part
 from kvrescue_cli.prompts import SYSTEM_PROMPT, generation_prompt, resolve_style
 from kvrescue_cli.random_checkpoints import QWEN3_CHAT_TEMPLATE, build_tokenizer
-from tests.test_run import KVRESCUE, SMALL, kvrescue_run, problems, read_folder  # noqa: F401  (problems: a fixture)
+from tests.helpers import kvrescue, kvrescue_run, read_folder
+from tests.test_run import SMALL
 
 QUESTION = "What is 1 + 1?"
 USER_TURN = f"<|im_start|>user\n{QUESTION}\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>assistant\n"
@@ -64,14 +64,14 @@ def test_grade_reads_answers_after_the_thought(tmp_path):
             {"output": "The answer is \\boxed{4}.", "gt": "4"}]
     source = tmp_path / "outputs.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    done = subprocess.run([KVRESCUE, "grade", str(source), "--bench", "gsm8k"], capture_output=True, timeout=120)
+    done = kvrescue("grade", str(source), "--bench", "gsm8k")
     assert done.returncode == 0, done.stderr.decode()
     graded = [orjson.loads(line) for line in done.stdout.splitlines()]
     assert [(g["correct"], g["answer_from"]) for g in graded] == [(True, "after_think"), (False, "after_think"),
                                                                   (True, "output")]
 
 
-def test_a_run_records_its_prompt_style(problems, qwen2_dir, prm_dir, tmp_path):  # noqa: F811
+def test_a_run_records_its_prompt_style(problems, qwen2_dir, prm_dir, tmp_path):
     runs = {}
     for style in ("think", "auto"):
         out = tmp_path / style

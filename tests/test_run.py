@@ -14,33 +14,12 @@ import orjson
 import pytest
 
 from kvrescue_cli.engine.loader import resolve_dtype
+from tests.helpers import KVRESCUE, kvrescue, kvrescue_run, read_folder
 
-KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
 METHODS = ("kvrescue", "interleave", "bon", "full", "helper")
 SMALL = ["--max-step-tokens", "12", "--max-steps", "12", "--context-cap", "320", "--budget", "16",
          "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--device", "cpu", "--batch", "2",
          "--ent-window", "6", "--ent-min-tokens", "10", "--cmp-chars", "200"]
-
-
-@pytest.fixture(scope="module")
-def problems(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
-    rows = [{"question": f"What is {a} + {b}? Let x be the answer.", "answer": str(a + b)} for a, b in
-            [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1)]]
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    return path
-
-
-def kvrescue_run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([KVRESCUE, "run", *args], capture_output=True, timeout=timeout)
-
-
-def read_folder(root: Path, method: str) -> tuple[dict, list[dict], dict]:
-    (folder,) = [p for p in (root / "tiny").iterdir() if p.name.startswith(method + "-")]
-    config = orjson.loads((folder / "config.json").read_bytes())
-    traces = [orjson.loads(line) for line in (folder / "traces.jsonl").read_bytes().splitlines()]
-    summary = orjson.loads((folder / "summary.json").read_bytes())
-    return config, traces, summary
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +103,7 @@ def test_candidates_record_their_text(grid):
 def test_view_of_the_grid_holds_its_traces(grid, tmp_path):
     """`kvrescue view` on real run folders: every trace, candidates' texts and cache lengths included."""
     page = tmp_path / "runs.html"
-    done = subprocess.run([KVRESCUE, "view", str(grid), "--out", str(page)], capture_output=True, timeout=300)
+    done = kvrescue("view", str(grid), "--out", str(page))
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     html = page.read_text(encoding="utf-8")
     chunks = {}
@@ -244,7 +223,7 @@ def test_killed_run_resumes_with_one_line_per_problem(problems, qwen2_dir, llama
     process.wait()
     assert traces is not None, "the run wrote no trace before the deadline"
     written = traces.read_bytes()
-    done = subprocess.run(args, capture_output=True, timeout=600)
+    done = kvrescue(*args[1:])  # the resume, in this process
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     after = traces.read_bytes()
     complete_before = written[: written.rfind(b"\n") + 1]

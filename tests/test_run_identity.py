@@ -4,7 +4,6 @@ shards run one after the other into one folder keep their metadata and report as
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import orjson
@@ -12,10 +11,9 @@ import pytest
 
 from kvrescue_cli.outputs import CONFIG, RunFolder, RunFolderError, problem_checksum, run_dir
 from kvrescue_cli.report import load_runs
+from tests.helpers import kvrescue
 from tests.test_outputs import config, trace
 from tests.test_report import write_run
-
-KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
 
 
 @pytest.mark.parametrize("bench", ["...jsonl", "..jsonl", "..", ".", "../../../tmp/evil.jsonl", "/etc/passwd",
@@ -86,20 +84,20 @@ def test_run_into_a_bench_named_dots_and_resume_after_the_file_changed(qwen2_dir
     problems.parent.mkdir()
     rows = [{"question": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(2)]
     problems.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    args = [KVRESCUE, "run", "--bench", str(problems), "--method", "bon", "--n", "1", "--base", str(qwen2_dir),
+    args = ["run", "--bench", str(problems), "--method", "bon", "--n", "1", "--base", str(qwen2_dir),
             "--prm", str(prm_dir), "--out", str(tmp_path / "out"), "--max-step-tokens", "8", "--max-steps", "2",
             "--context-cap", "320", "--device", "cpu", "--batch", "2"]
-    done = subprocess.run(args, capture_output=True, timeout=600)
+    done = kvrescue(*args)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out"]
     (bench_folder,) = (tmp_path / "out").iterdir()
     assert bench_folder.name == "bench"
     rows[1]["answer"] = "3"
     problems.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    done = subprocess.run(args, capture_output=True, timeout=600)
+    done = kvrescue(*args)
     lines = done.stderr.decode().strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "problem 1 " in lines[0] and "--overwrite" in lines[0], lines
-    done = subprocess.run([*args, "--overwrite"], capture_output=True, timeout=600)
+    done = kvrescue(*args, "--overwrite")
     assert done.returncode == 0, done.stderr.decode()[-3000:]
 
 
@@ -115,7 +113,7 @@ def two_runs(tmp_path: Path) -> Path:
 
 
 def report_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([KVRESCUE, "report", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+    return kvrescue("report", *args, cwd=cwd, text=True)
 
 
 def test_report_csv_sends_its_notes_to_stderr(two_runs: Path) -> None:

@@ -1,8 +1,7 @@
-"""`kvrescue run` options end to end (subprocesses on the tiny random checkpoints), each driven far enough
+"""`kvrescue run` options end to end (on the tiny random checkpoints, in this process but for Ctrl-C), each driven far enough
 that the behaviour it claims happens: contexts several times past B', detector exits of the reason its
 threshold forces, evictors, comma lists, sampling options, field options, --overwrite, Ctrl-C, the table."""
 
-import os
 import re
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.test_run import KVRESCUE, kvrescue_run
+from tests.helpers import KVRESCUE, kvrescue, kvrescue_run, ok, write_jsonl
 
 MODELS = lambda q, p: ["--base", str(q), "--prm", str(p), "--device", "cpu"]  # noqa: E731
 BUDGET = 16
@@ -21,18 +20,6 @@ EVICTING = ("rkv", "snapkv", "streaming", "tova")
 B_PRIME = BUDGET + 128
 # 12 synthetic steps of 48 tokens: a ~57-token prompt grows to ~632 cached tokens, over four times B' - B past B'
 SYNTHETIC = ["--synthetic-steps", "48:12", "--max-step-tokens", "48", "--context-cap", "1024"]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    return path
-
-
-@pytest.fixture(scope="module")
-def problems(tmp_path_factory) -> Path:
-    rows = [{"question": f"What is {a} + {b}? Let x be the answer.", "answer": str(a + b)} for a, b in
-            [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1)]]
-    return write_jsonl(tmp_path_factory.mktemp("data") / "tiny.jsonl", rows)
 
 
 def folders(root: Path) -> dict[str, Path]:
@@ -47,11 +34,6 @@ def traces(folder: Path) -> list[dict]:
 
 def summary(folder: Path) -> dict:
     return orjson.loads((folder / "summary.json").read_bytes())
-
-
-def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    return done
 
 
 def untimed(rows: list[dict]) -> list[dict]:
@@ -125,8 +107,7 @@ def test_buffer_sets_b_prime_and_is_part_of_the_configuration(evictor_runs, prob
     assert orjson.loads((bon / "config.json").read_bytes())["config"]["settings"]["buffer"] == buffer
     assert orjson.loads((default / "config.json").read_bytes())["config"]["settings"]["buffer"] == 128
     assert orjson.loads((full / "config.json").read_bytes())["config"]["settings"]["buffer"] is None  # no eviction
-    assert f"bon[rkv, W={buffer}]" in ok(subprocess.run([KVRESCUE, "report", str(out), str(evictor_runs), "--format",
-                                                         "csv"], capture_output=True)).stdout.decode()
+    assert f"bon[rkv, W={buffer}]" in ok(kvrescue("report", str(out), str(evictor_runs), "--format", "csv")).stdout.decode()
 
 
 def test_synthetic_steps_end_every_step_after_len_tokens_and_every_problem_after_count(evictor_runs):
@@ -186,11 +167,10 @@ def grid(tmp_path_factory, problems, qwen2_dir, llama_dir, prm_dir) -> tuple[Pat
     write_jsonl(data / "first.jsonl", [{"question": "What is 1 + 2? Let x be the answer.", "answer": "3"}])
     write_jsonl(data / "second.jsonl", [{"question": "What is 5 + 6? Let x be the answer.", "answer": "11"}])
     out = tmp_path_factory.mktemp("grid")
-    done = subprocess.run([KVRESCUE, "run", "--bench", f"{data / 'first.jsonl'},{data / 'second.jsonl'}",
-                           "--method", "bon,full,helper", "--budget", "16,24", "--n", "1,2", "--seed", "0,1",
-                           "--helper", str(llama_dir), *MODELS(qwen2_dir, prm_dir), "--max-step-tokens", "8",
-                           "--max-steps", "3", "--batch", "2", "--out", str(out)],
-                          capture_output=True, timeout=900, env={**os.environ, "COLUMNS": "250"})
+    done = kvrescue_run("--bench", f"{data / 'first.jsonl'},{data / 'second.jsonl'}",
+                        "--method", "bon,full,helper", "--budget", "16,24", "--n", "1,2", "--seed", "0,1",
+                        "--helper", str(llama_dir), *MODELS(qwen2_dir, prm_dir), "--max-step-tokens", "8",
+                        "--max-steps", "3", "--batch", "2", "--out", str(out), env={"COLUMNS": "250"})
     return out, ok(done).stderr, data
 
 
@@ -295,7 +275,7 @@ def test_ctrl_c_writes_what_finished_and_the_same_command_resumes(problems, qwen
     kept = traces(folder)
     assert 1 <= len(kept) < 6 and (folder / "traces.jsonl").read_bytes().startswith(written)
     assert summary(folder)["problems"] == len(kept) and not summary(folder)["complete"]
-    done = ok(subprocess.run(args, capture_output=True, timeout=600))
+    done = ok(kvrescue(*args[1:]))  # the resume, in this process
     assert b"kvrescue run" in done.stderr
     after = traces(folder)
     assert [t["idx"] for t in after] == list(range(6)) and all(t in after for t in kept)
@@ -314,5 +294,5 @@ def test_prm_format_is_part_of_the_configuration_and_changes_the_scores(problems
     first = [traces(by_format[k])[0]["candidates"][0] for k in ("paper", "model-card")]
     assert [c["tokens"] for c in first[0]] == [c["tokens"] for c in first[1]]  # the same candidates, scored apart
     assert [c["score"] for c in first[0]] != [c["score"] for c in first[1]]
-    report = ok(subprocess.run([KVRESCUE, "report", str(tmp_path), "--format", "md"], capture_output=True))
+    report = ok(kvrescue("report", str(tmp_path), "--format", "md"))
     assert b"paper recipe" in report.stdout and b"model-card recipe" in report.stdout

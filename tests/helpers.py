@@ -1,0 +1,75 @@
+"""What several test files share: the console script's path, tiny problem files, the CLI run in this process, and
+run-folder readers."""
+
+import contextlib
+import subprocess
+import sys
+import traceback
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import orjson
+
+KVRESCUE = str(Path(sys.executable).parent / "kvrescue")  # the console script installed beside this python
+# (a, b) of the tiny problem files: "What is a + b? Let x be the answer.", answer a + b
+PAIRS = ((1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1))
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
+    """`rows` as a JSONL file at `path`."""
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return path
+
+
+def tiny_problems(path: Path, pairs: Iterable[tuple[int, int]] = PAIRS) -> Path:
+    """A problem file of additions `a + b`, one per pair (`PAIRS` by default)."""
+    return write_jsonl(path, ({"question": f"What is {a} + {b}? Let x be the answer.", "answer": str(a + b)}
+                              for a, b in pairs))
+
+
+def kvrescue(*args: str, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+             text: bool = False) -> subprocess.CompletedProcess:
+    """`kvrescue ARGS` in this process (typer's CliRunner), in `cwd` if given, with `env` added to the environment:
+    its exit status, stdout and stderr (str with `text`, else bytes) as the console script's; an exception that
+    escapes the command is a traceback on stderr and status 1, as in a subprocess. For what only a separate process
+    shows (signals, the environment read at import, memory limits, the console script itself) run `KVRESCUE`."""
+    from typer.testing import CliRunner
+
+    from kvrescue_cli.cli import app
+
+    with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
+        result = CliRunner().invoke(app, list(args), env=env)
+    stdout, stderr = result.stdout_bytes, result.stderr_bytes
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*result.exc_info)).encode()
+    if text:
+        stdout, stderr = stdout.decode(), stderr.decode()
+    return subprocess.CompletedProcess(["kvrescue", *args], result.exit_code, stdout, stderr)
+
+
+def kvrescue_run(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`kvrescue run ARGS` in this process (`kvrescue`)."""
+    return kvrescue("run", *args, env=env)
+
+
+def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """`done`, after checking that it exited 0 (the end of its stderr otherwise)."""
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return done
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def read_folder(root: Path, method: str, bench: str = "tiny") -> tuple[dict, list[dict], dict]:
+    """(config.json, traces in file order, summary.json) of the one `method` folder of `bench` under `root`."""
+    (folder,) = [p for p in (root / bench).iterdir() if p.name.startswith(method + "-")]
+    config = orjson.loads((folder / "config.json").read_bytes())
+    return config, read_jsonl(folder / "traces.jsonl"), orjson.loads((folder / "summary.json").read_bytes())
+
+
+def traces_of(out: Path, method: str = "kvrescue") -> list[dict]:
+    """The traces of the one `method` folder of bench `tiny` under `out`, in file order."""
+    (path,) = out.glob(f"tiny/{method}-*/traces.jsonl")
+    return read_jsonl(path)
