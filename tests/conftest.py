@@ -109,3 +109,17 @@ def step_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     weights["lm_head.weight"][tokenizer.eos_token_id] *= 2.5
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """Two Ray nodes of one CPU each on this machine (Ray's own test cluster): an actor on each. Shared by the
+    session (test_tp, test_workers); a test that adds a node removes it."""
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, object_store_memory=80 * 2**20,
+                                                              include_dashboard=False))
+    nodes.add_node(num_cpus=1, object_store_memory=80 * 2**20)
+    nodes.wait_for_nodes()
+    yield nodes
+    nodes.shutdown()

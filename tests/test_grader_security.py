@@ -14,6 +14,7 @@ import pytest
 
 from grader import GRADERS, grade, grade_many
 from grader.sandbox import SymbolicPool
+from tests.helpers import kvrescue
 
 # Each payload, evaluated as Python, creates {p}; each survives strip_string and is refused by every
 # parser (the reference then hands it to sympify). `__name__` first keeps parse_latex from reading a prefix.
@@ -218,29 +219,26 @@ def test_whole_item_grading_is_bounded_by_the_timeout(grader: str) -> None:
 
 def test_kvrescue_grade_and_run_never_execute_their_input(marker: Path, qwen2_dir: Path, prm_dir: Path,
                                                           tmp_path: Path) -> None:
-    """End to end: payloads in a JSONL's outputs and answers, and in a problem file's answers."""
-    kvrescue = str(Path(sys.executable).parent / "kvrescue")
+    """End to end (the CLI in this process): payloads in a JSONL's outputs and answers, and in a problem file's
+    answers."""
     payloads = [PAYLOADS[name].replace("{p}", str(marker)) for name in sorted(PAYLOADS)]
     outputs = tmp_path / "outputs.jsonl"
     outputs.write_text("".join(json.dumps(r) + "\n" for p in payloads
                                for r in ({"output": f"\\boxed{{{p}}}", "gt": "x+1"}, {"output": "\\boxed{x}", "gt": p})))
     for grader in GRADERS:
-        done = subprocess.run([kvrescue, "grade", str(outputs), "--bench", "math500", "--grader", grader],
-                              capture_output=True, timeout=300)
+        done = kvrescue("grade", str(outputs), "--bench", "math500", "--grader", grader)
         assert done.returncode == 0, done.stderr.decode()
         assert not marker.exists()
         assert [json.loads(line)["correct"] for line in done.stdout.splitlines()] == [False] * 2 * len(payloads)
     problems = tmp_path / "problems.jsonl"
     problems.write_text("".join(json.dumps({"question": "What is x?", "answer": p}) + "\n" for p in payloads[:2]))
-    done = subprocess.run([kvrescue, "run", "--bench", str(problems), "--method", "bon", "--n", "1", "--base",
-                           str(qwen2_dir), "--prm", str(prm_dir), "--out", str(tmp_path / "out"), "--max-step-tokens",
-                           "8", "--max-steps", "2", "--context-cap", "320", "--device", "cpu", "--batch", "2",
-                           "--also-grade", "math-verify"], capture_output=True, timeout=600)
+    done = kvrescue("run", "--bench", str(problems), "--method", "bon", "--n", "1", "--base", str(qwen2_dir), "--prm",
+                    str(prm_dir), "--out", str(tmp_path / "out"), "--max-step-tokens", "8", "--max-steps", "2",
+                    "--context-cap", "320", "--device", "cpu", "--batch", "2", "--also-grade", "math-verify")
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert not marker.exists()
     traces = [json.loads(line) for f in (tmp_path / "out").glob("*/*/traces.jsonl") for line in f.read_text().splitlines()]
     assert len(traces) == 2 and all(set(t["graders"]) == {"math-verify"} for t in traces)
-    done = subprocess.run([kvrescue, "grade", "--runs", str(tmp_path / "out"), "--grader", "math-verify"],
-                          capture_output=True, timeout=300)
+    done = kvrescue("grade", "--runs", str(tmp_path / "out"), "--grader", "math-verify")
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert not marker.exists() and len(done.stdout.splitlines()) == 2

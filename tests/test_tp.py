@@ -126,7 +126,8 @@ def test_tp_without_a_process_group_is_a_load_error(checkpoints):
 
 
 # -- whole runs: `--devices cpu,cpu --tp 2` is one group of two ranks ------------------------------------
-from tests.test_workers import cluster, command, comparable, descendants, models, problems, traces_of  # noqa: E402,F401
+from tests.helpers import kvrescue, traces_of  # noqa: E402
+from tests.test_workers import command, comparable, descendants, models, problems  # noqa: E402,F401
 
 METHODS = ["--method", "kvrescue,bon,full", "--dtype", "float32"]  # exact up to float rounding in fp32
 
@@ -139,7 +140,7 @@ def _run_traces(out: Path) -> dict[str, list[dict]]:
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory, problems, models) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("one")
-    done = subprocess.run(command(problems, models, out, *METHODS, "--devices", "cpu"), capture_output=True, timeout=600)
+    done = kvrescue(*command(problems, models, out, *METHODS, "--devices", "cpu")[1:])
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     return _run_traces(out)
 
@@ -160,7 +161,7 @@ def test_a_run_over_two_ranks_writes_what_one_device_writes(one_device, problems
 def test_tp_options_that_cannot_run_are_one_line_errors(problems, models, tmp_path) -> None:
     for args, message in ((["--devices", "cpu,cpu,cpu", "--tp", "2"], "--tp 2 does not divide the 3 devices"),
                           (["--devices", "cpu,cpu,cpu,cpu", "--tp", "4"], "--tp 4 must divide the base's 4 query heads, 2 KV heads")):
-        done = subprocess.run(command(problems, models, tmp_path, *args), capture_output=True, timeout=300)
+        done = kvrescue(*command(problems, models, tmp_path, *args)[1:])
         assert done.returncode == 2 and message.encode() in done.stderr, done.stderr.decode()[-2000:]
         assert not list(tmp_path.glob("tiny/*"))  # nothing loaded, no run folder
 

@@ -1,13 +1,12 @@
-"""`kvrescue run --engine vllm` end to end (subprocess, random checkpoints): the helper, the base of `full` and the
-PRM on vLLM, the evicted base on this engine; same folders and traces, the engine in config.json; one-line errors."""
+"""`kvrescue run --engine vllm` end to end (in this process, random checkpoints): the helper, the base of `full` and
+the PRM on vLLM, the evicted base on this engine; same folders and traces, the engine in config.json; one-line
+errors."""
 
-import subprocess
 from pathlib import Path
 
-import orjson
 import pytest
 
-from tests.test_run import KVRESCUE, read_folder
+from tests.helpers import PAIRS, kvrescue_run, read_folder, tiny_problems
 
 pytestmark = pytest.mark.vllm
 SMALL = ["--max-step-tokens", "24", "--max-steps", "6", "--context-cap", "320", "--budget", "16", "--n", "2",
@@ -16,14 +15,7 @@ SMALL = ["--max-step-tokens", "24", "--max-steps", "6", "--context-cap", "320", 
 
 @pytest.fixture(scope="module")
 def problems(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
-    rows = [{"question": f"What is {a} + {b}? Let x be the answer.", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6)]]
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    return path
-
-
-def kvrescue_run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([KVRESCUE, "run", *args], capture_output=True, timeout=1200)
+    return tiny_problems(tmp_path_factory.mktemp("data") / "tiny.jsonl", PAIRS[:3])
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -15,8 +14,9 @@ import pytest
 from kvrescue_cli.data import Problem
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.workers import WorkQueue, resolve_devices
+from tests.helpers import KVRESCUE, PAIRS, kvrescue, tiny_problems, traces_of
 
-KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
+MANY = 20  # problems of `many_problems`
 # `--batch 1`: each problem decodes alone, so its traces do not depend on which problems a worker happens to
 # batch together (a batch's shape moves a row's logits in their last bits: docs/reproducibility.md)
 SMALL = ["--method", "kvrescue", "--n", "2", "--max-step-tokens", "12", "--max-steps", "5", "--context-cap", "320",
@@ -77,18 +77,15 @@ def test_groups_and_what_their_actors_ask_ray_for():
 
 @pytest.fixture(scope="module")
 def problems(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
-    rows = [{"question": f"What is {a} + {b}? Let x be the answer.", "answer": str(a + b)} for a, b in
-            [(1, 2), (3, 4), (5, 6), (7, 8)]]
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    return path
+    return tiny_problems(tmp_path_factory.mktemp("data") / "tiny.jsonl", PAIRS[:4])
 
 
 @pytest.fixture(scope="module")
 def many_problems(tmp_path_factory, problems) -> Path:
-    """`problems` followed by 44 more: a run on two actors that is still going when its first trace is written."""
+    """`problems` followed by more, MANY in all: a run on two actors that is still going when its first trace is
+    written."""
     path = tmp_path_factory.mktemp("many") / "tiny.jsonl"
-    more = [{"question": f"What is {a} + 1? Let x be the answer.", "answer": str(a + 1)} for a in range(10, 54)]
+    more = [{"question": f"What is {a} + 1? Let x be the answer.", "answer": str(a + 1)} for a in range(10, 6 + MANY)]
     path.write_bytes(problems.read_bytes() + b"".join(orjson.dumps(r) + b"\n" for r in more))
     return path
 
@@ -100,11 +97,6 @@ def models(qwen2_dir, llama_dir, prm_dir) -> list[str]:
 
 def command(problems: Path, models: list[str], out: Path, *args: str) -> list[str]:
     return [KVRESCUE, "run", "--bench", str(problems), *models, *SMALL, "--out", str(out), *args]
-
-
-def traces_of(out: Path) -> list[dict]:
-    (path,) = out.glob("tiny/kvrescue-*/traces.jsonl")
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 
 
 def comparable(traces: list[dict], approx: bool = False) -> list[dict]:
@@ -125,7 +117,7 @@ def comparable(traces: list[dict], approx: bool = False) -> list[dict]:
 def reference(tmp_path_factory, problems, models) -> list[dict]:
     """The run in this process on one device."""
     out = tmp_path_factory.mktemp("one")
-    done = subprocess.run(command(problems, models, out, "--devices", "cpu"), capture_output=True, timeout=600)
+    done = kvrescue(*command(problems, models, out, "--devices", "cpu")[1:])
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     return traces_of(out)
 
@@ -163,19 +155,6 @@ def actor_pids(root: int) -> list[int]:
     return found
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """Two Ray nodes of one CPU each on this machine (Ray's own test cluster): an actor on each."""
-    from ray.cluster_utils import Cluster
-
-    nodes = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, object_store_memory=80 * 2**20,
-                                                              include_dashboard=False))
-    nodes.add_node(num_cpus=1, object_store_memory=80 * 2**20)
-    nodes.wait_for_nodes()
-    yield nodes
-    nodes.shutdown()
-
-
 def wait_for_traces(out: Path, process: subprocess.Popen, lines: int) -> bytes:
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
@@ -202,7 +181,7 @@ def test_two_actors_on_two_nodes_survive_a_sigkill_and_give_the_in_process_trace
     traces = traces_of(tmp_path)
     (path,) = tmp_path.glob("tiny/kvrescue-*/traces.jsonl")
     assert path.read_bytes().startswith(written[: written.rfind(b"\n") + 1])  # nothing written before is lost
-    assert sorted(t["idx"] for t in traces) == list(range(48))  # every problem exactly once
+    assert sorted(t["idx"] for t in traces) == list(range(MANY))  # every problem exactly once
     assert comparable([t for t in traces if t["idx"] < 4]) == comparable(reference, approx=True)
     assert orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/summary.json")).read_bytes())["complete"]
     executor = orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/config.json")).read_bytes())["environment"]["executor"]
@@ -246,16 +225,15 @@ def test_ctrl_c_stops_every_actor_and_the_private_ray_instance_and_the_run_resum
     assert process.returncode == 130, err.decode()[-3000:]
     assert b"run the same command again to resume" in err
     interrupted = traces_of(tmp_path)
-    assert 0 < len(interrupted) < 48
+    assert 0 < len(interrupted) < MANY
     deadline = time.time() + 30  # Ray's shutdown ends its processes; the kernel may take a moment to reap
     while time.time() < deadline and any(alive(pid) for pid in ray_processes):
         time.sleep(0.1)
     assert not [pid for pid in ray_processes if alive(pid)]
-    done = subprocess.run(command(many_problems, models, tmp_path, "--devices", "cpu"), capture_output=True,
-                          timeout=600)
+    done = kvrescue(*command(many_problems, models, tmp_path, "--devices", "cpu")[1:])  # the resume, in this process
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     resumed = traces_of(tmp_path)
-    assert sorted(t["idx"] for t in resumed) == list(range(48))
+    assert sorted(t["idx"] for t in resumed) == list(range(MANY))
     assert comparable([t for t in resumed if t["idx"] < 4]) == comparable(reference, approx=True)
     executor = orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/config.json")).read_bytes())["environment"]["executor"]
     assert executor == {"kind": "in-process", "devices": ["cpu"]}
@@ -263,14 +241,12 @@ def test_ctrl_c_stops_every_actor_and_the_private_ray_instance_and_the_run_resum
 
 def test_shards_split_the_problems_and_the_report_merges_them(problems, models, reference, tmp_path):
     for i in range(2):
-        done = subprocess.run(command(problems, models, tmp_path / f"node{i}", "--devices", "cpu", "--shard", f"{i}/2"),
-                              capture_output=True, timeout=600)
+        done = kvrescue(*command(problems, models, tmp_path / f"node{i}", "--devices", "cpu", "--shard", f"{i}/2")[1:])
         assert done.returncode == 0, done.stderr.decode()[-3000:]
         assert sorted(t["idx"] for t in traces_of(tmp_path / f"node{i}")) == list(range(i, 4, 2))
     (a,), (b,) = [list((tmp_path / f"node{i}" / "tiny").iterdir()) for i in range(2)]
     assert a.name == b.name  # the shard is not part of the run's identity
-    report = subprocess.run([KVRESCUE, "report", str(tmp_path / "node0"), str(tmp_path / "node1"), "--format", "json"],
-                            capture_output=True, timeout=300)
+    report = kvrescue("report", str(tmp_path / "node0"), str(tmp_path / "node1"), "--format", "json")
     assert report.returncode == 0, report.stderr.decode()[-3000:]
     data = orjson.loads(report.stdout)
     (runs,) = [t for t in data["tables"] if t["name"] == "runs"]
@@ -279,8 +255,7 @@ def test_shards_split_the_problems_and_the_report_merges_them(problems, models, 
     assert any("merged 2 of 2 shards" in p["message"] for p in data["problems"])
     merged = comparable(traces_of(tmp_path / "node0") + traces_of(tmp_path / "node1"))
     assert merged == comparable(reference, approx=True)
-    partial = subprocess.run([KVRESCUE, "report", str(tmp_path / "node0"), "--format", "json"], capture_output=True,
-                             timeout=300)
+    partial = kvrescue("report", str(tmp_path / "node0"), "--format", "json")
     assert b"shards 1/2 missing" in partial.stdout
 
 
