@@ -337,10 +337,13 @@ def test_maths_is_drawn_by_katex_and_hostile_maths_stays_inert(browser, page):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
+    seen = lambda selector: WebDriverWait(browser, 30).until(  # noqa: E731 (drawn once in view)
+        lambda d: d.find_elements(By.CSS_SELECTOR, selector))
     open_view(browser, page, "#problems")
     browser.find_element(By.NAME, "search").send_keys("simplify")
-    assert browser.find_elements(By.CSS_SELECTOR, "#problem-list td.problem-text .math .katex")
+    seen("#problem-list td.problem-text .math .katex")
     open_view(browser, page, "#p/math500/123")
+    seen("#side-by-side .step-text .math .katex")  # "It is $1$."
     problem = browser.find_element(By.ID, "problem-text")
     maths = problem.find_elements(By.CSS_SELECTOR, "[data-tex]")
     assert [(m.get_attribute("class"), m.get_attribute("data-tex")) for m in maths] == HOSTILE_MATHS
@@ -353,7 +356,6 @@ def test_maths_is_drawn_by_katex_and_hostile_maths_stays_inert(browser, page):
     assert not problem.find_elements(By.CSS_SELECTOR, "img, a, script, iframe, b, [href], [src], [onerror], [id]")
     assert browser.execute_script("return document.getElementById('x')") is None
     assert browser.execute_script("return window.pwned") is None
-    assert browser.find_element(By.CSS_SELECTOR, "#side-by-side .step-text .math .katex")  # "It is $1$."
     # "LaTeX source" shows every text as it is, nothing drawn.
     browser.find_element(By.ID, "show-source").click()
     WebDriverWait(browser, 30).until(lambda d: d.execute_script(

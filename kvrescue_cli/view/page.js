@@ -6,8 +6,8 @@
 const METHOD_ORDER = ["full", "helper", "bon", "interleave", "kvrescue"];
 const PAGE_ROWS = 100;
 const STEP_ROWS = 100;
-const KV = { data: null, readyAt: null, source: false };  // readyAt: ms from navigation start to the first view
-                                                          // drawn; source: texts shown as LaTeX source
+// readyAt: ms from navigation start to the first view drawn; source: texts shown as LaTeX source; mathsAt: below.
+const KV = { data: null, readyAt: null, source: false, mathsAt: null };
 window.KV = KV;
 
 function el(tag, attrs, ...children) {
@@ -186,6 +186,28 @@ function texNodes(text, inline) {
   return mathSegments(text).map(s => typeof s === "string" ? s : mathNode(s, inline));
 }
 
+// A text's maths is drawn when its element comes near the viewport (a long list or problem page draws what is
+// seen; the element shows the text as it is until then); KV.mathsAt: when maths was last drawn. A view that
+// replaces its elements first forgets the old ones (mathsInView.disconnect()).
+const mathsLater = new WeakMap();  // element -> [text, inline]
+const mathsInView = new IntersectionObserver(entries => {
+  for (const entry of entries.filter(e => e.isIntersecting)) {
+    mathsInView.unobserve(entry.target);
+    const [text, inline] = mathsLater.get(entry.target);
+    entry.target.replaceChildren(...texNodes(text, inline));
+  }
+  KV.mathsAt = performance.now();
+}, { rootMargin: "50% 0px" });
+
+function withMaths(node, text, inline) {
+  node.append(text);
+  if (!KV.source && /[$\\]/.test(text)) {
+    mathsLater.set(node, [text, inline]);
+    mathsInView.observe(node);
+  }
+  return node;
+}
+
 // An answer is LaTeX without delimiters ("\frac{3}{4}"): drawn as one piece of maths unless it has its own.
 function answerNodes(answer) {
   if (KV.source || !answer || /\$|\\\(|\\\[/.test(answer)) return texNodes(answer, true);
@@ -266,6 +288,7 @@ function showProblems(app, data) {
   app.append(el("h2", {}, "Problems"), filters, holder);
 
   function drawTable() {
+    mathsInView.disconnect();
     holder.replaceChildren();
     const labels = shownLabels(data);
     const rows = [];
@@ -287,7 +310,7 @@ function showProblems(app, data) {
       el("tr", { "data-bench": problem.bench, "data-idx": problem.idx,
                  onclick: () => { location.hash = `#p/${encodeURIComponent(problem.bench)}/${problem.idx}`; } },
          el("td", {}, problem.bench), el("td", { class: "num" }, problem.idx),
-         el("td", { class: "problem-text", title: problem.problem }, texNodes(problem.problem, true)),
+         withMaths(el("td", { class: "problem-text", title: problem.problem }), problem.problem, true),
          el("td", { class: "tex" }, answerNodes(problem.gt)),
          cells.map(({ run, trace }) => el("td", { class: "num" },
            run ? verdict(run, trace) : "",
@@ -338,7 +361,8 @@ function candidatesTable(cands) {
         el("td", { class: "num" }, c.fired_at ?? "—")),
       el("tr", { class: "cand-text" + (c.committed ? " committed" : "") },
         el("td", { colspan: 7 }, c.committed ? el("span", { class: "muted" }, "committed: the step's text")
-                                             : el("div", { class: "tex" }, c.text === null || c.text === undefined ? "—" : texNodes(c.text))))])),
+                                             : c.text === null || c.text === undefined ? el("div", { class: "tex" }, "—")
+                                             : withMaths(el("div", { class: "tex" }), c.text)))])),
     !KV.data.candidate_texts ? el("caption", { class: "muted" }, "Candidates' texts were left out of this page (--no-candidate-texts).")
       : unrecorded ? el("caption", { class: "muted" }, "This trace was written before candidates' texts were recorded.") : null);
 }
@@ -359,7 +383,7 @@ function stepCell(trace, i) {
        el("span", { class: "muted" }, `${step.tokens} tok`),
        stopped ? el("span", { class: "fired", title: "base candidates the detector stopped" }, `detector stopped ${stopped}`) : null,
        toggle),
-    el("div", { class: "tex step-text" }, texNodes(step.text)),
+    withMaths(el("div", { class: "tex step-text" }), step.text),
     details);
 }
 
@@ -430,6 +454,7 @@ function fragment() {
 async function route() {
   const mine = ++routed;
   const app = document.getElementById("app");
+  mathsInView.disconnect();
   app.replaceChildren();
   delete document.body.dataset.drawn;
   const hash = fragment();
