@@ -365,6 +365,29 @@ def test_maths_is_drawn_by_katex_and_hostile_maths_stays_inert(browser, page):
     assert not browser.find_elements(By.CSS_SELECTOR, "#app .katex, #app [data-tex]")
 
 
+def test_maths_is_drawn_once_it_comes_into_view(browser, page):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    first, last = (f'#side-by-side tr[data-step="{i}"] td.step:nth-child({column}) .step-text'
+                   for i, column in ((0, 2), (3, 4)))  # full's "... $3 + 4 = 7$ ...", kvrescue's "... \\boxed{18} ..."
+    drawn = lambda selector: browser.execute_script(  # noqa: E731
+        f"return document.querySelectorAll('{selector} .katex').length")
+    browser.set_window_size(1500, 200)
+    try:
+        open_view(browser, page, "#p/gsm8k/0")
+        browser.execute_script(f"document.querySelector('{first}').scrollIntoView()")
+        WebDriverWait(browser, 30).until(lambda d: drawn(first) == 1)
+        # The last step lies beyond the 1.5 screens drawn, and is not drawn while the first one is.
+        assert browser.execute_script(f"return document.querySelector('{last}').getBoundingClientRect().top"
+                                      " > 1.5 * innerHeight") and drawn(last) == 0
+        assert sources(browser, last) == [TRAJECTORIES["kvrescue"][0][2][3][1]]
+        browser.execute_script(f"document.querySelector('{last}').scrollIntoView()")
+        WebDriverWait(browser, 30).until(lambda d: drawn(last) == 1)
+        assert sources(browser, last) == [TRAJECTORIES["kvrescue"][0][2][3][1]]
+    finally:
+        browser.set_window_size(1500, 1000)
+
+
 # (text, its maths as (source, LaTeX drawn, display)): every delimiter, dollars that are money, openers left open.
 MATH_CASES = [
     ("no maths: $5 and $10, \\$x\\$ and 3 $ or $ 4", []),
