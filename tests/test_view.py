@@ -25,7 +25,12 @@ DUCKS = ("Janet’s ducks lay 16 eggs per day. She eats three for breakfast ever
          "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck "
          "egg. How much in dollars does she make every day at the farmers' market?")
 ROBE = "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many bolts in total does it take?"
-HOSTILE = 'Simplify $\\frac{1}{2}+\\frac{1}{4}$. </script><img src=x onerror="window.pwned=1"><b>bold</b>'
+# Markup outside maths and inside it, commands KaTeX must not obey untrusted, LaTeX that does not parse, and dollars.
+HOSTILE_MATHS = [("math", "$\\frac{1}{2}+\\frac{1}{4}$"), ("math", "$\\href{javascript:window.pwned=2}{x}$"),
+                 ("math", "$\\htmlId{x}{y}$"), ("math", '\\(<img src=x onerror="window.pwned=3">\\)'),
+                 ("math", "\\[a</script><script>window.pwned=4</script>\\]"), ("math-error", "$\\frac{$")]
+HOSTILE = (f'Simplify {HOSTILE_MATHS[0][1]}. </script><img src=x onerror="window.pwned=1"><b>bold</b> '
+           + " ".join(tex for _, tex in HOSTILE_MATHS[1:]) + " It costs $5 and $10.")
 USES = "She eats 3 eggs and bakes with 4, so she uses $3 + 4 = 7$ eggs a day.\n\n"
 PROMPT = 150
 LOOP = "The remainder is 16 - 7 = 7 eggs. " * 12 + "\n\n"
@@ -170,8 +175,8 @@ def test_candidate_texts_can_be_left_out(runs_root, tmp_path):
 
 
 def test_untrusted_text_cannot_leave_the_data_element(page):
-    html = page.read_text(encoding="utf-8")
-    assert html.count("</script>") == 2 + len(re.findall('id="kv-run-', html)) and "onerror" not in html
+    html = page.read_text(encoding="utf-8")  # the scripts: KaTeX's, the page's, the index and the detail chunks
+    assert html.count("</script>") == 3 + len(re.findall('id="kv-run-', html)) and "onerror" not in html
     assert 'http-equiv="Content-Security-Policy" content="default-src \'none\';' in html
 
 
@@ -213,6 +218,16 @@ def no_script_errors(request):
 
 def texts(elements) -> list[str]:
     return [e.get_attribute("textContent") for e in elements]
+
+
+# The text an element shows, each piece of maths KaTeX drew taken as its source (data-tex).
+SOURCES = """const source = node => node.nodeType !== Node.ELEMENT_NODE ? node.textContent
+    : node.dataset.tex !== undefined ? node.dataset.tex : [...node.childNodes].map(source).join("");
+return [...document.querySelectorAll(arguments[0])].map(source);"""
+
+
+def sources(browser, selector: str) -> list[str]:
+    return browser.execute_script(SOURCES, selector)
 
 
 def test_report_tables_equal_the_report_and_nothing_is_fetched(browser, page, runs_root):
@@ -260,10 +275,10 @@ def test_problem_list_filters_and_search(browser, page):
     # The hostile problem text is shown as text, and nothing in it ran.
     browser.find_element(By.NAME, "search").clear()
     browser.find_element(By.NAME, "search").send_keys("simplify")
-    assert texts(browser.find_elements(By.CSS_SELECTOR, "#problem-list td.problem-text")) == [HOSTILE]
+    assert sources(browser, "#problem-list td.problem-text") == [HOSTILE]
     open_view(browser, page, "#p/math500/123")  # its trace is in the run's seventh detail chunk
-    assert browser.find_element(By.ID, "problem-text").get_attribute("textContent") == HOSTILE
-    assert texts(browser.find_elements(By.CSS_SELECTOR, "#side-by-side .step-text")) == ["It is $1$."]
+    assert sources(browser, "#problem-text") == [HOSTILE]
+    assert sources(browser, "#side-by-side .step-text") == ["It is $1$."]
     browser.find_element(By.CSS_SELECTOR, "#side-by-side button.link").click()
     assert "written before candidates' texts were recorded" in browser.find_element(By.CSS_SELECTOR, "table.candidates caption").text
     assert browser.execute_script("return window.pwned") is None
@@ -296,7 +311,8 @@ def test_problem_page_shows_each_runs_steps_side_by_side(browser, page):
                 continue
             source, text, score, stopped = steps[i]
             assert cell.get_attribute("data-source") == source
-            assert cell.find_element(By.CSS_SELECTOR, ".step-text").get_attribute("textContent") == text
+            assert sources(browser, f'#side-by-side tr[data-step="{i}"] td.step:nth-child({methods.index(method) + 2}) '
+                                    ".step-text") == [text]
             assert cell.find_element(By.CSS_SELECTOR, ".score").text == f"score {score:.3f}"
             assert ("detector stopped 1" in cell.text) == (stopped is not None)
     # The kvrescue column's second step: the helper rescued it; its 4 candidates, the base one stopped by the detector.
@@ -317,6 +333,82 @@ def test_problem_page_shows_each_runs_steps_side_by_side(browser, page):
         browser.save_screenshot(screenshot)
 
 
+def test_maths_is_drawn_by_katex_and_hostile_maths_stays_inert(browser, page):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    seen = lambda selector: WebDriverWait(browser, 30).until(  # noqa: E731 (drawn once in view)
+        lambda d: d.find_elements(By.CSS_SELECTOR, selector))
+    open_view(browser, page, "#problems")
+    browser.find_element(By.NAME, "search").send_keys("simplify")
+    seen("#problem-list td.problem-text .math .katex")
+    open_view(browser, page, "#p/math500/123")
+    seen("#side-by-side .step-text .math .katex")  # "It is $1$."
+    problem = browser.find_element(By.ID, "problem-text")
+    maths = problem.find_elements(By.CSS_SELECTOR, "[data-tex]")
+    assert [(m.get_attribute("class"), m.get_attribute("data-tex")) for m in maths] == HOSTILE_MATHS
+    assert all(m.find_elements(By.CSS_SELECTOR, ".katex") for m in maths[:-1])
+    assert maths[0].find_elements(By.CSS_SELECTOR, ".katex-html .mfrac")  # \frac{1}{2} drawn as a fraction
+    # LaTeX that does not parse is shown as its text, with KaTeX's reason on hover.
+    assert maths[-1].get_attribute("textContent") == "$\\frac{$" and not maths[-1].find_elements(By.XPATH, "*")
+    assert "KaTeX parse error" in maths[-1].get_attribute("title")
+    # Neither the text nor KaTeX's markup of it made an element that loads, links, runs or names anything.
+    assert not problem.find_elements(By.CSS_SELECTOR, "img, a, script, iframe, b, [href], [src], [onerror], [id]")
+    assert browser.execute_script("return document.getElementById('x')") is None
+    assert browser.execute_script("return window.pwned") is None
+    # "LaTeX source" shows every text as it is, nothing drawn.
+    browser.find_element(By.ID, "show-source").click()
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script(
+        "return document.body.dataset.drawn === 'p/math500/123' && document.getElementById('problem-text') !== null"))
+    assert browser.find_element(By.ID, "problem-text").get_attribute("textContent") == HOSTILE
+    assert texts(browser.find_elements(By.CSS_SELECTOR, "#side-by-side .step-text")) == ["It is $1$."]
+    assert not browser.find_elements(By.CSS_SELECTOR, "#app .katex, #app [data-tex]")
+
+
+def test_maths_is_drawn_once_it_comes_into_view(browser, page):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    first, last = (f'#side-by-side tr[data-step="{i}"] td.step:nth-child({column}) .step-text'
+                   for i, column in ((0, 2), (3, 4)))  # full's "... $3 + 4 = 7$ ...", kvrescue's "... \\boxed{18} ..."
+    drawn = lambda selector: browser.execute_script(  # noqa: E731
+        f"return document.querySelectorAll('{selector} .katex').length")
+    browser.set_window_size(1500, 200)
+    try:
+        open_view(browser, page, "#p/gsm8k/0")
+        browser.execute_script(f"document.querySelector('{first}').scrollIntoView()")
+        WebDriverWait(browser, 30).until(lambda d: drawn(first) == 1)
+        # The last step lies beyond the 1.5 screens drawn, and is not drawn while the first one is.
+        assert browser.execute_script(f"return document.querySelector('{last}').getBoundingClientRect().top"
+                                      " > 1.5 * innerHeight") and drawn(last) == 0
+        assert sources(browser, last) == [TRAJECTORIES["kvrescue"][0][2][3][1]]
+        browser.execute_script(f"document.querySelector('{last}').scrollIntoView()")
+        WebDriverWait(browser, 30).until(lambda d: drawn(last) == 1)
+        assert sources(browser, last) == [TRAJECTORIES["kvrescue"][0][2][3][1]]
+    finally:
+        browser.set_window_size(1500, 1000)
+
+
+# (text, its maths as (source, LaTeX drawn, display)): every delimiter, dollars that are money, openers left open.
+MATH_CASES = [
+    ("no maths: $5 and $10, \\$x\\$ and 3 $ or $ 4", []),
+    ("$$x^2$$ then \\[y\\] and \\(z\\), $w$.", [("$$x^2$$", "x^2", True), ("\\[y\\]", "y", True),
+                                               ("\\(z\\)", "z", False), ("$w$", "w", False)]),
+    ("so \\boxed{\\frac{1}{2}} and \\begin{align*}a&=b\\end{align*}!",
+     [("\\boxed{\\frac{1}{2}}", "\\boxed{\\frac{1}{2}}", False),
+      ("\\begin{align*}a&=b\\end{align*}", "\\begin{align*}a&=b\\end{align*}", True)]),
+    ("$a \\boxed{1}$ and $b\n\nc$ and $1$2.", [("$a \\boxed{1}$", "a \\boxed{1}", False)]),
+    ("left open: \\( and \\[ and \\boxed{x and \\begin{align} and $$y", []),
+]
+
+
+def test_maths_segments_cover_the_text(browser, page):
+    open_view(browser, page)
+    for text, expected in MATH_CASES:
+        segments = browser.execute_script("return mathSegments(arguments[0])", text)
+        assert "".join(s if isinstance(s, str) else s["source"] for s in segments) == text
+        assert [(s["source"], s["tex"], s["display"]) for s in segments if not isinstance(s, str)] == expected, text
+
+
 def page_policy(html: str) -> dict[str, str]:
     """The page's Content-Security-Policy, directive by directive."""
     policy = re.search(r'<meta http-equiv="Content-Security-Policy" content="([^"]*)">', html).group(1)
@@ -327,10 +419,13 @@ def test_the_policy_allows_only_the_pages_own_script_and_no_forms_or_base(page):
     import hashlib
 
     html = page.read_text(encoding="utf-8")
-    (script,) = re.findall(r"<script>(.*?)</script>", html, flags=re.S)
+    scripts = re.findall(r"<script>(.*?)</script>", html, flags=re.S)  # KaTeX's and the page's
+    assert len(scripts) == 2 and "katex" in scripts[0][:2000] and "route()" in scripts[1]
     policy = page_policy(html)
-    assert policy["script-src"] == f"'sha256-{base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()}'"
+    assert policy["script-src"] == " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'"
+                                            for s in scripts)
     assert policy["form-action"] == "'none'" and policy["base-uri"] == "'none'" and policy["default-src"] == "'none'"
+    assert policy["font-src"] == "data:" and not any("unsafe" in v for k, v in policy.items() if k != "style-src")
 
 
 def test_an_injected_inline_script_does_not_run(browser, page, tmp_path):
@@ -350,3 +445,18 @@ def test_a_malformed_fragment_still_draws_the_report(browser, page):
     open_view(browser, page, "#%E0")
     assert browser.execute_script("return document.body.dataset.drawn") == "%E0"
     assert browser.find_elements(By.CSS_SELECTOR, "#report-tables section")
+
+
+def test_the_pages_files_are_package_data():
+    """An installed wheel has every file the page is made of (the template's and KaTeX's)."""
+    import tomllib
+    from fnmatch import fnmatch
+
+    import kvrescue_cli.view
+
+    folder = Path(kvrescue_cli.view.__file__).parent
+    globs = tomllib.loads((folder.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    made_of = [p.relative_to(folder).as_posix() for p in folder.rglob("*")
+               if p.is_file() and p.suffix not in (".py", ".pyc")]
+    assert "katex/katex.min.js" in made_of and "katex/fonts/KaTeX_Main-Regular.woff2" in made_of
+    assert [f for f in made_of if not any(fnmatch(f, g) for g in globs["kvrescue_cli.view"])] == []

@@ -4,7 +4,8 @@ It holds the report's tables and plot (from `kvrescue_cli.report`, the same code
 problem list across every run with filters and search, and a page per problem: the committed trajectory
 step by step (base or helper, scores, every candidate with its finish reason and detector extremes), side
 by side with the same problem under the other runs, aligned by step. `data` builds what the page holds,
-`page` packs it into the HTML template (page.html, page.css, page.js beside this file).
+`page` packs it into the HTML template (page.html, page.css, page.js beside this file) with KaTeX (katex/,
+vendored by scripts/vendor_katex.sh), which draws the maths of problems, steps and candidates.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 "use strict";
 // kvrescue view: the report, a problem list across runs, and a problem page per (bench, idx).
-// Every text that comes from a trace or a problem file is set with textContent, never parsed as markup.
+// Every text that comes from a trace or a problem file is set with textContent, never parsed as markup; its maths
+// is drawn by KaTeX (inlined before this script), whose markup escapes the text and, untrusted, links nothing.
 
 const METHOD_ORDER = ["full", "helper", "bon", "interleave", "kvrescue"];
 const PAGE_ROWS = 100;
 const STEP_ROWS = 100;
-const KV = { data: null, readyAt: null };  // readyAt: ms from navigation start to the first view drawn
+// readyAt: ms from navigation start to the first view drawn; source: texts shown as LaTeX source; mathsAt: below.
+const KV = { data: null, readyAt: null, source: false, mathsAt: null };
 window.KV = KV;
 
 function el(tag, attrs, ...children) {
@@ -89,6 +91,130 @@ function badge(source) {
 }
 
 // ------------------------------------------------------------------------------------------
+// Maths: the LaTeX of problems, steps and candidates drawn by KaTeX
+// ------------------------------------------------------------------------------------------
+
+// No \href, \url, \includegraphics or \html... (trust: false); what does not parse throws and is shown as text;
+// sizes and macro expansion bounded (a model's output can ask for anything).
+const KATEX = { throwOnError: true, trust: false, strict: "ignore", maxSize: 20, maxExpand: 1000 };
+const MATH_OPENER = /\\\$|\$\$|\$|\\\(|\\\[|\\begin\{([A-Za-z]+\*?)\}|\\boxed\{/g;
+const drawnMaths = new Map();  // display flag + LaTeX -> { html } from KaTeX or { error }
+
+// Where a $...$ opened at `body` closes (the index of its $), or -1: as Pandoc reads TeX maths, it opens before
+// a non-space and closes after one, not before a digit ("costs $5 and $10" holds no maths), within a paragraph.
+function inlineDollarClose(text, body) {
+  if (body >= text.length || /\s/.test(text[body])) return -1;
+  const paragraph = text.indexOf("\n\n", body);
+  const limit = paragraph < 0 ? text.length : paragraph;
+  for (let i = text.indexOf("$", body); i >= 0 && i < limit; i = text.indexOf("$", i + 1))
+    if (text[i - 1] !== "\\" && !/\s/.test(text[i - 1]) && !/[0-9]/.test(text[i + 1] || "")) return i;
+  return -1;
+}
+
+// The index of the } that closes the { before `body`, or -1.
+function closingBrace(text, body) {
+  for (let i = body, depth = 1; i < text.length; i++) {
+    if (text[i] === "\\") i++;
+    else if (text[i] === "{") depth++;
+    else if (text[i] === "}" && --depth === 0) return i;
+  }
+  return -1;
+}
+
+// The maths whose opener `m` matched: [its LaTeX, the index after its closer, display?], or null without a closer.
+function mathAt(text, m) {
+  const [open, env] = m, start = m.index, body = start + open.length;
+  if (open === "\\$") return null;
+  if (open === "$") {
+    const close = inlineDollarClose(text, body);
+    return close < 0 ? null : [text.slice(body, close), close + 1, false];
+  }
+  if (env || open === "\\boxed{") {  // the whole \begin{env}...\end{env} or \boxed{...} is the LaTeX
+    const close = env ? text.indexOf(`\\end{${env}}`, body) : closingBrace(text, body);
+    const after = env ? close + `\\end{${env}}`.length : close + 1;
+    return close < 0 ? null : [text.slice(start, after), after, Boolean(env)];
+  }
+  const closer = { "$$": "$$", "\\(": "\\)", "\\[": "\\]" }[open];
+  const close = text.indexOf(closer, body);
+  return close <= body ? null : [text.slice(body, close), close + closer.length, open !== "\\("];
+}
+
+// The text cut into plain strings and maths { source, tex, display }: $...$, $$...$$, \(...\), \[...\],
+// \begin{env}...\end{env} and a \boxed{...} outside them; an opener without its closer stays text.
+function mathSegments(text) {
+  const out = [];
+  let done = 0;
+  MATH_OPENER.lastIndex = 0;
+  for (let m; (m = MATH_OPENER.exec(text)) !== null;) {
+    const found = mathAt(text, m);
+    if (!found) continue;
+    const [tex, after, display] = found;
+    if (m.index > done) out.push(text.slice(done, m.index));
+    out.push({ source: text.slice(m.index, after), tex, display });
+    done = MATH_OPENER.lastIndex = after;
+  }
+  if (done < text.length) out.push(text.slice(done));
+  return out;
+}
+
+function katexHtml(tex, display) {
+  const key = (display ? "D" : "I") + tex;
+  if (!drawnMaths.has(key)) {
+    let drawn;
+    try { drawn = { html: katex.renderToString(tex, { ...KATEX, displayMode: display }) }; }
+    catch (err) { drawn = { error: String(err && err.message || err) }; }
+    if (drawnMaths.size >= 20000) drawnMaths.clear();
+    drawnMaths.set(key, drawn);
+  }
+  return drawnMaths.get(key);
+}
+
+// One piece of maths as KaTeX draws it (its source in data-tex), or its source as text when KaTeX cannot.
+function mathNode(segment, inline) {
+  const drawn = katexHtml(segment.tex, segment.display && !inline);
+  if (drawn.error)
+    return el("span", { class: "math-error", title: drawn.error, "data-tex": segment.source }, segment.source);
+  const node = el("span", { class: "math", "data-tex": segment.source });
+  node.innerHTML = drawn.html;  // KaTeX's markup: the text escaped; no link, id, class or free-form style from it
+  return node;
+}
+
+// A text's nodes: its maths drawn (inline: display maths drawn inline too, for one-line cells), the rest as text;
+// the text as it is when the LaTeX source is asked for.
+function texNodes(text, inline) {
+  if (KV.source || !text) return [text];
+  return mathSegments(text).map(s => typeof s === "string" ? s : mathNode(s, inline));
+}
+
+// A text's maths is drawn when its element comes near the viewport (a long list or problem page draws what is
+// seen; the element shows the text as it is until then); KV.mathsAt: when maths was last drawn. A view that
+// replaces its elements first forgets the old ones (mathsInView.disconnect()).
+const mathsLater = new WeakMap();  // element -> [text, inline]
+const mathsInView = new IntersectionObserver(entries => {
+  for (const entry of entries.filter(e => e.isIntersecting)) {
+    mathsInView.unobserve(entry.target);
+    const [text, inline] = mathsLater.get(entry.target);
+    entry.target.replaceChildren(...texNodes(text, inline));
+  }
+  KV.mathsAt = performance.now();
+}, { rootMargin: "50% 0px" });
+
+function withMaths(node, text, inline) {
+  node.append(text);
+  if (!KV.source && /[$\\]/.test(text)) {
+    mathsLater.set(node, [text, inline]);
+    mathsInView.observe(node);
+  }
+  return node;
+}
+
+// An answer is LaTeX without delimiters ("\frac{3}{4}"): drawn as one piece of maths unless it has its own.
+function answerNodes(answer) {
+  if (KV.source || !answer || /\$|\\\(|\\\[/.test(answer)) return texNodes(answer, true);
+  return [mathNode({ source: answer, tex: answer, display: false }, true)];
+}
+
+// ------------------------------------------------------------------------------------------
 // Report
 // ------------------------------------------------------------------------------------------
 
@@ -162,6 +288,7 @@ function showProblems(app, data) {
   app.append(el("h2", {}, "Problems"), filters, holder);
 
   function drawTable() {
+    mathsInView.disconnect();
     holder.replaceChildren();
     const labels = shownLabels(data);
     const rows = [];
@@ -183,8 +310,8 @@ function showProblems(app, data) {
       el("tr", { "data-bench": problem.bench, "data-idx": problem.idx,
                  onclick: () => { location.hash = `#p/${encodeURIComponent(problem.bench)}/${problem.idx}`; } },
          el("td", {}, problem.bench), el("td", { class: "num" }, problem.idx),
-         el("td", { class: "problem-text", title: problem.problem }, problem.problem),
-         el("td", { class: "tex" }, problem.gt),
+         withMaths(el("td", { class: "problem-text", title: problem.problem }), problem.problem, true),
+         el("td", { class: "tex" }, answerNodes(problem.gt)),
          cells.map(({ run, trace }) => el("td", { class: "num" },
            run ? verdict(run, trace) : "",
            trace ? el("div", { class: "cell-stats" },
@@ -234,7 +361,8 @@ function candidatesTable(cands) {
         el("td", { class: "num" }, c.fired_at ?? "—")),
       el("tr", { class: "cand-text" + (c.committed ? " committed" : "") },
         el("td", { colspan: 7 }, c.committed ? el("span", { class: "muted" }, "committed: the step's text")
-                                             : el("div", { class: "tex" }, c.text ?? "—")))])),
+                                             : c.text === null || c.text === undefined ? el("div", { class: "tex" }, "—")
+                                             : withMaths(el("div", { class: "tex" }), c.text)))])),
     !KV.data.candidate_texts ? el("caption", { class: "muted" }, "Candidates' texts were left out of this page (--no-candidate-texts).")
       : unrecorded ? el("caption", { class: "muted" }, "This trace was written before candidates' texts were recorded.") : null);
 }
@@ -255,7 +383,7 @@ function stepCell(trace, i) {
        el("span", { class: "muted" }, `${step.tokens} tok`),
        stopped ? el("span", { class: "fired", title: "base candidates the detector stopped" }, `detector stopped ${stopped}`) : null,
        toggle),
-    el("div", { class: "tex step-text" }, step.text),
+    withMaths(el("div", { class: "tex step-text" }), step.text),
     details);
 }
 
@@ -272,8 +400,8 @@ async function showProblem(app, data, bench, idx, current) {
   app.append(el("p", {}, el("a", { href: "#problems" }, "‹ all problems")),
     el("div", { class: "problem-head" },
        el("h2", {}, `${bench} #${idx}`),
-       el("div", { class: "tex", id: "problem-text" }, problem.problem),
-       el("div", {}, "answer: ", el("span", { class: "tex" }, problem.gt), el("span", { class: "muted" }, "  normalised: "),
+       el("div", { class: "tex", id: "problem-text" }, texNodes(problem.problem)),
+       el("div", {}, "answer: ", el("span", { class: "tex" }, answerNodes(problem.gt)), el("span", { class: "muted" }, "  normalised: "),
           el("span", { class: "tex" }, problem.gt_norm))),
     el("div", { class: "run-picker" }, "side by side:", runs.map(r => el("label", {},
       el("input", { type: "checkbox", checked: picked.has(r.id), "data-run": r.id, onchange: e => {
@@ -326,6 +454,7 @@ function fragment() {
 async function route() {
   const mine = ++routed;
   const app = document.getElementById("app");
+  mathsInView.disconnect();
   app.replaceChildren();
   delete document.body.dataset.drawn;
   const hash = fragment();
@@ -342,6 +471,11 @@ unpack("kv-data").then(async data => {
   index(data);
   KV.data = data;
   window.addEventListener("hashchange", () => { route(); window.scrollTo(0, 0); });
+  document.getElementById("show-source").addEventListener("change", e => {
+    KV.source = e.target.checked;
+    document.body.classList.toggle("latex-source", KV.source);
+    route();
+  });
   await route();
   KV.readyAt = performance.now();
   document.body.dataset.ready = "true";
