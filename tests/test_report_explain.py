@@ -13,10 +13,12 @@ SMOL = ModelRef("SmolLM2-135M-Instruct")
 DETECTOR = {"tau_ent": 7.0, "ent_window": 12, "min_tokens": 24, "tau_cmp": 0.18, "cmp_chars": 400, "gzip_level": 9}
 
 
-def trace(idx: int, correct: bool, base_prefill: int, peak: int, stops: list[Candidate]) -> Trace:
+def trace(idx: int, correct: bool, base_prefill: int, peak: int, stops: list[Candidate],
+          rows: tuple[int, int] = (40, 60)) -> Trace:
     """Two steps, base then helper (30 and 20 tokens); each step's candidates: the committed one, a plain base one,
-    and the next of `stops` (base candidates the detector stopped) while there are some."""
-    steps = [Step("a\n\n", "base", -1.0, 30, 40), Step("b\n\n", "helper", -1.2, 20, 60)]
+    and the next of `stops` (base candidates the detector stopped) while there are some; `rows`: the base cache's
+    entries after each step."""
+    steps = [Step("a\n\n", "base", -1.0, 30, rows[0]), Step("b\n\n", "helper", -1.2, 20, rows[1])]
     cands = []
     for k, step in enumerate(steps):
         cands.append([Candidate(step.source, -1.0, step.tokens, "step", 2.0 if step.source == "base" else None,
@@ -43,7 +45,8 @@ def write(root: Path, method: str, budget: int | None, traces: list[Trace]) -> P
 def test_explain_counts_steps_cache_and_detector_stops(tmp_path):
     repetition = Candidate("base", None, 120, "repetition", 4.0, 0.12, 117)
     entropy = Candidate("base", None, 40, "entropy", 7.4, 0.6, 36)
-    kv = write(tmp_path, "kvrescue", 16, [trace(0, True, 70, 48, [repetition, entropy]), trace(1, False, 10, 30, [])])
+    kv = write(tmp_path, "kvrescue", 16, [trace(0, True, 70, 48, [repetition, entropy], (40, 16)),
+                                          trace(1, False, 10, 30, [], (10, 30))])
     full = write(tmp_path, "full", None, [trace(0, False, 70, 120, [])])
     runs, _ = load_runs([tmp_path])
     lines = explain(runs)
@@ -51,12 +54,12 @@ def test_explain_counts_steps_cache_and_detector_stops(tmp_path):
     assert lines[:4] == [
         f"{full} (full N=2): 0/1 correct, steps scored by helper-loglik",
         "  committed 2 steps over 1 problems: 1 from the base, 1 from the helper",
-        "  base cache: full, up to 120 entries for a context of up to 100 tokens",
+        "  base cache: full, at most 60 entries after a commit (peak 120) for a context of up to 100 tokens",
         f"{kv} (kvrescue B=16 N=2): 1/2 correct, steps scored by helper-loglik",
     ]
     assert lines[4:] == [
         "  committed 4 steps over 2 problems: 2 from the base, 2 from the helper",
-        "  base cache (rkv): at most 48 entries for a context of up to 100 tokens; compressed to B = 16 each time it "
+        "  base cache (rkv): at most 40 entries after a commit (peak 48) for a context of up to 100 tokens; compressed to B = 16 each time it "
         "reached B' = 48 (in 1 of 2 problems the context reached B')",
         "  detector: stopped 2 of 8 base candidates (1 entropy, 1 repetition); the first: problem 0, step 1, at "
         "token 117 (gzip ratio 0.120 < 0.18 over its last 400 characters)",

@@ -40,17 +40,19 @@ def base_context(trace: Trace) -> int:
 
 
 def cache_line(run: Run, decoded: list[Trace]) -> str:
-    """The base cache's largest size against the context it stood for, and B' = B + W for an evicted one."""
+    """The base cache's size after each commit and at its peak against the context it stood for, and B' = B + W for
+    an evicted one."""
     context = max(map(base_context, decoded), default=0)
     peak = max((t.peak_base_rows for t in decoded), default=0)
+    held = max((step.base_rows or 0 for t in decoded for step in t.steps), default=0)
     budget = run.config.budget
+    sizes = f"at most {held} entries after a commit (peak {peak}) for a context of up to {context} tokens"
     if budget is None:
-        return f"base cache: full, up to {peak} entries for a context of up to {context} tokens"
+        return f"base cache: full, {sizes}"
     bound = budget + (run.config.settings.get("buffer") or SLACK)
     over = sum(base_context(t) >= bound for t in decoded)
-    return (f"base cache ({run.config.evictor}): at most {peak} entries for a context of up to {context} tokens; "
-            f"compressed to B = {budget} each time it reached B' = {bound} (in {over} of {len(decoded)} problems "
-            "the context reached B')")
+    return (f"base cache ({run.config.evictor}): {sizes}; compressed to B = {budget} each time it reached "
+            f"B' = {bound} (in {over} of {len(decoded)} problems the context reached B')")
 
 
 def detector_line(run: Run, decoded: list[Trace]) -> str:
