@@ -59,7 +59,8 @@ def test_explain_counts_steps_cache_and_detector_stops(tmp_path):
     ]
     assert lines[4:] == [
         "  committed 4 steps over 2 problems: 2 from the base, 2 from the helper",
-        "  base cache (rkv): at most 40 entries after a commit (peak 48) for a context of up to 100 tokens; compressed to B = 16 each time it "
+        "  base cache (rkv): at most 40 entries after a commit (peak 48) for a context of up to 100 tokens; "
+        "compressed to B = 16 each time it "
         "reached B' = 48 (in 1 of 2 problems the context reached B')",
         "  detector: stopped 2 of 8 base candidates (1 entropy, 1 repetition); the first: problem 0, step 1, at "
         "token 117 (gzip ratio 0.120 < 0.18 over its last 400 characters)",

@@ -71,7 +71,8 @@ def detector_line(run: Run, decoded: list[Trace]) -> str:
     reasons = Counter(cand.finish for _, _, cand in stopped)
     idx, k, cand = stopped[0]
     value = (f"mean entropy {cand.max_mean_entropy:.2f} > {tau['tau_ent']}" if cand.finish == "entropy"
-             else f"gzip ratio {cand.min_gzip_ratio:.3f} < {tau['tau_cmp']} over its last {tau['cmp_chars']} characters")
+             else f"gzip ratio {cand.min_gzip_ratio:.3f} < {tau['tau_cmp']} over its last {tau['cmp_chars']} "
+             "characters")
     return (f"detector: stopped {len(stopped)} of {len(base)} base candidates ("
             + ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items()))
             + f"); the first: problem {idx}, step {k + 1}, at token {cand.fired_at} ({value})")
