@@ -540,6 +540,8 @@ def report(
     format: str = typer.Option("table", "--format", help="table (rich, stderr), md, csv or json (stdout)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write accuracy vs budget (Figure 5) to this PNG"),
     k: str = typer.Option("1,4,8", "--k", help=K_HELP),
+    explain: bool = typer.Option(False, "--explain", help="then, in words, what each run did: steps committed by "
+                                 "each model, the base cache against B, the detector's stops (stderr)"),
 ) -> None:
     """The paper's tables (accuracy, recovery, cost, ablation, helper share, oracle, calibration) from run folders."""
     from kvrescue_cli import report as rep
@@ -563,6 +565,11 @@ def report(
                 console.print(f"{table.name}: {note}", highlight=False, soft_wrap=True, markup=False)
     if plot is not None:
         console.print(f"wrote {rep.plot(runs, plot)}", highlight=False)
+    if explain:
+        from kvrescue_cli.report.explain import explain as explain_runs
+
+        for line in explain_runs(runs):
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 @app.command()

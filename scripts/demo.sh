@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
-# Set up .venv (idempotent), then the main job on its embedded CPU default: evicted best-of-N, KV-Rescue
-# and full-cache best-of-N on 4 bundled GSM8K problems with SmolLM2-135M, then the report and the HTML explorer.
-# The caps (16 steps of at most 192 tokens, 2,048 tokens of context) bound the demo's time: with the paper's
-# defaults (1,024 steps of 512, 4,096) one `full` problem of a 135M model was seen still decoding after an hour.
+# Set up .venv (idempotent), then the main job on its embedded CPU default: KV-Rescue with SmolLM2-135M as base and
+# helper at a budget B = 16 on GSM8K's first problem (the evicted base loops there and the detector stops it) and on
+# examples/easy.jsonl (two one-line sums, written for this demo, where SmolLM2 can be right), then the HTML explorer
+# and the report with its plain-words summary (--explain). The caps (2 steps of at most 192 tokens, 1,024 tokens of
+# context) bound every problem's time. One thread: a 135M model's small matmuls gain little from a second one, and on
+# shared cores two threads waiting for each other at every op ran ~10x slower (docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/kvrescue run --preset cpu-demo --bench gsm8k --limit 4 \
-    --method bon,kvrescue,full --budget 64 --n 2 \
-    --max-steps 16 --max-step-tokens 192 --context-cap 2048 --out runs/demo
-.venv/bin/kvrescue report runs/demo
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+demo=(--preset cpu-demo --method kvrescue --budget 16 --n 2 --cmp-chars 400
+      --max-steps 2 --max-step-tokens 192 --context-cap 1024 --out runs/demo)
+.venv/bin/kvrescue run "${demo[@]}" --bench gsm8k --limit 1
+.venv/bin/kvrescue run "${demo[@]}" --bench examples/easy.jsonl
 .venv/bin/kvrescue view runs/demo --out runs/demo.html
-echo "What the demo shows: SmolLM2-135M as both base and helper on four problems checks the pipeline end to end; it says nothing about the method's accuracy (that needs the Qwen2.5-Math models and a PRM on a GPU)."
+.venv/bin/kvrescue report runs/demo --explain
+cat <<'TEXT'
+
+What you just saw: KV-Rescue's stepwise loop with SmolLM2-135M as both the evicted base and the full-context helper
+(steps scored by the helper's mean log-likelihood, since no PRM fits a CPU demo). The lines above say, from this run's
+traces, how many steps each model committed, how far the base cache was compressed (its size vs B and B' = B + W;
+runs/demo.html charts it per step on each problem's page) and which base candidates the detector stopped and why.
+A 135M model says nothing about the method's accuracy. Next, on a GPU, the paper's 7B setting:
+  .venv/bin/kvrescue run --bench math500 --method bon,kvrescue,full --budget 64,128,256,512 --n 8
+TEXT

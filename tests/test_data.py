@@ -1,5 +1,7 @@
 """Benchmark loading by name from a data folder, from any JSONL, and its errors."""
 
+from pathlib import Path
+
 import pytest
 
 from kvrescue_cli.data import BENCHES, BUNDLED, load_problems, source_of
@@ -24,6 +26,13 @@ def test_raw_answers_follow_each_benchmarks_rule():
     assert load_problems("gsm8k", folder=folder).problems[0].gt.strip() == "18"
     assert load_problems("amc23", folder=folder).problems[0].gt == "27.0"
     assert load_problems("math500", folder=folder, limit=3).problems[2].gt  # from the solution's last \boxed{}
+
+
+def test_the_demos_easy_set_loads_as_a_generic_jsonl():
+    """examples/easy.jsonl (scripts/demo.sh): two sums, each answer the sum."""
+    problems = load_problems(str(Path(__file__).parents[1] / "examples" / "easy.jsonl")).problems
+    assert [(p.idx, p.gt) for p in problems] == [(0, "5"), (1, "12")]
+    assert "3 apples" in problems[0].problem and "2 more" in problems[0].problem and "7 + 5" in problems[1].problem
 
 
 def test_any_jsonl_with_custom_fields(tmp_path):
