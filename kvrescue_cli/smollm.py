@@ -79,5 +79,9 @@ def smollm2_folder() -> Path:
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.chmod(tmp, 0o755)
-        Path(tmp).rename(folder)
+        try:
+            Path(tmp).rename(folder)
+        except OSError:  # another process converted it meanwhile: its folder is as good as this one
+            if not (folder / "config.json").is_file():
+                raise
     return folder

@@ -1,5 +1,8 @@
 """The real SmolLM2-135M-Instruct GGUF, through the real GGUF loading path, equals transformers."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -27,3 +30,26 @@ def test_smollm2_gguf_matches_transformers() -> None:
         step = ours.net.decode(ids[:, t], cache, [row])[0]
         assert (step - expected[t]).abs().max() < 1e-4
     assert ours.eos_ids == [ours.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_a_folder_another_process_converted_meanwhile_is_taken(monkeypatch, tmp_path, llama_dir) -> None:
+    """Two first runs convert at once: the one whose rename loses to the other's finished folder uses that folder
+    (it did crash with "Directory not empty"). The conversion reads a random Llama checkpoint in the GGUF's place."""
+    import transformers
+
+    from kvrescue_cli import smollm
+
+    monkeypatch.setenv("KVRESCUE_CACHE", str(tmp_path))
+    folder = tmp_path / "SmolLM2-135M-Instruct"
+
+    def the_other_process_finishes_first() -> Path:
+        shutil.copytree(llama_dir, folder)
+        return llama_dir / "model.gguf"
+
+    monkeypatch.setattr(smollm, "smollm2_gguf", the_other_process_finishes_first)
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        real = auto.from_pretrained.__func__
+        monkeypatch.setattr(auto, "from_pretrained",
+                            classmethod(lambda cls, path, gguf_file=None, real=real, **kw: real(cls, path, **kw)))
+    assert smollm.smollm2_folder() == folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # the loser's temporary folder is gone
