@@ -605,11 +605,10 @@ def cost(
     GPU with CUDA graphs and torch attention)."""
     from kvrescue_cli.cost import Architecture, cost_json, cost_rows, estimate
     from kvrescue_cli.memory_plan import CellShape, DeviceKind, plan_cell, plan_json, plan_rows
-    from kvrescue_cli.model_config import load_config
 
     if format not in ("table", "json"):
         raise InputError(f"unknown --format '{format}': use table or json")
-    archs = {role: Architecture.from_config(name, load_config(name))
+    archs = {role: Architecture.of_model(name)
              for role, name in (("base", base), ("helper", helper), ("prm", prm)) if name}
     result = estimate(archs["base"], archs["helper"], budget, context, n, alpha)
     cell = CellShape(batch, n, "bounded", budget, True, "prm" if prm else None, context_cap=context)

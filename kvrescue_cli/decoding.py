@@ -19,9 +19,10 @@ from grader import grade
 from kvrescue_cli import memory_plan as planner
 from kvrescue_cli.cost import Architecture
 from kvrescue_cli.data import Problem
+from kvrescue_cli.dtypes import dtype_bytes
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
-from kvrescue_cli.engine.loader import DTYPES, LoadedModel, ModelLoadError, load_model
+from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
 from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.engine.prm_recipe import RECIPES
 from kvrescue_cli.engine.runner import Runner
@@ -33,7 +34,7 @@ from kvrescue_cli.outputs import Candidate, Tokens, Trace
 from kvrescue_cli.prompts import generation_prompt
 from kvrescue_cli.rank_group import RankGroup, RankZeroScores
 from kvrescue_cli.methods import METHODS
-from kvrescue_cli.model_config import ModelConfigError, load_config
+from kvrescue_cli.model_config import ModelConfigError
 from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings, StepRunner
 from kvrescue_cli.vllm_engine.roles import VllmEngines, engine_specs
 
@@ -74,8 +75,8 @@ def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool
 def refuse_large_on_cpu(role: str, name: str) -> None:
     """A one-line error, before any weights are read, for a model too large to decode on a CPU."""
     try:
-        params = Architecture.from_config(name, load_config(name)).params
-    except (ModelConfigError, KeyError, TypeError, ValueError):  # no usable config: the loader says why
+        params = Architecture.of_model(name).params
+    except ModelConfigError:  # no usable config: the loader says why
         return
     if params > CPU_PARAMS:
         raise InputError(f"{role} model {name} has {params / 1e9:.1f}B parameters, too many for a CPU run; "
@@ -84,7 +85,7 @@ def refuse_large_on_cpu(role: str, name: str) -> None:
 
 def device_kind(options: GridOptions, device: str) -> planner.DeviceKind:
     """How the engine computes on `device` for the planner: its kernels follow the device, dtype and flash-attn."""
-    cuda, size = device.startswith("cuda"), DTYPES[options.dtype].itemsize
+    cuda, size = device.startswith("cuda"), dtype_bytes(options.dtype)
     flash = cuda and size == 2 and importlib.util.find_spec("flash_attn") is not None
     return planner.DeviceKind(cuda, size, flash, options.cuda_graphs, options.tp)
 
@@ -133,7 +134,7 @@ def refuse_what_does_not_fit(options: GridOptions, free_bytes: int, beside_vllm:
                              device: str = "cuda:0") -> None:
     """A one-line error, before any weights are read, when the grid's largest cell needs more than `free_bytes` on
     `device` (with `beside_vllm`: what is left beside vLLM's share)."""
-    hints = [h for h, on in (("--dtype bfloat16", DTYPES[options.dtype].itemsize > 2),
+    hints = [h for h, on in (("--dtype bfloat16", dtype_bytes(options.dtype) > 2),
                              ("--vllm-memory", beside_vllm)) if on]
     planner.refuse_what_does_not_fit(memory_plan(options, device), free_bytes, device, beside_vllm, hints)
 
@@ -173,11 +174,11 @@ def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> lis
     if not specs:
         return []
     share = options.vllm_memory * total
-    each, size, shares = share / len(specs), DTYPES[options.dtype].itemsize, []
+    each, size, shares = share / len(specs), dtype_bytes(options.dtype), []
     for spec in specs:
         try:
-            arch = replace(Architecture.from_config(spec.model, load_config(spec.model)), dtype_bytes=size)
-        except (ModelConfigError, KeyError, TypeError, ValueError) as err:
+            arch = replace(Architecture.of_model(spec.model), dtype_bytes=size)
+        except ModelConfigError as err:
             raise InputError(f"{'/'.join(spec.roles)} model {spec.model}: no usable config.json for vLLM ({err})") from None
         need = arch.params * size + arch.kv_bytes_per_token * spec.max_model_len
         if need > each:

@@ -19,9 +19,6 @@ from __future__ import annotations
 import gzip
 from dataclasses import dataclass
 
-ENTROPY = "entropy"
-REPETITION = "repetition"
-
 
 @dataclass(frozen=True)
 class DetectorConfig:

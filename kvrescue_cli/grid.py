@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
-from kvrescue_cli.engine.loader import DTYPES
+from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
 from kvrescue_cli.engine.prm_recipe import PRM_FORMATS
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grading import check_grader
@@ -122,8 +122,8 @@ class GridOptions:
                 raise InputError(f"--budget {budget} is below the smallest supported budget {MIN_BUDGET}")
             if budget > cap and any(METHODS[m].evicted for m in self.methods):
                 raise InputError(f"--budget {budget} is above --context-cap {cap}: a cache that large never evicts")
-        if self.dtype not in DTYPES:
-            raise InputError(f"unknown --dtype '{self.dtype}': use one of {', '.join(DTYPES)} or auto")
+        if self.dtype not in DTYPE_NAMES:
+            raise InputError(f"unknown --dtype '{self.dtype}': use one of {', '.join(DTYPE_NAMES)} or auto")
         for n in self.ns:
             if n < 1:
                 raise InputError(f"--n {n}: need at least one candidate per model")

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 from kvrescue_cli.cost import Architecture, format_bytes
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
-from kvrescue_cli.model_config import ModelArgs, ModelConfigError, load_config
+from kvrescue_cli.model_config import ModelArgs, ModelConfigError
 from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, COMPRESS_BYTES, FLASH_BLOCK, LOGITS_BYTES,
                                  OBSERVATION_WINDOW, PRM_WINDOW, SCORE_BYTES, SLACK, local_args, shard_degree)
 
@@ -359,7 +359,7 @@ def grid_models(options: Any) -> dict[str, Architecture]:
     archs = {}
     for role in sorted(options.native_roles()):
         name = options.models[role]
-        archs[role] = Architecture.from_config(name, load_config(name))
+        archs[role] = Architecture.of_model(name)
     return archs
 
 
@@ -386,7 +386,7 @@ def readable_plan(options: Any, dev: DeviceKind, batch: int | None = None) -> De
     """`plan_grid`, or None when a model has no readable config (the loader then says why)."""
     try:
         return plan_grid(options, dev, batch)
-    except (ModelConfigError, KeyError, TypeError, ValueError):
+    except ModelConfigError:
         return None
 
 

@@ -13,13 +13,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
-from kvrescue_cli.detect import ENTROPY, REPETITION, DetectorConfig
+from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine.scoring import Scorer
 from kvrescue_cli.engine.steps import CandidateStep, StepRules
 from kvrescue_cli.errors import env_seconds
 from kvrescue_cli.methods import METHODS, Method
 from kvrescue_cli.outputs import Step
+from kvrescue_cli.reasons import CONTEXT, DETECTOR_FINISHES, EOS, STEPS
 
 # Seconds between running-total reports (progress bars); $KVRESCUE_PROGRESS_EVERY_S overrides (0: every iteration).
 PROGRESS_EVERY_S = env_seconds("KVRESCUE_PROGRESS_EVERY_S", 2.0)
@@ -96,7 +97,7 @@ class CandidateState:
     @property
     def dropped(self) -> bool:
         """The detector fired on it: it is not scored."""
-        return self.finish in (ENTROPY, REPETITION)
+        return self.finish in DETECTOR_FINISHES
 
 
 @dataclass
@@ -250,12 +251,12 @@ class Controller:
             problem.steps.append(Step(winner.text, winner.source, winner.score, len(winner.tokens)))
             problem.committed += winner.tokens
             self.scorer.commit(problem.idx, winner.text, winner.tokens)
-            if winner.finish == "eos":
-                problem.stop = "eos"
+            if winner.finish == EOS:
+                problem.stop = EOS
             elif problem.context >= self.settings.context_cap:
-                problem.stop = "context"
+                problem.stop = CONTEXT
             elif len(problem.steps) >= self.settings.step_cap:
-                problem.stop = "steps"
+                problem.stop = STEPS
             for name, runner in self.runners.items():
                 mine = [c for c in problem.candidates if c.source == name]
                 if winner in mine:

@@ -20,17 +20,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvrescue_cli.detect import ENTROPY, REPETITION, DetectorConfig, gzip_ratio
+from kvrescue_cli.detect import DetectorConfig, gzip_ratio
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.sampling import SamplingParams, as_keys, counter_stages
 from kvrescue_cli.engine.texts import decoder
 from kvrescue_cli.engine.transfer import upload
 from kvrescue_cli.prompts import STEP_DELIMITER
+from kvrescue_cli.reasons import DETECTOR_FINISHES, FINISHES
 
 MAX_STEP_TOKENS = 512
 MAX_CONTEXT = 4096
-FINISHES = (None, "step", "eos", "length", ENTROPY, REPETITION)  # finish codes 0..5 on the device
-_STEP, _EOS, _LENGTH, _ENTROPY, _REPETITION = range(1, 6)
+FINISH_CODES = (None, *FINISHES)  # finish codes 0..5 on the device (0: not finished)
+_STEP, _EOS, _LENGTH, _ENTROPY, _REPETITION = range(1, len(FINISH_CODES))
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ class StepDecoder:
         for i in np.flatnonzero(packed[4]):
             codes[i] = self._check_text(live[i], codes[i])
         ended = codes != 0
-        finished = [(live[i], FINISHES[codes[i]], packed[3][i]) for i in np.flatnonzero(ended)]
+        finished = [(live[i], FINISH_CODES[codes[i]], packed[3][i]) for i in np.flatnonzero(ended)]
         if ended.all():
             self.free += live.tolist()
             self._set_live(live[:0])
@@ -318,7 +319,7 @@ class StepDecoder:
             entropies=s.entropies[lane, :n].tolist(), finish=finish,
             max_mean_entropy=float(max_mean) if screened and max_mean > -np.inf else None,
             min_ratio=float(s.min_ratio[lane]) if screened and s.min_ratio[lane] < np.inf else None,
-            fired_at=int(n) if finish in (ENTROPY, REPETITION) else None,
+            fired_at=int(n) if finish in DETECTOR_FINISHES else None,
         )
 
 
