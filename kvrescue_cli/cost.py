@@ -27,7 +27,7 @@ from kvrescue_cli.dtypes import BYTES
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.jsonl import dumps_exact
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError, load_config
-from kvrescue_cli.shapes import SLACK, local_args
+from kvrescue_cli.shapes import BUFFER, local_args
 
 @dataclass
 class Architecture:
@@ -121,9 +121,9 @@ class Cost:
 
 
 def estimate(base: Architecture, helper: Architecture, budget: int = 64, context: int = 4096,
-             n: int = 8, alpha: float = 2.9, slack: int = SLACK) -> Cost:
+             n: int = 8, alpha: float = 2.9, buffer: int = BUFFER) -> Cost:
     """Memory and FLOPs per decoded token for the evicted base, the full base and the helper."""
-    bp = budget + slack
+    bp = budget + buffer
     kept = min(context, bp)
     base_decode = base.dense_flops + base.attention_flops(kept)
     helper_decode = helper.dense_flops + helper.attention_flops(context)

@@ -51,7 +51,7 @@ def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool
         candidates.append([
             Candidate(
                 source=c.source, score=c.score, tokens=len(c.tokens), finish=c.finish,
-                max_mean_entropy=c.result.max_mean_entropy, min_gzip_ratio=c.result.min_ratio,
+                max_mean_entropy=c.result.max_mean_entropy, min_gzip_ratio=c.result.min_gzip_ratio,
                 fired_at=c.result.fired_at, committed=c.committed, text=None if c.committed else c.text,
             )
             for c in cands
@@ -196,7 +196,7 @@ def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> lis
     return shares
 
 
-def batch_record(options: GridOptions) -> dict:
+def batch_description(options: GridOptions) -> dict:
     """The batch --batch auto chose, for config.json's executor (nothing for a batch given as a number)."""
     return {"batch": options.settings.batch, "batch_auto": True} if options.batch_auto else {}
 
@@ -257,7 +257,7 @@ def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel],
         runners[role] = vllm.runner(role)
     if spec.base and "base" not in runners:
         base = models["base"]
-        cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, slack=options.buffer,
+        cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, buffer=options.buffer,
                                         max_append=s.max_step_tokens, rows=s.batch * (cell.n + 1))
                  if options.evicts(cell.method)
                  else FullCache.for_model(base.net, full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
@@ -308,7 +308,7 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
 
     grading = Grading(cell.problems.grading_bench, emit, options.grader, options.also_grade)
 
-    def record(finished: Finished) -> None:
+    def grade_finished(finished: Finished) -> None:
         grading.submit(finished, by_idx.pop(finished.state.idx))
         grading.emit_graded()
 
@@ -322,7 +322,7 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
     controller = Controller(settings, _runners(options, cell, models, vllm),
                             RankZeroScores(scorer) if options.tp > 1 else scorer, set(eos_ids))
     try:
-        controller.run(work(), record, progress)
+        controller.run(work(), grade_finished, progress)
         grading.emit_graded(wait=True)
     finally:
         grading.close()
@@ -377,7 +377,7 @@ class Grading:
             self.pending.clear()
 
 
-class InProcess:
+class InProcessGroup:
     """One device group decoding in this process, its models loaded once: the executor without Ray (with
     `--tp K`, this process is rank 0 of the group's K processes)."""
 
@@ -418,8 +418,8 @@ class InProcess:
         if self.vllm is not None:
             self.vllm.close()
 
-    def record(self) -> dict:
+    def describe(self) -> dict:
         """The executor, for config.json."""
         return {"kind": "in-process", "devices": list(self.group), **({"tp": self.options.tp} if self.ranks else {}),
-                **batch_record(self.options),
+                **batch_description(self.options),
                 **({"vllm_memory": self.options.vllm_memory} if self.vllm else {})}

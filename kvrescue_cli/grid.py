@@ -15,7 +15,7 @@ from kvrescue_cli.grading import check_grader
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.prompts import PROMPT_STYLES, resolve_style
 from kvrescue_cli.search import SearchSettings
-from kvrescue_cli.shapes import SLACK
+from kvrescue_cli.shapes import BUFFER
 
 SCORERS = ("prm", "helper-loglik")
 ENGINES = ("native", "vllm")
@@ -80,17 +80,17 @@ class GridOptions:
     grader: str = "qwen"  # decides `correct` (grader.GRADERS)
     also_grade: tuple[str, ...] = ()  # other graders whose verdicts the traces record too
     grids: tuple[GridAxes, ...] = ()  # several grids (a --config file's [[grid]] tables); the axes above: their union
-    buffer: int = SLACK  # W: entries an evicted row appends past the budget before a compression (B' = B + W)
+    buffer: int = BUFFER  # W: entries an evicted row appends past the budget before a compression (B' = B + W)
     prm_format: str = "paper"  # the PRM's input recipe (engine/prm_recipe.py)
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
-        return METHODS[method].evicted and self.evictor != NO_EVICTION
+        return METHODS[method].budgeted and self.evictor != NO_EVICTION
 
     def on_vllm(self, role: str, method: str) -> bool:
         """Whether `role` of `method` runs on vLLM: with `--engine vllm`, every full-context role (the helper, the
         PRM, the base of `full`); never the evicted base, since vLLM cannot evict mid-generation."""
-        return self.engine == "vllm" and (role != "base" or not METHODS[method].evicted)
+        return self.engine == "vllm" and (role != "base" or not METHODS[method].budgeted)
 
     def vllm_roles(self, methods: list[str] | None = None) -> set[str]:
         """The roles run on vLLM by `methods` (default: the grid's); none without `--engine vllm`."""
@@ -120,7 +120,7 @@ class GridOptions:
         for budget in self.budgets:
             if budget < MIN_BUDGET:
                 raise InputError(f"--budget {budget} is below the smallest supported budget {MIN_BUDGET}")
-            if budget > cap and any(METHODS[m].evicted for m in self.methods):
+            if budget > cap and any(METHODS[m].budgeted for m in self.methods):
                 raise InputError(f"--budget {budget} is above --context-cap {cap}: a cache that large never evicts")
         if self.dtype not in DTYPE_NAMES:
             raise InputError(f"unknown --dtype '{self.dtype}': use one of {', '.join(DTYPE_NAMES)} or auto")
@@ -154,7 +154,7 @@ class GridOptions:
             for bench, method, budget, n, seed in itertools.product(
                 axes.benches, axes.methods, axes.budgets, axes.ns, axes.seeds
             ):
-                cell = Cell(sets[bench], method, budget if METHODS[method].evicted else None, n, seed)
+                cell = Cell(sets[bench], method, budget if METHODS[method].budgeted else None, n, seed)
                 key = (sets[bench].name, method, cell.budget, n, seed)
                 if key not in seen:
                     seen.add(key)

@@ -2,7 +2,7 @@
 
 Two or more device groups (or `--ray-address`) run as Ray actors, on a private local Ray instance started
 here and shut down at the end, or on the cluster at `--ray-address`; one device decodes in the `kvrescue
-run` process itself (`decoding.InProcess`). A group is one device today; with tensor parallelism it is K.
+run` process itself (`decoding.InProcessGroup`). A group is one device today; with tensor parallelism it is K.
 
 An actor asks the driver for a problem whenever its controller has a free slot (work stealing: a fast
 actor simply asks more often) and streams each finished problem's trace back; the driver alone writes
@@ -359,12 +359,12 @@ class RayWorkers:
         if not self.workers:
             raise WorkersGone(f"no worker could start ({self._errors()})")
 
-    def record(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         """The executor, for config.json: Ray's version, the cluster's nodes, where each worker runs."""
         import ray
 
         return {"kind": "ray", "ray": ray.__version__, "address": self.options.ray_address or "local",
-                **decoding.batch_record(self.options),
+                **decoding.batch_description(self.options),
                 "nodes": sum(node["Alive"] for node in ray.nodes()),
                 "workers": [{"devices": list(w.devices), **(w.placement or {})} for w in self.workers]}
 

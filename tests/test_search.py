@@ -212,7 +212,7 @@ def test_the_detector_drops_base_candidates_before_scoring():
     # interleave does not screen: the same finish reasons are not its detector's, so nothing is dropped... but
     # a method that screens must have helper candidates, so some candidate always survives.
     with pytest.raises(ValueError):
-        search.Method(base=True, helper=False, evicted=True, detector=True)
+        search.Method(base=True, helper=False, budgeted=True, detector=True)
 
 
 def test_progress_is_reported_while_problems_are_in_flight(monkeypatch):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrescue_cli.engine.loader import ModelLoadError, load_tokenizer, model_folder
-from kvrescue_cli.engine.prm import WINDOW
+from kvrescue_cli.shapes import PRM_WINDOW
 from kvrescue_cli.engine.prm_recipe import RECIPES
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import GridOptions
@@ -37,7 +37,7 @@ def engine_specs(options: GridOptions) -> list[EngineSpec]:
     for role in sorted(roles - {"prm"}):
         by_model.setdefault(options.models[role], []).append(role)
     specs = [EngineSpec(model, tuple(served), options.settings.context_cap) for model, served in by_model.items()]
-    return specs + ([EngineSpec(options.models["prm"], ("prm",), WINDOW)] if "prm" in roles else [])
+    return specs + ([EngineSpec(options.models["prm"], ("prm",), PRM_WINDOW)] if "prm" in roles else [])
 
 
 class VllmEngines:
