@@ -365,6 +365,7 @@ def run(
     from kvrescue_cli.engine.sampling import SamplingParams
     from kvrescue_cli.runs import GridOptions, run_grid
     from kvrescue_cli.search import SearchSettings
+    from kvrescue_cli.devices import is_gpu
     from kvrescue_cli.workers import WorkersGone, resolve_devices
 
     models = dict(DEFAULT_MODELS)
@@ -381,7 +382,7 @@ def run(
         raise InputError(f"unknown preset '{preset}': the only preset is cpu-demo")
     models.update({k: v for k, v in {"base": base, "helper": helper, "prm": prm}.items() if v})
     device_list = resolve_devices(devices, ray_address, visible=not plan)
-    on_gpu = device_list[0].startswith("cuda")
+    on_gpu = is_gpu(device_list[0])
     auto = batch == "auto" or (batch is None and on_gpu and ray_address is None)
     settings = SearchSettings(
         sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),

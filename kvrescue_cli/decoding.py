@@ -19,6 +19,7 @@ from grader import grade
 from kvrescue_cli import memory_plan as planner
 from kvrescue_cli.cost import Architecture
 from kvrescue_cli.data import Problem
+from kvrescue_cli.devices import is_cpu, is_gpu
 from kvrescue_cli.dtypes import dtype_bytes
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
@@ -85,7 +86,7 @@ def refuse_large_on_cpu(role: str, name: str) -> None:
 
 def device_kind(options: GridOptions, device: str) -> planner.DeviceKind:
     """How the engine computes on `device` for the planner: its kernels follow the device, dtype and flash-attn."""
-    cuda, size = device.startswith("cuda"), dtype_bytes(options.dtype)
+    cuda, size = is_gpu(device), dtype_bytes(options.dtype)
     flash = cuda and size == 2 and importlib.util.find_spec("flash_attn") is not None
     return planner.DeviceKind(cuda, size, flash, options.cuda_graphs, options.tp)
 
@@ -101,7 +102,7 @@ def device_memory(device: str, given: int | None = None) -> tuple[int, int]:
     both."""
     if given is not None:
         return given, given
-    if device.startswith("cuda"):
+    if is_gpu(device):
         return torch.cuda.mem_get_info(torch.device(device))
     ram = psutil.virtual_memory()
     return ram.available, ram.total
@@ -111,7 +112,7 @@ def device_room(options: GridOptions, device: str, shares: int = 1, context: boo
     """Bytes of `device` this worker may plan for: what is free of it (`context=False`: its total, read without
     creating a CUDA context, for a driver whose workers run elsewhere), at most its 1/`shares` (a device named by
     `shares` workers, `--devices cuda:0,cuda:0`), less vLLM's share of it with `--engine vllm`."""
-    if not context and options.device_memory is None and device.startswith("cuda"):
+    if not context and options.device_memory is None and is_gpu(device):
         free = total = torch.cuda.get_device_properties(torch.device(device)).total_memory
     else:
         free, total = device_memory(device, options.device_memory)
@@ -127,7 +128,7 @@ def group_room(options: GridOptions, group: tuple[str, ...], shares: int = 1, co
 
 def checks_memory(options: GridOptions, device: str) -> bool:
     """Whether a worker on `device` is refused a plan that does not fit: on CUDA, or wherever --device-memory says."""
-    return device.startswith("cuda") or options.device_memory is not None
+    return is_gpu(device) or options.device_memory is not None
 
 
 def refuse_what_does_not_fit(options: GridOptions, free_bytes: int, beside_vllm: bool = False,
@@ -186,9 +187,9 @@ def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> lis
                              f"{len(specs)} engine(s) leaves {each / 2**30:.2f} GiB for the {'/'.join(spec.roles)} "
                              f"model, whose weights and one {spec.max_model_len}-token context need "
                              f"{need / 2**30:.2f} GiB; raise --vllm-memory")
-        shares.append({"memory": each / total} if device.startswith("cuda")
+        shares.append({"memory": each / total} if is_gpu(device)
                       else {"kv_cache_bytes": int(each - arch.params * size)})
-    if device.startswith("cuda"):
+    if is_gpu(device):
         refuse_what_does_not_fit(options, int(free - share), beside_vllm=True, device=device)
     elif share > free:
         raise InputError(f"--vllm-memory {options.vllm_memory}: {share / 2**30:.1f} GiB of RAM for vLLM, but "
@@ -211,7 +212,7 @@ def check_policy_tokenizers(tokenizers: dict[str, Any]) -> None:
 def use_device(device: str) -> None:
     """Make a GPU this process's current device: streams, graphs, NCCL and every default-device call use it, not
     cuda:0."""
-    if device.startswith("cuda"):
+    if is_gpu(device):
         torch.cuda.set_device(device)
 
 
@@ -222,7 +223,7 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     use_device(device)
     for role in sorted(options.native_roles()):
         name = options.models[role]
-        if device == "cpu":
+        if is_cpu(device):
             refuse_large_on_cpu(role, name)
         try:
             if name not in by_name:

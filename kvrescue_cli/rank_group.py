@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch
 import torch.distributed as dist
 
+from kvrescue_cli.devices import is_gpu
 from kvrescue_cli.engine.tp import values_from_rank_0
 
 if TYPE_CHECKING:
@@ -44,9 +45,9 @@ TIMEOUT = timedelta(seconds=float(os.environ.get("KVRESCUE_TP_TIMEOUT_S", "600")
 
 def join(rendezvous: Path, rank: int, world: int, device: str) -> None:
     """Join the group's process group."""
-    if device != "cpu":
+    if is_gpu(device):
         torch.cuda.set_device(device)
-    backend = "gloo" if device == "cpu" else "nccl"
+    backend = "nccl" if is_gpu(device) else "gloo"
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=TIMEOUT)
 
 

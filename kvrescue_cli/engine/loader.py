@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
+from kvrescue_cli.devices import is_gpu
 from kvrescue_cli.dtypes import NAMES
 from kvrescue_cli.engine.model import CausalLM, ProcessRewardModel, Transformer, hf_to_engine_state_dict
 from kvrescue_cli.engine.tp import Shard, make_shard, shard_weight
@@ -38,7 +39,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     """`auto`: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32; any other name as given."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.startswith("cuda") or cpu_has_native_bf16() else "float32"
+    return "bfloat16" if is_gpu(device) or cpu_has_native_bf16() else "float32"
 
 
 class ModelLoadError(RuntimeError):
