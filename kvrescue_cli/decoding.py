@@ -171,7 +171,7 @@ def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> lis
     on a CPU), split evenly between its engines, each of which must hold its weights and one whole context's KV;
     on a GPU this engine's models and caches must fit in the rest. On a CPU an engine's KV cache is given in bytes
     (vLLM's share of RAM there counts its whole process). `free`, `total`: the device's bytes (`device_memory`)."""
-    specs = engine_specs(options)
+    specs = engine_specs(options.vllm_models(), options.settings.context_cap)
     if not specs:
         return []
     share = options.vllm_memory * total
@@ -318,10 +318,10 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
         if on_progress is not None:
             on_progress(totals)
 
-    settings = replace(options.settings, method=cell.method, n=cell.n, seed=cell.seed)
     scorer = _scorer(options, cell, models, vllm)
-    controller = Controller(settings, _runners(options, cell, models, vllm),
-                            RankZeroScores(scorer) if options.tp > 1 else scorer, set(eos_ids))
+    controller = Controller(options.settings, _runners(options, cell, models, vllm),
+                            RankZeroScores(scorer) if options.tp > 1 else scorer, set(eos_ids),
+                            method=cell.method, n=cell.n, seed=cell.seed)
     try:
         controller.run(work(), grade_finished, progress)
         grading.emit_graded(wait=True)
@@ -397,7 +397,8 @@ class InProcessGroup:
             self.ranks = RankGroup(options, group) if len(group) > 1 else None
             self.models = load_roles(options, device)
             if options.engine == "vllm":
-                self.vllm = VllmEngines(options, shares)
+                self.vllm = VllmEngines(engine_specs(options.vllm_models(), options.settings.context_cap),
+                                        options.dtype, options.prm_format, shares)
                 check_policy_tokenizers({**{role: m.tokenizer for role, m in self.models.items()},
                                          **{role: t for role, (t, _) in self.vllm.tokenizers.items()}})
         except BaseException:

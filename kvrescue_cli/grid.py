@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvrescue_cli.data import ProblemSet
+from kvrescue_cli.devices import CPU, GPU
 from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
 from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
 from kvrescue_cli.engine.prm_recipe import PRM_FORMATS
@@ -18,6 +19,7 @@ from kvrescue_cli.search import SearchSettings
 from kvrescue_cli.shapes import BUFFER
 
 SCORERS = ("prm", "helper-loglik")
+DEFAULT_BATCH = {CPU: 4, GPU: 64}  # --batch unless auto (a GPU's default, except on a Ray cluster)
 ENGINES = ("native", "vllm")
 
 
@@ -96,6 +98,10 @@ class GridOptions:
         """The roles run on vLLM by `methods` (default: the grid's); none without `--engine vllm`."""
         return {role for method in methods or self.methods for role in roles_needed([method], self.scorer)
                 if self.on_vllm(role, method) and (role != "helper" or METHODS[method].helper)}
+
+    def vllm_models(self) -> dict[str, str]:
+        """The model of each role the grid runs on vLLM (`vllm_roles`)."""
+        return {role: self.models[role] for role in self.vllm_roles()}
 
     def native_roles(self) -> set[str]:
         """The roles the grid runs on this engine: the rest, and the helper of the helper-loglik scorer."""

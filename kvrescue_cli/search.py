@@ -18,9 +18,10 @@ from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine.scoring import Scorer
 from kvrescue_cli.engine.steps import CandidateStep, StepRules
 from kvrescue_cli.errors import env_seconds
-from kvrescue_cli.methods import METHODS, Method
+from kvrescue_cli.methods import METHODS
 from kvrescue_cli.outputs import Step
 from kvrescue_cli.reasons import CONTEXT, DETECTOR_FINISHES, EOS, STEPS
+from kvrescue_cli.shapes import MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 
 # Seconds between running-total reports (progress bars); $KVRESCUE_PROGRESS_EVERY_S overrides (0: every iteration).
 PROGRESS_EVERY_S = env_seconds("KVRESCUE_PROGRESS_EVERY_S", 2.0)
@@ -28,26 +29,20 @@ PROGRESS_EVERY_S = env_seconds("KVRESCUE_PROGRESS_EVERY_S", 2.0)
 
 @dataclass(frozen=True)
 class SearchSettings:
-    """Everything the controller decides with; defaults are the paper's."""
+    """The run's settings the controller decides with (a cell's method, N and seed come with the cell); defaults are
+    the paper's."""
 
-    method: str = "kvrescue"
-    n: int = 8
-    seed: int = 0
     sampling: SamplingParams = SamplingParams()
     detector: DetectorConfig = DetectorConfig()
-    max_step_tokens: int = 512
-    max_steps: int = 1024
-    context_cap: int = 4096
+    max_step_tokens: int = MAX_STEP_TOKENS
+    max_steps: int = MAX_STEPS
+    context_cap: int = MAX_CONTEXT
     batch: int = 8
     synthetic_steps: tuple[int, int] | None = None  # (LEN, COUNT): steps end after LEN tokens, problems after COUNT steps
 
     @property
     def step_cap(self) -> int:
         return self.max_steps if self.synthetic_steps is None else self.synthetic_steps[1]
-
-    @property
-    def spec(self) -> Method:
-        return METHODS[self.method]
 
 
 class StepRunner(Protocol):
@@ -142,16 +137,18 @@ class Finished:
 
 
 class Controller:
-    """Runs one method over a stream of problems with the given models' runners and scorer."""
+    """Runs one method with `n` candidates per model and step (streams of `seed`) over a stream of problems with the
+    given models' runners and scorer."""
 
-    def __init__(self, settings: SearchSettings, runners: dict[str, StepRunner], scorer: Scorer, eos: set[int]) -> None:
-        self.settings = settings
+    def __init__(self, settings: SearchSettings, runners: dict[str, StepRunner], scorer: Scorer, eos: set[int], *,
+                 method: str, n: int, seed: int = 0) -> None:
+        self.settings, self.spec, self.n, self.seed = settings, METHODS[method], n, seed
         self.runners = runners
         self.scorer = scorer
         synthetic = settings.synthetic_steps
         self.rules = StepRules(frozenset(eos), settings.sampling, settings.max_step_tokens, settings.context_cap,
                                fixed_length=synthetic[0] if synthetic else None,
-                               detector=settings.detector if settings.spec.detector else None)
+                               detector=settings.detector if self.spec.detector else None)
         self.open: dict[tuple[str, int], CandidateState] = {}  # (source, row) of every decoding candidate
         self.totals = DecodeProgress(0, 0)
 
@@ -204,7 +201,7 @@ class Controller:
 
     # -- one step -----------------------------------------------------------------------------------
     def _open_steps(self, problems: list[ProblemState]) -> None:
-        spec, n = self.settings.spec, self.settings.n
+        spec, n = self.spec, self.n
         for source in (["base"] if spec.base else []) + (["helper"] if spec.helper else []):
             if not problems:
                 break
@@ -218,7 +215,7 @@ class Controller:
                     problem.candidates.append(cand)
                     self.open[source, row] = cand
                     rows.append(row)
-                    keys.append((self.settings.seed, problem.idx, len(problem.steps), index))
+                    keys.append((self.seed, problem.idx, len(problem.steps), index))
                     contexts.append(problem.context)
             runner.start(rows, keys, contexts, [screened] * len(rows), self.rules)
 

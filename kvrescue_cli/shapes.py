@@ -8,6 +8,9 @@ from dataclasses import replace
 
 from kvrescue_cli.model_config import ModelArgs
 
+MAX_STEP_TOKENS = 512  # the paper's caps: tokens of one step,
+MAX_STEPS = 1024  # steps of one problem,
+MAX_CONTEXT = 4096  # and tokens of its context (the prompt and the committed steps)
 BUFFER = 128  # w: entries the bounded cache appends past the budget B before a compression (B' = B + w)
 OBSERVATION_WINDOW = 8  # evictors' window alpha: the last 8 positions, always kept (their queries are kept too)
 COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched compression (all layers, some rows)

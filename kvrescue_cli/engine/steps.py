@@ -27,9 +27,8 @@ from kvrescue_cli.engine.texts import decoder
 from kvrescue_cli.engine.transfer import upload
 from kvrescue_cli.prompts import STEP_DELIMITER
 from kvrescue_cli.reasons import DETECTOR_FINISHES, FINISHES
+from kvrescue_cli.shapes import MAX_CONTEXT, MAX_STEP_TOKENS
 
-MAX_STEP_TOKENS = 512
-MAX_CONTEXT = 4096
 FINISH_CODES = (None, *FINISHES)  # finish codes 0..5 on the device (0: not finished)
 _STEP, _EOS, _LENGTH, _ENTROPY, _REPETITION = range(1, len(FINISH_CODES))
 
