@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator
 import psutil
 import torch
 
-from grader import grade
+from grader import grade, normal_gt
 from kvrescue_cli import memory_plan as planner
 from kvrescue_cli.cost import Architecture
 from kvrescue_cli.data import Problem
@@ -31,7 +31,8 @@ from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grading import answer_part
 from kvrescue_cli.grid import Cell, GridOptions
-from kvrescue_cli.outputs import Candidate, Tokens, Trace
+from kvrescue_cli.outputs import Trace
+from kvrescue_cli.outputs.decoded import trace_of
 from kvrescue_cli.prompts import generation_prompt
 from kvrescue_cli.rank_group import RankGroup, RankZeroScores
 from kvrescue_cli.methods import METHODS
@@ -40,37 +41,6 @@ from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSett
 from kvrescue_cli.vllm_engine.roles import VllmEngines, engine_specs
 
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
-
-
-def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool, timed_out: bool,
-             graders: dict[str, dict] | None = None, answer_from: str = "output") -> Trace:
-    """The traces.jsonl record of one decoded problem (`graders`: the other graders' verdicts; `answer_from`: where
-    the answer was read, `grading.answer_part`)."""
-    state = finished.state
-    candidates = []
-    for cands in state.history:
-        candidates.append([
-            Candidate(
-                source=c.source, score=c.score, tokens=len(c.tokens), finish=c.finish,
-                max_mean_entropy=c.result.max_mean_entropy, min_gzip_ratio=c.result.min_gzip_ratio,
-                fired_at=c.result.fired_at, committed=c.committed, text=None if c.committed else c.text,
-            )
-            for c in cands
-        ])
-    tokens = Tokens(base=state.generated["base"], base_prefill=state.prefilled["base"],
-                    helper=state.generated["helper"], helper_prefill=state.prefilled["helper"],
-                    prm=finished.scorer_tokens)
-    now = time.time()
-    return Trace(
-        idx=state.idx, problem=problem.problem, gt=problem.gt, gt_norm=gt_norm,
-        steps=state.steps, candidates=candidates, output=finished.output,
-        pred=pred, correct=correct, timed_out=timed_out, stop=state.stop, skip_reason=None, tokens=tokens,
-        n_steps=len(state.steps),
-        timings={"wall_s": finished.wall_s, "started_at": state.started, "finished_at": now},
-        peak_base_rows=finished.peak_base_rows, prm_truncations=finished.scorer_truncations,
-        graders=graders or {}, answer_from=answer_from,
-    )
-
 
 
 def refuse_large_on_cpu(role: str, name: str) -> None:
@@ -300,7 +270,7 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
             prompt = tokenizer.encode(generation_prompt(tokenizer, problem.problem, options.prompt),
                                       add_special_tokens=False)
             if len(prompt) >= cap:
-                gt_norm = grade("", problem.gt, cell.problems.grading_bench, grader=options.grader).gt
+                gt_norm = normal_gt(problem.gt, cell.problems.grading_bench, options.grader)
                 emit(Trace.skipped(problem.idx, problem.problem, problem.gt, gt_norm,
                                    f"prompt has {len(prompt)} tokens, context cap is {cap}"), 0)
             else:

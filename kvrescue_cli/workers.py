@@ -31,7 +31,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from grader import grade
+from grader import normal_gt
 from kvrescue_cli import decoding
 from kvrescue_cli.data import Problem
 from kvrescue_cli.devices import GPU, device_list, gpu_index, is_cpu, is_gpu, kind_of
@@ -438,7 +438,7 @@ class RayWorkers:
                                        else f"its group died {self.deaths[worker.group]} times: no new worker"))
         for problem in failed:  # a queue holding problems comes with their cell
             errors = queue.errors[problem.idx]
-            gt_norm = grade("", problem.gt, cell.problems.grading_bench, grader=self.options.grader).gt
+            gt_norm = normal_gt(problem.gt, cell.problems.grading_bench, self.options.grader)
             emit(Trace.failed(problem.idx, problem.problem, problem.gt, gt_norm,
                               f"killed {len(errors)} workers: " + "; ".join(errors)), 0)
             self.say(f"problem {problem.idx} killed {len(errors)} workers: recorded as failed")
