@@ -8,8 +8,8 @@ from pathlib import Path
 
 from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.devices import CPU, GPU
-from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
 from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
+from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
 from kvrescue_cli.engine.prm_recipe import PRM_FORMATS
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grading import check_grader

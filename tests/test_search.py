@@ -9,6 +9,7 @@ import kvrescue_cli.search as search
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine.steps import CandidateStep
+from kvrescue_cli.methods import Method
 from kvrescue_cli.search import Controller, SearchSettings
 
 EOS = 99
@@ -214,7 +215,7 @@ def test_the_detector_drops_base_candidates_before_scoring():
     # interleave does not screen: the same finish reasons are not its detector's, so nothing is dropped... but
     # a method that screens must have helper candidates, so some candidate always survives.
     with pytest.raises(ValueError):
-        search.Method(base=True, helper=False, budgeted=True, detector=True)
+        Method(base=True, helper=False, budgeted=True, detector=True)
 
 
 def test_progress_is_reported_while_problems_are_in_flight(monkeypatch):

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 
 from kvrescue_cli.engine.prm import PRMInputs
-from kvrescue_cli.shapes import PRM_WINDOW
 from kvrescue_cli.engine.prm_recipe import RECIPES, PRMRecipe
 from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.prompts import SYSTEM_PROMPT
+from kvrescue_cli.shapes import PRM_WINDOW
 
 
 class VLLMPRMScorer:

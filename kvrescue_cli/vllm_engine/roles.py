@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrescue_cli.engine.loader import ModelLoadError, load_tokenizer, model_folder
-from kvrescue_cli.shapes import PRM_WINDOW
 from kvrescue_cli.engine.prm_recipe import RECIPES
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.shapes import PRM_WINDOW
 from kvrescue_cli.vllm_engine import require_vllm
 from kvrescue_cli.vllm_engine.llm import start_llm
 from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
