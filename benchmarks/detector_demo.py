@@ -38,7 +38,7 @@ def run_problem(model: LoadedModel, question: str, idx: int, policy: str, args) 
     if policy == "none":  # the full cache, as `kvrescue run --evictor none` keeps: the root and N candidates
         cache = FullCache.for_model(model.net, (args.n + 1) * (len(ids) + args.max_tokens + 64), max_rows=args.n + 1)
     else:
-        cache = BoundedCache.for_model(model.net, budget=args.budget, policy=policy)
+        cache = BoundedCache.for_model(model.net, budget=args.budget, evictor=policy)
     runner = Runner(model, cache)
     (root,) = runner.prefill([ids])
     rules = StepRules(frozenset(model.eos_ids), max_context=len(ids) + args.max_tokens,

@@ -36,7 +36,7 @@ from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache, block_size_for
 from kvrescue_cli.engine.evict import MIN_BUDGET
 from kvrescue_cli.engine.model import CausalLM, ModelArgs
-from kvrescue_cli.shapes import SLACK
+from kvrescue_cli.shapes import BUFFER
 
 MATH500 = BUNDLED / "math500.jsonl"
 QWEN_7B = dict(n_layers=28, n_kv_heads=4, head_dim=128, bytes=2)  # Qwen2.5-Math-7B, bf16
@@ -56,8 +56,8 @@ def random_qwen2(device: str, dtype: torch.dtype) -> CausalLM:
 def make_rows(net: CausalLM, budget: int, batch: int, physical: int, logical: int,
               policy: str = "rkv") -> tuple[BoundedCache, list[int]]:
     """A `policy` cache whose `batch` rows hold `physical` random entries at logical length `logical`."""
-    cache = BoundedCache.for_model(net, budget=budget, policy=policy, rows=batch,
-                                   capacity=max(physical, budget + SLACK) + 8)
+    cache = BoundedCache.for_model(net, budget=budget, evictor=policy, rows=batch,
+                                   capacity=max(physical, budget + BUFFER) + 8)
     rows = [cache.create() for _ in range(batch)]
     cache.row_physical[rows] = cache.row_peak[rows] = physical  # benchmark only: as if appended
     cache.row_logical[rows] = logical
@@ -131,9 +131,9 @@ def decode_cost(net, lengths: list[int], paged: list[int], batch: int, rounds: i
 def evicted_cycle(net, budget, batch, device) -> float:
     """Seconds per token over a real B -> B' -> B cycle (128 decodes, the last compresses every row)."""
     cache, rows = make_rows(net, budget, batch, budget, 4096)
-    times = timed_decodes(net, cache, rows, SLACK, device)
+    times = timed_decodes(net, cache, rows, BUFFER, device)
     assert all(cache.physical_length(r) == budget for r in rows), "expected exactly one compression"
-    return sum(times) / (SLACK * batch)
+    return sum(times) / (BUFFER * batch)
 
 
 @torch.inference_mode()
@@ -141,7 +141,7 @@ def compression_time(net, budget, batch, device, repeats: int = 3, policy: str =
     """Seconds to compress `batch` rows of B' entries to B with `policy` (all layers, scored together)."""
     best = float("inf")
     for _ in range(repeats):
-        cache, rows = make_rows(net, budget, batch, budget + SLACK, 4096, policy)
+        cache, rows = make_rows(net, budget, batch, budget + BUFFER, 4096, policy)
         sync(device)
         t = time.perf_counter()
         cache.compress(rows)
@@ -203,12 +203,12 @@ def main() -> None:
     # between compressions an evicted row decodes like an uncompressed one of the same physical length;
     # over a cycle its length averages B + 64, and one compression of every row is added per 128 tokens
     t0 = time.perf_counter()
-    step = decode_cost(net, sorted(set(contexts) | {b + SLACK // 2 for b in budgets}), contexts, args.batch,
+    step = decode_cost(net, sorted(set(contexts) | {b + BUFFER // 2 for b in budgets}), contexts, args.batch,
                        args.rounds, args.steps, args.device)
     comp = {b: compression_time(net, b, args.batch, args.device) for b in budgets}
     bounded = {c: step[("bounded", c)] / args.batch for c in contexts}
     paged = {c: step[("paged", c)] / args.batch for c in contexts}
-    evicted = {b: (step[("bounded", b + SLACK // 2)] + comp[b] / SLACK) / args.batch for b in budgets}
+    evicted = {b: (step[("bounded", b + BUFFER // 2)] + comp[b] / BUFFER) / args.batch for b in budgets}
     print(f"(measured in {time.perf_counter() - t0:.0f} s)\n")
 
     print("per-token decode time (ms per row-token = batch step time / batch)")
@@ -216,7 +216,7 @@ def main() -> None:
     print(f"{'context':>8} {'paged':>8} {'bounded':>8} " + " ".join(f"{'rkv B=' + str(b):>10}" for b in budgets))
     for c in shown:
         # below B' a row has never been compressed: it is an uncompressed row of c entries
-        cells = [bounded[c] if c < b + SLACK else evicted[b] for b in budgets]
+        cells = [bounded[c] if c < b + BUFFER else evicted[b] for b in budgets]
         print(f"{c:>8} {paged[c] * 1e3:8.3f} {bounded[c] * 1e3:8.3f} " + " ".join(f"{x * 1e3:10.3f}" for x in cells))
     if args.cycle:
         for b in budgets:
@@ -226,9 +226,9 @@ def main() -> None:
     per_entry = BoundedCache.for_model(net, budget=64).bytes_per_entry()
     per_entry_7b = 2 * QWEN_7B["n_layers"] * QWEN_7B["n_kv_heads"] * QWEN_7B["head_dim"] * QWEN_7B["bytes"]
     for b in budgets:
-        peak = b + SLACK
+        peak = b + BUFFER
         print(f"  rkv B={b}: compress {args.batch} rows of {peak} -> {b}: {comp[b] * 1e3:.0f} ms "
-              f"({comp[b] / args.batch * 1e3:.1f} ms/row; {comp[b] / SLACK / args.batch * 1e3:.3f} ms per token amortised); "
+              f"({comp[b] / args.batch * 1e3:.1f} ms/row; {comp[b] / BUFFER / args.batch * 1e3:.3f} ms per token amortised); "
               f"peak {peak} entries = {peak * per_entry / 2**20:.2f} MiB/row here, "
               f"{peak * per_entry_7b / 2**20:.1f} MiB/row for Qwen2.5-Math-7B bf16")
     for c in shown:
@@ -239,8 +239,8 @@ def main() -> None:
     for b in budgets:
         per = {e: comp[b] if e == "rkv" else compression_time(net, b, args.batch, args.device, policy=e)
                for e in args.evictors.split(",")}
-        decode = step[("bounded", b + SLACK // 2)] / args.batch
-        print(f"  B={b}: " + ", ".join(f"{e} {(decode + c / SLACK / args.batch) * 1e3:.3f} "
+        decode = step[("bounded", b + BUFFER // 2)] / args.batch
+        print(f"  B={b}: " + ", ".join(f"{e} {(decode + c / BUFFER / args.batch) * 1e3:.3f} "
                                      f"(compression x{c / per['rkv']:.2f})" for e, c in per.items()))
 
     print("\nuncompressed bounded decode by context (ms per row-token): "
@@ -248,7 +248,7 @@ def main() -> None:
     print("paged decode by context (ms per row-token): " + ", ".join(f"{c}: {paged[c] * 1e3:.2f}" for c in contexts))
     print("context from which evicted decoding is cheaper than decoding without eviction")
     for b in budgets:
-        print(f"  rkv B={b} (B'={b + SLACK}): than the bounded cache uncompressed {crossover(bounded, evicted[b])}, "
+        print(f"  rkv B={b} (B'={b + BUFFER}): than the bounded cache uncompressed {crossover(bounded, evicted[b])}, "
               f"than the paged cache {crossover(paged, evicted[b])}")
 
     print(f"\ndetector: {detector_cost() * 1e6:.1f} us/token once the text holds 800 characters (gzip each token)")

@@ -44,7 +44,7 @@ def filled_cache(net: Transformer, policy: str, budget: int, rows: int, context:
         from evict_bench import make_paged_rows  # beside this script
 
         return make_paged_rows(net, rows, context, steps + 1, candidates=1)  # each row forked from its own prefix
-    cache = BoundedCache.for_model(net, budget=budget, policy=policy, max_append=1, rows=rows + 1)
+    cache = BoundedCache.for_model(net, budget=budget, evictor=policy, max_append=1, rows=rows + 1)
     cache.k.normal_()
     cache.v.normal_()
     cache.q.normal_()

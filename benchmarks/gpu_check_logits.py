@@ -40,7 +40,7 @@ def check_logits(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dic
         plain = net(ids).float()
         prefix = tokens * 3 // 4
         # a budget beyond the sequence: nothing is evicted, so transformers' full attention is the reference
-        cache = BoundedCache.for_model(net, budget=max(tokens, MIN_BUDGET), policy="rkv", max_append=tokens, rows=4)
+        cache = BoundedCache.for_model(net, budget=max(tokens, MIN_BUDGET), evictor="rkv", max_append=tokens, rows=4)
         rows = [cache.create() for _ in range(2)]
         steps = [net.prefill(ids[:, :prefix], cache, rows, [prefix] * 2).float()]
         decode_step = StaticDecode(net, cache, graphs=device.startswith("cuda"))

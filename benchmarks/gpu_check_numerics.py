@@ -17,7 +17,7 @@ from kvrescue_cli.engine.caches import FullCache, block_size_for
 from kvrescue_cli.engine.evict import MIN_BUDGET
 from kvrescue_cli.engine.graphs import StaticDecode
 from kvrescue_cli.engine.model import Transformer
-from kvrescue_cli.shapes import SLACK
+from kvrescue_cli.shapes import BUFFER
 
 CANDIDATES = 4  # forks per problem
 STEPS = 6  # one-token decodes of every fork
@@ -51,13 +51,13 @@ def paged_numerics(net: Transformer, device: str, cascade: bool) -> dict:
 
 
 def static_numerics(net: Transformer, device: str) -> dict:
-    """A bounded cache (rkv, the smallest budget) holding two prompts longer than B' = B + 128, then SLACK + 8
+    """A bounded cache (rkv, the smallest budget) holding two prompts longer than B' = B + 128, then BUFFER + 8
     one-token steps through `StaticDecode` (graphs on CUDA), compressing on the way; before each step the state is
     copied into a twin cache, which takes the dynamic eager step, and the two steps' logits are compared."""
     budget, vocab = MIN_BUDGET, net.args.vocab_size
     generator = torch.Generator(device).manual_seed(6)
-    prompt = torch.randint(0, vocab, (2, budget + SLACK + 9), device=device, generator=generator)
-    tokens = torch.randint(0, vocab, (SLACK + 8, 2), device=device, generator=generator)
+    prompt = torch.randint(0, vocab, (2, budget + BUFFER + 9), device=device, generator=generator)
+    tokens = torch.randint(0, vocab, (BUFFER + 8, 2), device=device, generator=generator)
     static_cache, twin = (BoundedCache.for_model(net, budget, "rkv", max_append=prompt.shape[1], rows=2) for _ in "ab")
     with torch.inference_mode():
         rows = [static_cache.create() for _ in range(2)]

@@ -93,7 +93,7 @@ def main() -> None:
     problems = [Problem(i, f"What is {i} + {i + 1}? Let x be the answer.", str(2 * i + 1), {})
                 for i in range(args.problems)]
     cell = Cell(ProblemSet("bench", "generic", "bench.jsonl", []), "bon", 16, 2, 0)
-    here = decoding.InProcess(options, ("cpu",))
+    here = decoding.InProcessGroup(options, ("cpu",))
     starts, trips, stops, local, remote = [], [], [], [], []
     seconds, traces = decode_s(here, cell, problems)  # a warm-up, and traces of the real size
     for _ in range(args.rounds):

@@ -31,7 +31,8 @@ from grader.pipeline import normalise
 from grader.sandbox import Request, SymbolicPool
 from grader.verify import GRADERS
 
-__all__ = ["BENCHES", "GRADERS", "GradeResult", "grade", "grade_many", "normalise_gt", "raw_answer", "shutdown"]
+__all__ = ["BENCHES", "GRADERS", "GradeResult", "grade", "grade_many", "normal_gt", "normalise_gt", "raw_answer",
+           "shutdown"]
 
 # Longer pred+gt pairs skip the in-process pass (one of its regexes backtracks cubically on long text)
 # and are compared in a worker, under the time limit.
@@ -107,6 +108,12 @@ def grade_many(items: Iterable[tuple[str, str, str]], workers: int = 1, timeout:
 def grade(output: str, gt: str, bench: str, timeout: float = 3.0, grader: str = "qwen") -> GradeResult:
     """Grade one model output against a raw ground-truth answer for `bench`."""
     return grade_many([(output, gt, bench)], timeout=timeout, grader=grader)[0]
+
+
+def normal_gt(gt: str, bench: str, grader: str = "qwen") -> str:
+    """The normal form of a raw ground-truth answer for `bench`, as `grade` reports it (`GradeResult.gt`) under
+    `grader`: what a problem that was never decoded records."""
+    return grade("", gt, bench, grader=grader).gt
 
 
 def shutdown() -> None:

@@ -22,6 +22,7 @@ from kvrescue_cli.config_file import read_grid_file
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.files import kind, write_file_atomic
+from kvrescue_cli.shapes import BUFFER, MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 
 if TYPE_CHECKING:
     from kvrescue_cli.grid import GridAxes
@@ -293,8 +294,8 @@ def run(
     n: str = typer.Option("8", "--n", help="candidates per model per step (comma list)"),
     seed: str = typer.Option("0", help="seeds (comma list)"),
     evictor: str = typer.Option("rkv", help="rkv, snapkv, streaming, tova or none"),
-    buffer: int = typer.Option(128, help="W: entries an evicted row appends past the budget before it is "
-                               "compressed back to B (B' = B + W; R-KV's buffer, the paper's 128)"),
+    buffer: int = typer.Option(BUFFER, help="W: entries an evicted row appends past the budget before it is "
+                               f"compressed back to B (B' = B + W; R-KV's buffer, the paper's {BUFFER})"),
     base: Optional[str] = typer.Option(None, help="base model: Hub id, local folder or .gguf file"),
     helper: Optional[str] = typer.Option(None, help="helper model: Hub id, local folder or .gguf file"),
     prm: Optional[str] = typer.Option(None, help="PRM: Hub id or folder, or 'helper-loglik' (named alternative scorer)"),
@@ -312,9 +313,9 @@ def run(
     ent_window: int = typer.Option(DetectorConfig.ent_window, min=1, help="detector: tokens whose entropies are averaged"),
     ent_min_tokens: int = typer.Option(DetectorConfig.min_tokens, min=1, help="detector: tokens generated before the entropy test applies"),
     cmp_chars: int = typer.Option(DetectorConfig.cmp_chars, min=1, help="detector: last characters gzip-compressed (tested once the text is this long)"),
-    max_step_tokens: int = typer.Option(512, min=1),
-    max_steps: int = typer.Option(1024, min=1),
-    context_cap: int = typer.Option(4096, min=16),
+    max_step_tokens: int = typer.Option(MAX_STEP_TOKENS, min=1),
+    max_steps: int = typer.Option(MAX_STEPS, min=1),
+    context_cap: int = typer.Option(MAX_CONTEXT, min=16),
     devices: str = typer.Option("auto", "--devices", "--device",
                                 help="auto (every visible GPU, else the CPU), cpu, cuda:N, or a comma list: two or "
                                 "more run as Ray actors, one per device (cpu,cpu: two CPU workers)"),
@@ -363,8 +364,10 @@ def run(
 
     from kvrescue_cli.engine.loader import resolve_dtype
     from kvrescue_cli.engine.sampling import SamplingParams
+    from kvrescue_cli.grid import DEFAULT_BATCH
     from kvrescue_cli.runs import GridOptions, run_grid
     from kvrescue_cli.search import SearchSettings
+    from kvrescue_cli.devices import is_gpu, kind_of
     from kvrescue_cli.workers import WorkersGone, resolve_devices
 
     models = dict(DEFAULT_MODELS)
@@ -381,14 +384,14 @@ def run(
         raise InputError(f"unknown preset '{preset}': the only preset is cpu-demo")
     models.update({k: v for k, v in {"base": base, "helper": helper, "prm": prm}.items() if v})
     device_list = resolve_devices(devices, ray_address, visible=not plan)
-    on_gpu = device_list[0].startswith("cuda")
+    on_gpu = is_gpu(device_list[0])
     auto = batch == "auto" or (batch is None and on_gpu and ray_address is None)
     settings = SearchSettings(
         sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
         detector=DetectorConfig(tau_ent=tau_ent, ent_window=ent_window, min_tokens=ent_min_tokens, tau_cmp=tau_cmp,
                                 cmp_chars=cmp_chars),
         max_step_tokens=max_step_tokens, max_steps=max_steps, context_cap=context_cap,
-        batch=1 if auto else _positive(batch or ("64" if on_gpu else "4"), "--batch"),
+        batch=1 if auto else _positive(batch or str(DEFAULT_BATCH[kind_of(device_list[0])]), "--batch"),
         synthetic_steps=_synthetic(synthetic_steps),
     )
     given = {"bench": bench, "method": method, "budget": budget, "n": n, "seed": seed}
@@ -596,11 +599,11 @@ def view(
 @app.command()
 @one_line_errors
 def cost(
-    base: str = typer.Option("Qwen/Qwen2.5-Math-7B-Instruct", help="base model: Hub id, folder or config.json"),
-    helper: str = typer.Option("Qwen/Qwen2.5-Math-1.5B-Instruct", help="helper model: Hub id, folder or config.json"),
+    base: str = typer.Option(DEFAULT_MODELS["base"], help="base model: Hub id, folder or config.json"),
+    helper: str = typer.Option(DEFAULT_MODELS["helper"], help="helper model: Hub id, folder or config.json"),
     prm: Optional[str] = typer.Option(None, help="PRM (Hub id, folder or config.json) to count in the per-device plan"),
-    budget: int = typer.Option(64, min=1, max=1 << 24, help="KV budget B (the cache peaks at B' = B + 128)"),
-    context: int = typer.Option(4096, min=1, max=1 << 24, help="context length L"),
+    budget: int = typer.Option(64, min=1, max=1 << 24, help=f"KV budget B (the cache peaks at B' = B + {BUFFER})"),
+    context: int = typer.Option(MAX_CONTEXT, min=1, max=1 << 24, help="context length L"),
     n: int = typer.Option(8, min=1, max=1 << 10, help="candidates per model"),
     alpha: float = typer.Option(2.9, min=0.0, help="eviction overhead in units of B' attention (paper: 2.9)"),
     tp: int = typer.Option(1, "--tp", min=1, max=1 << 10, help="devices each model is sharded over (per-device plan)"),
@@ -612,11 +615,10 @@ def cost(
     GPU with CUDA graphs and torch attention)."""
     from kvrescue_cli.cost import Architecture, cost_json, cost_rows, estimate
     from kvrescue_cli.memory_plan import CellShape, DeviceKind, plan_cell, plan_json, plan_rows
-    from kvrescue_cli.model_config import load_config
 
     if format not in ("table", "json"):
         raise InputError(f"unknown --format '{format}': use table or json")
-    archs = {role: Architecture.from_config(name, load_config(name))
+    archs = {role: Architecture.of_model(name)
              for role, name in (("base", base), ("helper", helper), ("prm", prm)) if name}
     result = estimate(archs["base"], archs["helper"], budget, context, n, alpha)
     cell = CellShape(batch, n, "bounded", budget, True, "prm" if prm else None, context_cap=context)

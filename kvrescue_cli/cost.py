@@ -23,13 +23,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvrescue_cli.dtypes import BYTES
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.jsonl import dumps_exact
-from kvrescue_cli.model_config import ModelArgs, ModelConfigError
-from kvrescue_cli.shapes import SLACK, local_args
-
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
-
+from kvrescue_cli.model_config import ModelArgs, ModelConfigError, load_config
+from kvrescue_cli.shapes import BUFFER, local_args
 
 @dataclass
 class Architecture:
@@ -45,10 +43,15 @@ class Architecture:
         """Read a Hugging Face config.json dict (Qwen2 / Llama style)."""
         try:
             args = ModelArgs.from_hf(cfg)
+            prm = any("ProcessRewardModel" in a for a in cfg.get("architectures") or [])
         except (KeyError, TypeError, ValueError) as e:
             raise ModelConfigError(f"{name}: config.json lacks or mangles {e} (need a Qwen2/Llama decoder config)") from None
-        prm = any("ProcessRewardModel" in a for a in cfg.get("architectures") or [])
-        return cls(name, args, DTYPE_BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2), prm)
+        return cls(name, args, BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2), prm)
+
+    @classmethod
+    def of_model(cls, model: str) -> Architecture:
+        """The architecture of a model folder, config.json or Hub id (`load_config`); ModelConfigError if unusable."""
+        return cls.from_config(model, load_config(model))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -118,9 +121,9 @@ class Cost:
 
 
 def estimate(base: Architecture, helper: Architecture, budget: int = 64, context: int = 4096,
-             n: int = 8, alpha: float = 2.9, slack: int = SLACK) -> Cost:
+             n: int = 8, alpha: float = 2.9, buffer: int = BUFFER) -> Cost:
     """Memory and FLOPs per decoded token for the evicted base, the full base and the helper."""
-    bp = budget + slack
+    bp = budget + buffer
     kept = min(context, bp)
     base_decode = base.dense_flops + base.attention_flops(kept)
     helper_decode = helper.dense_flops + helper.attention_flops(context)

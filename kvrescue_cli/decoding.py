@@ -15,13 +15,15 @@ from typing import Any, Callable, Iterable, Iterator
 import psutil
 import torch
 
-from grader import grade
+from grader import grade, normal_gt
 from kvrescue_cli import memory_plan as planner
 from kvrescue_cli.cost import Architecture
 from kvrescue_cli.data import Problem
+from kvrescue_cli.devices import is_cpu, is_gpu
+from kvrescue_cli.dtypes import dtype_bytes
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
-from kvrescue_cli.engine.loader import DTYPES, LoadedModel, ModelLoadError, load_model
+from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
 from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.engine.prm_recipe import RECIPES
 from kvrescue_cli.engine.runner import Runner
@@ -29,53 +31,23 @@ from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grading import answer_part
 from kvrescue_cli.grid import Cell, GridOptions
-from kvrescue_cli.outputs import Candidate, Tokens, Trace
+from kvrescue_cli.outputs import Trace
+from kvrescue_cli.outputs.decoded import trace_of
 from kvrescue_cli.prompts import generation_prompt
 from kvrescue_cli.rank_group import RankGroup, RankZeroScores
 from kvrescue_cli.methods import METHODS
-from kvrescue_cli.model_config import ModelConfigError, load_config
+from kvrescue_cli.model_config import ModelConfigError
 from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings, StepRunner
 from kvrescue_cli.vllm_engine.roles import VllmEngines, engine_specs
 
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
 
 
-def trace_of(finished: Finished, problem, gt_norm: str, pred: str, correct: bool, timed_out: bool,
-             graders: dict[str, dict] | None = None, answer_from: str = "output") -> Trace:
-    """The traces.jsonl record of one decoded problem (`graders`: the other graders' verdicts; `answer_from`: where
-    the answer was read, `grading.answer_part`)."""
-    state = finished.state
-    candidates = []
-    for cands in state.history:
-        candidates.append([
-            Candidate(
-                source=c.source, score=c.score, tokens=len(c.tokens), finish=c.finish,
-                max_mean_entropy=c.result.max_mean_entropy, min_gzip_ratio=c.result.min_ratio,
-                fired_at=c.result.fired_at, committed=c.committed, text=None if c.committed else c.text,
-            )
-            for c in cands
-        ])
-    tokens = Tokens(base=state.generated["base"], base_prefill=state.prefilled["base"],
-                    helper=state.generated["helper"], helper_prefill=state.prefilled["helper"],
-                    prm=finished.scorer_tokens)
-    now = time.time()
-    return Trace(
-        idx=state.idx, problem=problem.problem, gt=problem.gt, gt_norm=gt_norm,
-        steps=state.steps, candidates=candidates, output=finished.output,
-        pred=pred, correct=correct, timed_out=timed_out, stop=state.stop, skip_reason=None, tokens=tokens,
-        n_steps=len(state.steps),
-        timings={"wall_s": finished.wall_s, "started_at": state.started, "finished_at": now},
-        peak_base_rows=finished.peak_base_rows, prm_truncations=finished.scorer_truncations,
-        graders=graders or {}, answer_from=answer_from,
-    )
-
-
-
 def refuse_large_on_cpu(role: str, name: str) -> None:
     """A one-line error, before any weights are read, for a model too large to decode on a CPU."""
     try:
-        params = Architecture.from_config(name, load_config(name)).params
-    except (ModelConfigError, KeyError, TypeError, ValueError):  # no usable config: the loader says why
+        params = Architecture.of_model(name).params
+    except ModelConfigError:  # no usable config: the loader says why
         return
     if params > CPU_PARAMS:
         raise InputError(f"{role} model {name} has {params / 1e9:.1f}B parameters, too many for a CPU run; "
@@ -84,7 +56,7 @@ def refuse_large_on_cpu(role: str, name: str) -> None:
 
 def device_kind(options: GridOptions, device: str) -> planner.DeviceKind:
     """How the engine computes on `device` for the planner: its kernels follow the device, dtype and flash-attn."""
-    cuda, size = device.startswith("cuda"), DTYPES[options.dtype].itemsize
+    cuda, size = is_gpu(device), dtype_bytes(options.dtype)
     flash = cuda and size == 2 and importlib.util.find_spec("flash_attn") is not None
     return planner.DeviceKind(cuda, size, flash, options.cuda_graphs, options.tp)
 
@@ -100,7 +72,7 @@ def device_memory(device: str, given: int | None = None) -> tuple[int, int]:
     both."""
     if given is not None:
         return given, given
-    if device.startswith("cuda"):
+    if is_gpu(device):
         return torch.cuda.mem_get_info(torch.device(device))
     ram = psutil.virtual_memory()
     return ram.available, ram.total
@@ -110,7 +82,7 @@ def device_room(options: GridOptions, device: str, shares: int = 1, context: boo
     """Bytes of `device` this worker may plan for: what is free of it (`context=False`: its total, read without
     creating a CUDA context, for a driver whose workers run elsewhere), at most its 1/`shares` (a device named by
     `shares` workers, `--devices cuda:0,cuda:0`), less vLLM's share of it with `--engine vllm`."""
-    if not context and options.device_memory is None and device.startswith("cuda"):
+    if not context and options.device_memory is None and is_gpu(device):
         free = total = torch.cuda.get_device_properties(torch.device(device)).total_memory
     else:
         free, total = device_memory(device, options.device_memory)
@@ -126,14 +98,14 @@ def group_room(options: GridOptions, group: tuple[str, ...], shares: int = 1, co
 
 def checks_memory(options: GridOptions, device: str) -> bool:
     """Whether a worker on `device` is refused a plan that does not fit: on CUDA, or wherever --device-memory says."""
-    return device.startswith("cuda") or options.device_memory is not None
+    return is_gpu(device) or options.device_memory is not None
 
 
 def refuse_what_does_not_fit(options: GridOptions, free_bytes: int, beside_vllm: bool = False,
                              device: str = "cuda:0") -> None:
     """A one-line error, before any weights are read, when the grid's largest cell needs more than `free_bytes` on
     `device` (with `beside_vllm`: what is left beside vLLM's share)."""
-    hints = [h for h, on in (("--dtype bfloat16", DTYPES[options.dtype].itemsize > 2),
+    hints = [h for h, on in (("--dtype bfloat16", dtype_bytes(options.dtype) > 2),
                              ("--vllm-memory", beside_vllm)) if on]
     planner.refuse_what_does_not_fit(memory_plan(options, device), free_bytes, device, beside_vllm, hints)
 
@@ -169,15 +141,15 @@ def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> lis
     on a CPU), split evenly between its engines, each of which must hold its weights and one whole context's KV;
     on a GPU this engine's models and caches must fit in the rest. On a CPU an engine's KV cache is given in bytes
     (vLLM's share of RAM there counts its whole process). `free`, `total`: the device's bytes (`device_memory`)."""
-    specs = engine_specs(options)
+    specs = engine_specs(options.vllm_models(), options.settings.context_cap)
     if not specs:
         return []
     share = options.vllm_memory * total
-    each, size, shares = share / len(specs), DTYPES[options.dtype].itemsize, []
+    each, size, shares = share / len(specs), dtype_bytes(options.dtype), []
     for spec in specs:
         try:
-            arch = replace(Architecture.from_config(spec.model, load_config(spec.model)), dtype_bytes=size)
-        except (ModelConfigError, KeyError, TypeError, ValueError) as err:
+            arch = replace(Architecture.of_model(spec.model), dtype_bytes=size)
+        except ModelConfigError as err:
             raise InputError(f"{'/'.join(spec.roles)} model {spec.model}: no usable config.json for vLLM ({err})") from None
         need = arch.params * size + arch.kv_bytes_per_token * spec.max_model_len
         if need > each:
@@ -185,9 +157,9 @@ def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> lis
                              f"{len(specs)} engine(s) leaves {each / 2**30:.2f} GiB for the {'/'.join(spec.roles)} "
                              f"model, whose weights and one {spec.max_model_len}-token context need "
                              f"{need / 2**30:.2f} GiB; raise --vllm-memory")
-        shares.append({"memory": each / total} if device.startswith("cuda")
+        shares.append({"memory": each / total} if is_gpu(device)
                       else {"kv_cache_bytes": int(each - arch.params * size)})
-    if device.startswith("cuda"):
+    if is_gpu(device):
         refuse_what_does_not_fit(options, int(free - share), beside_vllm=True, device=device)
     elif share > free:
         raise InputError(f"--vllm-memory {options.vllm_memory}: {share / 2**30:.1f} GiB of RAM for vLLM, but "
@@ -195,7 +167,7 @@ def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> lis
     return shares
 
 
-def batch_record(options: GridOptions) -> dict:
+def batch_description(options: GridOptions) -> dict:
     """The batch --batch auto chose, for config.json's executor (nothing for a batch given as a number)."""
     return {"batch": options.settings.batch, "batch_auto": True} if options.batch_auto else {}
 
@@ -210,7 +182,7 @@ def check_policy_tokenizers(tokenizers: dict[str, Any]) -> None:
 def use_device(device: str) -> None:
     """Make a GPU this process's current device: streams, graphs, NCCL and every default-device call use it, not
     cuda:0."""
-    if device.startswith("cuda"):
+    if is_gpu(device):
         torch.cuda.set_device(device)
 
 
@@ -221,7 +193,7 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     use_device(device)
     for role in sorted(options.native_roles()):
         name = options.models[role]
-        if device == "cpu":
+        if is_cpu(device):
             refuse_large_on_cpu(role, name)
         try:
             if name not in by_name:
@@ -256,7 +228,7 @@ def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel],
         runners[role] = vllm.runner(role)
     if spec.base and "base" not in runners:
         base = models["base"]
-        cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, slack=options.buffer,
+        cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, buffer=options.buffer,
                                         max_append=s.max_step_tokens, rows=s.batch * (cell.n + 1))
                  if options.evicts(cell.method)
                  else FullCache.for_model(base.net, full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
@@ -298,7 +270,7 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
             prompt = tokenizer.encode(generation_prompt(tokenizer, problem.problem, options.prompt),
                                       add_special_tokens=False)
             if len(prompt) >= cap:
-                gt_norm = grade("", problem.gt, cell.problems.grading_bench, grader=options.grader).gt
+                gt_norm = normal_gt(problem.gt, cell.problems.grading_bench, options.grader)
                 emit(Trace.skipped(problem.idx, problem.problem, problem.gt, gt_norm,
                                    f"prompt has {len(prompt)} tokens, context cap is {cap}"), 0)
             else:
@@ -307,7 +279,7 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
 
     grading = Grading(cell.problems.grading_bench, emit, options.grader, options.also_grade)
 
-    def record(finished: Finished) -> None:
+    def grade_finished(finished: Finished) -> None:
         grading.submit(finished, by_idx.pop(finished.state.idx))
         grading.emit_graded()
 
@@ -316,12 +288,12 @@ def decode(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], pro
         if on_progress is not None:
             on_progress(totals)
 
-    settings = replace(options.settings, method=cell.method, n=cell.n, seed=cell.seed)
     scorer = _scorer(options, cell, models, vllm)
-    controller = Controller(settings, _runners(options, cell, models, vllm),
-                            RankZeroScores(scorer) if options.tp > 1 else scorer, set(eos_ids))
+    controller = Controller(options.settings, _runners(options, cell, models, vllm),
+                            RankZeroScores(scorer) if options.tp > 1 else scorer, set(eos_ids),
+                            method=cell.method, n=cell.n, seed=cell.seed)
     try:
-        controller.run(work(), record, progress)
+        controller.run(work(), grade_finished, progress)
         grading.emit_graded(wait=True)
     finally:
         grading.close()
@@ -376,7 +348,7 @@ class Grading:
             self.pending.clear()
 
 
-class InProcess:
+class InProcessGroup:
     """One device group decoding in this process, its models loaded once: the executor without Ray (with
     `--tp K`, this process is rank 0 of the group's K processes)."""
 
@@ -395,7 +367,8 @@ class InProcess:
             self.ranks = RankGroup(options, group) if len(group) > 1 else None
             self.models = load_roles(options, device)
             if options.engine == "vllm":
-                self.vllm = VllmEngines(options, shares)
+                self.vllm = VllmEngines(engine_specs(options.vllm_models(), options.settings.context_cap),
+                                        options.dtype, options.prm_format, shares)
                 check_policy_tokenizers({**{role: m.tokenizer for role, m in self.models.items()},
                                          **{role: t for role, (t, _) in self.vllm.tokenizers.items()}})
         except BaseException:
@@ -417,8 +390,8 @@ class InProcess:
         if self.vllm is not None:
             self.vllm.close()
 
-    def record(self) -> dict:
+    def describe(self) -> dict:
         """The executor, for config.json."""
         return {"kind": "in-process", "devices": list(self.group), **({"tp": self.options.tp} if self.ranks else {}),
-                **batch_record(self.options),
+                **batch_description(self.options),
                 **({"vllm_memory": self.options.vllm_memory} if self.vllm else {})}

@@ -3,7 +3,7 @@
 The detector fires at the first eligible position where the mean entropy of the last tokens is too high
 (incoherence) or the recent text compresses too well (looping); entropy is reported when both hold at the same
 token. It keeps the extreme values seen at eligible positions, so thresholds can be calibrated from traces: a
-threshold tau would have fired on a candidate exactly when ``max_mean_entropy > tau`` (or ``min_ratio < tau``).
+threshold tau would have fired on a candidate exactly when ``max_mean_entropy > tau`` (or ``min_gzip_ratio < tau``).
 
 The rules run in one place, the decode loop (`engine.steps.StepDecoder`), for all rows at once: the entropy
 window on the device, the gzip test on the host only for rows that may hold `cmp_chars` characters; every token
@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import gzip
 from dataclasses import dataclass
-
-ENTROPY = "entropy"
-REPETITION = "repetition"
 
 
 @dataclass(frozen=True)

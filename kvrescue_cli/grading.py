@@ -10,8 +10,8 @@ from grader.verify import INSTALL, available
 from kvrescue_cli.data import BENCHES, GENERIC, raw_gt
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.jsonl import require_field
-from kvrescue_cli.outputs.records import UNDECODED
 from kvrescue_cli.prompts import THINK_CLOSE
+from kvrescue_cli.reasons import UNDECODED
 
 GRADING_BENCHES = (*BENCHES, GENERIC)
 

@@ -7,17 +7,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvrescue_cli.data import ProblemSet
+from kvrescue_cli.devices import CPU, GPU
+from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
 from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
-from kvrescue_cli.engine.loader import DTYPES
 from kvrescue_cli.engine.prm_recipe import PRM_FORMATS
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grading import check_grader
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.prompts import PROMPT_STYLES, resolve_style
 from kvrescue_cli.search import SearchSettings
-from kvrescue_cli.shapes import SLACK
+from kvrescue_cli.shapes import BUFFER
 
 SCORERS = ("prm", "helper-loglik")
+DEFAULT_BATCH = {CPU: 4, GPU: 64}  # --batch unless auto (a GPU's default, except on a Ray cluster)
 ENGINES = ("native", "vllm")
 
 
@@ -80,22 +82,26 @@ class GridOptions:
     grader: str = "qwen"  # decides `correct` (grader.GRADERS)
     also_grade: tuple[str, ...] = ()  # other graders whose verdicts the traces record too
     grids: tuple[GridAxes, ...] = ()  # several grids (a --config file's [[grid]] tables); the axes above: their union
-    buffer: int = SLACK  # W: entries an evicted row appends past the budget before a compression (B' = B + W)
+    buffer: int = BUFFER  # W: entries an evicted row appends past the budget before a compression (B' = B + W)
     prm_format: str = "paper"  # the PRM's input recipe (engine/prm_recipe.py)
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
-        return METHODS[method].evicted and self.evictor != NO_EVICTION
+        return METHODS[method].budgeted and self.evictor != NO_EVICTION
 
     def on_vllm(self, role: str, method: str) -> bool:
         """Whether `role` of `method` runs on vLLM: with `--engine vllm`, every full-context role (the helper, the
         PRM, the base of `full`); never the evicted base, since vLLM cannot evict mid-generation."""
-        return self.engine == "vllm" and (role != "base" or not METHODS[method].evicted)
+        return self.engine == "vllm" and (role != "base" or not METHODS[method].budgeted)
 
     def vllm_roles(self, methods: list[str] | None = None) -> set[str]:
         """The roles run on vLLM by `methods` (default: the grid's); none without `--engine vllm`."""
         return {role for method in methods or self.methods for role in roles_needed([method], self.scorer)
                 if self.on_vllm(role, method) and (role != "helper" or METHODS[method].helper)}
+
+    def vllm_models(self) -> dict[str, str]:
+        """The model of each role the grid runs on vLLM (`vllm_roles`)."""
+        return {role: self.models[role] for role in self.vllm_roles()}
 
     def native_roles(self) -> set[str]:
         """The roles the grid runs on this engine: the rest, and the helper of the helper-loglik scorer."""
@@ -120,10 +126,10 @@ class GridOptions:
         for budget in self.budgets:
             if budget < MIN_BUDGET:
                 raise InputError(f"--budget {budget} is below the smallest supported budget {MIN_BUDGET}")
-            if budget > cap and any(METHODS[m].evicted for m in self.methods):
+            if budget > cap and any(METHODS[m].budgeted for m in self.methods):
                 raise InputError(f"--budget {budget} is above --context-cap {cap}: a cache that large never evicts")
-        if self.dtype not in DTYPES:
-            raise InputError(f"unknown --dtype '{self.dtype}': use one of {', '.join(DTYPES)} or auto")
+        if self.dtype not in DTYPE_NAMES:
+            raise InputError(f"unknown --dtype '{self.dtype}': use one of {', '.join(DTYPE_NAMES)} or auto")
         for n in self.ns:
             if n < 1:
                 raise InputError(f"--n {n}: need at least one candidate per model")
@@ -154,7 +160,7 @@ class GridOptions:
             for bench, method, budget, n, seed in itertools.product(
                 axes.benches, axes.methods, axes.budgets, axes.ns, axes.seeds
             ):
-                cell = Cell(sets[bench], method, budget if METHODS[method].evicted else None, n, seed)
+                cell = Cell(sets[bench], method, budget if METHODS[method].budgeted else None, n, seed)
                 key = (sets[bench].name, method, cell.budget, n, seed)
                 if key not in seen:
                     seen.add(key)

@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterable
 from kvrescue_cli.cost import Architecture, format_bytes
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
-from kvrescue_cli.model_config import ModelArgs, ModelConfigError, load_config
+from kvrescue_cli.model_config import ModelArgs, ModelConfigError
 from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, COMPRESS_BYTES, FLASH_BLOCK, LOGITS_BYTES,
-                                 OBSERVATION_WINDOW, PRM_WINDOW, SCORE_BYTES, SLACK, local_args, shard_degree)
+                                 OBSERVATION_WINDOW, PRM_WINDOW, SCORE_BYTES, BUFFER, local_args, shard_degree)
 
 GIB = 2**30
 PROMPT_TOKENS = 512  # the longest prompt planned for (MATH-500's chat prompts stay below 400 tokens)
@@ -52,7 +52,7 @@ class CellShape:
     max_step_tokens: int = 512
     context_cap: int = 4096
     prompt_tokens: int = PROMPT_TOKENS
-    buffer: int = SLACK  # W: the bounded cache peaks at B' = B + W entries
+    buffer: int = BUFFER  # W: the bounded cache peaks at B' = B + W entries
     prm_step_tokens: int | None = None  # the PRM's tokens for one step: by default the policy's + its step tag
 
 
@@ -350,7 +350,7 @@ def cell_shapes(options: Any, batch: int | None = None) -> list[CellShape]:
         for budget in options.budgets if base == "bounded" else [None]:
             for n in options.ns:
                 shapes.append(CellShape(batch or s.batch, n, base, budget, helper, scorer, s.max_step_tokens,
-                                        s.context_cap, buffer=getattr(options, "buffer", SLACK)))
+                                        s.context_cap, buffer=getattr(options, "buffer", BUFFER)))
     return list(dict.fromkeys(shapes))
 
 
@@ -359,7 +359,7 @@ def grid_models(options: Any) -> dict[str, Architecture]:
     archs = {}
     for role in sorted(options.native_roles()):
         name = options.models[role]
-        archs[role] = Architecture.from_config(name, load_config(name))
+        archs[role] = Architecture.of_model(name)
     return archs
 
 
@@ -386,7 +386,7 @@ def readable_plan(options: Any, dev: DeviceKind, batch: int | None = None) -> De
     """`plan_grid`, or None when a model has no readable config (the loader then says why)."""
     try:
         return plan_grid(options, dev, batch)
-    except (ModelConfigError, KeyError, TypeError, ValueError):
+    except ModelConfigError:
         return None
 
 

@@ -12,7 +12,7 @@ class Method:
 
     base: bool
     helper: bool
-    evicted: bool
+    budgeted: bool  # its base runs under a KV budget B (a cell per --budget); `GridOptions.evicts` adds --evictor
     detector: bool
 
     def __post_init__(self) -> None:
@@ -21,9 +21,9 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
-    "kvrescue": Method(base=True, helper=True, evicted=True, detector=True),
-    "interleave": Method(base=True, helper=True, evicted=True, detector=False),
-    "bon": Method(base=True, helper=False, evicted=True, detector=False),
-    "full": Method(base=True, helper=False, evicted=False, detector=False),
-    "helper": Method(base=False, helper=True, evicted=False, detector=False),
+    "kvrescue": Method(base=True, helper=True, budgeted=True, detector=True),
+    "interleave": Method(base=True, helper=True, budgeted=True, detector=False),
+    "bon": Method(base=True, helper=False, budgeted=True, detector=False),
+    "full": Method(base=True, helper=False, budgeted=False, detector=False),
+    "helper": Method(base=False, helper=True, budgeted=False, detector=False),
 }

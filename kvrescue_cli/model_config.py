@@ -105,6 +105,11 @@ def unsupported(cfg: dict[str, Any]) -> str | None:
     return None
 
 
+def is_hub_id(model: str) -> bool:
+    """Whether a model name that is no local path reads as a Hugging Face Hub id: owner/name, not a relative path."""
+    return not model.startswith((".", "/", "~")) and model.count("/") == 1
+
+
 def load_config(model: str) -> dict[str, Any]:
     """config.json of a local folder, a config.json path, or a Hub model id."""
     path = Path(model)
@@ -117,7 +122,7 @@ def load_config(model: str) -> dict[str, Any]:
             raise ModelConfigError(f"{path}: not valid JSON ({e})") from None
     if Path(model).suffix == ".gguf":
         raise ModelConfigError(f"{model}: a GGUF file has no config.json; give the original model folder or Hub id")
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+    if not is_hub_id(model):
         raise ModelConfigError(f"{model}: no such folder or config.json, and not a Hub id (owner/name)")
     try:
         from huggingface_hub import hf_hub_download
@@ -143,7 +148,7 @@ def model_revision(model: str) -> str | None:
             return f"sha256:{_local_digest(path)}"
         except (OSError, struct.error):  # unreadable or truncated files: the loader says what is wrong
             return None
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+    if not is_hub_id(model):
         return None
     try:
         from huggingface_hub import hf_hub_download

@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch
 import torch.distributed as dist
 
+from kvrescue_cli.devices import is_gpu
 from kvrescue_cli.engine.tp import values_from_rank_0
 
 if TYPE_CHECKING:
     from kvrescue_cli.data import Problem
     from kvrescue_cli.engine.scoring import Request, Scorer
-    from kvrescue_cli.grid import Cell, GridOptions
+    from kvrescue_cli.grid import Cell
 
 # A collective that waits longer than this fails the group ($KVRESCUE_TP_TIMEOUT_S seconds, default 10 minutes).
 TIMEOUT = timedelta(seconds=float(os.environ.get("KVRESCUE_TP_TIMEOUT_S", "600")))
@@ -44,9 +45,9 @@ TIMEOUT = timedelta(seconds=float(os.environ.get("KVRESCUE_TP_TIMEOUT_S", "600")
 
 def join(rendezvous: Path, rank: int, world: int, device: str) -> None:
     """Join the group's process group."""
-    if device != "cpu":
+    if is_gpu(device):
         torch.cuda.set_device(device)
-    backend = "gloo" if device == "cpu" else "nccl"
+    backend = "nccl" if is_gpu(device) else "gloo"
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=TIMEOUT)
 
 
@@ -55,7 +56,8 @@ class RankGroup:
     named as this process sees it (the run's `--devices` in the `kvrescue run` process; `workers.actor_devices`
     in a Ray actor); the other ranks inherit this process's CUDA_VISIBLE_DEVICES, so the names hold there too."""
 
-    def __init__(self, options: GridOptions, group: tuple[str, ...]) -> None:
+    def __init__(self, options: object, group: tuple[str, ...]) -> None:
+        """`options`: what every rank loads its models and decodes with (`rank_follower` reads them, pickled)."""
         self.folder = Path(tempfile.mkdtemp(prefix="kvrescue-tp-"))
         (self.folder / "options.pickle").write_bytes(pickle.dumps(options))
         rendezvous = self.folder / "rendezvous"

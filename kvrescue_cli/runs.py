@@ -30,7 +30,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
         method=cell.method,
         budget=cell.budget,
         n=cell.n,
-        evictor=options.evictor if spec.evicted else "none",
+        evictor=options.evictor if spec.budgeted else "none",
         seed=cell.seed,
         models={role: ModelRef(options.models[role], model_revision(options.models[role])) for role in sorted(roles)},
         scorer=options.scorer,
@@ -61,7 +61,7 @@ def _engine(options: GridOptions, cell: Cell) -> dict:
     return {"engine": {"name": "vllm", "version": require_vllm().__version__, "roles": sorted(roles)}}
 
 
-def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcess | workers.RayWorkers,
+def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcessGroup | workers.RayWorkers,
              progress: Progress) -> Summary:
     """Decode the cell's missing problems into its run folder on `executor` (this process, or Ray actors)
     and return its summary."""
@@ -71,7 +71,7 @@ def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcess | wo
         progress.console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     with RunFolder.open(run_dir(options.out, config), config, root=options.out, total=len(problems),
                         devices=list(options.devices),
-                        executor=executor.record(),
+                        executor=executor.describe(),
                         overwrite=options.overwrite, shard=options.shard,
                         problems={p.idx: problem_checksum(p.problem, p.gt) for p in problems}) as folder:
         pending = [p for p in problems if p.idx not in folder.done]
@@ -125,7 +125,7 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
     decoding.memory_plan(options, options.devices[0])  # a base whose heads --tp does not split: an error before loading
     groups = workers.device_groups(options.devices, options.tp)
     if len(groups) == 1 and options.ray_address is None:
-        executor = decoding.InProcess(options, groups[0])
+        executor = decoding.InProcessGroup(options, groups[0])
         try:
             return [(cell_config(options, cell), run_cell(options, cell, executor, progress)) for cell in cells]
         finally:

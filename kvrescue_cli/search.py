@@ -13,13 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
-from kvrescue_cli.detect import ENTROPY, REPETITION, DetectorConfig
+from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine.scoring import Scorer
 from kvrescue_cli.engine.steps import CandidateStep, StepRules
 from kvrescue_cli.errors import env_seconds
-from kvrescue_cli.methods import METHODS, Method
+from kvrescue_cli.methods import METHODS
 from kvrescue_cli.outputs import Step
+from kvrescue_cli.reasons import CONTEXT, DETECTOR_FINISHES, EOS, STEPS
+from kvrescue_cli.shapes import MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 
 # Seconds between running-total reports (progress bars); $KVRESCUE_PROGRESS_EVERY_S overrides (0: every iteration).
 PROGRESS_EVERY_S = env_seconds("KVRESCUE_PROGRESS_EVERY_S", 2.0)
@@ -27,26 +29,20 @@ PROGRESS_EVERY_S = env_seconds("KVRESCUE_PROGRESS_EVERY_S", 2.0)
 
 @dataclass(frozen=True)
 class SearchSettings:
-    """Everything the controller decides with; defaults are the paper's."""
+    """The run's settings the controller decides with (a cell's method, N and seed come with the cell); defaults are
+    the paper's."""
 
-    method: str = "kvrescue"
-    n: int = 8
-    seed: int = 0
     sampling: SamplingParams = SamplingParams()
     detector: DetectorConfig = DetectorConfig()
-    max_step_tokens: int = 512
-    max_steps: int = 1024
-    context_cap: int = 4096
+    max_step_tokens: int = MAX_STEP_TOKENS
+    max_steps: int = MAX_STEPS
+    context_cap: int = MAX_CONTEXT
     batch: int = 8
     synthetic_steps: tuple[int, int] | None = None  # (LEN, COUNT): steps end after LEN tokens, problems after COUNT steps
 
     @property
     def step_cap(self) -> int:
         return self.max_steps if self.synthetic_steps is None else self.synthetic_steps[1]
-
-    @property
-    def spec(self) -> Method:
-        return METHODS[self.method]
 
 
 class StepRunner(Protocol):
@@ -96,7 +92,7 @@ class CandidateState:
     @property
     def dropped(self) -> bool:
         """The detector fired on it: it is not scored."""
-        return self.finish in (ENTROPY, REPETITION)
+        return self.finish in DETECTOR_FINISHES
 
 
 @dataclass
@@ -141,16 +137,18 @@ class Finished:
 
 
 class Controller:
-    """Runs one method over a stream of problems with the given models' runners and scorer."""
+    """Runs one method with `n` candidates per model and step (streams of `seed`) over a stream of problems with the
+    given models' runners and scorer."""
 
-    def __init__(self, settings: SearchSettings, runners: dict[str, StepRunner], scorer: Scorer, eos: set[int]) -> None:
-        self.settings = settings
+    def __init__(self, settings: SearchSettings, runners: dict[str, StepRunner], scorer: Scorer, eos: set[int], *,
+                 method: str, n: int, seed: int = 0) -> None:
+        self.settings, self.spec, self.n, self.seed = settings, METHODS[method], n, seed
         self.runners = runners
         self.scorer = scorer
         synthetic = settings.synthetic_steps
         self.rules = StepRules(frozenset(eos), settings.sampling, settings.max_step_tokens, settings.context_cap,
                                fixed_length=synthetic[0] if synthetic else None,
-                               detector=settings.detector if settings.spec.detector else None)
+                               detector=settings.detector if self.spec.detector else None)
         self.open: dict[tuple[str, int], CandidateState] = {}  # (source, row) of every decoding candidate
         self.totals = DecodeProgress(0, 0)
 
@@ -203,7 +201,7 @@ class Controller:
 
     # -- one step -----------------------------------------------------------------------------------
     def _open_steps(self, problems: list[ProblemState]) -> None:
-        spec, n = self.settings.spec, self.settings.n
+        spec, n = self.spec, self.n
         for source in (["base"] if spec.base else []) + (["helper"] if spec.helper else []):
             if not problems:
                 break
@@ -217,7 +215,7 @@ class Controller:
                     problem.candidates.append(cand)
                     self.open[source, row] = cand
                     rows.append(row)
-                    keys.append((self.settings.seed, problem.idx, len(problem.steps), index))
+                    keys.append((self.seed, problem.idx, len(problem.steps), index))
                     contexts.append(problem.context)
             runner.start(rows, keys, contexts, [screened] * len(rows), self.rules)
 
@@ -250,12 +248,12 @@ class Controller:
             problem.steps.append(Step(winner.text, winner.source, winner.score, len(winner.tokens)))
             problem.committed += winner.tokens
             self.scorer.commit(problem.idx, winner.text, winner.tokens)
-            if winner.finish == "eos":
-                problem.stop = "eos"
+            if winner.finish == EOS:
+                problem.stop = EOS
             elif problem.context >= self.settings.context_cap:
-                problem.stop = "context"
+                problem.stop = CONTEXT
             elif len(problem.steps) >= self.settings.step_cap:
-                problem.stop = "steps"
+                problem.stop = STEPS
             for name, runner in self.runners.items():
                 mine = [c for c in problem.candidates if c.source == name]
                 if winner in mine:

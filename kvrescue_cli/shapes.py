@@ -1,5 +1,5 @@
 """Shape arithmetic shared by the engine, the memory planner and `kvrescue cost`, free of torch so that `kvrescue
-cost` starts without it: the engine's sizing constants (the bounded cache's slack, windows, blocks, memory bounds),
+cost` starts without it: the engine's sizing constants (the bounded cache's buffer, windows, blocks, memory bounds),
 and what one rank of a tensor-parallel group holds (engine/tp.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,10 @@ from dataclasses import replace
 
 from kvrescue_cli.model_config import ModelArgs
 
-SLACK = 128  # w: entries the bounded cache appends past the budget B before a compression (B' = B + w)
+MAX_STEP_TOKENS = 512  # the paper's caps: tokens of one step,
+MAX_STEPS = 1024  # steps of one problem,
+MAX_CONTEXT = 4096  # and tokens of its context (the prompt and the committed steps)
+BUFFER = 128  # w: entries the bounded cache appends past the budget B before a compression (B' = B + w)
 OBSERVATION_WINDOW = 8  # evictors' window alpha: the last 8 positions, always kept (their queries are kept too)
 COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched compression (all layers, some rows)
 PRM_WINDOW = 4096  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)

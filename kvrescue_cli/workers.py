@@ -2,7 +2,7 @@
 
 Two or more device groups (or `--ray-address`) run as Ray actors, on a private local Ray instance started
 here and shut down at the end, or on the cluster at `--ray-address`; one device decodes in the `kvrescue
-run` process itself (`decoding.InProcess`). A group is one device today; with tensor parallelism it is K.
+run` process itself (`decoding.InProcessGroup`). A group is one device today; with tensor parallelism it is K.
 
 An actor asks the driver for a problem whenever its controller has a free slot (work stealing: a fast
 actor simply asks more often) and streams each finished problem's trace back; the driver alone writes
@@ -31,9 +31,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from grader import grade
+from grader import normal_gt
 from kvrescue_cli import decoding
 from kvrescue_cli.data import Problem
+from kvrescue_cli.devices import GPU, device_list, gpu_index, is_cpu, is_gpu, kind_of
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.outputs import Trace
 from kvrescue_cli.rank_group import RankGroup
@@ -61,26 +62,16 @@ def resolve_devices(spec: str, ray_address: str | None = None, visible: bool = T
     import torch
 
     if not visible and spec != "auto":
-        return _device_list(spec)
+        return device_list(spec)
     if ray_address is not None:
         return _cluster_devices(spec, ray_address)
     if spec == "auto":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return tuple(f"cuda:{i}" for i in range(count)) or ("cpu",)
-    devices = _device_list(spec)
+    devices = device_list(spec)
     for device in devices:
-        if device.startswith("cuda") and int(device[5:]) >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        if is_gpu(device) and gpu_index(device) >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
             raise InputError(f"--devices {spec!r}: {device} is not a visible GPU")
-    return devices
-
-
-def _device_list(spec: str) -> tuple[str, ...]:
-    devices = tuple("cuda:0" if d == "cuda" else d for d in (part.strip() for part in spec.split(",")) if d)
-    for device in devices:
-        if device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
-            raise InputError(f"--devices {spec!r}: {device!r} is not cpu, cuda or cuda:N")
-    if not devices:
-        raise InputError("--devices is empty")
     return devices
 
 
@@ -96,9 +87,9 @@ def _cluster_devices(spec: str, address: str) -> tuple[str, ...]:
         if not gpus:
             raise InputError(f"--ray-address {address}: the cluster offers no GPU; name CPU workers with "
                              "--devices cpu,cpu,...")
-        return ("cuda",) * gpus
-    devices = tuple("cpu" if d == "cpu" else "cuda" for d in _device_list(spec))
-    if devices.count("cuda") > gpus:
+        return (GPU,) * gpus
+    devices = tuple(kind_of(d) for d in device_list(spec))
+    if devices.count(GPU) > gpus:
         raise InputError(f"--devices {spec!r}: the cluster at {address} offers {gpus} GPUs")
     return devices
 
@@ -112,7 +103,7 @@ def device_groups(devices: tuple[str, ...], size: int = 1) -> list[tuple[str, ..
 
 def named_gpus(groups: list[tuple[str, ...]], visible: str | None) -> list[str]:
     """The CUDA_VISIBLE_DEVICES entries of the GPUs named (`cuda:N` is the N-th of `visible`, if set)."""
-    indices = sorted({int(d[5:]) for group in groups for d in group if d.startswith("cuda:")})
+    indices = sorted({gpu_index(d) for group in groups for d in group if gpu_index(d) is not None})
     ids = visible.split(",") if visible else [str(i) for i in range(max(indices, default=-1) + 1)]
     return [ids[i] for i in indices]
 
@@ -121,7 +112,7 @@ def actor_resources(groups: list[tuple[str, ...]], group: int) -> dict[str, floa
     """What the actor of `groups[group]` asks Ray for: a CPU, and its GPUs; a local GPU named by several
     groups (`cuda:0,cuda:0`) is shared, each taking its fraction of it."""
     devices = groups[group]
-    if devices[0] == "cpu":
+    if is_cpu(devices[0]):
         return {"num_cpus": 1, "num_gpus": 0}
     shares = device_shares(groups, group)
     if shares > 1 and len(devices) > 1:  # Ray gives a share below 1 of one GPU only
@@ -134,7 +125,7 @@ def device_shares(groups: list[tuple[str, ...]], group: int) -> int:
     """How many workers share the devices of `groups[group]`: a local GPU named by several groups
     (`cuda:0,cuda:0`) is shared, and each worker plans its memory for its share of it."""
     devices = groups[group]
-    if not devices[0].startswith("cuda:"):
+    if gpu_index(devices[0]) is None:
         return 1
     return max(sum(d == device for g in groups for d in g) for device in devices)
 
@@ -145,7 +136,7 @@ def actor_devices(group: tuple[str, ...], gpu_ids: list, visible: str | None) ->
     of its ID in `visible` (the actor's CUDA_VISIBLE_DEVICES), or the ID itself where Ray left that unset
     (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES). Which of the named GPUs a group gets is Ray's choice (its
     placement is recorded in config.json)."""
-    if group[0] == "cpu":
+    if is_cpu(group[0]):
         return group
     ids = [str(i) for i in gpu_ids]
     if len(ids) < len(group):
@@ -215,7 +206,7 @@ class GroupWorker:
         self.inbox: queue.Queue = queue.Queue()
         group = actor_devices(group, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         device = group[0]
-        if device == "cpu":
+        if is_cpu(device):
             torch.set_num_threads(threads)
         placement = {"node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                      "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
@@ -336,7 +327,7 @@ class RayWorkers:
         import ray
 
         devices = self.groups[group]
-        cpu_groups = sum(g[0] == "cpu" for g in self.groups)
+        cpu_groups = sum(is_cpu(g[0]) for g in self.groups)
         threads = max(1, (os.cpu_count() or 1) // max(cpu_groups, 1))
         actor = ray.remote(GroupWorker).options(
             **self.resources[group], max_restarts=0,
@@ -359,12 +350,12 @@ class RayWorkers:
         if not self.workers:
             raise WorkersGone(f"no worker could start ({self._errors()})")
 
-    def record(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         """The executor, for config.json: Ray's version, the cluster's nodes, where each worker runs."""
         import ray
 
         return {"kind": "ray", "ray": ray.__version__, "address": self.options.ray_address or "local",
-                **decoding.batch_record(self.options),
+                **decoding.batch_description(self.options),
                 "nodes": sum(node["Alive"] for node in ray.nodes()),
                 "workers": [{"devices": list(w.devices), **(w.placement or {})} for w in self.workers]}
 
@@ -447,7 +438,7 @@ class RayWorkers:
                                        else f"its group died {self.deaths[worker.group]} times: no new worker"))
         for problem in failed:  # a queue holding problems comes with their cell
             errors = queue.errors[problem.idx]
-            gt_norm = grade("", problem.gt, cell.problems.grading_bench, grader=self.options.grader).gt
+            gt_norm = normal_gt(problem.gt, cell.problems.grading_bench, self.options.grader)
             emit(Trace.failed(problem.idx, problem.problem, problem.gt, gt_norm,
                               f"killed {len(errors)} workers: " + "; ".join(errors)), 0)
             self.say(f"problem {problem.idx} killed {len(errors)} workers: recorded as failed")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvrescue_cli.detect import ENTROPY, REPETITION, DetectorConfig, gzip_ratio
+from kvrescue_cli.detect import DetectorConfig, gzip_ratio
+from kvrescue_cli.reasons import ENTROPY, REPETITION
 
 
 class Detector:

@@ -119,7 +119,7 @@ def test_an_append_longer_than_the_room_grows_the_buffer(net):
 def test_a_row_is_compressed_exactly_when_it_reaches_b_prime(net, static, buffer):
     budget = 16
     b_prime = budget + buffer
-    cache = BoundedCache.for_model(net, budget=budget, max_append=8, slack=buffer)
+    cache = BoundedCache.for_model(net, budget=budget, max_append=8, buffer=buffer)
     d = Driver(net, cache)
     at, below = cache.create(), cache.create()
     d.append([at, below], [prompt(b_prime), prompt(b_prime - 1)])  # a prefill that ends on B' and one short of it
@@ -145,7 +145,7 @@ def test_a_row_is_compressed_exactly_when_it_reaches_b_prime(net, static, buffer
 @pytest.mark.parametrize("buffer", [128, 40])
 @pytest.mark.parametrize("budget", [16, 24])
 def test_physical_length_is_bounded(net, budget, buffer):
-    cache = BoundedCache.for_model(net, budget=budget, slack=buffer)
+    cache = BoundedCache.for_model(net, budget=budget, buffer=buffer)
     trigger = budget + buffer
     d = Driver(net, cache)
     row = cache.create()
@@ -165,7 +165,7 @@ def test_physical_length_is_bounded(net, budget, buffer):
 @pytest.mark.parametrize("policy", ["rkv", "snapkv", "streaming"])
 def test_compression_keeps_what_the_policy_selects(net, policy):
     budget = 16
-    cache = BoundedCache.for_model(net, budget=budget, policy=policy)
+    cache = BoundedCache.for_model(net, budget=budget, evictor=policy)
     seen = []  # (lengths, keys, values, windows before; keys, values after) of each compression
     compress = cache.compress
 
@@ -277,9 +277,9 @@ def test_bad_settings_are_refused(net):
     with pytest.raises(ValueError):
         BoundedCache.for_model(net, budget=8)
     with pytest.raises(ValueError):
-        BoundedCache.for_model(net, budget=64, policy="h2o")
+        BoundedCache.for_model(net, budget=64, evictor="h2o")
     with pytest.raises(ValueError, match="unknown evictor 'none'"):  # `--evictor none` keeps a FullCache
-        BoundedCache.for_model(net, budget=64, policy="none")
+        BoundedCache.for_model(net, budget=64, evictor="none")
 
 
 def test_a_cache_made_in_inference_mode_forks_outside_it(net):

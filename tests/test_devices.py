@@ -49,7 +49,7 @@ def models(tmp_path_factory, prm_dir) -> dict[str, str]:
 
 def test_one_device_in_this_process_is_the_named_one(gpus, models, tmp_path):
     with pytest.raises(InputError, match="GiB is free"):
-        decoding.InProcess(options(models, ("cuda:1",), 1, tmp_path), ("cuda:1",))
+        decoding.InProcessGroup(options(models, ("cuda:1",), 1, tmp_path), ("cuda:1",))
     assert gpus and {device for _, device in gpus} == {"cuda:1"}
     assert ("set_device", "cuda:1") in gpus and ("mem_get_info", "cuda:1") in gpus
 

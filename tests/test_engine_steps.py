@@ -110,7 +110,7 @@ def test_context_cap_and_the_detector_screens_every_token_the_last_one_too(qwen2
     # A window of 3 characters: gzip makes it about 8 times longer, so tau 10 fires at once.
     screen = DetectorConfig(cmp_chars=3, tau_cmp=10.0, min_tokens=1000)
     res, _, _ = _run(m, [[is_], [is_]], screened=[False, True], max_step_tokens=8, detector=screen)
-    assert res[0].finish == "length" and res[0].min_ratio is None and res[0].max_mean_entropy is None
+    assert res[0].finish == "length" and res[0].min_gzip_ratio is None and res[0].max_mean_entropy is None
     assert res[1].finish == "repetition" and res[1].fired_at == 1 == len(res[1].tokens)
     # The step's last token (EOS here) is screened too: it is missing from no extreme, and can drop it.
     m = _scripted(qwen2_dir, {is_: eos})
@@ -133,7 +133,7 @@ def _agrees_with_the_oracle(tokenizer, r, config: DetectorConfig) -> None:
             break
     assert (reason or r.finish) == r.finish and (det.fired_at if reason else None) == r.fired_at
     assert det.max_mean_entropy == pytest.approx(r.max_mean_entropy, abs=1e-9) if det.max_mean_entropy else r.max_mean_entropy is None
-    assert det.min_ratio == r.min_ratio
+    assert det.min_ratio == r.min_gzip_ratio
 
 
 def test_vectorised_detector_matches_the_per_token_reference(qwen2_dir) -> None:
@@ -180,10 +180,10 @@ def test_each_threshold_does_not_fire_at_equality_and_fires_just_past_it(repeat)
     m, x = repeat
     window = dict(ent_window=4, min_tokens=K, cmp_chars=K + 4)
     calm = _screened(m, [x], DetectorConfig(**window, **OFF))
-    assert calm.finish == "length" and calm.min_ratio == gzip_ratio("x" * (K + 4))
-    mean, ratio = calm.max_mean_entropy, calm.min_ratio  # every checked position has these values
+    assert calm.finish == "length" and calm.min_gzip_ratio == gzip_ratio("x" * (K + 4))
+    mean, ratio = calm.max_mean_entropy, calm.min_gzip_ratio  # every checked position has these values
     at = _screened(m, [x], DetectorConfig(**window, tau_ent=mean, tau_cmp=ratio))
-    assert at.finish == "length" and (at.max_mean_entropy, at.min_ratio) == (mean, ratio)
+    assert at.finish == "length" and (at.max_mean_entropy, at.min_gzip_ratio) == (mean, ratio)
     ent = _screened(m, [x], DetectorConfig(**window, tau_ent=math.nextafter(mean, -math.inf), tau_cmp=ratio))
     assert (ent.finish, ent.fired_at) == ("entropy", K)  # the first eligible token
     cmp = _screened(m, [x], DetectorConfig(**window, tau_ent=mean, tau_cmp=math.nextafter(ratio, math.inf)))
@@ -213,10 +213,10 @@ def test_a_two_byte_character_at_the_800_character_boundary(qwen2_dir, tok) -> N
     ratio = gzip_ratio("é" * 800)
     config = DetectorConfig(tau_cmp=math.nextafter(ratio, math.inf))  # the paper's 800 characters
     r = _screened(m, [e2], config, max_step_tokens=1700)
-    assert (r.finish, r.fired_at, r.min_ratio) == ("repetition", 1600, ratio)
+    assert (r.finish, r.fired_at, r.min_gzip_ratio) == ("repetition", 1600, ratio)
     assert r.text == "é" * 800
     r = _screened(m, [e2], DetectorConfig(tau_cmp=100.0), max_step_tokens=1700)  # fires at the first eligible token
-    assert (r.finish, r.fired_at, r.min_ratio) == ("repetition", 1600, ratio)
+    assert (r.finish, r.fired_at, r.min_gzip_ratio) == ("repetition", 1600, ratio)
 
 
 def test_sampled_steps_reproducible_and_batch_independent(qwen2_dir) -> None:

@@ -18,8 +18,8 @@ def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_r
     model = load_model(qwen2_dir)
     net = model.net
     generator = torch.Generator().manual_seed(0)
-    dynamic = BoundedCache.for_model(net, budget=16, policy="rkv", max_append=40, rows=4)
-    static = BoundedCache.for_model(net, budget=16, policy="rkv", max_append=40, rows=4)
+    dynamic = BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=4)
+    static = BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=4)
     step = StaticDecode(net, static, graphs=True)  # no CUDA here: the same static step, eagerly
     assert static.k.shape[1] == 5  # the scratch slot comes on top of the rows the cache was sized for
     lengths = [5, 20, 33]
@@ -70,8 +70,8 @@ def test_the_flash_attn_call_matches_the_dynamic_step(qwen2_dir, monkeypatch, ke
     monkeypatch.setattr(graphs, "use_flash", lambda q: True)
     net = load_model(qwen2_dir).net
     generator = torch.Generator().manual_seed(1)
-    dynamic = BoundedCache.for_model(net, budget=16, policy="rkv", max_append=40, rows=4)
-    static = BoundedCache.for_model(net, budget=16, policy="rkv", max_append=40, rows=4)
+    dynamic = BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=4)
+    static = BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=4)
     step = StaticDecode(net, static, graphs=False)
     prompt = torch.randint(0, net.args.vocab_size, (3, 30), generator=generator)
     rows = {}
@@ -155,8 +155,8 @@ def test_graphs_are_captured_again_when_the_pools_regrew_even_at_the_same_addres
     other strides (more rows): the step must be captured again, not replayed on what now lies there."""
     net = load_model(qwen2_dir).net
     generator = torch.Generator().manual_seed(2)
-    dynamic = BoundedCache.for_model(net, budget=16, policy="rkv", max_append=40, rows=4)
-    static = BoundedCache.for_model(net, budget=16, policy="rkv", max_append=40, rows=4)
+    dynamic = BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=4)
+    static = BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=4)
     allocator = CachingAllocator(static, monkeypatch)
     step = PointerGraphs(net, static, allocator)  # the scratch slot: the pools' first growth, into blocks
     captured_at = static.k.data_ptr()

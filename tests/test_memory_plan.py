@@ -188,7 +188,7 @@ def test_a_tp_group_too_large_for_its_devices_is_refused_before_any_rank_starts(
     fake_gpus(monkeypatch, lambda device: 2**30 if device == "cuda:1" else 80 * 2**30)
     monkeypatch.setattr(decoding, "RankGroup", NoGroup)
     with pytest.raises(decoding.InputError, match=r"batch 8 needs .* on cuda:1 .* but 1\.0 GiB is free"):
-        decoding.InProcess(gpu_options(tmp_path, ("cuda:0", "cuda:1"), tp=2), ("cuda:0", "cuda:1"))
+        decoding.InProcessGroup(gpu_options(tmp_path, ("cuda:0", "cuda:1"), tp=2), ("cuda:0", "cuda:1"))
     assert not formed
 
 

@@ -9,6 +9,7 @@ import kvrescue_cli.search as search
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine.steps import CandidateStep
+from kvrescue_cli.methods import Method
 from kvrescue_cli.search import Controller, SearchSettings
 
 EOS = 99
@@ -149,7 +150,9 @@ def run_all(method: str, script, table: dict[int, float], problems, clock: Clock
                if used}
     scorer = TableScorer(table)
     finished = []
-    Controller(SearchSettings(method=method, **{"n": 2, "batch": 2, **settings}), runners, scorer, {EOS}).run(
+    settings = {"n": 2, "batch": 2, **settings}
+    n, seed = settings.pop("n"), settings.pop("seed", 0)
+    Controller(SearchSettings(**settings), runners, scorer, {EOS}, method=method, n=n, seed=seed).run(
         problems, finished.append)
     return finished, runners, scorer
 
@@ -212,14 +215,14 @@ def test_the_detector_drops_base_candidates_before_scoring():
     # interleave does not screen: the same finish reasons are not its detector's, so nothing is dropped... but
     # a method that screens must have helper candidates, so some candidate always survives.
     with pytest.raises(ValueError):
-        search.Method(base=True, helper=False, evicted=True, detector=True)
+        Method(base=True, helper=False, budgeted=True, detector=True)
 
 
 def test_progress_is_reported_while_problems_are_in_flight(monkeypatch):
     monkeypatch.setattr(search, "PROGRESS_EVERY_S", 0.0)
     runners = {"base": ScriptedRunner(steps_of(3))}
     seen = []
-    Controller(SearchSettings(method="bon", n=2, batch=2, max_steps=2), runners, TableScorer({}), {EOS}).run(
+    Controller(SearchSettings(batch=2, max_steps=2), runners, TableScorer({}), {EOS}, method="bon", n=2).run(
         [(0, "p", [1])], lambda f: seen.append("finished"), seen.append)
     # One report per iteration here: 2 candidates x 1 token each, a step committed every 3 iterations.
     assert seen[:3] == [search.DecodeProgress(0, 2), search.DecodeProgress(0, 4), search.DecodeProgress(1, 6)]
@@ -232,8 +235,8 @@ def test_progress_comes_every_progress_every_s_seconds(monkeypatch):
     monkeypatch.setattr(search, "time", clock)
     monkeypatch.setattr(search, "PROGRESS_EVERY_S", 2.0)
     seen = []
-    Controller(SearchSettings(method="bon", n=2, batch=2, max_steps=2), {"base": ScriptedRunner(steps_of(3), clock)},
-               TableScorer({}), {EOS}).run([(0, "p", [1])], lambda f: None, seen.append)
+    Controller(SearchSettings(batch=2, max_steps=2), {"base": ScriptedRunner(steps_of(3), clock)},
+               TableScorer({}), {EOS}, method="bon", n=2).run([(0, "p", [1])], lambda f: None, seen.append)
     assert seen == [search.DecodeProgress(0, 4), search.DecodeProgress(1, 8), search.DecodeProgress(2, 12)]
     # Without a progress callback nothing is reported, even when a report is due at every token.
     monkeypatch.setattr(search, "PROGRESS_EVERY_S", 0.0)
@@ -245,7 +248,7 @@ def test_progress_counts_the_tokens_of_both_models(monkeypatch):
     monkeypatch.setattr(search, "PROGRESS_EVERY_S", 0.0)
     runners = {"base": ScriptedRunner(steps_of(3)), "helper": ScriptedRunner(steps_of(3))}
     seen = []
-    Controller(SearchSettings(method="kvrescue", n=2, batch=2, max_steps=1), runners, TableScorer({}), {EOS}).run(
+    Controller(SearchSettings(batch=2, max_steps=1), runners, TableScorer({}), {EOS}, method="kvrescue", n=2).run(
         [(0, "p", [1])], lambda f: None, seen.append)
     assert seen == [search.DecodeProgress(0, 4), search.DecodeProgress(0, 8), search.DecodeProgress(1, 12)]
 
@@ -343,6 +346,6 @@ def test_a_runner_decoding_elsewhere_is_waited_on_only_when_nothing_decodes_here
     # Base steps take 3 tokens here; helper steps 5 tokens in another process: for the last 2 iterations of a
     # step only the helper is pending, and both runners are told to wait.
     runners = {"base": ScriptedRunner(steps_of(3)), "helper": ScriptedRunner(steps_of(5), remote=True)}
-    Controller(SearchSettings(method="interleave", n=2, batch=2, max_steps=2), runners, TableScorer({}), {EOS}).run(
+    Controller(SearchSettings(batch=2, max_steps=2), runners, TableScorer({}), {EOS}, method="interleave", n=2).run(
         [(0, "p", [1])], lambda f: None)
     assert runners["base"].waits == runners["helper"].waits == [False, False, False, True, True] * 2

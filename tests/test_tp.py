@@ -211,7 +211,7 @@ def test_the_other_ranks_wait_between_cells_as_long_as_rank_0_lives(models, monk
     problems = [Problem(i, f"What is {i} + 1?", str(i + 1), {}) for i in range(2)]
     cell = Cell(ProblemSet("t", "generic", "t.jsonl", problems), "bon", 16, 2, 0)
     traces = []
-    group = decoding.InProcess(options, ("cpu", "cpu"))
+    group = decoding.InProcessGroup(options, ("cpu", "cpu"))
     try:
         group.decode(cell, problems[:1], lambda trace, tokens: traces.append(trace))
         time.sleep(25)

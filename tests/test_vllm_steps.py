@@ -124,7 +124,7 @@ def test_the_trajectory_committed_to_the_base_is_what_vllm_generated(engine, mod
     base = CheckedBase(model, FullCache.for_model(model.net, 16384, max_rows=32))
     helper = VllmRunner(engine, tokenizer)
     # Short steps: most end at the cap, so that problems go on for several steps (EOS ends a problem).
-    settings = SearchSettings(method="kvrescue", n=2, batch=2, max_step_tokens=6, max_steps=5, context_cap=1024)
+    settings = SearchSettings(batch=2, max_step_tokens=6, max_steps=5, context_cap=1024)
     # (the model card's recipe: with it these random models' problems run to three steps and more)
     scorer = PRMScorer(load_model(prm_dir), max_problems=2, max_candidates=8, max_step_tokens=6,
                        recipe=RECIPES["model-card"])
@@ -134,7 +134,7 @@ def test_the_trajectory_committed_to_the_base_is_what_vllm_generated(engine, mod
         finished.append(f)
         held[f.state.idx] = base.tokens[f.state.rows["base"]]
 
-    Controller(settings, {"base": base, "helper": helper}, scorer, set(model.eos_ids)).run(
+    Controller(settings, {"base": base, "helper": helper}, scorer, set(model.eos_ids), method="kvrescue", n=2).run(
         [(i, text, prompt) for i, (text, prompt) in enumerate(zip(PROBLEMS, prompts(tokenizer)))], done)
     assert sorted(f.state.idx for f in finished) == [0, 1, 2]
     helper_wins = 0
@@ -162,10 +162,10 @@ def test_the_helper_method_runs_on_vllm_alone(engine, model, prm_dir):
     """Only vLLM decodes: the controller waits on it instead of polling."""
     tokenizer = model.tokenizer
     helper = VllmRunner(engine, tokenizer)
-    settings = SearchSettings(method="helper", n=3, batch=2, max_step_tokens=24, max_steps=4, context_cap=1024)
+    settings = SearchSettings(batch=2, max_step_tokens=24, max_steps=4, context_cap=1024)
     scorer = PRMScorer(load_model(prm_dir), max_problems=2, max_candidates=8, max_step_tokens=24)
     finished = []
-    Controller(settings, {"helper": helper}, scorer, set(model.eos_ids)).run(
+    Controller(settings, {"helper": helper}, scorer, set(model.eos_ids), method="helper", n=3).run(
         [(i, text, prompt) for i, (text, prompt) in enumerate(zip(PROBLEMS, prompts(tokenizer)))], finished.append)
     assert sorted(f.state.idx for f in finished) == [0, 1, 2]
     for f in finished:
@@ -189,11 +189,11 @@ def test_synthetic_steps_end_at_their_length_alone(engine, model, prm_dir):
     (capped,) = generate_steps(runner, [near], [(0, 9, 0, 0)], rules)
     assert len(capped.tokens) == 5 and capped.finish == "length"
     # Through the controller: the helper method on vLLM, 3 steps of 5 tokens per problem.
-    settings = SearchSettings(method="helper", n=2, batch=2, max_step_tokens=24, synthetic_steps=(5, 3),
+    settings = SearchSettings(batch=2, max_step_tokens=24, synthetic_steps=(5, 3),
                               context_cap=1024)
     scorer = PRMScorer(load_model(prm_dir), max_problems=2, max_candidates=8, max_step_tokens=24)
     finished = []
-    Controller(settings, {"helper": runner}, scorer, eos).run(
+    Controller(settings, {"helper": runner}, scorer, eos, method="helper", n=2).run(
         [(i, text, prompt) for i, (text, prompt) in enumerate(zip(PROBLEMS, prompts(tokenizer)))], finished.append)
     assert sorted(f.state.idx for f in finished) == [0, 1, 2]
     for f in finished:

@@ -49,7 +49,7 @@ def kept_positions(net, policy: str, prompt_lengths: list[int], steps: int, seed
         return calls[-1]
 
     with patch.object(bounded, "keep_positions", recording):
-        _cached(net, BoundedCache.for_model(net, BUDGET, policy, slack=SLACK, rows=4), prompt_lengths, steps, seed)
+        _cached(net, BoundedCache.for_model(net, BUDGET, policy, buffer=SLACK, rows=4), prompt_lengths, steps, seed)
     return calls
 
 
@@ -63,8 +63,8 @@ def run(base_dir: Path, helper_dir: Path, prm_dir: Path, tp: int = 1) -> dict[st
     out: dict[str, object] = {
         "plain": base.logits(_tokens(base.args.vocab_size, (2, 12), 0)),
         "full": _cached(base.net, FullCache.for_model(base.net, 512, max_rows=8, block_size=4), lengths, 6, 1),
-        "bounded": _cached(base.net, BoundedCache.for_model(base.net, BUDGET, "rkv", slack=SLACK, rows=4), lengths, 30, 2),
-        "static": _cached(base.net, BoundedCache.for_model(base.net, BUDGET, "rkv", slack=SLACK, rows=4), lengths, 30, 2,
+        "bounded": _cached(base.net, BoundedCache.for_model(base.net, BUDGET, "rkv", buffer=SLACK, rows=4), lengths, 30, 2),
+        "static": _cached(base.net, BoundedCache.for_model(base.net, BUDGET, "rkv", buffer=SLACK, rows=4), lengths, 30, 2,
                           static=True),
         "kept": kept_positions(base.net, "rkv", lengths, 30, 2),
         "helper": _cached(helper.net, FullCache.for_model(helper.net, 512, max_rows=8, block_size=4), lengths, 6, 3),

@@ -1,7 +1,7 @@
 """The base model's bounded evicting KV cache (DESIGN section 3).
 
 Every forward attends over everything appended so far; afterwards each row whose physical length
-reached B' = budget + slack is compressed to exactly `budget` entries, per layer and KV head, by the
+reached B' = budget + buffer is compressed to exactly `budget` entries, per layer and KV head, by the
 run's policy (`evict.keep_positions`). A row's peak is B' - 1 + its largest append; in steady decoding
 it cycles budget -> B' -> budget. Tokens keep their logical positions: RoPE is applied before caching
 and new tokens are placed at the row's logical length, never at its physical length.
@@ -17,13 +17,13 @@ import torch
 
 from kvrescue_cli.engine.attention import attend_masked, padded_visibility
 from kvrescue_cli.engine.caches import KVCache
-from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET, WINDOW, gather_positions, keep_positions
+from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET, gather_positions, keep_positions
 from kvrescue_cli.engine.transfer import upload, upload_all
-from kvrescue_cli.shapes import COMPRESS_BYTES, SLACK
+from kvrescue_cli.shapes import BUFFER, COMPRESS_BYTES, OBSERVATION_WINDOW
 
 
 @dataclass
-class _Forward:
+class _BoundedForward:
     rows: np.ndarray
     slots: torch.Tensor | slice  # [R] pool slots of the rows, or a slice when they are consecutive
     kv_lengths: torch.Tensor     # [R] physical entries before this forward
@@ -37,13 +37,13 @@ class _Forward:
 
 class BoundedCache(KVCache):
     """Per row a fixed-capacity K/V buffer, its physical and logical lengths, and per layer a ring of
-    the last WINDOW post-RoPE queries (R-KV's observation window).
+    the last OBSERVATION_WINDOW post-RoPE queries (R-KV's observation window).
 
     Pools (gpt-fast style, written in place): K and V [layers, slots, kv_heads, capacity, head_dim]
-    and queries [layers, slots, heads, WINDOW, head_dim]. Rows are ids mapped to slots, so `adopt`
+    and queries [layers, slots, heads, OBSERVATION_WINDOW, head_dim]. Rows are ids mapped to slots, so `adopt`
     moves no data; a fork copies its parent's entries, ring and counters. The pools grow when rows
     (by doubling) or an append do not fit: capacity defaults to B' + `max_append`, so only an append
-    longer than `max_append` reallocates. `policy` is an evictor of `evict.EVICTORS`; `--evictor none`
+    longer than `max_append` reallocates. `evictor` is one of `evict.EVICTORS`; `--evictor none`
     keeps a full cache (`FullCache`) instead.
     """
 
@@ -56,23 +56,23 @@ class BoundedCache(KVCache):
         head_dim: int,
         *,
         budget: int,
-        policy: str = "rkv",
-        slack: int = SLACK,
+        evictor: str = "rkv",
+        buffer: int = BUFFER,
         max_append: int = 512,
         rows: int = 16,
         capacity: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
-        if policy not in EVICTORS:
-            raise ValueError(f"unknown evictor {policy!r} for a bounded cache; choose one of {tuple(EVICTORS)}")
+        if evictor not in EVICTORS:
+            raise ValueError(f"unknown evictor {evictor!r} for a bounded cache; choose one of {tuple(EVICTORS)}")
         if budget < MIN_BUDGET:
             raise ValueError(f"budget {budget} is below the minimum {MIN_BUDGET}")
-        self.policy, self.budget, self.trigger = policy, budget, budget + slack
+        self.evictor, self.budget, self.trigger = evictor, budget, budget + buffer
         cap = capacity or self.trigger + max_append
         self.k = torch.zeros(n_layers, rows, n_kv_heads, cap, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.q = torch.zeros(n_layers, rows, n_heads, WINDOW, head_dim, dtype=dtype, device=device)
+        self.q = torch.zeros(n_layers, rows, n_heads, OBSERVATION_WINDOW, head_dim, dtype=dtype, device=device)
         # Each row id's pool slot, entries held, tokens appended (the next RoPE position) and the largest number
         # of entries it (and the rows it was forked from) held; ids below next_id, those in free_ids unused.
         self.row_slot = np.zeros(rows, np.int64)
@@ -83,16 +83,16 @@ class BoundedCache(KVCache):
         self.free_ids: list[int] = []
         self.next_id = 0
         self.generation = 0  # times the pools were reallocated (what reads them in place, CUDA graphs, must know)
-        self.fwd: _Forward | None = None
+        self.fwd: _BoundedForward | None = None
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, budget: int, policy: str = "rkv", **kw) -> "BoundedCache":
+    def for_model(cls, model: torch.nn.Module, budget: int, evictor: str = "rkv", **kw) -> "BoundedCache":
         """A cache for `model` (a `Transformer`), in its dtype and on its device."""
         a = model.args
         p = next(model.parameters())
         kw.setdefault("dtype", p.dtype)
         kw.setdefault("device", p.device)
-        return cls(a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, budget=budget, policy=policy, **kw)
+        return cls(a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, budget=budget, evictor=evictor, **kw)
 
     @property
     def capacity(self) -> int:
@@ -217,7 +217,7 @@ class BoundedCache(KVCache):
                           "write_pos": physical[row] + step, "valid": np.flatnonzero(valid),
                           "positions": logical[:, None] + t}, self.k.device)
         consecutive = bool((slots == slots[0] + np.arange(len(slots))).all())
-        self.fwd = _Forward(
+        self.fwd = _BoundedForward(
             rows=rows,
             slots=slice(int(slots[0]), int(slots[0]) + len(slots)) if consecutive else dev["slots"],
             kv_lengths=dev["kv_lengths"],
@@ -249,9 +249,9 @@ class BoundedCache(KVCache):
         else:
             kp[f.write_slots, :, f.write_pos] = k.transpose(1, 2).flatten(0, 1).index_select(0, f.valid)
             vp[f.write_slots, :, f.write_pos] = v.transpose(1, 2).flatten(0, 1).index_select(0, f.valid)
-            # the ring keeps the last WINDOW queries: positions n .. n+WINDOW-1 of (ring ++ new queries)
+            # the ring keeps the last OBSERVATION_WINDOW queries: positions n .. n+W-1 of (ring ++ new queries)
             joined = torch.cat([qp[f.slots], q], dim=2)
-            idx = (f.new_lengths[:, None] + torch.arange(WINDOW, device=q.device))[:, None, :, None]
+            idx = (f.new_lengths[:, None] + torch.arange(OBSERVATION_WINDOW, device=q.device))[:, None, :, None]
             qp[f.slots] = joined.gather(2, idx.expand(-1, q.shape[1], -1, q.shape[3]))
         return attend_masked(q, kp[f.slots, :, : f.length], vp[f.slots, :, : f.length], f.visible)
 
@@ -272,7 +272,7 @@ class BoundedCache(KVCache):
                 part = group[start:start + chunk]
                 slots = upload(self.row_slot[part], self.k.device)
                 keys = self.k[:, slots, :, :length]
-                kept = keep_positions(self.policy, keys, self.q[:, slots], self.budget)
+                kept = keep_positions(self.evictor, keys, self.q[:, slots], self.budget)
                 self.k[:, slots, :, : self.budget] = gather_positions(keys, kept)
                 self.v[:, slots, :, : self.budget] = gather_positions(self.v[:, slots, :, :length], kept)
                 self.row_physical[part] = self.budget

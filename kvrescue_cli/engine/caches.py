@@ -110,7 +110,7 @@ class _Groups:
 
 
 @dataclass
-class _Forward:
+class _PagedForward:
     """Metadata of the forward in progress, computed once in `begin` and read by every layer."""
 
     own: PagedKeys  # each row's blocks past its group's shared prefix (all of them if ungrouped)
@@ -163,7 +163,7 @@ class FullCache(KVCache):
         self.free_blocks = np.arange(num_blocks - 1, -1, -1)  # a stack: its first n_free entries are free
         self.n_free = num_blocks
         self.free_rows = list(range(max_rows - 1, -1, -1))
-        self.fwd: _Forward | None = None
+        self.fwd: _PagedForward | None = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, max_tokens: int, **kw) -> "FullCache":
@@ -285,7 +285,7 @@ class FullCache(KVCache):
             members = dev["members"]
             shared = _SharedPrefixes(paged_keys(self.k[0], pick("shared."), members.shape[1] * T, causal=False),
                                      members, dev["grouped_rows"], dev["grouped_slots"])
-        self.fwd = _Forward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"), shared)
+        self.fwd = _PagedForward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"), shared)
         return dev["positions"]
 
     def _copies_on_write(self, rows: np.ndarray, lengths: np.ndarray, n_blocks: np.ndarray,

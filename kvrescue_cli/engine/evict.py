@@ -1,12 +1,12 @@
 """KV eviction policies as pure tensor functions (DESIGN section 3).
 
-Every policy is a score over the *past* positions (all but the last ``WINDOW``); the shared
-machinery keeps the top ``budget - WINDOW`` past positions plus the last ``WINDOW``, sorted by
+Every policy is a score over the *past* positions (all but the last ``OBSERVATION_WINDOW``); the shared
+machinery keeps the top ``budget - OBSERVATION_WINDOW`` past positions plus the last ``OBSERVATION_WINDOW``, sorted by
 position. All functions accept extra leading batch dimensions (rows), so the bounded cache scores
 every row due for compression in one call:
 
     keys     [..., H_kv, L, D]     post-RoPE keys
-    queries  [..., H_q, WINDOW, D] post-RoPE queries of the last WINDOW positions, H_q = g * H_kv
+    queries  [..., H_q, OBSERVATION_WINDOW, D] post-RoPE queries of the last OBSERVATION_WINDOW positions, H_q = g * H_kv
     result   [..., H_kv, budget]   kept positions, ascending
 
 Query heads ``h*g .. h*g+g-1`` share KV head ``h`` (the Hugging Face ``repeat_kv`` layout).
@@ -23,24 +23,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvrescue_cli.shapes import OBSERVATION_WINDOW as WINDOW  # the last 8 positions, always kept
-MIN_BUDGET = 2 * WINDOW  # the smallest budget B any evictor accepts
+from kvrescue_cli.shapes import OBSERVATION_WINDOW  # the last 8 positions, always kept
+MIN_BUDGET = 2 * OBSERVATION_WINDOW  # the smallest budget B any evictor accepts
 
 
 def past_attention(keys: Tensor, queries: Tensor) -> Tensor:
-    """Each query's attention over the past keys, fp32, [..., H_kv, W, L - WINDOW]: logits q.k/sqrt(d), max over
+    """Each query's attention over the past keys, fp32, [..., H_kv, W, L - OBSERVATION_WINDOW]: logits q.k/sqrt(d), max over
     each KV head's query group (before softmax), softmax over the past keys."""
     h_kv, d = keys.shape[-3], keys.shape[-1]
     h_q, w = queries.shape[-3], queries.shape[-2]
     q = queries.float().reshape(*queries.shape[:-3], h_kv, h_q // h_kv, w, d)
-    logits = q @ keys.float()[..., :-WINDOW, :].unsqueeze(-3).transpose(-1, -2) / math.sqrt(d)
+    logits = q @ keys.float()[..., :-OBSERVATION_WINDOW, :].unsqueeze(-3).transpose(-1, -2) / math.sqrt(d)
     return logits.amax(dim=-3).softmax(dim=-1)
 
 
 def importance(keys: Tensor, queries: Tensor, *, kernel: int = 7) -> Tensor:
-    """SnapKV/R-KV attention importance of each past position, fp32, [..., H_kv, L - WINDOW]: the window
+    """SnapKV/R-KV attention importance of each past position, fp32, [..., H_kv, L - OBSERVATION_WINDOW]: the window
     queries' `past_attention` averaged, then 1-D max-pooled (kernel, stride 1, same padding)."""
-    attn = past_attention(keys, queries).mean(dim=-2)  # [..., H_kv, L - WINDOW]
+    attn = past_attention(keys, queries).mean(dim=-2)  # [..., H_kv, L - OBSERVATION_WINDOW]
     flat = attn.reshape(-1, attn.shape[-1])
     return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(attn.shape)
 
@@ -70,7 +70,7 @@ def redundancy(keys: Tensor, *, threshold: float = 0.5) -> Tensor:
 def rkv_scores(keys: Tensor, queries: Tensor, *, lam: float = 0.1, kernel: int = 7,
                threshold: float = 0.5) -> Tensor:
     """R-KV score lam * importance - (1 - lam) * redundancy over the past positions."""
-    red = redundancy(keys, threshold=threshold)[..., :-WINDOW]
+    red = redundancy(keys, threshold=threshold)[..., :-OBSERVATION_WINDOW]
     return lam * importance(keys, queries, kernel=kernel) - (1 - lam) * red
 
 
@@ -80,25 +80,25 @@ def snapkv_scores(keys: Tensor, queries: Tensor, *, kernel: int = 7) -> Tensor:
 
 
 def tova_scores(keys: Tensor, queries: Tensor) -> Tensor:
-    """TOVA (Oren et al. 2024): the `past_attention` of the newest query alone, fp32, [..., H_kv, L - WINDOW]
+    """TOVA (Oren et al. 2024): the `past_attention` of the newest query alone, fp32, [..., H_kv, L - OBSERVATION_WINDOW]
     (its query group combined as for R-KV)."""
     return past_attention(keys, queries[..., -1:, :])[..., 0, :]
 
 
 def streaming_scores(length: int, *, sink: int = 4, device: torch.device | str = "cpu") -> Tensor:
-    """StreamingLLM as a score: the ``sink`` first positions first, then by recency, [length - WINDOW]."""
-    score = torch.arange(length - WINDOW, device=device, dtype=torch.float32)
+    """StreamingLLM as a score: the ``sink`` first positions first, then by recency, [length - OBSERVATION_WINDOW]."""
+    score = torch.arange(length - OBSERVATION_WINDOW, device=device, dtype=torch.float32)
     score[:sink] = math.inf
     return score
 
 
 def keep_top(scores: Tensor, budget: int) -> Tensor:
-    """Top ``budget - WINDOW`` past positions by score (ties: earlier first) plus the last WINDOW, ascending."""
+    """Top ``budget - OBSERVATION_WINDOW`` past positions by score (ties: earlier first) plus the last OBSERVATION_WINDOW, ascending."""
     past = scores.shape[-1]
-    if not WINDOW < budget <= past + WINDOW:
-        raise ValueError(f"budget {budget} must be in ({WINDOW}, {past + WINDOW}]")
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : budget - WINDOW]
-    window = torch.arange(past, past + WINDOW, device=scores.device).expand(*scores.shape[:-1], WINDOW)
+    if not OBSERVATION_WINDOW < budget <= past + OBSERVATION_WINDOW:
+        raise ValueError(f"budget {budget} must be in ({OBSERVATION_WINDOW}, {past + OBSERVATION_WINDOW}]")
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : budget - OBSERVATION_WINDOW]
+    window = torch.arange(past, past + OBSERVATION_WINDOW, device=scores.device).expand(*scores.shape[:-1], OBSERVATION_WINDOW)
     return torch.cat([order, window], dim=-1).sort(dim=-1).values
 
 
@@ -115,14 +115,14 @@ def snapkv_keep(keys: Tensor, queries: Tensor, budget: int, *, kernel: int = 7) 
 
 def streaming_keep(length: int, budget: int, *, sink: int = 4) -> Tensor:
     """Positions StreamingLLM keeps: the first ``sink`` and the last ``budget - sink``, [budget]."""
-    if not sink + WINDOW <= budget < length:
-        raise ValueError(f"need {sink + WINDOW} <= budget {budget} < length {length}")
+    if not sink + OBSERVATION_WINDOW <= budget < length:
+        raise ValueError(f"need {sink + OBSERVATION_WINDOW} <= budget {budget} < length {length}")
     return keep_top(streaming_scores(length, sink=sink), budget)
 
 
 @dataclass(frozen=True)
 class Evictor:
-    """One policy, kvpress style: `score(keys, queries)` ranks the past positions [..., H_kv, L - WINDOW]
+    """One policy, kvpress style: `score(keys, queries)` ranks the past positions [..., H_kv, L - OBSERVATION_WINDOW]
     (higher is kept); `keep_top` and the bounded cache around it are shared by all."""
 
     name: str
@@ -132,7 +132,7 @@ class Evictor:
 
 def _streaming(keys: Tensor, queries: Tensor) -> Tensor:
     length = keys.shape[-2]
-    return streaming_scores(length, device=keys.device).expand(*keys.shape[:-2], length - WINDOW)
+    return streaming_scores(length, device=keys.device).expand(*keys.shape[:-2], length - OBSERVATION_WINDOW)
 
 
 EVICTORS: dict[str, Evictor] = {e.name: e for e in (
@@ -145,11 +145,11 @@ NO_EVICTION = "none"  # `--evictor none`: the base keeps a full cache (no evicto
 CHOICES = (*EVICTORS, NO_EVICTION)
 
 
-def keep_positions(policy: str, keys: Tensor, queries: Tensor, budget: int) -> Tensor:
+def keep_positions(evictor: str, keys: Tensor, queries: Tensor, budget: int) -> Tensor:
     """Kept positions [..., H_kv, budget] under a named policy with its default settings."""
-    if policy not in EVICTORS:
-        raise ValueError(f"policy {policy!r} does not compress; choose one of {tuple(EVICTORS)}")
-    return keep_top(EVICTORS[policy].score(keys, queries), budget)
+    if evictor not in EVICTORS:
+        raise ValueError(f"policy {evictor!r} does not compress; choose one of {tuple(EVICTORS)}")
+    return keep_top(EVICTORS[evictor].score(keys, queries), budget)
 
 
 def gather_positions(x: Tensor, kept: Tensor) -> Tensor:

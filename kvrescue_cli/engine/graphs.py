@@ -2,7 +2,7 @@
 
 Shapes are fixed per row bucket: the rows of a step are padded to the next power of two (the
 padding rows write to a reserved scratch slot), and attention covers a fixed span of every row's
-buffer, B' = budget + slack (a row holds at most B' - 1 entries before a decode step, since it is
+buffer, B' = budget + buffer (a row holds at most B' - 1 entries before a decode step, since it is
 compressed as soon as it reaches B'). Per-step inputs (tokens, slots, lengths, positions) live in one static
 device buffer refilled before each replay (the tokens device to device, the rest from the host without
 waiting for the device); the bookkeeping (lengths, compression) stays in Python,

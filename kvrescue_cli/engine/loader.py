@@ -10,17 +10,15 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
+from kvrescue_cli.devices import is_gpu
+from kvrescue_cli.dtypes import NAMES
 from kvrescue_cli.engine.model import CausalLM, ProcessRewardModel, Transformer, hf_to_engine_state_dict
 from kvrescue_cli.engine.tp import Shard, make_shard, shard_weight
 from kvrescue_cli.files import CONFIG_LIMIT, check_regular, read_regular
-from kvrescue_cli.model_config import ModelArgs, unsupported
+from kvrescue_cli.model_config import ModelArgs, is_hub_id, unsupported
 from kvrescue_cli.shapes import shard_degree
 
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
+DTYPES = {name: getattr(torch, dtype) for name, dtype in NAMES.items()}  # the --dtype names as torch dtypes
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that multiply bf16 matrices natively
@@ -41,7 +39,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     """`auto`: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32; any other name as given."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.startswith("cuda") or cpu_has_native_bf16() else "float32"
+    return "bfloat16" if is_gpu(device) or cpu_has_native_bf16() else "float32"
 
 
 class ModelLoadError(RuntimeError):
@@ -103,7 +101,7 @@ def model_folder(path: str | Path) -> Path:
     p = Path(path).expanduser()
     if p.is_dir():
         return p
-    if p.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
+    if p.exists() or not is_hub_id(str(path)):
         raise ModelLoadError(f"model {path!r}: not a folder with config.json, a .gguf file, or a Hub id (owner/name)")
     return _hub_download(str(path))
 

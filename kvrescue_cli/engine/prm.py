@@ -21,7 +21,6 @@ from kvrescue_cli.engine.texts import encoder
 from kvrescue_cli.prompts import SYSTEM_PROMPT
 from kvrescue_cli.shapes import PRM_WINDOW
 
-WINDOW = PRM_WINDOW  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)
 
 
 def no_prm_head(name: str) -> ValueError:
@@ -106,7 +105,7 @@ class PRMInputs:
     is first fed (`take_unfed`), and every candidate's piece.
     """
 
-    def __init__(self, tokenizer, recipe: PRMRecipe, window: int = WINDOW, system: str = SYSTEM_PROMPT) -> None:
+    def __init__(self, tokenizer, recipe: PRMRecipe, window: int = PRM_WINDOW, system: str = SYSTEM_PROMPT) -> None:
         self.tokenizer = tokenizer
         self.encode = encoder(tokenizer)
         self.recipe = recipe
@@ -179,7 +178,7 @@ class PRMScorer:
     name = "prm"
 
     @staticmethod
-    def cache_tokens(max_problems: int, max_candidates: int, max_step_tokens: int, window: int = WINDOW,
+    def cache_tokens(max_problems: int, max_candidates: int, max_step_tokens: int, window: int = PRM_WINDOW,
                      block_size: int = TORCH_BLOCK, candidate_tokens: int | None = None) -> int:
         """Token room of a scorer's cache in blocks of `block_size` tokens: every open problem's full window, plus
         candidate suffixes: `candidate_tokens`, by default max_candidates full-length steps (each with the partial
@@ -194,7 +193,7 @@ class PRMScorer:
         max_problems: int = 32,
         max_candidates: int = 512,
         max_step_tokens: int = 512,
-        window: int = WINDOW,
+        window: int = PRM_WINDOW,
         candidate_tokens: int | None = None,
         system: str = SYSTEM_PROMPT,
         recipe: PRMRecipe = RECIPES["paper"],

@@ -20,17 +20,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvrescue_cli.detect import ENTROPY, REPETITION, DetectorConfig, gzip_ratio
+from kvrescue_cli.detect import DetectorConfig, gzip_ratio
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.sampling import SamplingParams, as_keys, counter_stages
 from kvrescue_cli.engine.texts import decoder
 from kvrescue_cli.engine.transfer import upload
 from kvrescue_cli.prompts import STEP_DELIMITER
+from kvrescue_cli.reasons import DETECTOR_FINISHES, FINISHES
+from kvrescue_cli.shapes import MAX_CONTEXT, MAX_STEP_TOKENS
 
-MAX_STEP_TOKENS = 512
-MAX_CONTEXT = 4096
-FINISHES = (None, "step", "eos", "length", ENTROPY, REPETITION)  # finish codes 0..5 on the device
-_STEP, _EOS, _LENGTH, _ENTROPY, _REPETITION = range(1, 6)
+FINISH_CODES = (None, *FINISHES)  # finish codes 0..5 on the device (0: not finished)
+_STEP, _EOS, _LENGTH, _ENTROPY, _REPETITION = range(1, len(FINISH_CODES))
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class CandidateStep:
     entropies: list[float]
     finish: str
     max_mean_entropy: float | None = None
-    min_ratio: float | None = None
+    min_gzip_ratio: float | None = None
     fired_at: int | None = None
 
 
@@ -143,7 +143,7 @@ class _Lanes:
     count: torch.Tensor
     prev_ends: torch.Tensor
     ring: torch.Tensor      # the last `ent_window` entropies, float64
-    max_mean: torch.Tensor  # the largest window mean at checked positions, -inf before any
+    max_mean_entropy: torch.Tensor  # the largest window mean at checked positions, -inf before any
     chars: torch.Tensor     # bound on the decoded characters so far
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     screened: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
@@ -151,7 +151,7 @@ class _Lanes:
     context: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens before the step
     tokens: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
     entropies: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
-    min_ratio: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    min_gzip_ratio: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 class StepDecoder:
@@ -190,12 +190,12 @@ class StepDecoder:
             keys=torch.zeros(size, dtype=torch.long, device=dev), count=torch.zeros(size, dtype=torch.long, device=dev),
             prev_ends=torch.zeros(size, dtype=torch.bool, device=dev),
             ring=torch.zeros(size, self.window, dtype=torch.float64, device=dev),
-            max_mean=torch.full((size,), -torch.inf, dtype=torch.float64, device=dev),
+            max_mean_entropy=torch.full((size,), -torch.inf, dtype=torch.float64, device=dev),
             chars=torch.zeros(size, dtype=torch.long, device=dev),
             rows=np.zeros(size, np.int64), screened=np.zeros(size, bool), counts=np.zeros(size, np.int64),
             context=np.zeros(size, np.int64),
             tokens=np.zeros((size, self.width), np.int64), entropies=np.zeros((size, self.width), np.float32),
-            min_ratio=np.full(size, np.inf),
+            min_gzip_ratio=np.full(size, np.inf),
         )
 
     def _grow(self, need: int) -> None:
@@ -213,11 +213,11 @@ class StepDecoder:
             self._grow(len(self.lanes.rows) + len(rows) - len(self.free))
         lanes = np.array([self.free.pop() for _ in rows], dtype=np.int64)
         s = self.lanes
-        s.rows[lanes], s.screened[lanes], s.counts[lanes], s.min_ratio[lanes] = rows, screened, 0, np.inf
+        s.rows[lanes], s.screened[lanes], s.counts[lanes], s.min_gzip_ratio[lanes] = rows, screened, 0, np.inf
         s.context[lanes] = contexts
         at = upload(lanes, self.device)
         s.keys[at] = upload(as_keys(keys), self.device)
-        s.count[at], s.prev_ends[at], s.ring[at], s.max_mean[at], s.chars[at] = 0, False, 0.0, -torch.inf, 0
+        s.count[at], s.prev_ends[at], s.ring[at], s.max_mean_entropy[at], s.chars[at] = 0, False, 0.0, -torch.inf, 0
         self._set_live(np.concatenate([self.live, lanes]))
 
     def _set_live(self, live: np.ndarray, index: np.ndarray | None = None) -> None:
@@ -256,14 +256,15 @@ class StepDecoder:
             s.ring[lanes] = ring
             mean = ring.sum(-1) / n.clamp(max=cfg.ent_window)
             checked = screened & (n >= cfg.min_tokens)
-            s.max_mean[lanes] = torch.where(checked, torch.maximum(s.max_mean[lanes], mean), s.max_mean[lanes])
+            held = s.max_mean_entropy[lanes]
+            s.max_mean_entropy[lanes] = torch.where(checked, torch.maximum(held, mean), held)
             code.masked_fill_(checked & (mean > cfg.tau_ent), _ENTROPY)
             chars = s.chars[lanes] + table.chars[tokens]
             s.chars[lanes] = chars
             check_text = screened & (chars >= cfg.cmp_chars)
         if not table.exact:
             check_text |= (code == 0) & table.newline[tokens]
-        packed = torch.stack([tokens.double(), entropies.double(), code.double(), s.max_mean[lanes],
+        packed = torch.stack([tokens.double(), entropies.double(), code.double(), s.max_mean_entropy[lanes],
                               check_text.double()]).cpu().numpy()  # the iteration's one synchronisation
         tok = packed[0].astype(np.int64)
         s.counts[live] += 1
@@ -277,7 +278,7 @@ class StepDecoder:
         for i in np.flatnonzero(packed[4]):
             codes[i] = self._check_text(live[i], codes[i])
         ended = codes != 0
-        finished = [(live[i], FINISHES[codes[i]], packed[3][i]) for i in np.flatnonzero(ended)]
+        finished = [(live[i], FINISH_CODES[codes[i]], packed[3][i]) for i in np.flatnonzero(ended)]
         if ended.all():
             self.free += live.tolist()
             self._set_live(live[:0])
@@ -303,12 +304,12 @@ class StepDecoder:
             text = text.rstrip("\ufffd")  # an incomplete character at the end is not text yet
             if len(text) >= cfg.cmp_chars:
                 ratio = gzip_ratio(text[-cfg.cmp_chars:], cfg.gzip_level)
-                s.min_ratio[lane] = min(s.min_ratio[lane], ratio)
+                s.min_gzip_ratio[lane] = min(s.min_gzip_ratio[lane], ratio)
                 if ratio < cfg.tau_cmp and code != _ENTROPY:
                     code = _REPETITION
         return code
 
-    def _finished(self, lane: int, finish: str, max_mean: float) -> CandidateStep:
+    def _finished(self, lane: int, finish: str, max_mean_entropy: float) -> CandidateStep:
         s = self.lanes
         n = s.counts[lane]
         tokens = s.tokens[lane, :n].tolist()
@@ -316,9 +317,9 @@ class StepDecoder:
         return CandidateStep(
             row=int(s.rows[lane]), tokens=tokens, text=self.decode_text(tokens),
             entropies=s.entropies[lane, :n].tolist(), finish=finish,
-            max_mean_entropy=float(max_mean) if screened and max_mean > -np.inf else None,
-            min_ratio=float(s.min_ratio[lane]) if screened and s.min_ratio[lane] < np.inf else None,
-            fired_at=int(n) if finish in (ENTROPY, REPETITION) else None,
+            max_mean_entropy=float(max_mean_entropy) if screened and max_mean_entropy > -np.inf else None,
+            min_gzip_ratio=float(s.min_gzip_ratio[lane]) if screened and s.min_gzip_ratio[lane] < np.inf else None,
+            fired_at=int(n) if finish in DETECTOR_FINISHES else None,
         )
 
 

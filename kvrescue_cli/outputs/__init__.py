@@ -73,13 +73,12 @@ from kvrescue_cli.outputs.folder import (
     same_cell_elsewhere, write_atomic, write_json_atomic,
 )
 from kvrescue_cli.outputs.records import (
-    DETECTOR_FINISHES, FINISHES, SOURCES, STOPS, UNDECODED, Candidate, ModelRef, RunConfig, Step, Tokens, Trace,
+    SOURCES, Candidate, ModelRef, RunConfig, Step, Tokens, Trace,
 )
 from kvrescue_cli.outputs.summary import DEGENERATE_STEPS, Summary, busy_seconds, summarize
 
 __all__ = [
-    "CONFIG", "DEGENERATE_STEPS", "DETECTOR_FINISHES", "FINISHES", "FORMAT", "LOCK", "SOURCES", "STOPS", "SUMMARY",
-    "TRACES", "UNDECODED", "Candidate", "ModelRef", "RunConfig", "RunFolder", "RunFolderError", "Step", "Summary",
+    "CONFIG", "DEGENERATE_STEPS", "FORMAT", "LOCK", "SOURCES", "SUMMARY", "TRACES", "Candidate", "ModelRef", "RunConfig", "RunFolder", "RunFolderError", "Step", "Summary",
     "Tokens", "TornTraceWarning", "Trace", "busy_seconds", "checked_record", "environment", "installed_version",
     "read_json",
     "read_traces", "run_dir", "same_cell_elsewhere", "summarize", "write_atomic", "write_json_atomic",

@@ -16,11 +16,9 @@ from typing import Any, Callable
 
 import orjson
 
+from kvrescue_cli.reasons import FAILED, FINISHES, SKIPPED, STOPS, UNDECODED
+
 SOURCES = ("base", "helper")
-FINISHES = ("step", "eos", "length", "entropy", "repetition")
-DETECTOR_FINISHES = ("entropy", "repetition")
-STOPS = ("eos", "context", "steps", "skipped", "failed")
-UNDECODED = ("skipped", "failed")
 ANSWER_FROM = ("output", "after_think")
 
 
@@ -89,14 +87,14 @@ class Trace:
     def skipped(cls, idx: int, problem: str, gt: str, gt_norm: str, reason: str) -> Trace:
         """The record of a problem that was not decoded (e.g. its prompt exceeds the context cap)."""
         now = time.time()
-        return cls(idx, problem, gt, gt_norm, [], [], "", "", False, False, "skipped", reason,
+        return cls(idx, problem, gt, gt_norm, [], [], "", "", False, False, SKIPPED, reason,
                    Tokens(), 0, {"wall_s": 0.0, "started_at": now, "finished_at": now}, 0, 0)
 
     @classmethod
     def failed(cls, idx: int, problem: str, gt: str, gt_norm: str, error: str) -> Trace:
         """The record of a problem given up on because decoding it killed worker processes."""
         trace = cls.skipped(idx, problem, gt, gt_norm, error)
-        trace.stop = "failed"
+        trace.stop = FAILED
         return trace
 
     @classmethod

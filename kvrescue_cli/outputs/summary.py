@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvrescue_cli.outputs.records import DETECTOR_FINISHES, STOPS, UNDECODED, RunConfig, Trace
+from kvrescue_cli.outputs.records import RunConfig, Trace
+from kvrescue_cli.reasons import DETECTOR_FINISHES, STOPS, UNDECODED
 
 DEGENERATE_STEPS = 256
 

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
-from kvrescue_cli.shapes import SLACK
+from kvrescue_cli.shapes import BUFFER
 from kvrescue_cli.outputs import (
     CONFIG, SUMMARY, TRACES, RunConfig, RunFolderError, Summary, Trace, checked_record, read_json, read_traces,
     recorded_shards, recorded_total, summarize,
@@ -57,7 +57,7 @@ class Run:
     def evictor(self) -> str:
         """The evictor, with R-KV's buffer W when it is not the default (runs at other buffers are other rows)."""
         buffer = self.config.settings.get("buffer")
-        return self.config.evictor + (f", W={buffer}" if buffer not in (None, SLACK) else "")
+        return self.config.evictor + (f", W={buffer}" if buffer not in (None, BUFFER) else "")
 
     @property
     def row(self) -> RowKey:

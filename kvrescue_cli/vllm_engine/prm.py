@@ -13,10 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrescue_cli.engine.prm import WINDOW, PRMInputs
+from kvrescue_cli.engine.prm import PRMInputs
 from kvrescue_cli.engine.prm_recipe import RECIPES, PRMRecipe
 from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.prompts import SYSTEM_PROMPT
+from kvrescue_cli.shapes import PRM_WINDOW
 
 
 class VLLMPRMScorer:
@@ -24,7 +25,7 @@ class VLLMPRMScorer:
 
     name = "prm"
 
-    def __init__(self, llm, tokenizer, *, window: int = WINDOW, system: str = SYSTEM_PROMPT,
+    def __init__(self, llm, tokenizer, *, window: int = PRM_WINDOW, system: str = SYSTEM_PROMPT,
                  recipe: PRMRecipe = RECIPES["paper"]) -> None:
         """`tokenizer`: the PRM's, as `engine.loader.load_tokenizer` reads it (the one PRMScorer's model has), so
         that both scorers feed the same token ids."""

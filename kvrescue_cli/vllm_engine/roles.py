@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrescue_cli.engine.loader import ModelLoadError, load_tokenizer, model_folder
-from kvrescue_cli.engine.prm import WINDOW
 from kvrescue_cli.engine.prm_recipe import RECIPES
 from kvrescue_cli.errors import InputError
-from kvrescue_cli.grid import GridOptions
+from kvrescue_cli.shapes import PRM_WINDOW
 from kvrescue_cli.vllm_engine import require_vllm
 from kvrescue_cli.vllm_engine.llm import start_llm
 from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
@@ -30,31 +29,31 @@ class EngineSpec:
         return self.roles == ("prm",)
 
 
-def engine_specs(options: GridOptions) -> list[EngineSpec]:
-    """The grid's vLLM engines: one generating engine per model of its vLLM base/helper roles, one for the PRM."""
-    roles = options.vllm_roles()
+def engine_specs(models: dict[str, str], context_cap: int) -> list[EngineSpec]:
+    """The vLLM engines of the roles `models` names (role -> model): one generating engine per model of the
+    base/helper roles, taking contexts up to `context_cap`, and one for the PRM."""
     by_model: dict[str, list[str]] = {}
-    for role in sorted(roles - {"prm"}):
-        by_model.setdefault(options.models[role], []).append(role)
-    specs = [EngineSpec(model, tuple(served), options.settings.context_cap) for model, served in by_model.items()]
-    return specs + ([EngineSpec(options.models["prm"], ("prm",), WINDOW)] if "prm" in roles else [])
+    for role in sorted(set(models) - {"prm"}):
+        by_model.setdefault(models[role], []).append(role)
+    specs = [EngineSpec(model, tuple(served), context_cap) for model, served in by_model.items()]
+    return specs + ([EngineSpec(models["prm"], ("prm",), PRM_WINDOW)] if "prm" in models else [])
 
 
 class VllmEngines:
     """The started engines: a `VllmRunner` per cell for the base/helper roles, a `VLLMPRMScorer` for the PRM."""
 
-    def __init__(self, options: GridOptions, memory: list[dict[str, Any]]) -> None:
+    def __init__(self, specs: list[EngineSpec], dtype: str, prm_format: str, memory: list[dict[str, Any]]) -> None:
         """`memory`: each engine's share of the device as `start_llm` takes it (decoding.vllm_memory), in
-        `engine_specs` order."""
+        `specs` order; `prm_format`: the PRM's input recipe (engine/prm_recipe.py)."""
         self.version = require_vllm().__version__
-        self.recipe = RECIPES[options.prm_format]
+        self.recipe = RECIPES[prm_format]
         self.engines: list[SteppedEngine | Any] = []
         self.steppers: dict[str, SteppedEngine] = {}
         self.tokenizers: dict[str, tuple[Any, list[int]]] = {}  # role -> (tokenizer, EOS ids), read once per engine
         self.prm = None
         try:
-            for spec, share in zip(engine_specs(options), memory):
-                self._start(spec, options.dtype, share)
+            for spec, share in zip(specs, memory):
+                self._start(spec, dtype, share)
         except BaseException:
             self.close()
             raise

@@ -22,6 +22,7 @@ from typing import Any
 from kvrescue_cli.engine.sampling import stream_key
 from kvrescue_cli.engine.steps import CandidateStep, StepRules
 from kvrescue_cli.prompts import STEP_DELIMITER
+from kvrescue_cli.reasons import EOS, LENGTH, STEP
 
 _STOP = object()  # tells the stepping thread to end
 _REQUEST_IDS = itertools.count()  # vLLM request ids, unique in this process
@@ -221,13 +222,13 @@ class VllmRunner:
 
     def _step(self, row: int, rules: StepRules, output, tokens: list[int]) -> CandidateStep:
         if rules.fixed_length is not None:
-            finish = "step" if len(tokens) == rules.fixed_length else "length"
+            finish = STEP if len(tokens) == rules.fixed_length else LENGTH
         elif output.finish_reason == "stop" and tokens and tokens[-1] in rules.eos:
-            finish = "eos"  # before the delimiter: a false stop (`_false_stop`) can come with an EOS token
+            finish = EOS  # before the delimiter: a false stop (`_false_stop`) can come with an EOS token
         elif output.stop_reason == STEP_DELIMITER:
-            finish = "step"
+            finish = STEP
         elif output.finish_reason == "length":
-            finish = "length"
+            finish = LENGTH
         else:
             raise RuntimeError(f"vLLM request {row}: unexpected end {output.finish_reason!r} ({output.stop_reason!r})")
         # Entropies are this engine's (vLLM reports no full-vocabulary entropy); the text is decoded as this engine does.

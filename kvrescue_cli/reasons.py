@@ -1,0 +1,10 @@
+"""Why a candidate step ended (its finish) and why a problem's decoding stopped (its stop): the one vocabulary of
+both, as the engines report them and the run folder records them (`kvrescue_cli.outputs` documents each)."""
+
+STEP, EOS, LENGTH, ENTROPY, REPETITION = "step", "eos", "length", "entropy", "repetition"
+FINISHES = (STEP, EOS, LENGTH, ENTROPY, REPETITION)
+DETECTOR_FINISHES = (ENTROPY, REPETITION)  # the detector fired: the candidate is dropped, not scored
+
+CONTEXT, STEPS, SKIPPED, FAILED = "context", "steps", "skipped", "failed"
+STOPS = (EOS, CONTEXT, STEPS, SKIPPED, FAILED)
+UNDECODED = (SKIPPED, FAILED)  # stops of problems that were not decoded
