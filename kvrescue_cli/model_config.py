@@ -18,7 +18,7 @@ import orjson
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.files import CONFIG_LIMIT, open_regular, read_regular
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral")  # mistral: Llama's decoder (full attention: see `window_error`)
 GGUF_HEAD_BYTES = 1 << 20  # a GGUF file's metadata and tensor index sit at its start
 
 
@@ -94,7 +94,7 @@ def unsupported(cfg: dict[str, Any]) -> str | None:
         return "Qwen3 MoE checkpoints (model_type 'qwen3_moe') are not supported: this engine runs dense qwen2, qwen3 " \
             "and llama decoders"
     if model_type not in FAMILIES:
-        return f"unsupported model_type {model_type!r}: this engine runs qwen2, qwen3 and llama checkpoints"
+        return f"unsupported model_type {model_type!r}: this engine runs qwen2, qwen3, llama and mistral checkpoints"
     if model_type != "qwen2" and cfg.get("attention_bias"):  # llama's and qwen3's o_proj then has a bias too
         return "unsupported attention_bias: an o_proj bias is not implemented (qwen2's q/k/v bias is)"
     if cfg.get("use_sliding_window"):
@@ -102,6 +102,16 @@ def unsupported(cfg: dict[str, Any]) -> str | None:
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
         return f"unsupported rope_scaling {scaling}: only plain RoPE is implemented"
+    return None
+
+
+def window_error(cfg: dict[str, Any], tokens: int) -> str | None:
+    """Why a Mistral checkpoint cannot see `tokens` of context in full (its attention is limited to a sliding window
+    this engine does not implement), or None: inside its window a sliding window changes nothing."""
+    window = cfg.get("sliding_window") if cfg.get("model_type") == "mistral" else None
+    if isinstance(window, int) and not isinstance(window, bool) and tokens > window:
+        return (f"its sliding_window of {window} tokens would matter for the {tokens} tokens of context it is given "
+                "(this engine implements full attention only)")
     return None
 
 

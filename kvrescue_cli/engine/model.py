@@ -1,4 +1,5 @@
-"""One compact decoder for the Qwen2, Qwen3 and Llama families (gpt-fast style), plus the LM and PRM heads.
+"""One compact decoder for the Qwen2, Qwen3 and Llama (Mistral) families (gpt-fast style), plus the LM, PRM and value
+heads.
 
 Attention is delegated to a `KVCache` so the same decoder serves the evicting base, the full-context
 helper and the PRM; without a cache it runs a plain causal forward. Under tensor parallelism (`tp.py`)
@@ -17,6 +18,8 @@ from kvrescue_cli.engine.transfer import upload
 from kvrescue_cli.model_config import ModelArgs
 from kvrescue_cli.shapes import local_args
 
+
+VALUE_HEAD = "v_head.summary.weight"  # a value-head checkpoint's head weight (and its .bias)
 
 # Rows up to which a bf16 linear layer on a CPU computes W @ xT (matrix-vector products) rather than x @ WT: there
 # MKL/oneDNN read a SmolLM2-sized weight 1.3-1.45x faster at 1-32 rows; fp32 gains nothing (benchmarks/linear_bench.py).
@@ -239,8 +242,15 @@ class ProcessRewardModel(Transformer):
         super().__init__(args, score, shard)
 
 
+class ValueHeadModel(Transformer):
+    """A decoder with a value head `v_head.summary`: Linear(H, 1) (Skywork's PRM, TRL's AutoModelForCausalLMWithValueHead)."""
+
+    def __init__(self, args: ModelArgs, shard: Shard = Shard()) -> None:
+        super().__init__(args, nn.Linear(args.dim, 1), shard)  # replicated
+
+
 def hf_to_engine_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Map Hugging Face Qwen2/Qwen3/Llama(/PRM) weight names to this module's, fusing q/k/v and gate/up."""
+    """Map Hugging Face Qwen2/Qwen3/Llama/Mistral(/PRM, value head) weight names to this module's, fusing q/k/v and gate/up."""
     out: dict[str, torch.Tensor] = {}
     pre = "model."
     out["decoder.tok_embeddings.weight"] = sd[pre + "embed_tokens.weight"]
@@ -263,6 +273,8 @@ def hf_to_engine_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dic
     if "score.0.weight" in sd:
         for k in ("0.weight", "0.bias", "2.weight", "2.bias"):
             out["head." + k] = sd["score." + k]
+    elif VALUE_HEAD in sd:
+        out["head.weight"], out["head.bias"] = sd[VALUE_HEAD], sd["v_head.summary.bias"]
     else:
         out["head.weight"] = out["decoder.tok_embeddings.weight"] if args.tie_word_embeddings else sd["lm_head.weight"]
     return out

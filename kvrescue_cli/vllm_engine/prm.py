@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from kvrescue_cli.engine.prm import WINDOW, PRMInputs
-from kvrescue_cli.engine.prm_recipe import RECIPES, PRMRecipe
+from kvrescue_cli.engine.prm_recipes import FORMATS, PRMRecipe
 from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.prompts import SYSTEM_PROMPT
 
@@ -25,14 +25,13 @@ class VLLMPRMScorer:
     name = "prm"
 
     def __init__(self, llm, tokenizer, *, window: int = WINDOW, system: str = SYSTEM_PROMPT,
-                 recipe: PRMRecipe = RECIPES["paper"]) -> None:
+                 recipe: PRMRecipe = FORMATS["paper"]) -> None:
         """`tokenizer`: the PRM's, as `engine.loader.load_tokenizer` reads it (the one PRMScorer's model has), so
         that both scorers feed the same token ids."""
         from vllm import PoolingParams
 
-        recipe.check(tokenizer, llm.model_config.model)
         self.llm = llm
-        self.inputs = PRMInputs(tokenizer, recipe, window, system)
+        self.inputs = PRMInputs(tokenizer, recipe, window, system, llm.model_config.model)
         # Raw head logits (no activation): the softmax is taken here, as PRMScorer does. Token pooling skips the prefix
         # cache unless told (its output would miss the cached tokens): here only the last token is read.
         self.params = PoolingParams(use_activation=False, skip_reading_prefix_cache=False)

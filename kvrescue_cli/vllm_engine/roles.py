@@ -8,7 +8,7 @@ from typing import Any
 
 from kvrescue_cli.engine.loader import ModelLoadError, load_tokenizer, model_folder
 from kvrescue_cli.engine.prm import WINDOW
-from kvrescue_cli.engine.prm_recipe import RECIPES
+from kvrescue_cli.engine.prm_recipes import get_recipe
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import GridOptions
 from kvrescue_cli.vllm_engine import require_vllm
@@ -47,7 +47,7 @@ class VllmEngines:
         """`memory`: each engine's share of the device as `start_llm` takes it (decoding.vllm_memory), in
         `engine_specs` order."""
         self.version = require_vllm().__version__
-        self.recipe = RECIPES[options.prm_format]
+        self.recipe = get_recipe(options.prm_recipe, options.prm_format)
         self.engines: list[SteppedEngine | Any] = []
         self.steppers: dict[str, SteppedEngine] = {}
         self.tokenizers: dict[str, tuple[Any, list[int]]] = {}  # role -> (tokenizer, EOS ids), read once per engine
