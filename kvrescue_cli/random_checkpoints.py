@@ -17,7 +17,7 @@ from transformers import (
     Qwen2ForCausalLM, Qwen2Model, Qwen3Config, Qwen3ForCausalLM,
 )
 
-from kvrescue_cli.random_tokenizers import llama3_tokenizer, mistral_tokenizer
+from kvrescue_cli.random_tokenizers import QWEN2_SPLIT, llama3_tokenizer, mistral_tokenizer, split_byte_level
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<extra_0>"]
 CHAT_TEMPLATE = (
@@ -49,10 +49,12 @@ Let f(x) = x^2 - 4x + 4 = (x - 2)^2, so f has a double root at x = 2.
 ARCHS = ("qwen2", "qwen3", "llama", "prm", "rlhflow", "math-shepherd", "skywork")
 
 
-def build_tokenizer(vocab_size: int = 512, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained offline on SAMPLE_TEXT, with Qwen's special tokens."""
+def build_tokenizer(vocab_size: int = 512, chat_template: str = CHAT_TEMPLATE,
+                    split: str | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained offline on SAMPLE_TEXT, with Qwen's special tokens (`split`: a pre-tokenizer
+    pattern, else GPT-2's)."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = split_byte_level(split) if split else pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -71,15 +73,16 @@ def build_tokenizer(vocab_size: int = 512, chat_template: str = CHAT_TEMPLATE) -
 
 
 def _tokenizer(arch: str, vocab_size: int) -> PreTrainedTokenizerFast:
-    """The tokenizer of an `arch` checkpoint (Skywork's: Qwen's with a BOS, which its input starts with)."""
+    """The tokenizer of an `arch` checkpoint (Skywork's: Qwen2.5's pre-tokenizer and a BOS, which its input starts with)."""
     if arch == "rlhflow":
         return llama3_tokenizer(SAMPLE_TEXT, vocab_size)
     if arch == "math-shepherd":
         return mistral_tokenizer(SAMPLE_TEXT, vocab_size)
-    tok = build_tokenizer(vocab_size, QWEN3_CHAT_TEMPLATE if arch == "qwen3" else CHAT_TEMPLATE)
-    if arch == "skywork":
+    if arch == "skywork":  # Qwen2.5's pre-tokenizer, whose merges (".\n") tell its per-part tokenisation apart
+        tok = build_tokenizer(vocab_size, split=QWEN2_SPLIT)
         tok.bos_token = "<|endoftext|>"
-    return tok
+        return tok
+    return build_tokenizer(vocab_size, QWEN3_CHAT_TEMPLATE if arch == "qwen3" else CHAT_TEMPLATE)
 
 
 def _config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast, **shape) -> Qwen2Config | Qwen3Config | LlamaConfig:

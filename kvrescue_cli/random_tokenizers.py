@@ -15,6 +15,9 @@ from transformers import PreTrainedTokenizerFast
 # Llama 3's pre-tokenizer pattern (its tokenizer.json): a run of newlines is one piece, a space joins the word after.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2.5's (its tokenizer.json): as Llama 3's, with digits one at a time.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+               r"\s+(?!\S)|\s+")
 LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 # Llama 3.1 Instruct's template without its tool calls: a system block first, each turn's content trimmed.
 LLAMA31_CHAT_TEMPLATE = (
@@ -33,6 +36,12 @@ MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>"]
 STEP_TAG = "ки"
 
 
+def split_byte_level(pattern: str) -> pre_tokenizers.PreTokenizer:
+    """A byte-level pre-tokenizer splitting by `pattern` (Llama 3's and Qwen2's form)."""
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 def _train(tok: Tokenizer, sample: str, vocab_size: int, special: list[str], **trainer) -> None:
     tok.train_from_iterator([sample] * 4, trainer=trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=special, show_progress=False, **trainer))
@@ -42,9 +51,7 @@ def llama3_tokenizer(sample: str, vocab_size: int = 512) -> PreTrainedTokenizerF
     """A Llama-3.1-like byte-level BPE with the chat header tokens and template; `encode` adds no BOS (the template
     writes it)."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = split_byte_level(LLAMA3_SPLIT)
     tok.decoder = decoders.ByteLevel()
     _train(tok, sample, vocab_size, LLAMA3_SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
