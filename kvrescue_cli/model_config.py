@@ -41,6 +41,8 @@ class ModelArgs:
     norm_eps: float = 1e-6
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
+    llama3_rope: tuple[float, float, float, int] | None = None  # Llama 3.1's rope_scaling: factor, low and high
+    # frequency factors, original context (`rope_frequencies`)
     tie_word_embeddings: bool = False
 
     @classmethod
@@ -69,14 +71,24 @@ class ModelArgs:
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=cfg.get("model_type") == "qwen3",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            llama3_rope=_llama3_rope(cfg),
         )
+
+
+def _llama3_rope(cfg: dict[str, Any]) -> tuple[float, float, float, int] | None:
+    """Llama 3.1's RoPE scaling parameters (`rope_type` llama3), or None for plain RoPE."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return None
+    return (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+            _size("original_max_position_embeddings", scaling["original_max_position_embeddings"]))
 
 
 # Upper bounds of a decoder's sizes: far beyond any released model, low enough that every count `kvrescue cost`
 # and the engine derive from them fits 64 bits.
 SIZE_LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 22,
                "num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
-               "head_dim": 1 << 12}
+               "head_dim": 1 << 12, "original_max_position_embeddings": 1 << 30}
 
 
 def _size(key: str, value: Any) -> int:
@@ -100,8 +112,8 @@ def unsupported(cfg: dict[str, Any]) -> str | None:
     if cfg.get("use_sliding_window"):
         return "unsupported use_sliding_window: only full attention in every layer is implemented"
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-        return f"unsupported rope_scaling {scaling}: only plain RoPE is implemented"
+    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", "llama3", None):
+        return f"unsupported rope_scaling {scaling}: only plain RoPE and Llama 3.1's llama3 scaling are implemented"
     return None
 
 

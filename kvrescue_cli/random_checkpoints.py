@@ -101,8 +101,12 @@ def _config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast, **shape) -
     )
     if arch == "llama":
         return LlamaConfig(**common, tie_word_embeddings=True, bos_token_id=tok.pad_token_id)
-    if arch == "rlhflow":  # Llama 3.1 8B's layout: an untied LM head
-        return LlamaConfig(**common, tie_word_embeddings=False, bos_token_id=tok.bos_token_id)
+    if arch == "rlhflow":  # Llama 3.1 8B's layout: an untied LM head, llama3 RoPE scaling (its original context
+        # shortened so that every frequency band of the scaling shows within a test's few hundred tokens)
+        return LlamaConfig(**common, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                         "rope_theta": shape["rope_theta"]})
     if arch == "math-shepherd":  # Mistral 7B v0.1's: untied, a sliding window as long as the PRM's window
         return MistralConfig(**common, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
                              sliding_window=shape["sliding_window"])

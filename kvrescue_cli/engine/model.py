@@ -7,6 +7,8 @@ a network holds one rank's shard: its `args` are the shapes that rank computes (
 columns), and `shard` does the all-reduces and the logits' all-gather.
 """
 
+import math
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -57,10 +59,28 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_frequencies(head_dim: int, theta: float, device: torch.device,
+                     llama3: tuple[float, float, float, int] | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies [D/2]; with Llama 3.1's scaling (factor, low and high frequency factors, original
+    context) as transformers computes it: wavelengths beyond original / low divided by the factor, those below
+    original / high kept, those between interpolated."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if llama3 is None:
+        return inv_freq
+    factor, low, high, original = llama3
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 llama3: tuple[float, float, float, int] | None = None):
     """cos and signed sin [R, 1, T, D] for integer positions [R, T] (Hugging Face rotate-half layout): the sin of
     the first half negated, so that `apply_rope` rotates with one `roll`."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    inv_freq = rope_frequencies(head_dim, theta, positions.device, llama3)
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     sin = emb.sin()
@@ -167,7 +187,7 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype, self.args.llama3_rope)
         for layer in self.layers:
             x = layer(x, cos, sin, cache)
         return self.norm(x)
