@@ -58,6 +58,7 @@ def test_the_whole_trajectory_s_ids_and_score_positions_are_the_card_s(folder, n
     assert scorer.inputs.problems[0].prefix() == card_ids
 
 
+@pytest.mark.usefixtures("kernel_layouts")  # also under CUDA's kernel layouts
 @pytest.mark.parametrize("folder, name", [(n, n) for n in NEW], indirect=["folder"])
 def test_the_scorer_s_scores_are_the_card_s_through_transformers(folder, name) -> None:
     prm = _prm(folder)
