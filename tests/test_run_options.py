@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from kvrescue_cli.report.load import load_run
 from tests.prm_cards import CARDS
 from tests.test_run import KVRESCUE, kvrescue_run
 
@@ -337,3 +338,5 @@ def test_each_prm_recipe_runs_end_to_end_with_its_model_card_s_scores(recipe, pr
     (other,) = [c for c in trace["candidates"][0] if not c["committed"]]
     first = other["text"].split("<|im_end|>")[0].split("\n\n")[0]
     assert other["score"] == pytest.approx(CARDS[recipe][1](prm, trace["problem"], [first])[0], abs=1e-4)
+    run, _ = load_run(folder)
+    assert run.setup == ("prm", f"{prm}, {recipe} recipe")  # the report's table titles name it

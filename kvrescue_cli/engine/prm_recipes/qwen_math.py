@@ -96,8 +96,9 @@ class QwenMathInputs(RecipeInputs):
 
 
 QWEN_MATH = "Qwen2ForProcessRewardModel"
-FORMATS = {
-    "paper": QwenMathRecipe("qwen-math", "classes", QWEN_MATH, None, "paper", STEP_DELIMITER, STEP_DELIMITER),
-    "model-card": QwenMathRecipe("qwen-math", "classes", QWEN_MATH, None, "model-card", "", STEP_TAG),
+FORMATS = {  # --prm-format: what follows the chat prefix, and each step
+    name: QwenMathRecipe("qwen-math", "classes", QWEN_MATH, no_vllm=None, format=name, after_prompt=prompt,
+                         after_step=step)
+    for name, prompt, step in [("paper", STEP_DELIMITER, STEP_DELIMITER), ("model-card", "", STEP_TAG)]
 }
 PRM_FORMATS = tuple(FORMATS)
