@@ -5,6 +5,7 @@ card run through transformers; the choice of a recipe and its one-line errors.""
 
 import pytest
 
+from kvrescue_cli.decoding import load_roles
 from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.prm import PRMScorer, check_prm, prm_last_scores, prm_scores, trajectory_ids
 from kvrescue_cli.engine.prm_recipes import FORMATS, PRM_RECIPES, get_recipe
@@ -96,9 +97,9 @@ def test_the_recipe_is_chosen_from_the_checkpoint(rlhflow_dir, math_shepherd_dir
 
 
 def _options(prm: str, **kw) -> GridOptions:
-    return GridOptions(benches=["b"], methods=["bon"], budgets=[64], ns=[2], seeds=[0], evictor="rkv",
-                       models={"base": "b", "helper": "h", "prm": prm}, scorer="prm", settings=SearchSettings(),
-                       out=None, **kw)
+    given = dict(models={"base": "b", "helper": "h", "prm": prm}, settings=SearchSettings()) | kw
+    return GridOptions(benches=["b"], methods=["bon"], budgets=[64], ns=[2], seeds=[0], evictor="rkv", scorer="prm",
+                       out=None, **given)
 
 
 def test_resolution_and_its_one_line_errors(skywork_dir, prm_dir, qwen2_dir) -> None:
@@ -128,4 +129,7 @@ def test_a_checkpoint_without_the_recipe_s_head_or_window_is_refused(rlhflow_dir
     with pytest.raises(ValueError, match="sliding_window of 64 tokens would matter for the 4096 tokens"):
         PRMScorer(_prm(narrow), recipe=get_recipe("math-shepherd"))
     assert PRMScorer(_prm(narrow), recipe=get_recipe("math-shepherd"), window=64).inputs.window == 64
+    with pytest.raises(InputError, match="base model .*: its sliding_window of 64 tokens would matter for the 320"):
+        load_roles(_options(str(skywork_dir), models={"base": str(narrow), "helper": "h", "prm": str(skywork_dir)},
+                            settings=SearchSettings(context_cap=320)), "cpu")
 
