@@ -117,9 +117,7 @@ class PRMInputs:
     def __init__(self, tokenizer, recipe: PRMRecipe, window: int = WINDOW, system: str = SYSTEM_PROMPT,
                  name: str = "the PRM") -> None:
         """`name`: the PRM, for the ValueError raised when its tokenizer cannot take the recipe."""
-        self.tokenizer = tokenizer
-        self.recipe = recipe
-        self.codec = recipe.bind(tokenizer, name)
+        self.codec = recipe.bind(tokenizer, name)  # the recipe on this tokenizer: ids in, scores out
         self.window = window
         self.system = system
         self.problems: dict[int, PRMTrajectory] = {}

@@ -1,6 +1,7 @@
 """PRM scores through vLLM's pooling runner: Qwen2ForProcessRewardModel's head logits at every token the request
 computes (`ALL` token pooling, which vLLM 0.32 lets read the prefix cache, where the PRM's default `STEP` pooling
-does not); a candidate's score is softmax(logits)[1] at its last token, in both recipes (DESIGN section 5).
+does not); a candidate's score is softmax(logits)[1] at its last token, in both formats of the qwen-math recipe
+(DESIGN section 5), the only recipe vLLM 0.32 serves (engine/prm_recipes/choose.py refuses the others).
 
 The token ids are PRMScorer's (engine/prm.py `PRMInputs`): same recipe, prompt, steps, dropped steps and cut
 candidates, and the same token count. Each candidate is one request holding its problem's whole prefix; vLLM's
@@ -41,7 +42,8 @@ class VLLMPRMScorer:
         self.inputs.open(key, problem)
 
     def score(self, requests: Sequence[Request]) -> list[float]:
-        """softmax(head)[1] at each candidate's last token, all candidates of all problems in one `encode` call."""
+        """The recipe's score (softmax(head)[1]) at each candidate's last token, all candidates of all problems in one
+        `encode` call."""
         if not requests:
             return []
         suffixes = self.inputs.candidates(requests)
@@ -49,7 +51,7 @@ class VLLMPRMScorer:
         ids = [self.inputs.problems[key].prefix() + s for (key, _, _), s in zip(requests, suffixes)]
         outputs = self.llm.encode([{"prompt_token_ids": row} for row in ids], self.params,
                                   pooling_task="token_classify", use_tqdm=False)
-        return [torch.softmax(out.outputs.data[-1].float(), dim=-1)[1].item() for out in outputs]
+        return self.inputs.codec.score(torch.stack([out.outputs.data[-1].float() for out in outputs])).tolist()
 
     def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:
         """The problem committed this step."""
