@@ -94,6 +94,8 @@ def test_the_recipe_is_chosen_from_the_checkpoint(rlhflow_dir, math_shepherd_dir
     assert auto_recipe("RLHFlow/Llama3.1-8B-PRM-Deepseek-Data", {}, set()) == "rlhflow"  # a Hub id offline: its name
     assert auto_recipe("peiyi9979/math-shepherd-mistral-7b-prm", {}, set()) == "math-shepherd"
     assert auto_recipe("Skywork/Skywork-o1-Open-PRM-Qwen-2.5-1.5B", {}, set()) == "skywork"
+    assert auto_recipe("Qwen/Qwen2.5-Math-PRM-7B", {}, set()) == "qwen-math"
+    assert auto_recipe("some/prm", {}, set()) == "qwen-math"  # nothing known: the default (the loader speaks next)
 
 
 def _options(prm: str, **kw) -> GridOptions:

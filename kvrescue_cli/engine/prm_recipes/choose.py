@@ -40,18 +40,19 @@ def weight_names(model: str) -> set[str]:
 def auto_recipe(model: str, cfg: dict[str, Any], names: set[str]) -> str | None:
     """The recipe a checkpoint's head weights, config and name point to, or None: a value head is Skywork's, a
     score.0/score.2 head (Qwen2ForProcessRewardModel) Qwen2.5-Math-PRM's; an LM head's recipe is the one of its
-    architecture (Mistral: Math-Shepherd, Llama: RLHFlow) or of its name."""
+    architecture (Mistral: Math-Shepherd, Llama: RLHFlow) or of its name. With no config (a Hub id offline, a GGUF
+    file) and no name that says, Qwen2.5-Math-PRM's, the default: the loader then says what is wrong with it."""
     lowered = model.lower()
     architectures = cfg.get("architectures") or []
     if "v_head.summary.weight" in names or ("skywork" in lowered and "prm" in lowered):
         return "skywork"
-    if "score.0.weight" in names or any("ProcessRewardModel" in str(a) for a in architectures):
+    if "score.0.weight" in names or any("ProcessRewardModel" in str(a) for a in architectures) or "math-prm" in lowered:
         return "qwen-math"
     if "math-shepherd" in lowered or cfg.get("model_type") == "mistral":
         return "math-shepherd"
     if "rlhflow" in lowered or cfg.get("model_type") == "llama":
         return "rlhflow"
-    return None
+    return None if cfg else "qwen-math"
 
 
 def resolve_prm_recipe(options: GridOptions) -> GridOptions:
