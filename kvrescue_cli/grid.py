@@ -10,7 +10,8 @@ from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.devices import CPU, GPU
 from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
 from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
-from kvrescue_cli.engine.prm_recipe import PRM_FORMATS
+from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
+from kvrescue_cli.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grading import check_grader
 from kvrescue_cli.methods import METHODS
@@ -83,7 +84,8 @@ class GridOptions:
     also_grade: tuple[str, ...] = ()  # other graders whose verdicts the traces record too
     grids: tuple[GridAxes, ...] = ()  # several grids (a --config file's [[grid]] tables); the axes above: their union
     buffer: int = BUFFER  # W: entries an evicted row appends past the budget before a compression (B' = B + W)
-    prm_format: str = "paper"  # the PRM's input recipe (engine/prm_recipe.py)
+    prm_format: str = "paper"  # the qwen-math recipe's input format (engine/prm_recipes/qwen_math.py)
+    prm_recipe: str = "qwen-math"  # the PRM's recipe (engine/prm_recipes; `auto` resolved by `resolve_prm_recipe`)
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
@@ -122,6 +124,8 @@ class GridOptions:
             raise InputError(f"unknown scorer '{self.scorer}': use a PRM, or one of {', '.join(SCORERS[1:])}")
         if self.prm_format not in PRM_FORMATS:
             raise InputError(f"--prm-format {self.prm_format!r}: expected {' or '.join(PRM_FORMATS)}")
+        if self.prm_recipe not in ("auto", *PRM_RECIPES):
+            raise InputError(f"unknown --prm-recipe {self.prm_recipe!r}: use one of auto, {', '.join(PRM_RECIPES)}")
         cap = self.settings.context_cap
         for budget in self.budgets:
             if budget < MIN_BUDGET:

@@ -18,7 +18,7 @@ import orjson
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.files import CONFIG_LIMIT, open_regular, read_regular
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral")  # mistral: Llama's decoder (full attention: see `window_error`)
 GGUF_HEAD_BYTES = 1 << 20  # a GGUF file's metadata and tensor index sit at its start
 
 
@@ -41,6 +41,8 @@ class ModelArgs:
     norm_eps: float = 1e-6
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
+    llama3_rope: tuple[float, float, float, int] | None = None  # Llama 3.1's rope_scaling: factor, low and high
+    # frequency factors, original context (`rope_frequencies`)
     tie_word_embeddings: bool = False
 
     @classmethod
@@ -69,14 +71,24 @@ class ModelArgs:
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=cfg.get("model_type") == "qwen3",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            llama3_rope=_llama3_rope(cfg),
         )
+
+
+def _llama3_rope(cfg: dict[str, Any]) -> tuple[float, float, float, int] | None:
+    """Llama 3.1's RoPE scaling parameters (`rope_type` llama3), or None for plain RoPE."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return None
+    return (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+            _size("original_max_position_embeddings", scaling["original_max_position_embeddings"]))
 
 
 # Upper bounds of a decoder's sizes: far beyond any released model, low enough that every count `kvrescue cost`
 # and the engine derive from them fits 64 bits.
 SIZE_LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 22,
                "num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
-               "head_dim": 1 << 12}
+               "head_dim": 1 << 12, "original_max_position_embeddings": 1 << 30}
 
 
 def _size(key: str, value: Any) -> int:
@@ -94,14 +106,24 @@ def unsupported(cfg: dict[str, Any]) -> str | None:
         return "Qwen3 MoE checkpoints (model_type 'qwen3_moe') are not supported: this engine runs dense qwen2, qwen3 " \
             "and llama decoders"
     if model_type not in FAMILIES:
-        return f"unsupported model_type {model_type!r}: this engine runs qwen2, qwen3 and llama checkpoints"
+        return f"unsupported model_type {model_type!r}: this engine runs qwen2, qwen3, llama and mistral checkpoints"
     if model_type != "qwen2" and cfg.get("attention_bias"):  # llama's and qwen3's o_proj then has a bias too
         return "unsupported attention_bias: an o_proj bias is not implemented (qwen2's q/k/v bias is)"
     if cfg.get("use_sliding_window"):
         return "unsupported use_sliding_window: only full attention in every layer is implemented"
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-        return f"unsupported rope_scaling {scaling}: only plain RoPE is implemented"
+    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", "llama3", None):
+        return f"unsupported rope_scaling {scaling}: only plain RoPE and Llama 3.1's llama3 scaling are implemented"
+    return None
+
+
+def window_error(cfg: dict[str, Any], tokens: int) -> str | None:
+    """Why a Mistral checkpoint cannot see `tokens` of context in full (its attention is limited to a sliding window
+    this engine does not implement), or None: inside its window a sliding window changes nothing."""
+    window = cfg.get("sliding_window") if cfg.get("model_type") == "mistral" else None
+    if isinstance(window, int) and not isinstance(window, bool) and tokens > window:
+        return (f"its sliding_window of {window} tokens would matter for the {tokens} tokens of context it is given "
+                "(this engine implements full attention only)")
     return None
 
 

@@ -10,6 +10,7 @@ from rich.progress import Progress
 
 from kvrescue_cli import decoding, workers
 from kvrescue_cli.data import GENERIC, data_dir, load_problems
+from kvrescue_cli.engine.prm_recipes.choose import resolve_prm_recipe
 from kvrescue_cli.engine.sampling import STREAM_VERSION
 from kvrescue_cli.grid import Cell, GridOptions, resolve_prompt, roles_needed
 from kvrescue_cli.methods import METHODS
@@ -39,7 +40,9 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             "temperature": s.sampling.temperature, "top_p": s.sampling.top_p, "top_k": s.sampling.top_k,
             "detector": vars(s.detector) if spec.detector else None,
             "buffer": options.buffer if options.evicts(cell.method) else None,
-            "prm_format": options.prm_format if options.scorer == "prm" else None,
+            "prm_format": options.prm_format if options.scorer == "prm" and options.prm_recipe == "qwen-math" else None,
+            **({"prm_recipe": options.prm_recipe} if options.scorer == "prm" and options.prm_recipe != "qwen-math"
+               else {}),  # absent: Qwen2.5-Math-PRM's, in `prm_format`
             "max_step_tokens": s.max_step_tokens, "max_steps": s.max_steps, "context_cap": s.context_cap,
             "synthetic_steps": list(s.synthetic_steps) if s.synthetic_steps else None,
             "dtype": options.dtype, "problem_field": options.problem_field, "answer_field": options.answer_field,
@@ -114,7 +117,7 @@ def _cell_label(config: RunConfig) -> str:
 def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, Summary]]:
     """Every cell of the grid, models loaded once; cells already complete are only summarised."""
     options.check()
-    options = resolve_prompt(options)
+    options = resolve_prm_recipe(resolve_prompt(options))
     folder = data_dir(options.data_dir)
     sets = [load_problems(b, folder=folder, problem_field=options.problem_field, answer_field=options.answer_field,
                           limit=options.limit) for b in options.benches]

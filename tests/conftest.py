@@ -79,6 +79,24 @@ def prm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def rlhflow_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random RLHFlow-shaped PRM: Llama 3.1-like (untied LM head), Llama 3's tokenizer and chat template."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("rlhflow"), "rlhflow", seed=7, **TINY)
+
+
+@pytest.fixture(scope="session")
+def math_shepherd_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Math-Shepherd-shaped PRM: MistralForCausalLM, a Mistral-like tokenizer holding "ки"."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("math-shepherd"), "math-shepherd", seed=8, **TINY)
+
+
+@pytest.fixture(scope="session")
+def skywork_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Skywork-o1-Open-PRM-shaped PRM: Qwen2 with the value head v_head.summary, a tokenizer with a BOS."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("skywork"), "skywork", seed=9, **TINY)
+
+
+@pytest.fixture(scope="session")
 def vllm_prm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Qwen2ForProcessRewardModel checkpoint in a shape vLLM's CPU build runs."""
     return write_random_checkpoint(tmp_path_factory.mktemp("vllm-prm"), "prm", seed=3, **VLLM_TINY)

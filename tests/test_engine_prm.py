@@ -9,7 +9,7 @@ from transformers import Qwen2Model
 
 from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.prm import SYSTEM_PROMPT, PRMScorer, prm_last_scores, prm_scores
-from kvrescue_cli.engine.prm_recipe import RECIPES
+from kvrescue_cli.engine.prm_recipes import FORMATS
 from kvrescue_cli.random_checkpoints import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
@@ -65,7 +65,7 @@ def _reference(prm_dir, problem: str, steps: list[str], recipe: str) -> list[flo
 @pytest.mark.parametrize("recipe", ["paper", "model-card"])
 def test_each_recipe_builds_exactly_its_token_ids(prm, recipe) -> None:
     tok = prm.tokenizer
-    scorer = PRMScorer(prm, max_problems=2, max_candidates=8, recipe=RECIPES[recipe])
+    scorer = PRMScorer(prm, max_problems=2, max_candidates=8, recipe=FORMATS[recipe])
     scorer.open(0, PROBLEMS[0], [])
     sent = []
     append = scorer.inputs.candidates
@@ -93,7 +93,7 @@ def test_on_qwen_s_pre_tokenizer_the_paper_pieces_tokenise_as_the_whole_text() -
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    paper = RECIPES["paper"]
+    paper = FORMATS["paper"]
     for problem, steps in zip(PROBLEMS, STEPS):
         steps = steps + [" Then $x = 5$.\n\n", "(a) 12 + 3 = 15.\n\n"]
         whole = tok.encode(paper.text(tok, problem, steps, SYSTEM_PROMPT), add_special_tokens=False)
@@ -102,7 +102,7 @@ def test_on_qwen_s_pre_tokenizer_the_paper_pieces_tokenise_as_the_whole_text() -
 
 @pytest.mark.parametrize("recipe", ["paper", "model-card"])
 def test_incremental_equals_from_scratch_and_transformers(prm, prm_dir, recipe) -> None:
-    scorer = PRMScorer(prm, max_problems=4, max_candidates=16, recipe=RECIPES[recipe])
+    scorer = PRMScorer(prm, max_problems=4, max_candidates=16, recipe=FORMATS[recipe])
     for key, problem in enumerate(PROBLEMS):
         scorer.open(key, problem, [])
     for t in range(3):
@@ -110,7 +110,7 @@ def test_incremental_equals_from_scratch_and_transformers(prm, prm_dir, recipe) 
         requests = [(k, text, []) for k in (0, 1) for text in (STEPS[k][t], "A wrong turn: x = 7.\n\n")]
         got = scorer.score(requests)
         for (k, text, _), score in zip(requests, got):
-            scratch = prm_scores(prm, PROBLEMS[k], STEPS[k][:t] + [text], recipe=RECIPES[recipe])[-1]
+            scratch = prm_scores(prm, PROBLEMS[k], STEPS[k][:t] + [text], recipe=FORMATS[recipe])[-1]
             assert abs(score - scratch) < 1e-4
             if text == STEPS[k][t]:
                 assert abs(score - _reference(prm_dir, PROBLEMS[k], STEPS[k][: t + 1], recipe)[-1]) < 1e-4
@@ -118,7 +118,7 @@ def test_incremental_equals_from_scratch_and_transformers(prm, prm_dir, recipe) 
             scorer.commit(k, STEPS[k][t], [])
     for k in (0, 1):
         ref = _reference(prm_dir, PROBLEMS[k], STEPS[k], recipe)
-        mine = prm_scores(prm, PROBLEMS[k], STEPS[k], recipe=RECIPES[recipe])
+        mine = prm_scores(prm, PROBLEMS[k], STEPS[k], recipe=FORMATS[recipe])
         assert len(mine) == len(ref) == 3 and max(abs(a - b) for a, b in zip(mine, ref)) < 1e-4
         processed, truncations = scorer.close(k)
         assert truncations == 0 and processed > 0
@@ -229,11 +229,11 @@ def test_where_flash_attn_serves_the_prm_it_reads_its_cache_through_the_paged_ke
 
 @pytest.mark.parametrize("recipe", ["paper", "model-card"])
 def test_a_candidate_cut_to_the_window_with_no_step_left_to_drop_is_a_truncation(prm, recipe) -> None:
-    ids = PRMScorer(prm, recipe=RECIPES[recipe]).inputs
+    ids = PRMScorer(prm, recipe=FORMATS[recipe]).inputs
     prompt = len(ids.open(0, PROBLEMS[0]).prompt)
     short, long = STEPS[0][0], "Step 2: Dividing both sides by 3 gives x = 5, and 3 * 5 + 5 = 20.\n\n"
     window = prompt + len(ids.step_ids([short])[0])  # the short candidate just fits, the long one does not
-    scorer = PRMScorer(prm, max_problems=1, max_candidates=2, window=window, recipe=RECIPES[recipe])
+    scorer = PRMScorer(prm, max_problems=1, max_candidates=2, window=window, recipe=FORMATS[recipe])
     scorer.open(0, PROBLEMS[0], [])
     scorer.score([(0, short, [])])
     assert scorer.close(0) == (window, 0)

@@ -56,3 +56,16 @@ def test_unreadable_or_truncated_weights_give_no_revision(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x01\x02")
     assert model_revision(str(tmp_path)) is None
     assert model_revision("./no/such/folder") is None
+
+
+def test_llama3_rope_scaling_is_read_and_other_scalings_refused():
+    from kvrescue_cli.model_config import ModelArgs, unsupported
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
+           "intermediate_size": 8, "num_hidden_layers": 1,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}
+    assert unsupported(cfg) is None and ModelArgs.from_hf(cfg).llama3_rope == (8.0, 1.0, 4.0, 8192)
+    assert ModelArgs.from_hf({**cfg, "rope_scaling": None}).llama3_rope is None
+    assert "unsupported rope_scaling" in unsupported({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert unsupported({**cfg, "model_type": "mistral", "sliding_window": 4096}) is None

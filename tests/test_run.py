@@ -240,6 +240,7 @@ def test_killed_run_resumes_with_one_line_per_problem(problems, qwen2_dir, llama
         (["--evictor", "h2o"], b"unknown evictor 'h2o'"),
         (["--buffer", "0"], b"--buffer 0: need at least 1"),
         (["--prm-format", "chat"], b"--prm-format 'chat': expected paper or model-card"),
+        (["--prm-recipe", "chat"], b"unknown --prm-recipe 'chat': use one of auto, qwen-math, rlhflow, math-shepherd"),
         (["--bench", "nonexistent-bench"], b"unknown benchmark 'nonexistent-bench'"),
         (["--base", "/no/such/folder"], b"base model"),
         (["--prm", "SOME_FOLDER_THAT_IS_NOT_A_PRM"], b"no PRM head"),

@@ -12,7 +12,9 @@ from pathlib import Path
 import orjson
 import pytest
 
+from kvrescue_cli.report.load import load_run
 from tests.helpers import KVRESCUE, kvrescue, kvrescue_run, ok, write_jsonl
+from tests.prm_cards import CARDS
 
 MODELS = lambda q, p: ["--base", str(q), "--prm", str(p), "--device", "cpu"]  # noqa: E731
 BUDGET = 16
@@ -296,3 +298,25 @@ def test_prm_format_is_part_of_the_configuration_and_changes_the_scores(problems
     assert [c["score"] for c in first[0]] != [c["score"] for c in first[1]]
     report = ok(kvrescue("report", str(tmp_path), "--format", "md"))
     assert b"paper recipe" in report.stdout and b"model-card recipe" in report.stdout
+
+
+@pytest.mark.parametrize("recipe", ["rlhflow", "math-shepherd", "skywork"])
+def test_each_prm_recipe_runs_end_to_end_with_its_model_card_s_scores(recipe, problems, qwen2_dir, rlhflow_dir,
+                                                                     math_shepherd_dir, skywork_dir, tmp_path):
+    """The recipe chosen from the checkpoint (`--prm-recipe auto`), recorded in config.json, and every committed
+    step's score (and each first step's other candidate's) the model card's procedure on the trajectory's text."""
+    prm = {"rlhflow": rlhflow_dir, "math-shepherd": math_shepherd_dir, "skywork": skywork_dir}[recipe]
+    ok(kvrescue_run("--bench", str(problems), "--method", "bon", "--n", "2", "--limit", "1", *MODELS(qwen2_dir, prm),
+                    "--dtype", "float32", "--max-step-tokens", "8", "--max-steps", "3", "--out", str(tmp_path)))
+    (folder,) = (tmp_path / "tiny").iterdir()
+    settings = orjson.loads((folder / "config.json").read_bytes())["config"]["settings"]
+    assert settings["prm_recipe"] == recipe and settings["prm_format"] is None
+    (trace,) = traces(folder)
+    steps = [step["text"].split("<|im_end|>")[0].split("\n\n")[0] for step in trace["steps"]]
+    scores = [CARDS[recipe][1](prm, trace["problem"], steps[: k + 1])[-1] for k in range(len(steps))]
+    assert [step["score"] for step in trace["steps"]] == pytest.approx(scores, abs=1e-4) and len(steps) == 3
+    (other,) = [c for c in trace["candidates"][0] if not c["committed"]]
+    first = other["text"].split("<|im_end|>")[0].split("\n\n")[0]
+    assert other["score"] == pytest.approx(CARDS[recipe][1](prm, trace["problem"], [first])[0], abs=1e-4)
+    run, _ = load_run(folder)
+    assert run.setup == ("prm", f"{prm}, {recipe} recipe")  # the report's table titles name it

@@ -7,7 +7,7 @@ import pytest
 from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.loader import load_tokenizer
 from kvrescue_cli.engine.prm import PRMScorer
-from kvrescue_cli.engine.prm_recipe import RECIPES
+from kvrescue_cli.engine.prm_recipes import FORMATS
 from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
 from tests.test_engine_prm import PROBLEMS, STEPS, recipe_ids
 
@@ -62,10 +62,10 @@ def prm(vllm_prm_dir):
 @pytest.mark.parametrize("recipe", ["paper", "model-card"])
 def test_vllm_scores_and_token_counts_equal_prm_scorer(prm, vllm_prm, vllm_prm_dir, recipe) -> None:
     want_tokens, got_tokens = [], []
-    want, _ = drive(PRMScorer(prm, max_problems=4, max_candidates=16, recipe=RECIPES[recipe]), MORE_PROBLEMS,
+    want, _ = drive(PRMScorer(prm, max_problems=4, max_candidates=16, recipe=FORMATS[recipe]), MORE_PROBLEMS,
                     MORE_STEPS, want_tokens)
     tokenizer, _ = load_tokenizer(vllm_prm_dir)  # read as `--engine vllm` reads it, apart from PRMScorer's model
-    got, truncated = drive(VLLMPRMScorer(vllm_prm, tokenizer, recipe=RECIPES[recipe]), MORE_PROBLEMS, MORE_STEPS,
+    got, truncated = drive(VLLMPRMScorer(vllm_prm, tokenizer, recipe=FORMATS[recipe]), MORE_PROBLEMS, MORE_STEPS,
                            got_tokens)
     assert len(got) == len(want) == 4 * (3 + 3 + 2)
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
@@ -79,7 +79,7 @@ def test_vllm_is_sent_exactly_the_recipe_s_ids_and_reads_the_prefix_from_its_cac
                                                                                     recipe) -> None:
     tokenizer, _ = load_tokenizer(vllm_prm_dir)
     llm = Recording(vllm_prm)
-    scorer = VLLMPRMScorer(llm, tokenizer, recipe=RECIPES[recipe])
+    scorer = VLLMPRMScorer(llm, tokenizer, recipe=FORMATS[recipe])
     problem = PROBLEMS[0] + " " + " ".join(f"Then {i} + {i} = {2 * i}." for i in range(40))  # over a 128-token block
     scorer.open(0, problem, [])
     for t, step in enumerate(STEPS[0]):

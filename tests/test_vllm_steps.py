@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 
 from kvrescue_cli.engine import FullCache, load_model  # noqa: E402
 from kvrescue_cli.engine.prm import PRMScorer  # noqa: E402
-from kvrescue_cli.engine.prm_recipe import RECIPES  # noqa: E402
+from kvrescue_cli.engine.prm_recipes import FORMATS  # noqa: E402
 from kvrescue_cli.engine.runner import Runner  # noqa: E402
 from kvrescue_cli.engine.steps import StepRules, generate_steps  # noqa: E402
 from kvrescue_cli.prompts import STEP_DELIMITER, generation_prompt  # noqa: E402
@@ -127,7 +127,7 @@ def test_the_trajectory_committed_to_the_base_is_what_vllm_generated(engine, mod
     settings = SearchSettings(batch=2, max_step_tokens=6, max_steps=5, context_cap=1024)
     # (the model card's recipe: with it these random models' problems run to three steps and more)
     scorer = PRMScorer(load_model(prm_dir), max_problems=2, max_candidates=8, max_step_tokens=6,
-                       recipe=RECIPES["model-card"])
+                       recipe=FORMATS["model-card"])
     finished, held = [], {}
 
     def done(f):  # the base row as the problem retires (its id may be reused by the next problem)

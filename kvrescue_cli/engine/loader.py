@@ -1,4 +1,4 @@
-"""Load Qwen2/Llama/PRM checkpoints into the engine: local folders, Hub ids, or GGUF files."""
+"""Load Qwen2/Qwen3/Llama/Mistral/PRM checkpoints into the engine: local folders, Hub ids, or GGUF files."""
 
 import json
 from collections.abc import Iterator, Mapping
@@ -12,7 +12,9 @@ from safetensors import SafetensorError, safe_open
 
 from kvrescue_cli.devices import is_gpu
 from kvrescue_cli.dtypes import NAMES
-from kvrescue_cli.engine.model import CausalLM, ProcessRewardModel, Transformer, hf_to_engine_state_dict
+from kvrescue_cli.engine.model import (
+    VALUE_HEAD, CausalLM, ProcessRewardModel, Transformer, ValueHeadModel, hf_to_engine_state_dict,
+)
 from kvrescue_cli.engine.tp import Shard, make_shard, shard_weight
 from kvrescue_cli.files import CONFIG_LIMIT, check_regular, read_regular
 from kvrescue_cli.model_config import ModelArgs, is_hub_id, unsupported
@@ -61,8 +63,9 @@ class LoadedModel:
         return self.net.args
 
     @property
-    def is_prm(self) -> bool:
-        return isinstance(self.net, ProcessRewardModel)
+    def head_kind(self) -> str:
+        """The head it carries (prm_recipes.HEADS): classes (score.0/score.2), value (v_head) or lm."""
+        return {ProcessRewardModel: "classes", ValueHeadModel: "value"}.get(type(self.net), "lm")
 
     @property
     def device(self) -> torch.device:
@@ -74,7 +77,8 @@ class LoadedModel:
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Plain causal forward, no cache: LongTensor [B, T] -> float32 [B, T, vocab] (a PRM: [B, T, 2])."""
+        """Plain causal forward, no cache: LongTensor [B, T] -> float32 [B, T, vocab] (a PRM: [B, T, 2]; a value
+        head: [B, T, 1])."""
         return self.net(input_ids.to(self.device)).float()
 
 
@@ -205,7 +209,8 @@ def _build(
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
     with torch.device("meta"):
-        net: Transformer = ProcessRewardModel(args, shard) if is_prm else CausalLM(args, shard)
+        kind = ProcessRewardModel if is_prm else ValueHeadModel if VALUE_HEAD in sources else CausalLM
+        net: Transformer = kind(args, shard)
     net.load_state_dict(hf_to_engine_state_dict(_RankWeights(sources, args, shard), args), assign=True)
     if isinstance(net, CausalLM):
         net.tie_weights()

@@ -1,10 +1,13 @@
-"""One compact decoder for the Qwen2, Qwen3 and Llama families (gpt-fast style), plus the LM and PRM heads.
+"""One compact decoder for the Qwen2, Qwen3 and Llama (Mistral) families (gpt-fast style), plus the LM, PRM and value
+heads.
 
 Attention is delegated to a `KVCache` so the same decoder serves the evicting base, the full-context
 helper and the PRM; without a cache it runs a plain causal forward. Under tensor parallelism (`tp.py`)
 a network holds one rank's shard: its `args` are the shapes that rank computes (its heads, its MLP
 columns), and `shard` does the all-reduces and the logits' all-gather.
 """
+
+import math
 
 import numpy as np
 import torch
@@ -17,6 +20,8 @@ from kvrescue_cli.engine.transfer import upload
 from kvrescue_cli.model_config import ModelArgs
 from kvrescue_cli.shapes import local_args
 
+
+VALUE_HEAD = "v_head.summary.weight"  # a value-head checkpoint's head weight (and its .bias)
 
 # Rows up to which a bf16 linear layer on a CPU computes W @ xT (matrix-vector products) rather than x @ WT: there
 # MKL/oneDNN read a SmolLM2-sized weight 1.3-1.45x faster at 1-32 rows; fp32 gains nothing (benchmarks/linear_bench.py).
@@ -54,10 +59,28 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_frequencies(head_dim: int, theta: float, device: torch.device,
+                     llama3: tuple[float, float, float, int] | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies [D/2]; with Llama 3.1's scaling (factor, low and high frequency factors, original
+    context) as transformers computes it: wavelengths beyond original / low divided by the factor, those below
+    original / high kept, those between interpolated."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if llama3 is None:
+        return inv_freq
+    factor, low, high, original = llama3
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 llama3: tuple[float, float, float, int] | None = None):
     """cos and signed sin [R, 1, T, D] for integer positions [R, T] (Hugging Face rotate-half layout): the sin of
     the first half negated, so that `apply_rope` rotates with one `roll`."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    inv_freq = rope_frequencies(head_dim, theta, positions.device, llama3)
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     sin = emb.sin()
@@ -164,7 +187,7 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype, self.args.llama3_rope)
         for layer in self.layers:
             x = layer(x, cos, sin, cache)
         return self.norm(x)
@@ -239,8 +262,15 @@ class ProcessRewardModel(Transformer):
         super().__init__(args, score, shard)
 
 
+class ValueHeadModel(Transformer):
+    """A decoder with a value head `v_head.summary`: Linear(H, 1) (Skywork's PRM, TRL's AutoModelForCausalLMWithValueHead)."""
+
+    def __init__(self, args: ModelArgs, shard: Shard = Shard()) -> None:
+        super().__init__(args, nn.Linear(args.dim, 1), shard)  # replicated
+
+
 def hf_to_engine_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Map Hugging Face Qwen2/Qwen3/Llama(/PRM) weight names to this module's, fusing q/k/v and gate/up."""
+    """Map Hugging Face Qwen2/Qwen3/Llama/Mistral(/PRM, value head) weight names to this module's, fusing q/k/v and gate/up."""
     out: dict[str, torch.Tensor] = {}
     pre = "model."
     out["decoder.tok_embeddings.weight"] = sd[pre + "embed_tokens.weight"]
@@ -263,6 +293,8 @@ def hf_to_engine_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dic
     if "score.0.weight" in sd:
         for k in ("0.weight", "0.bias", "2.weight", "2.bias"):
             out["head." + k] = sd["score." + k]
+    elif VALUE_HEAD in sd:
+        out["head.weight"], out["head.bias"] = sd[VALUE_HEAD], sd["v_head.summary.bias"]
     else:
         out["head.weight"] = out["decoder.tok_embeddings.weight"] if args.tie_word_embeddings else sd["lm_head.weight"]
     return out

@@ -1,23 +1,22 @@
 """Process reward scoring (DESIGN section 5) with a cached committed prefix.
 
-The input is a recipe's (engine/prm_recipe.py: `paper` or `model-card`); a step's score is softmax(head)[1] at
-the last token of its piece. Each problem's committed prefix lives in one FullCache row; a candidate is scored
+The input and the score are a recipe's (engine/prm_recipes: Qwen2.5-Math-PRM's `paper` or `model-card`, RLHFlow,
+Math-Shepherd, Skywork), read at the last token of a candidate's piece. Each problem's committed prefix lives in one FullCache row; a candidate is scored
 as a suffix (fork, append its piece's tokens, read the head, release), all candidates of all problems in one
 forward.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 import torch
 
 from kvrescue_cli.engine.caches import TORCH_BLOCK, FullCache, block_size_for
 from kvrescue_cli.engine.loader import LoadedModel
-from kvrescue_cli.engine.prm_recipe import RECIPES, PRMRecipe
+from kvrescue_cli.engine.prm_recipes import FORMATS, HEADS, PRMRecipe, RecipeInputs
 from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.engine.steps import append_tokens
-from kvrescue_cli.engine.texts import encoder
+from kvrescue_cli.model_config import window_error
 from kvrescue_cli.prompts import SYSTEM_PROMPT
 from kvrescue_cli.shapes import PRM_WINDOW
 
@@ -31,42 +30,51 @@ def no_prm_head(name: str) -> ValueError:
     )
 
 
-def _check_prm(prm: LoadedModel, recipe: PRMRecipe) -> None:
-    if not prm.is_prm:
-        raise no_prm_head(prm.name)
-    recipe.check(prm.tokenizer, prm.name)
+def check_prm(prm: LoadedModel, recipe: PRMRecipe, window: int = PRM_WINDOW) -> RecipeInputs:
+    """The recipe bound to the PRM's tokenizer; a ValueError when the PRM lacks the recipe's head, its tokenizer
+    cannot take the recipe, or its attention cannot see the window in full."""
+    if prm.head_kind != recipe.head:
+        if recipe.head == "classes":
+            raise no_prm_head(prm.name)
+        raise ValueError(f"{prm.name} has {HEADS[prm.head_kind]}, but the {recipe.name} recipe reads "
+                         f"{HEADS[recipe.head]} ({recipe.architecture})")
+    reason = window_error(prm.config, window)
+    if reason:
+        raise ValueError(f"{prm.name}: {reason}")
+    return recipe.bind(prm.tokenizer, prm.name)
 
 
-def trajectory_ids(tokenizer, recipe: PRMRecipe, problem: str, steps: Sequence[str],
+def trajectory_ids(inputs: RecipeInputs, problem: str, steps: Sequence[str],
                    system: str = SYSTEM_PROMPT) -> tuple[list[int], list[int]]:
-    """A whole trajectory's input ids as the recipe builds them (the prompt and each step's piece tokenised on
-    their own, as `PRMInputs` does), and the position of each step's last token, where its score is read."""
-    pieces = encoder(tokenizer)([recipe.prompt(tokenizer, problem, system)] + [recipe.step(s) for s in steps])
-    ends = list(accumulate(map(len, pieces)))
-    return [t for piece in pieces for t in piece], [end - 1 for end in ends[1:]]
+    """A whole trajectory's input ids as the recipe builds them (the prompt and each step's committed piece, as
+    `PRMInputs` builds them), and the position of each step's score: the last token of its candidate piece."""
+    ids, ends = inputs.prompt(problem, system), []
+    for i, step in enumerate(steps):
+        ends.append(len(ids) + len(inputs.candidates([step], [i])[0]) - 1)
+        ids = ids + inputs.committed(step, i)
+    return ids, ends
 
 
 @torch.inference_mode()
 def prm_scores(prm: LoadedModel, problem: str, steps: Sequence[str], system: str = SYSTEM_PROMPT,
-               recipe: PRMRecipe = RECIPES["paper"]) -> list[float]:
+               recipe: PRMRecipe = FORMATS["paper"]) -> list[float]:
     """From-scratch reference: score of every step of a whole trajectory in one plain forward."""
-    _check_prm(prm, recipe)
-    ids, ends = trajectory_ids(prm.tokenizer, recipe, problem, steps, system)
-    probs = torch.softmax(prm.logits(torch.tensor([ids]))[0], dim=-1)[:, 1]
-    return probs[ends].tolist()
+    inputs = check_prm(prm, recipe)
+    ids, ends = trajectory_ids(inputs, problem, steps, system)
+    return inputs.score(prm.logits(torch.tensor([ids]))[0][ends]).tolist()
 
 
 @torch.inference_mode()
 def prm_last_scores(prm: LoadedModel, problem: str, trajectories: Sequence[Sequence[str]],
-                    system: str = SYSTEM_PROMPT, recipe: PRMRecipe = RECIPES["paper"]) -> list[float]:
+                    system: str = SYSTEM_PROMPT, recipe: PRMRecipe = FORMATS["paper"]) -> list[float]:
     """From scratch, batched: the last step's score of each trajectory, all in one right-padded forward
     (attention is causal, so no real token sees the padding after it). No prefix is shared or cached."""
-    _check_prm(prm, recipe)
-    rows = [trajectory_ids(prm.tokenizer, recipe, problem, steps, system)[0] for steps in trajectories]
-    width = max(map(len, rows))
-    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
-    probs = torch.softmax(prm.logits(ids), dim=-1)[..., 1]
-    return [probs[i, len(row) - 1].item() for i, row in enumerate(rows)]
+    inputs = check_prm(prm, recipe)
+    rows = [trajectory_ids(inputs, problem, steps, system) for steps in trajectories]
+    width = max(len(row) for row, _ in rows)
+    ids = torch.tensor([row + [0] * (width - len(row)) for row, _ in rows])
+    head = prm.logits(ids)
+    return inputs.score(torch.stack([head[i, ends[-1]] for i, (_, ends) in enumerate(rows)])).tolist()
 
 
 @dataclass
@@ -105,28 +113,30 @@ class PRMInputs:
     is first fed (`take_unfed`), and every candidate's piece.
     """
 
-    def __init__(self, tokenizer, recipe: PRMRecipe, window: int = PRM_WINDOW, system: str = SYSTEM_PROMPT) -> None:
-        self.tokenizer = tokenizer
-        self.encode = encoder(tokenizer)
-        self.recipe = recipe
+    def __init__(self, tokenizer, recipe: PRMRecipe, window: int = PRM_WINDOW, system: str = SYSTEM_PROMPT,
+                 name: str = "the PRM") -> None:
+        """`name`: the PRM, for the ValueError raised when its tokenizer cannot take the recipe."""
+        self.codec = recipe.bind(tokenizer, name)  # the recipe on this tokenizer: ids in, scores out
         self.window = window
         self.system = system
         self.problems: dict[int, PRMTrajectory] = {}
 
     def open(self, key: int, problem: str) -> PRMTrajectory:
         """Start a problem: its prompt's ids."""
-        ids = self.encode([self.recipe.prompt(self.tokenizer, problem, self.system)])[0]
+        ids = self.codec.prompt(problem, self.system)
         self.problems[key] = PRMTrajectory(ids, unfed=list(ids))
         return self.problems[key]
 
-    def step_ids(self, texts: Sequence[str]) -> list[list[int]]:
-        """Generated steps' pieces as ids (one batched tokenizer call); each ends where its score is read."""
-        return self.encode([self.recipe.step(text) for text in texts])
+    def step_ids(self, texts: Sequence[str], index: int = 0) -> list[list[int]]:
+        """Generated steps' pieces as candidates after `index` committed steps (one batched tokenizer call where the
+        recipe allows); each ends where its score is read."""
+        return self.codec.candidates(texts, [index] * len(texts))
 
     def candidates(self, requests: Sequence[Request]) -> list[list[int]]:
         """Each candidate's ids (a suffix of its problem's prefix), older steps dropped to make room for a
         problem's longest candidate; counted as processed."""
-        suffixes = self.step_ids([text for _, text, _ in requests])
+        suffixes = self.codec.candidates([text for _, text, _ in requests],
+                                         [len(self.problems[key].steps) for key, _, _ in requests])
         need: dict[int, int] = {}
         for (key, _, _), s in zip(requests, suffixes):
             need[key] = max(need.get(key, 0), len(s))
@@ -145,7 +155,7 @@ class PRMInputs:
     def commit(self, key: int, text: str) -> None:
         """The problem committed this step: its ids join the prefix (older steps dropped to fit it)."""
         p = self.problems[key]
-        step = self.step_ids([text])[0]
+        step = self.codec.committed(text, len(p.steps))
         p.truncations += p.fit(len(step), self.window)
         p.steps.append(step)
         p.unfed += step
@@ -196,15 +206,15 @@ class PRMScorer:
         window: int = PRM_WINDOW,
         candidate_tokens: int | None = None,
         system: str = SYSTEM_PROMPT,
-        recipe: PRMRecipe = RECIPES["paper"],
+        recipe: PRMRecipe = FORMATS["paper"],
     ) -> None:
         """Cache room as `cache_tokens` counts it; candidates beyond it are scored in several forwards. Blocks as
         the device's attention path takes them (`block_size_for`: flash-attn's paged kernel on a GPU, whose
         256-token blocks make each candidate copy up to 255 tokens of its prefix's partial last block, 15 with
         the torch path's 16)."""
-        _check_prm(prm, recipe)
+        check_prm(prm, recipe, window)
         self.prm = prm
-        self.inputs = PRMInputs(prm.tokenizer, recipe, window, system)
+        self.inputs = PRMInputs(prm.tokenizer, recipe, window, system, prm.name)
         bs = block_size_for(next(prm.net.parameters()))
         self.cache = FullCache.for_model(
             prm.net, self.cache_tokens(max_problems, max_candidates, max_step_tokens, window, bs, candidate_tokens),
@@ -233,7 +243,7 @@ class PRMScorer:
 
     @torch.inference_mode()
     def score(self, requests: Sequence[Request]) -> list[float]:
-        """softmax(head)[1] at each candidate's last token, all candidates of all problems in one forward."""
+        """The recipe's score at each candidate's last token, all candidates of all problems in one forward."""
         if not requests:
             return []
         suffixes = self.inputs.candidates(requests)
@@ -246,7 +256,7 @@ class PRMScorer:
                 head = append_tokens(self.prm, self.cache, rows, [suffixes[i] for i in chunk])
             finally:
                 self.cache.release(rows)
-            scores += torch.softmax(head, dim=-1)[:, 1].tolist()
+            scores += self.inputs.codec.score(head).tolist()
         return scores
 
     def _chunks(self, suffixes: list[list[int]]) -> list[list[int]]:

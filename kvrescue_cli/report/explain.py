@@ -8,7 +8,7 @@ from collections import Counter
 from kvrescue_cli.outputs import DETECTOR_FINISHES, UNDECODED, Trace
 from kvrescue_cli.report.load import Run
 from kvrescue_cli.report.tables import shown
-from kvrescue_cli.shapes import SLACK
+from kvrescue_cli.shapes import BUFFER
 
 
 def explain(runs: list[Run]) -> list[str]:
@@ -49,7 +49,7 @@ def cache_line(run: Run, decoded: list[Trace]) -> str:
     sizes = f"at most {held} entries after a commit (peak {peak}) for a context of up to {context} tokens"
     if budget is None:
         return f"base cache: full, {sizes}"
-    bound = budget + (run.config.settings.get("buffer") or SLACK)
+    bound = budget + (run.config.settings.get("buffer") or BUFFER)
     over = sum(base_context(t) >= bound for t in decoded)
     return (f"base cache ({run.config.evictor}): {sizes}; compressed to B = {budget} each time it reached "
             f"B' = {bound} (in {over} of {len(decoded)} problems the context reached B')")

@@ -41,9 +41,9 @@ class Run:
 
     @property
     def prm_format(self) -> str | None:
-        """The PRM's input recipe (`--prm-format`); None without a PRM, and in runs recorded before the option (they
-        used the model card's)."""
-        return self.config.settings.get("prm_format")
+        """The PRM's input recipe (`--prm-format` of the qwen-math recipe, else `--prm-recipe`); None without a PRM,
+        and in runs recorded before the option (they used the model card's)."""
+        return self.config.settings.get("prm_format") or self.config.settings.get("prm_recipe")
 
     @property
     def setup(self) -> tuple[str, str | None]:

@@ -1,6 +1,7 @@
 """PRM scores through vLLM's pooling runner: Qwen2ForProcessRewardModel's head logits at every token the request
 computes (`ALL` token pooling, which vLLM 0.32 lets read the prefix cache, where the PRM's default `STEP` pooling
-does not); a candidate's score is softmax(logits)[1] at its last token, in both recipes (DESIGN section 5).
+does not); a candidate's score is softmax(logits)[1] at its last token, in both formats of the qwen-math recipe
+(DESIGN section 5), the only recipe vLLM 0.32 serves (engine/prm_recipes/choose.py refuses the others).
 
 The token ids are PRMScorer's (engine/prm.py `PRMInputs`): same recipe, prompt, steps, dropped steps and cut
 candidates, and the same token count. Each candidate is one request holding its problem's whole prefix; vLLM's
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvrescue_cli.engine.prm import PRMInputs
-from kvrescue_cli.engine.prm_recipe import RECIPES, PRMRecipe
+from kvrescue_cli.engine.prm_recipes import FORMATS, PRMRecipe
 from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.prompts import SYSTEM_PROMPT
 from kvrescue_cli.shapes import PRM_WINDOW
@@ -26,14 +27,13 @@ class VLLMPRMScorer:
     name = "prm"
 
     def __init__(self, llm, tokenizer, *, window: int = PRM_WINDOW, system: str = SYSTEM_PROMPT,
-                 recipe: PRMRecipe = RECIPES["paper"]) -> None:
+                 recipe: PRMRecipe = FORMATS["paper"]) -> None:
         """`tokenizer`: the PRM's, as `engine.loader.load_tokenizer` reads it (the one PRMScorer's model has), so
         that both scorers feed the same token ids."""
         from vllm import PoolingParams
 
-        recipe.check(tokenizer, llm.model_config.model)
         self.llm = llm
-        self.inputs = PRMInputs(tokenizer, recipe, window, system)
+        self.inputs = PRMInputs(tokenizer, recipe, window, system, llm.model_config.model)
         # Raw head logits (no activation): the softmax is taken here, as PRMScorer does. Token pooling skips the prefix
         # cache unless told (its output would miss the cached tokens): here only the last token is read.
         self.params = PoolingParams(use_activation=False, skip_reading_prefix_cache=False)
@@ -43,7 +43,8 @@ class VLLMPRMScorer:
         self.inputs.open(key, problem)
 
     def score(self, requests: Sequence[Request]) -> list[float]:
-        """softmax(head)[1] at each candidate's last token, all candidates of all problems in one `encode` call."""
+        """The recipe's score (softmax(head)[1]) at each candidate's last token, all candidates of all problems in one
+        `encode` call."""
         if not requests:
             return []
         suffixes = self.inputs.candidates(requests)
@@ -51,7 +52,7 @@ class VLLMPRMScorer:
         ids = [self.inputs.problems[key].prefix() + s for (key, _, _), s in zip(requests, suffixes)]
         outputs = self.llm.encode([{"prompt_token_ids": row} for row in ids], self.params,
                                   pooling_task="token_classify", use_tqdm=False)
-        return [torch.softmax(out.outputs.data[-1].float(), dim=-1)[1].item() for out in outputs]
+        return self.inputs.codec.score(torch.stack([out.outputs.data[-1].float() for out in outputs])).tolist()
 
     def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:
         """The problem committed this step."""

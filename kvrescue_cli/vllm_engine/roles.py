@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrescue_cli.engine.loader import ModelLoadError, load_tokenizer, model_folder
-from kvrescue_cli.engine.prm_recipe import RECIPES
+from kvrescue_cli.engine.prm_recipes import PRMRecipe
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.shapes import PRM_WINDOW
 from kvrescue_cli.vllm_engine import require_vllm
@@ -42,11 +42,11 @@ def engine_specs(models: dict[str, str], context_cap: int) -> list[EngineSpec]:
 class VllmEngines:
     """The started engines: a `VllmRunner` per cell for the base/helper roles, a `VLLMPRMScorer` for the PRM."""
 
-    def __init__(self, specs: list[EngineSpec], dtype: str, prm_format: str, memory: list[dict[str, Any]]) -> None:
+    def __init__(self, specs: list[EngineSpec], dtype: str, recipe: PRMRecipe, memory: list[dict[str, Any]]) -> None:
         """`memory`: each engine's share of the device as `start_llm` takes it (decoding.vllm_memory), in
-        `specs` order; `prm_format`: the PRM's input recipe (engine/prm_recipe.py)."""
+        `specs` order; `recipe`: the PRM's input recipe (engine/prm_recipes)."""
         self.version = require_vllm().__version__
-        self.recipe = RECIPES[prm_format]
+        self.recipe = recipe
         self.engines: list[SteppedEngine | Any] = []
         self.steppers: dict[str, SteppedEngine] = {}
         self.tokenizers: dict[str, tuple[Any, list[int]]] = {}  # role -> (tokenizer, EOS ids), read once per engine

@@ -1,6 +1,7 @@
-"""The PRM's two input recipes (DESIGN section 5; the README's "PRM recipes" gives the reading and its reasons).
+"""Qwen2.5-Math-PRM-7B/72B (Qwen2ForProcessRewardModel, a 2-class head): its two input formats, `--prm-format`
+(DESIGN section 5; the README's "PRM recipes" gives the reading and its reasons).
 
-A recipe turns a trajectory into text: a prompt, then one piece per step. A step's score is softmax(head)[1] at
+A format turns a trajectory into text: a prompt, then one piece per step. A step's score is softmax(head)[1] at
 the last token of the text that ends with that step, in both recipes:
 - `paper` (the paper's appendix): prompt ⊕ "\\n\\n" ⊕ s1 ⊕ "\\n\\n" ⊕ ... ⊕ sk ⊕ "\\n\\n", where the prompt is the
   chat text the policy continues (system prompt, user = problem, the assistant turn opened) and each step is
@@ -18,21 +19,14 @@ unless a step begins with a newline (then the whole text would merge it with the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvrescue_cli.engine.prm_recipes.base import PRMRecipe, RecipeInputs, prm_step_text
+from kvrescue_cli.engine.texts import encoder
 from kvrescue_cli.prompts import STEP_DELIMITER, chatml
 
 STEP_TAG = "<extra_0>"
-END_MARKERS = ("<|im_end|>", "<|endoftext|>")
-
-
-def prm_step_text(text: str) -> str:
-    """A generated step as the PRM sees it: cut at an end-of-text marker, without the `\\n\\n` delimiter."""
-    for marker in END_MARKERS:
-        text = text.split(marker)[0]
-    return text.split(STEP_DELIMITER)[0]
-
-
 def chat_prefix(tokenizer, problem: str, system: str) -> str:
     """The chat text up to where the assistant's content starts (the PRM's own template, else ChatML)."""
     hole = "\x00kvrescue-assistant\x00"
@@ -55,10 +49,11 @@ def step_tag_id(tokenizer, name: str) -> int:
 
 
 @dataclass(frozen=True)
-class PRMRecipe:
-    """How a trajectory becomes the PRM's input text: the prompt, then each step's piece (`step`)."""
+class QwenMathRecipe(PRMRecipe):
+    """How a trajectory becomes the PRM's input text: the prompt, then each step's piece (`step`); the score is
+    softmax(head)[1] there."""
 
-    name: str
+    format: str  # --prm-format
     after_prompt: str  # what follows the chat prefix before the first step
     after_step: str  # what follows every step's text
 
@@ -79,9 +74,31 @@ class PRMRecipe:
         if STEP_TAG in self.after_step:
             step_tag_id(tokenizer, name)
 
+    def bind(self, tokenizer, model: str) -> RecipeInputs:
+        self.check(tokenizer, model)
+        return QwenMathInputs(self, tokenizer)
 
-RECIPES = {
-    "paper": PRMRecipe("paper", STEP_DELIMITER, STEP_DELIMITER),
-    "model-card": PRMRecipe("model-card", "", STEP_TAG),
+
+class QwenMathInputs(RecipeInputs):
+    """A format's text pieces, each tokenised on its own (the ids they have always had)."""
+
+    def __init__(self, recipe: QwenMathRecipe, tokenizer) -> None:
+        self.recipe, self.tokenizer, self.encode = recipe, tokenizer, encoder(tokenizer)
+
+    def prompt(self, problem: str, system: str) -> list[int]:
+        return self.encode([self.recipe.prompt(self.tokenizer, problem, system)])[0]
+
+    def candidates(self, texts: Sequence[str], index: Sequence[int]) -> list[list[int]]:
+        return self.encode([self.recipe.step(text) for text in texts])
+
+    def score(self, head):
+        return head.softmax(-1)[:, 1]
+
+
+QWEN_MATH = "Qwen2ForProcessRewardModel"
+FORMATS = {  # --prm-format: what follows the chat prefix, and each step
+    name: QwenMathRecipe("qwen-math", "classes", QWEN_MATH, no_vllm=None, format=name, after_prompt=prompt,
+                         after_step=step)
+    for name, prompt, step in [("paper", STEP_DELIMITER, STEP_DELIMITER), ("model-card", "", STEP_TAG)]
 }
-PRM_FORMATS = tuple(RECIPES)
+PRM_FORMATS = tuple(FORMATS)

@@ -1,0 +1,137 @@
+"""The PRM recipe registry (engine/prm_recipes): each non-Qwen recipe against its model card's procedure
+(tests/prm_cards.py) on a random checkpoint of its architecture: the whole trajectory's token ids and score
+positions exactly, and the engine's PRMScorer (prefix cached, candidates as suffixes) within 1e-4 in fp32 of the
+card run through transformers; the choice of a recipe and its one-line errors."""
+
+import pytest
+
+from kvrescue_cli.decoding import load_roles
+from kvrescue_cli.engine import load_model
+from kvrescue_cli.engine.prm import PRMScorer, check_prm, prm_last_scores, prm_scores, trajectory_ids
+from kvrescue_cli.engine.prm_recipes import FORMATS, PRM_RECIPES, get_recipe
+from kvrescue_cli.engine.prm_recipes.choose import auto_recipe, resolve_prm_recipe, weight_names
+from kvrescue_cli.errors import InputError
+from kvrescue_cli.grid import GridOptions
+from kvrescue_cli.model_config import load_config
+from kvrescue_cli.random_checkpoints import write_random_checkpoint
+from kvrescue_cli.search import SearchSettings
+from tests.conftest import TINY
+from tests.prm_cards import CARDS
+
+PROBLEM = "What is 3x + 5 = 20 for x?"
+# The policy's steps as generated (each but the last ends in the "\n\n" delimiter); one holds a single "\n" (two
+# parts to Skywork's reference), one ends in the policy's end of text.
+STEPS = ["Step 1: 3x = 15.\n\n", "Dividing both sides by 3.\nx = 5.\n\n", "The answer is \\boxed{5}.<|im_end|>"]
+CLEAN = ["Step 1: 3x = 15.", "Dividing both sides by 3.\nx = 5.", "The answer is \\boxed{5}."]
+WRONG = "A wrong turn: x = 7.\n\n"
+NEW = ["rlhflow", "math-shepherd", "skywork"]
+
+
+@pytest.fixture
+def folder(request, rlhflow_dir, math_shepherd_dir, skywork_dir):
+    return {"rlhflow": rlhflow_dir, "math-shepherd": math_shepherd_dir, "skywork": skywork_dir}[request.param]
+
+
+def _prm(folder):
+    return load_model(folder, "float32")
+
+
+@pytest.mark.parametrize("folder, name", [(n, n) for n in NEW], indirect=["folder"])
+def test_the_whole_trajectory_s_ids_and_score_positions_are_the_card_s(folder, name) -> None:
+    prm = _prm(folder)
+    card_ids, card_positions = CARDS[name][0](prm.tokenizer, PROBLEM, CLEAN)
+    ids, ends = trajectory_ids(check_prm(prm, get_recipe(name)), PROBLEM, STEPS)
+    assert ids == card_ids
+    assert ends == card_positions and len(ends) == 3
+    # and the scorer's inputs: each candidate's suffix after its problem's cached prefix is the card's input up to
+    # that step's score position
+    scorer = PRMScorer(prm, max_problems=1, max_candidates=4, recipe=get_recipe(name))
+    scorer.open(0, PROBLEM)
+    sent = []
+    candidates = scorer.inputs.candidates
+    scorer.inputs.candidates = lambda requests: sent.append(candidates(requests)) or sent[-1]
+    for t, step in enumerate(STEPS):
+        scorer.score([(0, step, []), (0, WRONG, [])])
+        assert scorer.inputs.problems[0].prefix() + sent[-1][0] == card_ids[: card_positions[t] + 1]
+        wrong_ids, wrong_positions = CARDS[name][0](prm.tokenizer, PROBLEM, CLEAN[:t] + [WRONG.strip()])
+        assert scorer.inputs.problems[0].prefix() + sent[-1][1] == wrong_ids[: wrong_positions[-1] + 1]
+        scorer.commit(0, step)
+    assert scorer.inputs.problems[0].prefix() == card_ids
+
+
+@pytest.mark.usefixtures("kernel_layouts")  # also under CUDA's kernel layouts
+@pytest.mark.parametrize("folder, name", [(n, n) for n in NEW], indirect=["folder"])
+def test_the_scorer_s_scores_are_the_card_s_through_transformers(folder, name) -> None:
+    prm = _prm(folder)
+    recipe = get_recipe(name)
+    scorer = PRMScorer(prm, max_problems=2, max_candidates=8, recipe=recipe)
+    for key in (0, 1):
+        scorer.open(key, PROBLEM)
+    card = CARDS[name][1]
+    for t, step in enumerate(STEPS):
+        requests = [(k, text, []) for k in (0, 1) for text in (step, WRONG)]
+        got = scorer.score(requests)
+        want = [card(folder, PROBLEM, CLEAN[: t + 1])[-1], card(folder, PROBLEM, CLEAN[:t] + [WRONG.strip()])[-1]]
+        assert got == pytest.approx(want * 2, abs=1e-4)
+        assert got[0] != pytest.approx(got[1], abs=1e-6)  # the candidates are told apart
+        for k in (0, 1):
+            scorer.commit(k, step)
+    whole = card(folder, PROBLEM, CLEAN)
+    assert prm_scores(prm, PROBLEM, STEPS, recipe=recipe) == pytest.approx(whole, abs=1e-4)
+    last = prm_last_scores(prm, PROBLEM, [STEPS[:1], STEPS], recipe=recipe)
+    assert last == pytest.approx([card(folder, PROBLEM, CLEAN[:1])[-1], whole[-1]], abs=1e-4)
+    assert scorer.close(0)[1] == 0 and scorer.close(1)[1] == 0
+    assert scorer.cache.blocks_in_use() == 0
+
+
+def test_the_recipe_is_chosen_from_the_checkpoint(rlhflow_dir, math_shepherd_dir, skywork_dir, prm_dir,
+                                                  qwen2_dir) -> None:
+    def auto(folder) -> str | None:
+        return auto_recipe(str(folder), load_config(str(folder)), weight_names(str(folder)))
+
+    assert [auto(f) for f in (rlhflow_dir, math_shepherd_dir, skywork_dir, prm_dir)] == NEW + ["qwen-math"]
+    assert auto(qwen2_dir) is None  # a Qwen2 LM: no PRM head, and no LM-head recipe of its architecture
+    assert auto_recipe("RLHFlow/Llama3.1-8B-PRM-Deepseek-Data", {}, set()) == "rlhflow"  # a Hub id offline: its name
+    assert auto_recipe("peiyi9979/math-shepherd-mistral-7b-prm", {}, set()) == "math-shepherd"
+    assert auto_recipe("Skywork/Skywork-o1-Open-PRM-Qwen-2.5-1.5B", {}, set()) == "skywork"
+    assert auto_recipe("Qwen/Qwen2.5-Math-PRM-7B", {}, set()) == "qwen-math"
+    assert auto_recipe("some/prm", {}, set()) == "qwen-math"  # nothing known: the default (the loader speaks next)
+
+
+def _options(prm: str, **kw) -> GridOptions:
+    given = dict(models={"base": "b", "helper": "h", "prm": prm}, settings=SearchSettings()) | kw
+    return GridOptions(benches=["b"], methods=["bon"], budgets=[64], ns=[2], seeds=[0], evictor="rkv", scorer="prm",
+                       out=None, **given)
+
+
+def test_resolution_and_its_one_line_errors(skywork_dir, prm_dir, qwen2_dir) -> None:
+    assert resolve_prm_recipe(_options(str(skywork_dir), prm_recipe="auto")).prm_recipe == "skywork"
+    assert resolve_prm_recipe(_options(str(prm_dir), prm_recipe="auto")).prm_recipe == "qwen-math"
+    assert resolve_prm_recipe(_options(str(qwen2_dir), prm_recipe="rlhflow")).prm_recipe == "rlhflow"  # as given
+    with pytest.raises(InputError, match="no PRM head .* give --prm-recipe, one of qwen-math, rlhflow, "
+                                         "math-shepherd, skywork"):
+        resolve_prm_recipe(_options(str(qwen2_dir), prm_recipe="auto"))
+    for name in NEW:  # no vLLM 0.32 model serves these: --engine vllm says so
+        with pytest.raises(InputError, match=f"--engine vllm: .*the {name} recipe runs on --engine native only"):
+            resolve_prm_recipe(_options(str(prm_dir), prm_recipe=name, engine="vllm"))
+    assert resolve_prm_recipe(_options(str(prm_dir), prm_recipe="qwen-math", engine="vllm")).prm_recipe == "qwen-math"
+    with pytest.raises(InputError, match="unknown --prm-recipe 'chat': use one of auto, qwen-math, rlhflow"):
+        _options(str(prm_dir), prm_recipe="chat").check()
+    with pytest.raises(ValueError, match="unknown PRM recipe 'chat': use one of " + ", ".join(PRM_RECIPES)):
+        get_recipe("chat")
+    assert get_recipe("qwen-math", "model-card") is FORMATS["model-card"]
+
+
+def test_a_checkpoint_without_the_recipe_s_head_or_window_is_refused(rlhflow_dir, skywork_dir, tmp_path) -> None:
+    with pytest.raises(ValueError, match="has a language-model head, but the skywork recipe reads a value head"):
+        PRMScorer(_prm(rlhflow_dir), recipe=get_recipe("skywork"))
+    with pytest.raises(ValueError, match="no process-reward head"):
+        PRMScorer(_prm(skywork_dir), recipe=FORMATS["paper"])
+    narrow = write_random_checkpoint(tmp_path / "narrow", "math-shepherd", seed=8, sliding_window=64, **TINY)
+    with pytest.raises(ValueError, match="sliding_window of 64 tokens would matter for the 4096 tokens"):
+        PRMScorer(_prm(narrow), recipe=get_recipe("math-shepherd"))
+    assert PRMScorer(_prm(narrow), recipe=get_recipe("math-shepherd"), window=64).inputs.window == 64
+    with pytest.raises(InputError, match="base model .*: its sliding_window of 64 tokens would matter for the 320"):
+        load_roles(_options(str(skywork_dir), models={"base": str(narrow), "helper": "h", "prm": str(skywork_dir)},
+                            settings=SearchSettings(context_cap=320)), "cpu")
+
