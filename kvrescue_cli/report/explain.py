@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvrescue_cli.outputs import DETECTOR_FINISHES, UNDECODED, Trace
+from kvrescue_cli.outputs import Trace
+from kvrescue_cli.reasons import DETECTOR_FINISHES, UNDECODED
 from kvrescue_cli.report.load import Run
 from kvrescue_cli.report.tables import shown
 from kvrescue_cli.shapes import BUFFER
