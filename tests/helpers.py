@@ -73,3 +73,16 @@ def traces_of(out: Path, method: str = "kvrescue") -> list[dict]:
     """The traces of the one `method` folder of bench `tiny` under `out`, in file order."""
     (path,) = out.glob(f"tiny/{method}-*/traces.jsonl")
     return read_jsonl(path)
+
+
+def write_run(root: Path, cfg, traces: Iterable) -> Path:
+    """A run folder of `cfg` (an `outputs.RunConfig`) under `root` holding `traces` and their summary."""
+    from kvrescue_cli.outputs import RunFolder, run_dir
+
+    path = run_dir(root, cfg)
+    traces = list(traces)
+    with RunFolder.open(path, cfg, total=len(traces)) as rf:
+        for t in traces:
+            rf.append(t)
+        rf.write_summary()
+    return path

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from grader import grade_many
 from kvrescue_cli import grading
 from kvrescue_cli.cli import app
-from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, run_dir
+from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, Step, Tokens, Trace
+from tests.helpers import write_run
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
 # (output, raw gt, Qwen's verdict, Math-Verify's verdict), checked below against the graders themselves
@@ -35,12 +36,7 @@ def _trace(idx: int, output: str, gt: str, correct: bool, graders: dict | None =
 
 def _write(root: Path, seed: int, traces: list[Trace]) -> Path:
     cfg = RunConfig("math500", "bon", 64, 8, "rkv", seed, MODELS, "prm", False, {"temperature": 0.8})
-    path = run_dir(root, cfg)
-    with RunFolder.open(path, cfg, total=len(traces)) as rf:
-        for t in traces:
-            rf.append(t)
-        rf.write_summary()
-    return path
+    return write_run(root, cfg, traces)
 
 
 def mv(correct: bool) -> dict:

@@ -5,9 +5,10 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from kvrescue_cli.cli import app
-from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, run_dir
+from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, Step, Tokens, Trace
 from kvrescue_cli.report import load_runs
 from kvrescue_cli.report.explain import explain
+from tests.helpers import write_run
 
 SMOL = ModelRef("SmolLM2-135M-Instruct")
 DETECTOR = {"tau_ent": 7.0, "ent_window": 12, "min_tokens": 24, "tau_cmp": 0.18, "cmp_chars": 400, "gzip_level": 9}
@@ -34,12 +35,7 @@ def write(root: Path, method: str, budget: int | None, traces: list[Trace]) -> P
     cfg = RunConfig("gsm8k", method, budget, 2, "rkv" if budget else "none", 0,
                     {"base": SMOL, "helper": SMOL}, "helper-loglik", False,
                     {"detector": detector, "buffer": 32 if budget else None})
-    path = run_dir(root, cfg)
-    with RunFolder.open(path, cfg, total=len(traces)) as rf:
-        for t in traces:
-            rf.append(t)
-        rf.write_summary()
-    return path
+    return write_run(root, cfg, traces)
 
 
 def test_explain_counts_steps_cache_and_detector_stops(tmp_path):
