@@ -49,7 +49,7 @@ def test_explain_counts_steps_cache_and_detector_stops(tmp_path):
     # kvrescue: base contexts 70 + 30 = 100 and 10 + 30 = 40 tokens, B' = 16 + 32 = 48: only problem 0 reached it.
     assert lines[:4] == [
         f"{full} (full N=2): 0/1 correct, steps scored by helper-loglik",
-        "  committed 2 steps over 1 problems: 1 from the base, 1 from the helper",
+        "  committed 2 steps over 1 problem: 1 from the base, 1 from the helper",
         "  base cache: full, at most 60 entries after a commit (peak 120) for a context of up to 100 tokens",
         f"{kv} (kvrescue B=16 N=2): 1/2 correct, steps scored by helper-loglik",
     ]

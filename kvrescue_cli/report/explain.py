@@ -17,6 +17,11 @@ def explain(runs: list[Run]) -> list[str]:
     return [line for run in sorted(runs, key=lambda r: str(r.path)) for line in explain_run(run)]
 
 
+def counted(n: int, noun: str) -> str:
+    """`n` and the noun, plural unless `n` is 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def explain_run(run: Run) -> list[str]:
     """The run's label and accuracy, then one line each on its steps, its base cache and its detector."""
     c, s = run.config, run.summary
@@ -26,7 +31,8 @@ def explain_run(run: Run) -> list[str]:
     budget = "" if c.budget is None else f" B={c.budget}"
     lines = [f"{shown(run.path)} ({c.method}{budget} N={c.n}): {s.correct}/{s.problems} correct, "
              f"steps scored by {c.scorer}",
-             f"  committed {len(steps)} steps over {len(decoded)} problems: {len(steps) - helper} from the base, "
+             f"  committed {counted(len(steps), 'step')} over {counted(len(decoded), 'problem')}: "
+             f"{len(steps) - helper} from the base, "
              f"{helper} from the helper"]
     if "base" in c.models:
         lines.append("  " + cache_line(run, decoded))
