@@ -25,7 +25,6 @@ from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
 from kvrescue_cli.engine.prm import PRMScorer, check_prm
-from kvrescue_cli.engine.prm_recipes import get_recipe
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
 from kvrescue_cli.errors import InputError
@@ -38,7 +37,7 @@ from kvrescue_cli.rank_group import RankGroup, RankZeroScores
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelConfigError, window_error
 from kvrescue_cli.search import Controller, DecodeProgress, Finished, SearchSettings, StepRunner
-from kvrescue_cli.vllm_engine.roles import VllmEngines, engine_specs
+from kvrescue_cli.vllm_engine.roles import EngineSpec, VllmEngines, engine_specs
 
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
 
@@ -135,13 +134,18 @@ def auto_batch(options: GridOptions, groups: list[tuple[str, ...]], shares: int 
     return batch
 
 
+def vllm_specs(options: GridOptions) -> list[EngineSpec]:
+    """The vLLM engines the grid starts (`vllm_engine.roles.engine_specs` of its vLLM roles)."""
+    return engine_specs(options.vllm_models(), options.settings.context_cap)
+
+
 def vllm_memory(options: GridOptions, device: str, free: int, total: int) -> list[dict]:
     """Each vLLM engine's share of the device as `start_llm` takes it (`roles.engine_specs` order), after one-line
     errors, before anything is loaded, for a plan that does not fit: vLLM gets --vllm-memory of the device (of RAM
     on a CPU), split evenly between its engines, each of which must hold its weights and one whole context's KV;
     on a GPU this engine's models and caches must fit in the rest. On a CPU an engine's KV cache is given in bytes
     (vLLM's share of RAM there counts its whole process). `free`, `total`: the device's bytes (`device_memory`)."""
-    specs = engine_specs(options.vllm_models(), options.settings.context_cap)
+    specs = vllm_specs(options)
     if not specs:
         return []
     share = options.vllm_memory * total
@@ -207,7 +211,7 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
             raise InputError(f"{role} model {name}: {reason}")
     if "prm" in loaded:
         try:
-            check_prm(loaded["prm"], get_recipe(options.prm_recipe, options.prm_format))
+            check_prm(loaded["prm"], options.prm_input_recipe())
         except ValueError as err:
             raise InputError(f"--prm: {err}") from None
     check_policy_tokenizers({role: model.tokenizer for role, model in loaded.items()})
@@ -251,7 +255,7 @@ def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], vl
         return vllm.scorer()
     if options.scorer == "prm":
         return PRMScorer(models["prm"], max_problems=s.batch, max_candidates=s.batch * 2 * cell.n,
-                         max_step_tokens=s.max_step_tokens, recipe=get_recipe(options.prm_recipe, options.prm_format))
+                         max_step_tokens=s.max_step_tokens, recipe=options.prm_input_recipe())
     helper = models["helper"]
     cache = FullCache.for_model(helper.net, loglik_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
     return HelperLoglik(Runner(helper, cache))
@@ -372,8 +376,7 @@ class InProcessGroup:
             self.ranks = RankGroup(options, group) if len(group) > 1 else None
             self.models = load_roles(options, device)
             if options.engine == "vllm":
-                self.vllm = VllmEngines(engine_specs(options.vllm_models(), options.settings.context_cap),
-                                        options.dtype, get_recipe(options.prm_recipe, options.prm_format), shares)
+                self.vllm = VllmEngines(vllm_specs(options), options.dtype, options.prm_input_recipe(), shares)
                 check_policy_tokenizers({**{role: m.tokenizer for role, m in self.models.items()},
                                          **{role: t for role, (t, _) in self.vllm.tokenizers.items()}})
         except BaseException:

@@ -10,8 +10,7 @@ from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.devices import CPU, GPU
 from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
 from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
-from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
-from kvrescue_cli.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES
+from kvrescue_cli.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES, PRMRecipe, get_recipe
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grading import check_grader
 from kvrescue_cli.methods import METHODS
@@ -86,6 +85,10 @@ class GridOptions:
     buffer: int = BUFFER  # W: entries an evicted row appends past the budget before a compression (B' = B + W)
     prm_format: str = "paper"  # the qwen-math recipe's input format (engine/prm_recipes/qwen_math.py)
     prm_recipe: str = "qwen-math"  # the PRM's recipe (engine/prm_recipes; `auto` resolved by `resolve_prm_recipe`)
+
+    def prm_input_recipe(self) -> PRMRecipe:
+        """The PRM's recipe object: `prm_recipe`, in `prm_format` for qwen-math."""
+        return get_recipe(self.prm_recipe, self.prm_format)
 
     def evicts(self, method: str) -> bool:
         """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""

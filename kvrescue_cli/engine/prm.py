@@ -1,9 +1,9 @@
 """Process reward scoring (DESIGN section 5) with a cached committed prefix.
 
 The input and the score are a recipe's (engine/prm_recipes: Qwen2.5-Math-PRM's `paper` or `model-card`, RLHFlow,
-Math-Shepherd, Skywork), read at the last token of a candidate's piece. Each problem's committed prefix lives in one FullCache row; a candidate is scored
-as a suffix (fork, append its piece's tokens, read the head, release), all candidates of all problems in one
-forward.
+Math-Shepherd, Skywork), read at the last token of a candidate's piece. Each problem's committed prefix lives in one
+FullCache row; a candidate is scored as a suffix (fork, append its piece's tokens, read the head, release), all
+candidates of all problems in one forward.
 """
 
 from collections.abc import Sequence
@@ -19,7 +19,6 @@ from kvrescue_cli.engine.steps import append_tokens
 from kvrescue_cli.model_config import window_error
 from kvrescue_cli.prompts import SYSTEM_PROMPT
 from kvrescue_cli.shapes import PRM_WINDOW
-
 
 
 def no_prm_head(name: str) -> ValueError:
