@@ -458,7 +458,7 @@ def sized_batch(options, auto: bool):
     """The options with --batch auto resolved (printed); others as they are. Configs only: no weights are read."""
     from dataclasses import replace
 
-    from kvrescue_cli import decoding
+    from kvrescue_cli import device_plan
     from kvrescue_cli.workers import device_groups, device_shares
 
     options.check()
@@ -471,7 +471,7 @@ def sized_batch(options, auto: bool):
     shares = max(device_shares(groups, g) for g in range(len(groups)))
     # Workers in other processes (Ray): plan from the GPUs' total memory, without a CUDA context here; each worker's
     # own check then refuses what its device's free memory cannot hold.
-    batch = decoding.auto_batch(options, groups, shares, context=len(groups) == 1)
+    batch = device_plan.auto_batch(options, groups, shares, context=len(groups) == 1)
     console.print(f"--batch auto: {batch} problems in flight per worker (the most whose memory plan fits)",
                   highlight=False)
     return replace(options, settings=replace(options.settings, batch=batch), batch_auto=True)
@@ -480,7 +480,7 @@ def sized_batch(options, auto: bool):
 def print_plan(options) -> bool:
     """`run --plan`: each device's weights, KV, buffers and activation peak for the grid's largest cell, the device
     each rank computes on, and whether it fits (its free memory, or --device-memory, less the headroom)."""
-    from kvrescue_cli import decoding, memory_plan
+    from kvrescue_cli import device_plan, memory_plan
     from kvrescue_cli.workers import device_groups, device_shares
 
     groups = device_groups(options.devices, options.tp)
@@ -492,10 +492,10 @@ def print_plan(options) -> bool:
     for g, group in enumerate(groups):
         shares = device_shares(groups, g)
         for rank, device in enumerate(group):  # rank r of a group computes on its r-th device
-            plan = decoding.memory_plan(options, device)
+            plan = device_plan.memory_plan(options, device)
             if plan is None:
                 raise InputError("--plan: a model has no readable config.json")
-            room = decoding.device_room(options, device, shares)
+            room = device_plan.device_room(options, device, shares)
             usable = room - memory_plan.headroom(room)
             for i, role in enumerate(plan.roles):
                 table.add_row(device if i == 0 else "", f"{g}, {rank}" if i == 0 else "", role,

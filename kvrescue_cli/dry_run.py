@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kvrescue_cli.data import Problem, ProblemSet
+from kvrescue_cli.cell_engine import build_cell
 from kvrescue_cli.decoding import decode
 from kvrescue_cli.engine.loader import DTYPES, LoadedModel, _build
 from kvrescue_cli.fake_cuda import FakeCuda, HostReads, peaks
@@ -151,7 +152,8 @@ def _cell(cuda: FakeCuda, options: GridOptions, cell: Cell, models: dict[str, Lo
     traces: list = []
     gc.disable()
     try:
-        decode(replace(options, methods=[cell.method]), cell, models, iter(cell.problems.problems),
+        one = replace(options, methods=[cell.method])
+        decode(one, cell, build_cell(one, cell, models), iter(cell.problems.problems),
                lambda trace, _: traces.append(trace))
         left = {d: b - before.get(d, 0) for d, b in cuda.memory.device_live.items() if b - before.get(d, 0)}
     finally:

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
-from grader import GRADERS, grade_many
+from grader import GRADERS, GradeResult, grade, grade_many
 from grader.verify import INSTALL, available
-from kvrescue_cli.data import BENCHES, GENERIC, raw_gt
+from kvrescue_cli.data import BENCHES, GENERIC, Problem, raw_gt
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.jsonl import require_field
+from kvrescue_cli.outputs import Trace
+from kvrescue_cli.outputs.decoded import trace_of
 from kvrescue_cli.prompts import THINK_CLOSE
 from kvrescue_cli.reasons import UNDECODED
 
+if TYPE_CHECKING:
+    from kvrescue_cli.search import Finished
+
 GRADING_BENCHES = (*BENCHES, GENERIC)
+GradeFn = Callable[..., GradeResult]  # grader.grade's signature: (answer, gt, bench, grader=...)
 
 
 @dataclass
@@ -125,3 +134,52 @@ def grade_records(
         tally.timeouts += result.timed_out
         tally.empty += not result.pred
     return graded, tally
+
+
+_GRADING_THREAD: list[ThreadPoolExecutor] = []
+
+
+def _grading_thread() -> ThreadPoolExecutor:
+    """The process's one grading thread, kept for its whole life: the grader's sympy workers, which it starts,
+    are killed when the thread that started them ends (PR_SET_PDEATHSIG follows the parent thread)."""
+    if not _GRADING_THREAD:
+        _GRADING_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="kvrescue-grading"))
+    return _GRADING_THREAD[0]
+
+
+class Grading:
+    """Grades decoded problems on the grading thread, so that the decode loop never waits for the grader
+    (its sympy workers may take seconds); the traces are emitted on the decode thread, as they are graded,
+    in the order the problems finished. `grade`: grader.grade, or a caller's (a benchmark's instant verdicts)."""
+
+    def __init__(self, bench: str, emit: Callable[[Trace, int], None], grader: str = "qwen",
+                 also: tuple[str, ...] = (), grade: GradeFn = grade) -> None:
+        self.bench, self.emit, self.grader, self.also, self.grade = bench, emit, grader, also, grade
+        self.pending: deque[Future] = deque()
+
+    def submit(self, finished: Finished, problem: Problem) -> None:
+        """Grade a decoded problem off this thread."""
+        self.pending.append(_grading_thread().submit(self._trace, finished, problem))
+
+    def _trace(self, finished: Finished, problem: Problem) -> tuple[Trace, int]:
+        answer, where = answer_part(finished.output)
+        verdict = self.grade(answer, problem.gt, self.bench, grader=self.grader)
+        others = {name: self.grade(answer, problem.gt, self.bench, grader=name) for name in self.also}
+        graders = {name: {"pred": v.pred, "correct": v.correct, "timed_out": v.timed_out} for name, v in others.items()}
+        return (trace_of(finished, problem, verdict.gt, verdict.pred, verdict.correct, verdict.timed_out, graders,
+                         where), sum(finished.state.generated.values()))
+
+    def emit_graded(self, wait: bool = False) -> None:
+        """Emit the traces graded so far (`wait`: all of them, once graded)."""
+        while self.pending and (wait or self.pending[0].done()):
+            self.emit(*self.pending.popleft().result())
+
+    def close(self) -> None:
+        """Emit what is graded and drop the rest (after an interruption: those problems are decoded again on
+        resume)."""
+        try:
+            self.emit_graded()
+        finally:
+            for future in self.pending:
+                future.cancel()
+            self.pending.clear()

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from kvrescue_cli import decoding
+from kvrescue_cli.cell_engine import build_cell
+from kvrescue_cli.decoding import decode
+from kvrescue_cli.loading import load_roles
 from kvrescue_cli.rank_group import join, receive
 
 if TYPE_CHECKING:
@@ -39,7 +41,7 @@ def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> Non
     _exit_with(parent)
     options = pickle.loads((folder / "options.pickle").read_bytes())
     join(folder / "rendezvous", rank, world, device)
-    models = decoding.load_roles(options, device)
+    models = load_roles(options, device)
     pipe = sys.stdin.buffer  # rank 0's messages
 
     def problems() -> Iterator[Problem]:
@@ -47,7 +49,7 @@ def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> Non
             yield message[1]
 
     while (message := receive(pipe))[0] == "cell":
-        decoding.decode(options, message[1], models, problems(), lambda trace, tokens: None)
+        decode(options, message[1], build_cell(options, message[1], models), problems(), lambda trace, tokens: None)
     dist.destroy_process_group()
 
 

@@ -2,7 +2,7 @@
 
 Rank 0 is the group's worker (the `kvrescue run` process, or the group's Ray actor). It starts ranks
 1..K-1 as child processes on the other devices of the group; every rank loads its shards of the grid's
-models (`decoding.load_roles` with `options.tp`, gloo on the CPU, NCCL on CUDA). Rank 0 alone talks to
+models (`loading.load_roles` with `options.tp`, gloo on the CPU, NCCL on CUDA). Rank 0 alone talks to
 the driver: it sends each cell it starts and each problem it pulls (then "end") down a pipe to each other rank
 (`rank_follower.py`), which runs the same `decoding.decode` on what it receives and drops its traces. The
 controller is deterministic given its problems, logits and scores, every rank holds the same logits (the LM head

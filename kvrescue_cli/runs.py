@@ -8,9 +8,10 @@ from dataclasses import replace
 
 from rich.progress import Progress
 
-from kvrescue_cli import decoding, workers
+from kvrescue_cli import in_process, workers
 from kvrescue_cli.data import GENERIC, data_dir, load_problems
 from kvrescue_cli.engine.prm_recipes.choose import resolve_prm_recipe
+from kvrescue_cli.device_plan import memory_plan
 from kvrescue_cli.engine.sampling import STREAM_VERSION
 from kvrescue_cli.grid import Cell, GridOptions, resolve_prompt, roles_needed
 from kvrescue_cli.methods import METHODS
@@ -64,7 +65,7 @@ def _engine(options: GridOptions, cell: Cell) -> dict:
     return {"engine": {"name": "vllm", "version": require_vllm().__version__, "roles": sorted(roles)}}
 
 
-def run_cell(options: GridOptions, cell: Cell, executor: decoding.InProcessGroup | workers.RayWorkers,
+def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGroup | workers.RayWorkers,
              progress: Progress) -> Summary:
     """Decode the cell's missing problems into its run folder on `executor` (this process, or Ray actors)
     and return its summary."""
@@ -125,10 +126,10 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
         i, k = options.shard
         sets = [replace(problems, problems=problems.problems[i::k]) for problems in sets]
     cells = options.cells(sets)
-    decoding.memory_plan(options, options.devices[0])  # a base whose heads --tp does not split: an error before loading
+    memory_plan(options, options.devices[0])  # a base whose heads --tp does not split: an error before loading
     groups = workers.device_groups(options.devices, options.tp)
     if len(groups) == 1 and options.ray_address is None:
-        executor = decoding.InProcessGroup(options, groups[0])
+        executor = in_process.InProcessGroup(options, groups[0])
         try:
             return [(cell_config(options, cell), run_cell(options, cell, executor, progress)) for cell in cells]
         finally:

@@ -2,7 +2,7 @@
 
 Two or more device groups (or `--ray-address`) run as Ray actors, on a private local Ray instance started
 here and shut down at the end, or on the cluster at `--ray-address`; one device decodes in the `kvrescue
-run` process itself (`decoding.InProcessGroup`). A group is one device today; with tensor parallelism it is K.
+run` process itself (`in_process.InProcessGroup`). A group is one device today; with tensor parallelism it is K.
 
 An actor asks the driver for a problem whenever its controller has a free slot (work stealing: a fast
 actor simply asks more often) and streams each finished problem's trace back; the driver alone writes
@@ -32,7 +32,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from grader import normal_gt
-from kvrescue_cli import decoding
+from kvrescue_cli.cell_engine import build_cell
+from kvrescue_cli.decoding import decode
+from kvrescue_cli.device_plan import batch_description, wait_for_room
+from kvrescue_cli.loading import load_roles
 from kvrescue_cli.data import Problem
 from kvrescue_cli.devices import GPU, device_list, gpu_index, is_cpu, is_gpu, kind_of
 from kvrescue_cli.errors import InputError
@@ -212,9 +215,9 @@ class GroupWorker:
                      "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
         self.ranks: RankGroup | None = None
         try:  # the memory check before the group forms: a refusal inside it would hang its ranks
-            decoding.wait_for_room(options, group, shares, RELEASE_WAIT_S if restarted else 0.0)
+            wait_for_room(options, group, shares, RELEASE_WAIT_S if restarted else 0.0)
             self.ranks = RankGroup(options, group) if len(group) > 1 else None  # --tp: this actor is rank 0
-            self.models = decoding.load_roles(options, device)
+            self.models = load_roles(options, device)
             self.outbox.put(("ready", placement))
         except InputError as err:
             self.outbox.put(("error", str(err)))
@@ -243,10 +246,9 @@ class GroupWorker:
     def _decode(self, cell: Cell) -> None:
         try:
             problems = self.ranks.lead(cell, self._pull()) if self.ranks else self._pull()
-            decoding.decode(self.options, cell, self.models, problems,
-                            lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
-                            lambda totals: self.outbox.put(("progress", totals.committed_steps,
-                                                            totals.generated_tokens)))
+            decode(self.options, cell, build_cell(self.options, cell, self.models), problems,
+                   lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
+                   lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
             self.outbox.put(("idle",))
         except BaseException as err:
             self.outbox.put(("crash", f"{type(err).__name__}: {err}"[:2000]))
@@ -355,7 +357,7 @@ class RayWorkers:
         import ray
 
         return {"kind": "ray", "ray": ray.__version__, "address": self.options.ray_address or "local",
-                **decoding.batch_description(self.options),
+                **batch_description(self.options),
                 "nodes": sum(node["Alive"] for node in ray.nodes()),
                 "workers": [{"devices": list(w.devices), **(w.placement or {})} for w in self.workers]}
 

@@ -142,7 +142,7 @@ def test_a_run_that_does_not_fit_the_free_device_memory_is_refused(tmp_path):
     small, eight fit; the check reads only config.json files."""
     from dataclasses import replace
 
-    from kvrescue_cli.decoding import refuse_what_does_not_fit
+    from kvrescue_cli.device_plan import refuse_what_does_not_fit
     from kvrescue_cli.grid import GridOptions
     from kvrescue_cli.search import SearchSettings
 
@@ -166,7 +166,9 @@ def test_a_run_that_does_not_fit_the_free_device_memory_is_refused(tmp_path):
 def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir, tmp_path):
     """The K/V the plan counts per role is what the run's caches allocate, on the random checkpoints."""
     from kvrescue_cli.data import ProblemSet
-    from kvrescue_cli.decoding import _runners, _scorer, load_roles, memory_plan
+    from kvrescue_cli.cell_engine import build_cell
+    from kvrescue_cli.device_plan import memory_plan
+    from kvrescue_cli.loading import load_roles
     from kvrescue_cli.grid import Cell, GridOptions
     from kvrescue_cli.search import SearchSettings
 
@@ -176,8 +178,9 @@ def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir,
                                                                                context_cap=200), out=tmp_path)
     loaded = load_roles(options, "cpu")
     cell = Cell(ProblemSet("t", "generic", "t.jsonl", []), "kvrescue", 16, 2, 0)
-    caches = {role: runner.cache for role, runner in _runners(options, cell, loaded).items()}
-    caches["prm"] = _scorer(options, cell, loaded).cache
+    engine = build_cell(options, cell, loaded)
+    caches = {role: runner.cache for role, runner in engine.runners.items()}
+    caches["prm"] = engine.scorer.cache
     plan = memory_plan(options, "cpu")
     for role, cache in caches.items():
         built = cache.k.nbytes + cache.v.nbytes + (cache.q.nbytes if hasattr(cache, "q") else 0)
@@ -187,7 +190,7 @@ def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir,
 def test_vllm_gets_its_share_and_this_engine_the_rest(tmp_path):
     """--engine vllm: the helper and the PRM on vLLM, an even split of --vllm-memory each, holding its weights and
     one whole context; the evicted base's plan in the rest of the GPU; on a CPU, the share within free RAM."""
-    from kvrescue_cli.decoding import memory_plan, vllm_memory
+    from kvrescue_cli.device_plan import memory_plan, vllm_memory
     from kvrescue_cli.grid import GridOptions
     from kvrescue_cli.search import SearchSettings
 

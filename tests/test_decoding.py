@@ -2,9 +2,12 @@
 
 import threading
 
-from kvrescue_cli import decoding
+from grader import grade
+from kvrescue_cli.cell_engine import build_cell
+from kvrescue_cli.decoding import decode
 from kvrescue_cli.data import Problem, ProblemSet
 from kvrescue_cli.grid import Cell, GridOptions
+from kvrescue_cli.loading import load_roles
 from kvrescue_cli.search import Controller, SearchSettings
 
 
@@ -23,7 +26,7 @@ def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_pa
             last_retired.set()
         return retire(self, problem)
 
-    graded_on, grade = [], decoding.grade
+    graded_on = []
 
     def grade_slowly(output, gt, bench, **options):
         graded_on.append(threading.current_thread())
@@ -32,10 +35,9 @@ def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_pa
         return grade(output, gt, bench, **options)
 
     monkeypatch.setattr(Controller, "_retire", retire_and_tell)
-    monkeypatch.setattr(decoding, "grade", grade_slowly)
     emitted = []
-    decoding.decode(options, cell, decoding.load_roles(options, "cpu"), problems,
-                    lambda trace, tokens: emitted.append((trace, tokens, threading.current_thread())))
+    decode(options, cell, build_cell(options, cell, load_roles(options, "cpu")), problems,
+           lambda trace, tokens: emitted.append((trace, tokens, threading.current_thread())), grade=grade_slowly)
     assert [trace.idx for trace, _, _ in emitted] == [0, 1, 2, 3]  # in the order they finished, each once
     assert all(thread is threading.current_thread() for _, _, thread in emitted)
     assert graded_on and all(thread is not threading.current_thread() for thread in graded_on)

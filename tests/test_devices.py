@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrescue_cli import decoding, rank_group
+from kvrescue_cli import device_plan, in_process, loading, rank_group
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import GridOptions
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
@@ -49,7 +49,7 @@ def models(tmp_path_factory, prm_dir) -> dict[str, str]:
 
 def test_one_device_in_this_process_is_the_named_one(gpus, models, tmp_path):
     with pytest.raises(InputError, match="GiB is free"):
-        decoding.InProcessGroup(options(models, ("cuda:1",), 1, tmp_path), ("cuda:1",))
+        in_process.InProcessGroup(options(models, ("cuda:1",), 1, tmp_path), ("cuda:1",))
     assert gpus and {device for _, device in gpus} == {"cuda:1"}
     assert ("set_device", "cuda:1") in gpus and ("mem_get_info", "cuda:1") in gpus
 
@@ -71,11 +71,11 @@ def test_each_rank_of_a_tp_group_computes_on_its_named_device(gpus, models, monk
         rank_group.shutil.rmtree(leader.folder)
     gpus.clear()
     with pytest.raises(InputError, match="GiB is free"):
-        decoding.wait_for_room(grid, group)  # rank 0's check of every rank's device, before the group forms
+        device_plan.wait_for_room(grid, group)  # rank 0's check of every rank's device, before the group forms
     assert {d for _, d in gpus} == set(group) and all(("mem_get_info", device) in gpus for device in group)
     for device in group:
         gpus.clear()
-        decoding.use_device(device)  # what each rank's load_roles does first, on the device it was started with
+        loading.use_device(device)  # what each rank's load_roles does first, on the device it was started with
         assert gpus == [("set_device", device)]
 
 

@@ -8,7 +8,11 @@ from typing import Callable
 
 import pytest
 
-from kvrescue_cli import decoding, memory_plan
+from kvrescue_cli import device_plan, in_process, memory_plan
+from kvrescue_cli.cell_engine import build_cell
+from kvrescue_cli.decoding import decode
+from kvrescue_cli.errors import InputError
+from kvrescue_cli.loading import load_roles
 from kvrescue_cli.data import Problem, ProblemSet
 from kvrescue_cli.grid import Cell, GridOptions
 from kvrescue_cli.prompts import generation_prompt
@@ -54,14 +58,14 @@ def measured_cell(policy: Path, prm: Path, method: str, scorer: str, batch: int,
                           settings=SearchSettings(batch=batch, synthetic_steps=(step, 1000), max_step_tokens=step,
                                                   context_cap=cap))
     problems = [Problem(i, "What is one plus one?", "2", {}) for i in range(batch)]
-    loaded = decoding.load_roles(options, "cpu")
+    loaded = load_roles(options, "cpu")
     tokenizer = loaded["base" if "base" in loaded else "helper"].tokenizer
     prompt = len(tokenizer.encode(generation_prompt(tokenizer, problems[0].problem), add_special_tokens=False))
     weights = parameter_bytes(*{id(m.net): m.net for m in loaded.values()}.values())
     cell = Cell(ProblemSet("t", "generic", "t.jsonl", problems), method, 16, n, 0)
     mode = TensorBytes()
     with torch.inference_mode(), mode:
-        decoding.decode(options, cell, loaded, problems, lambda trace, tokens: None)
+        decode(options, cell, build_cell(options, cell, loaded), problems, lambda trace, tokens: None)
     shape = replace(memory_plan.cell_shapes(options)[0], prompt_tokens=prompt)
     plan = memory_plan.plan_cell(memory_plan.grid_models(options), shape, memory_plan.DeviceKind(dtype_bytes=4))
     return weights + mode.peak, plan
@@ -134,11 +138,11 @@ def test_batch_auto_is_the_largest_that_fits(tmp_path):
                           models={"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},
                           scorer="prm", settings=SearchSettings(), out=tmp_path, dtype="bfloat16",
                           devices=("cuda:0",), device_memory=80 * 10**9)
-    batch = decoding.auto_batch(options, [("cuda:0",)])
+    batch = device_plan.auto_batch(options, [("cuda:0",)])
     room = 80 * 10**9 - memory_plan.headroom(80 * 10**9)
-    assert decoding.memory_plan(options, "cuda:0", batch).total <= room < decoding.memory_plan(
+    assert device_plan.memory_plan(options, "cuda:0", batch).total <= room < device_plan.memory_plan(
         options, "cuda:0", batch + 1).total
-    shared = decoding.auto_batch(replace(options, devices=("cuda:0", "cuda:0")), [("cuda:0",), ("cuda:0",)], 2)
+    shared = device_plan.auto_batch(replace(options, devices=("cuda:0", "cuda:0")), [("cuda:0",), ("cuda:0",)], 2)
     assert shared < batch  # two workers on one GPU: each plans its half
 
 
@@ -186,9 +190,9 @@ def test_a_tp_group_too_large_for_its_devices_is_refused_before_any_rank_starts(
             raise AssertionError("the process group formed before the memory check")
 
     fake_gpus(monkeypatch, lambda device: 2**30 if device == "cuda:1" else 80 * 2**30)
-    monkeypatch.setattr(decoding, "RankGroup", NoGroup)
-    with pytest.raises(decoding.InputError, match=r"batch 8 needs .* on cuda:1 .* but 1\.0 GiB is free"):
-        decoding.InProcessGroup(gpu_options(tmp_path, ("cuda:0", "cuda:1"), tp=2), ("cuda:0", "cuda:1"))
+    monkeypatch.setattr(in_process, "RankGroup", NoGroup)
+    with pytest.raises(InputError, match=r"batch 8 needs .* on cuda:1 .* but 1\.0 GiB is free"):
+        in_process.InProcessGroup(gpu_options(tmp_path, ("cuda:0", "cuda:1"), tp=2), ("cuda:0", "cuda:1"))
     assert not formed
 
 
@@ -196,11 +200,11 @@ def test_workers_sharing_a_gpu_each_plan_their_share(tmp_path, monkeypatch):
     """--devices cuda:0,cuda:0: each of the two workers plans half of the GPU, not the whole of it."""
     fake_gpus(monkeypatch, lambda device: 80 * 2**30)
     options = gpu_options(tmp_path, ("cuda:0", "cuda:0"))
-    need = decoding.memory_plan(options, "cuda:0").total
+    need = device_plan.memory_plan(options, "cuda:0").total
     assert 40 * 2**30 < need < 75 * 2**30  # fits the GPU, not half of it
-    decoding.wait_for_room(options, ("cuda:0",), shares=1)
-    with pytest.raises(decoding.InputError, match=r"but 40\.0 GiB is free"):
-        decoding.wait_for_room(options, ("cuda:0",), shares=2)
+    device_plan.wait_for_room(options, ("cuda:0",), shares=1)
+    with pytest.raises(InputError, match=r"but 40\.0 GiB is free"):
+        device_plan.wait_for_room(options, ("cuda:0",), shares=2)
 
 
 def test_a_restarted_worker_waits_for_its_predecessors_memory(tmp_path, monkeypatch):
@@ -211,13 +215,13 @@ def test_a_restarted_worker_waits_for_its_predecessors_memory(tmp_path, monkeypa
     fake_gpus(monkeypatch, lambda device: 80 * 2**30 if seconds[0] >= released_at else 10 * 2**30)
     options = gpu_options(tmp_path, ("cuda:0",))
     clock, sleep = (lambda: seconds[0]), (lambda s: seconds.__setitem__(0, seconds[0] + s))
-    with pytest.raises(decoding.InputError, match=r"10\.0 GiB is free"):
-        decoding.wait_for_room(options, ("cuda:0",), clock=clock, sleep=sleep)
-    decoding.wait_for_room(options, ("cuda:0",), wait_s=60.0, clock=clock, sleep=sleep)
+    with pytest.raises(InputError, match=r"10\.0 GiB is free"):
+        device_plan.wait_for_room(options, ("cuda:0",), clock=clock, sleep=sleep)
+    device_plan.wait_for_room(options, ("cuda:0",), wait_s=60.0, clock=clock, sleep=sleep)
     assert seconds[0] == released_at
     seconds[0] = 0.0
-    with pytest.raises(decoding.InputError, match=r"10\.0 GiB is free"):
-        decoding.wait_for_room(options, ("cuda:0",), wait_s=5.0, clock=clock, sleep=sleep)
+    with pytest.raises(InputError, match=r"10\.0 GiB is free"):
+        device_plan.wait_for_room(options, ("cuda:0",), wait_s=5.0, clock=clock, sleep=sleep)
 
 
 def test_cost_and_run_plan_alike(tmp_path):
@@ -234,6 +238,6 @@ def test_cost_and_run_plan_alike(tmp_path):
                                       paths["prm"], "--batch", "8", "--format", "json"])
     assert result.exit_code == 0, result.output
     cost = orjson.loads(result.stdout)
-    plan = decoding.memory_plan(options, "cuda:0")
+    plan = device_plan.memory_plan(options, "cuda:0")
     assert cost["device_bytes"] == plan.total
     assert {m["role"]: m["kv_bytes"] for m in cost["devices"]} == {role: plan.bytes(role, "kv") for role in plan.roles}

@@ -5,7 +5,7 @@ card run through transformers; the choice of a recipe and its one-line errors.""
 
 import pytest
 
-from kvrescue_cli.decoding import load_roles
+from kvrescue_cli.loading import load_roles
 from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.prm import PRMScorer, check_prm, prm_last_scores, prm_scores, trajectory_ids
 from kvrescue_cli.engine.prm_recipes import FORMATS, PRM_RECIPES, get_recipe

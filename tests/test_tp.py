@@ -197,7 +197,7 @@ def test_the_other_ranks_wait_between_cells_as_long_as_rank_0_lives(models, monk
     slowest actor of a grid): rank 1 is still there for the second cell, and exits when told to."""
     from datetime import timedelta
 
-    from kvrescue_cli import decoding, rank_group
+    from kvrescue_cli import in_process, rank_group
     from kvrescue_cli.data import Problem, ProblemSet
     from kvrescue_cli.grid import Cell, GridOptions
     from kvrescue_cli.search import SearchSettings
@@ -211,7 +211,7 @@ def test_the_other_ranks_wait_between_cells_as_long_as_rank_0_lives(models, monk
     problems = [Problem(i, f"What is {i} + 1?", str(i + 1), {}) for i in range(2)]
     cell = Cell(ProblemSet("t", "generic", "t.jsonl", problems), "bon", 16, 2, 0)
     traces = []
-    group = decoding.InProcessGroup(options, ("cpu", "cpu"))
+    group = in_process.InProcessGroup(options, ("cpu", "cpu"))
     try:
         group.decode(cell, problems[:1], lambda trace, tokens: traces.append(trace))
         time.sleep(25)

@@ -11,7 +11,9 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from kvrescue_cli import decoding
+from kvrescue_cli.cell_engine import build_cell
+from kvrescue_cli.decoding import decode
+from kvrescue_cli.loading import load_roles
 from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.engine.runner import Runner
 
@@ -44,12 +46,13 @@ if __name__ == "__main__":
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=int(rank), world_size=int(world),
                             timeout=timedelta(seconds=60))  # a rank left waiting by a diverged one fails soon
     options, cell = pickle.loads(Path(setup).read_bytes())
-    models = decoding.load_roles(options, "cpu")
+    models = load_roles(options, "cpu")
     if rank == "1":
         disagree()
     made = []
     try:
-        decoding.decode(options, cell, models, cell.problems.problems, lambda trace, tokens: made.append(decisions(trace)))
+        decode(options, cell, build_cell(options, cell, models), cell.problems.problems,
+               lambda trace, tokens: made.append(decisions(trace)))
     finally:
         Path(out).write_bytes(orjson.dumps(made))
         dist.destroy_process_group()

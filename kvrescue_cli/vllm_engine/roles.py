@@ -43,7 +43,7 @@ class VllmEngines:
     """The started engines: a `VllmRunner` per cell for the base/helper roles, a `VLLMPRMScorer` for the PRM."""
 
     def __init__(self, specs: list[EngineSpec], dtype: str, recipe: PRMRecipe, memory: list[dict[str, Any]]) -> None:
-        """`memory`: each engine's share of the device as `start_llm` takes it (decoding.vllm_memory), in
+        """`memory`: each engine's share of the device as `start_llm` takes it (device_plan.vllm_memory), in
         `specs` order; `recipe`: the PRM's input recipe (engine/prm_recipes)."""
         self.version = require_vllm().__version__
         self.recipe = recipe
