@@ -35,6 +35,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,10 +46,13 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.gather_reference: the former path, kept as test code
 
-import kvrescue_cli.decoding as decoding  # noqa: E402
+from kvrescue_cli.cell_engine import CellParts  # noqa: E402
 from kvrescue_cli.engine.caches import FullCache, block_size_for  # noqa: E402
 from kvrescue_cli.engine.sampling import SamplingParams  # noqa: E402
-from kvrescue_cli.runs import GridOptions, run_grid  # noqa: E402
+from kvrescue_cli.grid import grid_options  # noqa: E402
+from kvrescue_cli.in_process import InProcessGroup  # noqa: E402
+from kvrescue_cli.runs import prepare_grid, run_cell  # noqa: E402
+from kvrescue_cli.scorers import HELPER_LOGLIK  # noqa: E402
 from kvrescue_cli.search import SearchSettings  # noqa: E402
 from kvrescue_cli.smollm import smollm2_folder  # noqa: E402
 from tests.gather_reference import gather_attend  # noqa: E402
@@ -176,34 +180,22 @@ def end_to_end(limit: int, n: int, synthetic: tuple[int, int]) -> list[dict]:
             return gather_attend(self, layer, *self.gathered, q)
 
     model = str(smollm2_folder())
-    loading = {"s": 0.0}
-    load_roles = decoding.load_roles
-
-    def timed_load(*args, **kw):
-        started = time.perf_counter()
-        try:
-            return load_roles(*args, **kw)
-        finally:
-            loading["s"] += time.perf_counter() - started
-
-    decoding.load_roles = timed_load
+    options, (cell,) = prepare_grid(grid_options(
+        {"base": model, "helper": model, "prm": HELPER_LOGLIK},
+        SearchSettings(sampling=SamplingParams(), batch=4, synthetic_steps=synthetic), Path(tempfile.mkdtemp()),
+        benches=["gsm8k"], methods=["full"], budgets=[64], ns=[n], seeds=[0], evictor="rkv", limit=limit))
     figures = []
     for name, cls in (("gather", GatherCache), ("paged", PagedCache), ("cascade", FullCache)):
-        decoding.FullCache = cls
-        loading["s"] = 0.0
-        options = GridOptions(
-            benches=["gsm8k"], methods=["full"], budgets=[64], ns=[n], seeds=[0], evictor="rkv",
-            models={"base": model, "helper": model, "prm": "helper-loglik"}, scorer="helper-loglik",
-            settings=SearchSettings(sampling=SamplingParams(), batch=4, synthetic_steps=synthetic),
-            out=Path(tempfile.mkdtemp()),
-            limit=limit, data_dir=None,
-        )
-        started = time.perf_counter()
-        ((_, summary),) = run_grid(options, Progress(disable=True))
-        wall = time.perf_counter() - started - loading["s"]
+        fresh = replace(options, out=Path(tempfile.mkdtemp()))
+        group = InProcessGroup(fresh, fresh.devices, CellParts(full_cache=cls))  # the models load untimed
+        try:
+            started = time.perf_counter()
+            summary = run_cell(fresh, cell, group, Progress(disable=True))
+            wall = time.perf_counter() - started
+        finally:
+            group.close()
         figures.append({"variant": name, "wall_s": wall, "problems": summary.problems,
                         "base_tokens": summary.base_tokens, "problems_per_min": 60 * summary.problems / wall})
-    decoding.FullCache, decoding.load_roles = FullCache, load_roles
     for f in figures:
         f["speedup_vs_gather"] = figures[0]["wall_s"] / f["wall_s"]
     return figures

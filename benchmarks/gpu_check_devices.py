@@ -1,5 +1,5 @@
 """gpu_check's `devices` section (two or more GPUs visible): a run given `--devices cuda:N` computes on GPU N. The
-in-process executor (`decoding.InProcessGroup`, what `kvrescue run` builds for one device group) loads small random
+in-process executor (`in_process.InProcessGroup`, what `kvrescue run` builds for one device group) loads small random
 checkpoints, written to a scratch folder, on the last visible GPU and decodes a kvrescue cell of 2 problems there;
 every model parameter must lie on that device, and no other visible GPU may gain allocated bytes."""
 
@@ -13,7 +13,7 @@ import torch
 
 from gpu_check_problems import synthetic_grid
 from gpu_check_record import Check
-from kvrescue_cli.decoding import InProcessGroup
+from kvrescue_cli.in_process import InProcessGroup
 from kvrescue_cli.grid import Cell
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 

@@ -14,6 +14,7 @@ import torch
 from gpu_check_problems import ROLES, synthetic_grid
 from gpu_check_record import Check
 from gpu_check_setup import QWEN25_05B, TINY, random_loaded
+from kvrescue_cli.cell_engine import build_cell
 from kvrescue_cli.decoding import decode
 from kvrescue_cli.dry_run import TokenScript, fake_model
 from kvrescue_cli.fake_cuda import FakeCuda
@@ -36,7 +37,8 @@ def cell_memory(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dict
         gc.disable()
         try:
             before = torch.cuda.memory_allocated(on)
-            decode(options, Cell(problems, "kvrescue", plan["budget"], plan["n"], 0), models, iter(problems.problems),
+            cell = Cell(problems, "kvrescue", plan["budget"], plan["n"], 0)
+            decode(options, cell, build_cell(options, cell, models), iter(problems.problems),
                    lambda trace, _: finished.append(trace))
             left = torch.cuda.memory_allocated(on) - before
         finally:

@@ -12,9 +12,10 @@ import torch
 from gpu_check_record import Check, interrupted_at
 from gpu_check_setup import PARAMS, PROBLEM_RUNS, QWEN25_MATH_7B, QWEN25_MATH_15B, QWEN25_MATH_PRM_7B, TINY, random_loaded
 from kvrescue_cli.data import Problem, ProblemSet
+from kvrescue_cli.cell_engine import build_cell
 from kvrescue_cli.decoding import decode
 from kvrescue_cli.engine.loader import LoadedModel
-from kvrescue_cli.grid import Cell, GridOptions
+from kvrescue_cli.grid import Cell, GridOptions, grid_options
 from kvrescue_cli.outputs import Trace
 from kvrescue_cli.random_checkpoints import build_tokenizer
 from kvrescue_cli.search import SearchSettings
@@ -29,7 +30,7 @@ def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems
     finished: list[tuple[Trace, float]] = []
     start = time.perf_counter()
     with interrupted_at(stop_at) as cut:
-        decode(options, cell, models, iter(problems.problems),
+        decode(options, cell, build_cell(options, cell, models), iter(problems.problems),
                lambda trace, _: finished.append((trace, time.perf_counter())))
     result: dict[str, Any] = {"problems": len(finished), "batch": options.settings.batch,
                               "cut": cut(), "cut_after_s": time.perf_counter() - start if cut() else None}
@@ -50,10 +51,9 @@ def synthetic_grid(plan: dict, device: str, dtype: torch.dtype, problems: int) -
         Problem(i, f"What is {i} + {2 * i}? Let x be the answer.", str(3 * i), {}) for i in range(problems)])
     settings = SearchSettings(sampling=PARAMS, batch=plan["batch"], synthetic_steps=plan["synthetic"],
                               max_step_tokens=plan["synthetic"][0], context_cap=4096)
-    options = GridOptions(benches=["synthetic"], methods=["bon", "kvrescue", "full"], budgets=[plan["budget"]],
-                          ns=[plan["n"]], seeds=[0], evictor="rkv", models={r: f"random-{r}" for r in ROLES},
-                          scorer="prm", settings=settings, out=Path("unused"), devices=(device,),
-                          dtype=str(dtype).removeprefix("torch."))
+    options = grid_options({r: f"random-{r}" for r in ROLES}, settings, Path("unused"), benches=["synthetic"],
+                           methods=["bon", "kvrescue", "full"], budgets=[plan["budget"]], ns=[plan["n"]], seeds=[0],
+                           evictor="rkv", devices=(device,), dtype=str(dtype).removeprefix("torch."))
     return options, problem_set
 
 

@@ -59,18 +59,48 @@ def _op_split(profile) -> dict:
     return {"op_seconds": sum(e.cpu_time_total for e in outer) / 1e6, "ops": len(outer), "top_ops": top}
 
 
+def _cell_decoder(models: dict, settings, out: Path, items: list, scorer, grade):
+    """The kvrescue cell of `items` built through the public seams (`build_cell` with a scorer in place of the
+    grid's, `decode` with a grade function); a baseline from before them (no `cell_engine`) is patched as it was."""
+    from kvrescue_cli.data import ProblemSet
+    try:
+        from kvrescue_cli.grid import Cell, grid_options
+        from kvrescue_cli.cell_engine import CellParts, build_cell
+        from kvrescue_cli.decoding import decode
+    except ImportError:
+        return _old_cell_decoder(models, settings, out, items, scorer, grade)
+    options = grid_options({"base": "policy", "helper": "policy", "prm": "prm"}, settings, out,
+                           benches=["synthetic"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv")
+    cell = Cell(ProblemSet("synthetic", "generic", "host_bench", items), "kvrescue", 64, 8, 0)
+    return lambda emit: decode(options, cell, build_cell(options, cell, models, parts=CellParts(scorer=scorer)),
+                               items, emit, grade=grade)
+
+
+def _old_cell_decoder(models: dict, settings, out: Path, items: list, scorer, grade):
+    """A baseline's cell decode, from before the seams: its module's scorer and grader replaced."""
+    import kvrescue_cli.runs as runs
+    from kvrescue_cli.data import ProblemSet
+    try:
+        import kvrescue_cli.decoding as decoding  # where `_scorer` lived since the grid was split for Ray
+    except ImportError:  # a baseline from before that move
+        decoding = runs  # `decode` lived in runs too
+    if scorer is not None:
+        decoding._scorer = lambda *args: scorer  # (options, cell, models[, engines])
+    decoding.grade = grade
+    options = runs.GridOptions(
+        benches=["synthetic"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv",
+        models={"base": "policy", "helper": "policy", "prm": "prm"}, scorer="prm", settings=settings, out=out)
+    cell = runs.Cell(ProblemSet("synthetic", "generic", "host_bench", items), "kvrescue", 64, 8, 0)
+    return lambda emit: decoding.decode(options, cell, models, items, emit)
+
+
 def measure(scorer: str, steps: int, problems: int, mode: str) -> dict:
     """One cell through `decode` (what `run_cell` calls, minus the run folder); returns µs per candidate
     token (model loading and grading excluded). mode: "wall", "ops" (under torch.profiler) or "cprofile"."""
     import kvrescue_cli
-    import kvrescue_cli.runs as runs
-    from kvrescue_cli.data import Problem, ProblemSet
+    from kvrescue_cli.data import Problem
     from kvrescue_cli.engine.loader import load_model
     from kvrescue_cli.search import SearchSettings
-    try:
-        import kvrescue_cli.decoding as decoding  # where `_scorer` lives since the grid was split for Ray
-    except ImportError:  # a baseline from before that move
-        decoding = runs  # `decode` lived in runs too
 
     class ConstantScorer:
         """Every candidate scores 0.5 (the first one is committed): the decode loop without a scorer."""
@@ -82,26 +112,23 @@ def measure(scorer: str, steps: int, problems: int, mode: str) -> dict:
         def commit(self, key, text, tokens): pass
         def close(self, key): return 0, 0
 
+    def instant(output, gt, bench, **kw):
+        # The grader's verdict is instant, as the PRM's is without a scorer: every problem of the cell finishes at
+        # once here, so a grading thread could hide nothing, and the grader's cost is its own (grade_bench).
+        # The whole run (`--whole`) grades for real.
+        from grader import GradeResult
+        return GradeResult(False, "", gt)
+
     with tempfile.TemporaryDirectory() as tmp:
         policy_dir, prm_dir = _checkpoints(Path(tmp))
         policy, prm = load_model(policy_dir), load_model(prm_dir)
         models = {"base": policy, "helper": policy, "prm": prm}
-        if scorer == "none":
-            decoding._scorer = lambda *args: ConstantScorer()  # (options, cell, models[, engines])
-        from grader import GradeResult
-        # The grader's verdict is instant, as the PRM's is without a scorer: every problem of the cell finishes at
-        # once here, so a grading thread could hide nothing, and the grader's cost is its own (grade_bench).
-        # The whole run (`--whole`) grades for real.
-        decoding.grade = lambda output, gt, bench, timeout=3.0: GradeResult(False, "", gt)
         settings = SearchSettings(batch=problems, synthetic_steps=(32, steps), max_step_tokens=32, context_cap=4096)
-        options = runs.GridOptions(
-            benches=["synthetic"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv",
-            models={"base": "policy", "helper": "policy", "prm": "prm"}, scorer="prm", settings=settings,
-            out=Path(tmp) / "runs")
         items = [Problem(i, f"What is {i} + {2 * i}? Let x be the answer.", str(3 * i), {}) for i in range(problems)]
-        cell = runs.Cell(ProblemSet("synthetic", "generic", "host_bench", items), "kvrescue", 64, 8, 0)
+        constant = ConstantScorer() if scorer == "none" else None
+        decode_cell = _cell_decoder(models, settings, Path(tmp) / "runs", items, constant, instant)
         generated = []
-        run = lambda: decoding.decode(options, cell, models, items, lambda trace, tokens: generated.append(tokens))  # noqa: E731
+        run = lambda: decode_cell(lambda trace, tokens: generated.append(tokens))  # noqa: E731
         result: dict = {}
         if mode == "ops":
             from torch.profiler import ProfilerActivity, profile

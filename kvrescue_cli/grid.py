@@ -5,20 +5,23 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.devices import CPU, GPU
 from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
 from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
 from kvrescue_cli.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES, PRMRecipe, get_recipe
+from kvrescue_cli.engine.prm_recipes.choose import AUTO as PRM_AUTO
+from kvrescue_cli.engine.prm_recipes.choose import auto_recipe, weight_names
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grading import check_grader
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.prompts import PROMPT_STYLES, resolve_style
+from kvrescue_cli.scorers import HELPER_LOGLIK, PRM, SCORERS
 from kvrescue_cli.search import SearchSettings
 from kvrescue_cli.shapes import BUFFER
 
-SCORERS = ("prm", "helper-loglik")
 DEFAULT_BATCH = {CPU: 4, GPU: 64}  # --batch unless auto (a GPU's default, except on a Ray cluster)
 ENGINES = ("native", "vllm")
 
@@ -112,7 +115,7 @@ class GridOptions:
         """The roles the grid runs on this engine: the rest, and the helper of the helper-loglik scorer."""
         roles = {role for method in self.methods for role in roles_needed([method], self.scorer)
                  if not self.on_vllm(role, method)}
-        return roles | ({"helper"} if self.scorer == "helper-loglik" else set())
+        return roles | ({"helper"} if self.scorer == HELPER_LOGLIK else set())
 
     def check(self) -> None:
         """One-line errors for options that can't run."""
@@ -140,9 +143,7 @@ class GridOptions:
         for n in self.ns:
             if n < 1:
                 raise InputError(f"--n {n}: need at least one candidate per model")
-        if len(self.devices) % self.tp:
-            raise InputError(f"--tp {self.tp} does not divide the {len(self.devices)} devices of --devices "
-                             f"{','.join(self.devices)}: each group of {self.tp} devices is one worker")
+        device_groups(self.devices, self.tp)
         if self.engine not in ENGINES:
             raise InputError(f"--engine {self.engine!r}: expected {' or '.join(ENGINES)}")
         if self.engine == "vllm" and (len(self.devices) > 1 or self.ray_address is not None):
@@ -189,6 +190,41 @@ def resolve_prompt(options: GridOptions) -> GridOptions:
     return replace(options, prompt=resolve_style("auto", model, model_type))
 
 
+def device_groups(devices: tuple[str, ...], size: int = 1) -> list[tuple[str, ...]]:
+    """The devices in consecutive groups of `size` (--tp's K): one worker per group; a one-line error when `size`
+    does not divide them."""
+    if len(devices) % size:
+        raise InputError(f"--tp {size} does not divide the {len(devices)} devices of --devices {','.join(devices)} "
+                         f"({len(devices)} devices do not split into groups of {size}): each group is one worker")
+    return [devices[i:i + size] for i in range(0, len(devices), size)]
+
+
+def parse_shard(value: str | None) -> tuple[int, int] | None:
+    """--shard i/k as (i, k) (`GridOptions.check` refuses all but 0 <= i < k); a one-line error for another form."""
+    if value is None:
+        return None
+    parts = value.split("/")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise InputError(f"--shard {value!r}: expected i/k with 0 <= i < k, e.g. 0/4")
+    return int(parts[0]), int(parts[1])
+
+
+def split_scorer(models: dict[str, str]) -> tuple[dict[str, str], str]:
+    """--prm names a PRM checkpoint, or the named alternative scorer (`--prm helper-loglik`): the grid's models (no
+    `prm` role for the alternative) and its scorer (`scorers.SCORERS`)."""
+    if models.get("prm") in SCORERS[1:]:
+        return {role: model for role, model in models.items() if role != "prm"}, models["prm"]
+    return models, PRM
+
+
+def grid_options(models: dict[str, str], settings: SearchSettings, out: Path, **fields: Any) -> GridOptions:
+    """The grid as `kvrescue run` builds it from its options (the CLI, benchmarks): `models` by role as --base,
+    --helper and --prm give them (`prm` may name the alternative scorer: `split_scorer`); `fields`: the rest of
+    `GridOptions` (its axes, evictor, ...)."""
+    models, scorer = split_scorer(models)
+    return GridOptions(models=models, scorer=scorer, settings=settings, out=out, **fields)
+
+
 def roles_needed(methods: list[str], scorer: str) -> set[str]:
     """Which models the grid needs: base, helper, prm."""
     roles = set()
@@ -196,5 +232,30 @@ def roles_needed(methods: list[str], scorer: str) -> set[str]:
         spec = METHODS[method]
         roles |= {"base"} if spec.base else set()
         roles |= {"helper"} if spec.helper else set()
-    roles.add("prm" if scorer == "prm" else "helper")
+    roles.add("prm" if scorer == PRM else "helper")
     return roles
+
+
+def resolve_prm_recipe(options: GridOptions) -> GridOptions:
+    """`options` with `--prm-recipe auto` resolved from the PRM checkpoint; one-line errors for a PRM no recipe fits
+    and for a recipe `--engine vllm` cannot serve."""
+    if options.scorer != PRM:
+        return options
+    name = options.prm_recipe
+    if name == PRM_AUTO:
+        from kvrescue_cli.model_config import ModelConfigError, load_config
+
+        model = options.models["prm"]
+        try:
+            cfg = load_config(model)
+        except ModelConfigError:  # a GGUF file, or offline: the weights and the name decide
+            cfg = {}
+        name = auto_recipe(model, cfg, weight_names(model))
+        if name is None:
+            raise InputError(f"--prm {model} has no PRM head (score.0/score.2 or v_head.summary weights) and no PRM "
+                             f"recipe is known for its architecture ({cfg.get('model_type')}): give --prm-recipe, one "
+                             f"of {', '.join(PRM_RECIPES)}, or --prm {HELPER_LOGLIK} for the named alternative scorer")
+    recipe = get_recipe(name, options.prm_format)
+    if recipe.no_vllm and "prm" in options.vllm_roles():
+        raise InputError(f"--engine vllm: {recipe.no_vllm}")
+    return replace(options, prm_recipe=name)

@@ -27,6 +27,7 @@ from kvrescue_cli.cost import Architecture, format_bytes
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError
+from kvrescue_cli.scorers import HELPER_LOGLIK, PRM
 from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, COMPRESS_BYTES, FLASH_BLOCK, LOGITS_BYTES,
                                  OBSERVATION_WINDOW, PRM_WINDOW, SCORE_BYTES, BUFFER, local_args, shard_degree)
 
@@ -315,7 +316,7 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
     if s.helper:
         full_runner("helper")
     candidates = s.batch * s.n * ((s.base is not None) + s.helper)
-    if s.scorer == "prm":
+    if s.scorer == PRM:
         r = roles["prm"]
         tokens = s.batch * (PRM_WINDOW + block) + s.batch * 2 * s.n * (step + block + 1)  # `PRMScorer.cache_tokens`
         add("prm", "kv", blocks(tokens, block) * r.kv_token, f"PRM K/V: {tokens} tokens")
@@ -326,12 +327,12 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         fed = max(prompt, suffix)  # a problem's prompt, or its last committed step
         moment("prm", fwd(r, s.batch, fed, Keys(path, keys), head),
                f"feed of {s.batch} problems' prompts or steps")
-    elif s.scorer == "helper-loglik":
+    elif s.scorer == HELPER_LOGLIK:
         r = roles["helper"]
         tokens = loglik_cache_tokens(s.batch, s.n, step, cap)
-        add("helper-loglik", "kv", blocks(tokens, block) * r.kv_token, f"scorer K/V: {tokens} tokens")
-        add("helper-loglik", "buffers", s.batch * r.vocab * FP32, "fp32 last logits of each problem")
-        moment("helper-loglik", forked(r, candidates, step, path, blocks(cap + step, block), block, "chunked"),
+        add(HELPER_LOGLIK, "kv", blocks(tokens, block) * r.kv_token, f"scorer K/V: {tokens} tokens")
+        add(HELPER_LOGLIK, "buffers", s.batch * r.vocab * FP32, "fp32 last logits of each problem")
+        moment(HELPER_LOGLIK, forked(r, candidates, step, path, blocks(cap + step, block), block, "chunked"),
                f"log-likelihoods of {candidates} candidates")
     return plan
 
@@ -347,7 +348,7 @@ def cell_shapes(options: Any, batch: int | None = None) -> list[CellShape]:
         if spec.base and not options.on_vllm("base", method):
             base = "bounded" if options.evicts(method) else "full"
         helper = spec.helper and not options.on_vllm("helper", method)
-        scorer = None if options.on_vllm("prm", method) and options.scorer == "prm" else options.scorer
+        scorer = None if options.on_vllm("prm", method) and options.scorer == PRM else options.scorer
         for budget in options.budgets if base == "bounded" else [None]:
             for n in options.ns:
                 shapes.append(CellShape(batch or s.batch, n, base, budget, helper, scorer, s.max_step_tokens,

@@ -10,12 +10,12 @@ from rich.progress import Progress
 
 from kvrescue_cli import in_process, workers
 from kvrescue_cli.data import GENERIC, data_dir, load_problems
-from kvrescue_cli.engine.prm_recipes.choose import resolve_prm_recipe
 from kvrescue_cli.device_plan import memory_plan
 from kvrescue_cli.engine.sampling import STREAM_VERSION
-from kvrescue_cli.grid import Cell, GridOptions, resolve_prompt, roles_needed
+from kvrescue_cli.grid import Cell, GridOptions, device_groups, resolve_prm_recipe, resolve_prompt, roles_needed
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import model_revision
+from kvrescue_cli.scorers import PRM
 from kvrescue_cli.outputs import (
     ModelRef, RunConfig, RunFolder, RunFolderError, Summary, Trace, problem_checksum, run_dir, same_cell_elsewhere,
 )
@@ -41,8 +41,8 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             "temperature": s.sampling.temperature, "top_p": s.sampling.top_p, "top_k": s.sampling.top_k,
             "detector": vars(s.detector) if spec.detector else None,
             "buffer": options.buffer if options.evicts(cell.method) else None,
-            "prm_format": options.prm_format if options.scorer == "prm" and options.prm_recipe == "qwen-math" else None,
-            **({"prm_recipe": options.prm_recipe} if options.scorer == "prm" and options.prm_recipe != "qwen-math"
+            "prm_format": options.prm_format if options.scorer == PRM and options.prm_recipe == "qwen-math" else None,
+            **({"prm_recipe": options.prm_recipe} if options.scorer == PRM and options.prm_recipe != "qwen-math"
                else {}),  # absent: Qwen2.5-Math-PRM's, in `prm_format`
             "max_step_tokens": s.max_step_tokens, "max_steps": s.max_steps, "context_cap": s.context_cap,
             "synthetic_steps": list(s.synthetic_steps) if s.synthetic_steps else None,
@@ -115,8 +115,9 @@ def _cell_label(config: RunConfig) -> str:
     return f"{config.bench_name()} {config.method}{budget} N={config.n} seed={config.seed}"
 
 
-def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, Summary]]:
-    """Every cell of the grid, models loaded once; cells already complete are only summarised."""
+def prepare_grid(options: GridOptions) -> tuple[GridOptions, list[Cell]]:
+    """The options checked and resolved (`--prompt auto`, `--prm-recipe auto`) and the grid's cells, their problems
+    read (this shard's, with --shard); one-line errors before any weights are read."""
     options.check()
     options = resolve_prm_recipe(resolve_prompt(options))
     folder = data_dir(options.data_dir)
@@ -127,7 +128,13 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
         sets = [replace(problems, problems=problems.problems[i::k]) for problems in sets]
     cells = options.cells(sets)
     memory_plan(options, options.devices[0])  # a base whose heads --tp does not split: an error before loading
-    groups = workers.device_groups(options.devices, options.tp)
+    return options, cells
+
+
+def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, Summary]]:
+    """Every cell of the grid, models loaded once; cells already complete are only summarised."""
+    options, cells = prepare_grid(options)
+    groups = device_groups(options.devices, options.tp)
     if len(groups) == 1 and options.ray_address is None:
         executor = in_process.InProcessGroup(options, groups[0])
         try:

@@ -30,14 +30,15 @@ PROGRESS_EVERY_S = env_seconds("KVRESCUE_PROGRESS_EVERY_S", 2.0)
 @dataclass(frozen=True)
 class SearchSettings:
     """The run's settings the controller decides with (a cell's method, N and seed come with the cell); defaults are
-    the paper's."""
+    the paper's. `batch`, problems in flight, has none here: the grid's (`grid.DEFAULT_BATCH`) depends on the
+    device."""
 
     sampling: SamplingParams = SamplingParams()
     detector: DetectorConfig = DetectorConfig()
     max_step_tokens: int = MAX_STEP_TOKENS
     max_steps: int = MAX_STEPS
     context_cap: int = MAX_CONTEXT
-    batch: int = 8
+    batch: int = field(kw_only=True)
     synthetic_steps: tuple[int, int] | None = None  # (LEN, COUNT): steps end after LEN tokens, problems after COUNT steps
 
     @property

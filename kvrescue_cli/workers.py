@@ -39,6 +39,7 @@ from kvrescue_cli.loading import load_roles
 from kvrescue_cli.data import Problem
 from kvrescue_cli.devices import GPU, device_list, gpu_index, is_cpu, is_gpu, kind_of
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.grid import device_groups
 from kvrescue_cli.outputs import Trace
 from kvrescue_cli.rank_group import RankGroup
 from kvrescue_cli.search import DecodeProgress
@@ -95,13 +96,6 @@ def _cluster_devices(spec: str, address: str) -> tuple[str, ...]:
     if devices.count(GPU) > gpus:
         raise InputError(f"--devices {spec!r}: the cluster at {address} offers {gpus} GPUs")
     return devices
-
-
-def device_groups(devices: tuple[str, ...], size: int = 1) -> list[tuple[str, ...]]:
-    """The devices in consecutive groups of `size` (tensor parallelism's K): one worker per group."""
-    if len(devices) % size:
-        raise InputError(f"{len(devices)} devices do not split into groups of {size}")
-    return [devices[i:i + size] for i in range(0, len(devices), size)]
 
 
 def named_gpus(groups: list[tuple[str, ...]], visible: str | None) -> list[str]:

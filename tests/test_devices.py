@@ -12,7 +12,8 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import GridOptions
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.search import SearchSettings
-from kvrescue_cli.workers import RayWorkers, actor_devices, actor_resources, device_groups
+from kvrescue_cli.grid import device_groups
+from kvrescue_cli.workers import RayWorkers, actor_devices, actor_resources
 
 GiB = 2**30
 

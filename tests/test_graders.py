@@ -104,7 +104,7 @@ def test_the_grader_is_part_of_a_runs_identity_and_qwen_keeps_old_folders():
 
     def config(**kw) -> RunConfig:
         options = GridOptions(["math500"], ["bon"], [64], [8], [0], "rkv", {"base": "b", "prm": "p"}, "prm",
-                              SearchSettings(), Path("runs"), **kw)
+                              SearchSettings(batch=8), Path("runs"), **kw)
         return cell_config(options, Cell(ProblemSet("math500", "math500", "math500", []), "bon", 64, 8, 0))
 
     qwen, verify = config(), config(grader="math-verify")

@@ -1,25 +1,26 @@
-"""kvrescue_cli's modules import one another without a circle (a circle makes import order matter and hides which layer depends on which).
+"""kvrescue_cli's and grader's modules import one another without a circle (a circle makes import order matter and
+hides which layer depends on which).
 
-The graph is read statically with `ast`: every `import` and `from ... import` of a kvrescue_cli module, at the top of
-a file or inside a function (a deferred import is still a dependency), each edge to the module itself (not to the
-packages around it).
+The graph is read statically with `ast`: every `import` and `from ... import` of a module of either package, at the
+top of a file or inside a function (a deferred import is still a dependency), each edge to the module itself (not to
+the packages around it).
 """
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = "kvrescue_cli"
+PACKAGES = ("kvrescue_cli", "grader")
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported(path: Path, modules: set[str]) -> set[str]:
-    """The kvrescue_cli modules `path` imports."""
-    name, found = module_name(path), set()
+def imported(path: Path, modules: set[str], root: Path = ROOT) -> set[str]:
+    """The modules of `modules` that `path` imports."""
+    name, found = module_name(path, root), set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -33,10 +34,10 @@ def imported(path: Path, modules: set[str]) -> set[str]:
     return found & modules - {name}
 
 
-def import_graph() -> dict[str, set[str]]:
-    paths = sorted((ROOT / PACKAGE).rglob("*.py"))
-    modules = {module_name(p) for p in paths}
-    return {module_name(p): imported(p, modules) for p in paths}
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    paths = sorted(p for package in packages for p in (root / package).rglob("*.py"))
+    modules = {module_name(p, root) for p in paths}
+    return {module_name(p, root): imported(p, modules, root) for p in paths}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -66,7 +67,18 @@ def test_the_walk_finds_a_circle_and_reads_every_kind_of_import():
     assert "kvrescue_cli.in_process" in graph["kvrescue_cli.runs"]  # from kvrescue_cli import in_process
     assert "kvrescue_cli.engine.runner" in graph["kvrescue_cli.engine.scoring"]  # from kvrescue_cli.engine.runner import
     assert "kvrescue_cli.engine.prm" in graph["kvrescue_cli.engine"]  # a package's own relative or absolute imports
+    assert "grader.sandbox" in graph["grader"] and "grader" in graph["kvrescue_cli.decoding"]  # the grader's too
 
 
-def test_no_module_of_kvrescue_cli_imports_itself_through_others():
+def test_a_circle_through_a_deferred_import_between_packages_is_found(tmp_path):
+    """A function-level import that closes a circle across the two packages is one."""
+    for package in ("kvrescue_cli", "grader"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "kvrescue_cli" / "errors.py").write_text("from grader import pipeline\n")
+    (tmp_path / "grader" / "pipeline.py").write_text("def late():\n    from kvrescue_cli import errors\n")
+    assert cycles(import_graph(tmp_path)) == [["grader.pipeline", "kvrescue_cli.errors", "grader.pipeline"]]
+
+
+def test_no_module_of_kvrescue_cli_or_grader_imports_itself_through_others():
     assert cycles(import_graph()) == []

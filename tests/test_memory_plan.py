@@ -136,7 +136,7 @@ def test_batch_auto_is_the_largest_that_fits(tmp_path):
     paths = write_paper_configs(tmp_path)
     options = GridOptions(benches=["math500"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv",
                           models={"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},
-                          scorer="prm", settings=SearchSettings(), out=tmp_path, dtype="bfloat16",
+                          scorer="prm", settings=SearchSettings(batch=8), out=tmp_path, dtype="bfloat16",
                           devices=("cuda:0",), device_memory=80 * 10**9)
     batch = device_plan.auto_batch(options, [("cuda:0",)])
     room = 80 * 10**9 - memory_plan.headroom(80 * 10**9)

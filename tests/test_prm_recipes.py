@@ -9,7 +9,8 @@ from kvrescue_cli.loading import load_roles
 from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.prm import PRMScorer, check_prm, prm_last_scores, prm_scores, trajectory_ids
 from kvrescue_cli.engine.prm_recipes import FORMATS, PRM_RECIPES, get_recipe
-from kvrescue_cli.engine.prm_recipes.choose import auto_recipe, resolve_prm_recipe, weight_names
+from kvrescue_cli.engine.prm_recipes.choose import auto_recipe, weight_names
+from kvrescue_cli.grid import resolve_prm_recipe
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import GridOptions
 from kvrescue_cli.model_config import load_config
@@ -99,7 +100,7 @@ def test_the_recipe_is_chosen_from_the_checkpoint(rlhflow_dir, math_shepherd_dir
 
 
 def _options(prm: str, **kw) -> GridOptions:
-    given = dict(models={"base": "b", "helper": "h", "prm": prm}, settings=SearchSettings()) | kw
+    given = dict(models={"base": "b", "helper": "h", "prm": prm}, settings=SearchSettings(batch=8)) | kw
     return GridOptions(benches=["b"], methods=["bon"], budgets=[64], ns=[2], seeds=[0], evictor="rkv", scorer="prm",
                        out=None, **given)
 
@@ -133,5 +134,5 @@ def test_a_checkpoint_without_the_recipe_s_head_or_window_is_refused(rlhflow_dir
     assert PRMScorer(_prm(narrow), recipe=get_recipe("math-shepherd"), window=64).inputs.window == 64
     with pytest.raises(InputError, match="base model .*: its sliding_window of 64 tokens would matter for the 320"):
         load_roles(_options(str(skywork_dir), models={"base": str(narrow), "helper": "h", "prm": str(skywork_dir)},
-                            settings=SearchSettings(context_cap=320)), "cpu")
+                            settings=SearchSettings(batch=8, context_cap=320)), "cpu")
 

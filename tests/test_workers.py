@@ -60,7 +60,8 @@ def test_devices_resolve_against_the_visible_gpus(monkeypatch, gpus):
 
 
 def test_groups_and_what_their_actors_ask_ray_for():
-    from kvrescue_cli.workers import actor_resources, device_groups, named_gpus
+    from kvrescue_cli.grid import device_groups
+    from kvrescue_cli.workers import actor_resources, named_gpus
 
     groups = device_groups(("cuda:1", "cuda:3", "cuda:3", "cpu"))
     assert groups == [("cuda:1",), ("cuda:3",), ("cuda:3",), ("cpu",)]
@@ -271,7 +272,7 @@ def test_a_problem_that_kills_two_actors_is_recorded_as_failed_and_no_actor_left
 
     roles = dict(zip(("base", "helper", "prm"), models[1::2]))
     options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
-                          models=roles, scorer="prm", settings=SearchSettings(), out=tmp_path, devices=("cpu",),
+                          models=roles, scorer="prm", settings=SearchSettings(batch=8), out=tmp_path, devices=("cpu",),
                           ray_address=cluster.address)
     cell = Cell(ProblemSet("t", "generic", "t.jsonl", []), "bon", 16, 2, 0)
     said, emitted = [], []

@@ -18,6 +18,7 @@ from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.engine.steps import append_tokens
 from kvrescue_cli.model_config import window_error
 from kvrescue_cli.prompts import SYSTEM_PROMPT
+from kvrescue_cli.scorers import PRM
 from kvrescue_cli.shapes import PRM_WINDOW
 
 
@@ -184,7 +185,7 @@ class PRMScorer:
     then scores all candidates in another (more only when the cache's room splits them).
     """
 
-    name = "prm"
+    name = PRM
 
     @staticmethod
     def cache_tokens(max_problems: int, max_candidates: int, max_step_tokens: int, window: int = PRM_WINDOW,

@@ -15,6 +15,7 @@ import torch
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.steps import padded_tokens
 from kvrescue_cli.engine.transfer import upload_all
+from kvrescue_cli.scorers import HELPER_LOGLIK
 from kvrescue_cli.shapes import LOGITS_BYTES
 
 Request = tuple[int, str, list[int]]  # (problem key, candidate text, candidate tokens in the policy models' tokenizer)
@@ -55,7 +56,7 @@ class HelperLoglik:
     labelled as such in every table and summary.
     """
 
-    name = "helper-loglik"
+    name = HELPER_LOGLIK
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner

@@ -18,13 +18,14 @@ from kvrescue_cli.engine.prm import PRMInputs
 from kvrescue_cli.engine.prm_recipes import FORMATS, PRMRecipe
 from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.prompts import SYSTEM_PROMPT
+from kvrescue_cli.scorers import PRM
 from kvrescue_cli.shapes import PRM_WINDOW
 
 
 class VLLMPRMScorer:
     """The `prm` scorer on a vLLM engine started with runner "pooling" (`llm.start_llm`); the Scorer protocol."""
 
-    name = "prm"
+    name = PRM
 
     def __init__(self, llm, tokenizer, *, window: int = PRM_WINDOW, system: str = SYSTEM_PROMPT,
                  recipe: PRMRecipe = FORMATS["paper"]) -> None:

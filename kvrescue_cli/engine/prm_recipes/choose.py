@@ -1,18 +1,12 @@
-"""Which recipe a run's PRM takes: `--prm-recipe NAME`, or `auto` from the checkpoint (its head weights, its
-architecture, its name), and the one-line errors where none fits or its engine cannot serve it."""
+"""Which recipe a PRM checkpoint takes under `--prm-recipe auto`: from its head weights, its architecture, its name
+(`grid.resolve_prm_recipe` applies it to a run, with the one-line errors where none fits or vLLM cannot serve it)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvrescue_cli.engine.prm_recipes import PRM_RECIPES, get_recipe
-from kvrescue_cli.errors import InputError
-
-if TYPE_CHECKING:
-    from kvrescue_cli.grid import GridOptions
 
 AUTO = "auto"
 
@@ -53,28 +47,3 @@ def auto_recipe(model: str, cfg: dict[str, Any], names: set[str]) -> str | None:
     if "rlhflow" in lowered or cfg.get("model_type") == "llama":
         return "rlhflow"
     return None if cfg else "qwen-math"
-
-
-def resolve_prm_recipe(options: GridOptions) -> GridOptions:
-    """`options` with `--prm-recipe auto` resolved from the PRM checkpoint; one-line errors for a PRM no recipe fits
-    and for a recipe `--engine vllm` cannot serve."""
-    if options.scorer != "prm":
-        return options
-    name = options.prm_recipe
-    if name == AUTO:
-        from kvrescue_cli.model_config import ModelConfigError, load_config
-
-        model = options.models["prm"]
-        try:
-            cfg = load_config(model)
-        except ModelConfigError:  # a GGUF file, or offline: the weights and the name decide
-            cfg = {}
-        name = auto_recipe(model, cfg, weight_names(model))
-        if name is None:
-            raise InputError(f"--prm {model} has no PRM head (score.0/score.2 or v_head.summary weights) and no PRM "
-                             f"recipe is known for its architecture ({cfg.get('model_type')}): give --prm-recipe, one "
-                             f"of {', '.join(PRM_RECIPES)}, or --prm helper-loglik for the named alternative scorer")
-    recipe = get_recipe(name, options.prm_format)
-    if recipe.no_vllm and "prm" in options.vllm_roles():
-        raise InputError(f"--engine vllm: {recipe.no_vllm}")
-    return replace(options, prm_recipe=name)
