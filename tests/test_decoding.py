@@ -45,3 +45,31 @@ def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_pa
         verdict = grade(trace.output, trace.gt, "generic")
         assert (trace.pred, trace.correct, trace.gt_norm) == (verdict.pred, verdict.correct, verdict.gt)
         assert tokens == trace.tokens.base == 2 * 2 * 4  # N = 2 candidates x 2 steps x 4 tokens
+
+
+def test_a_cell_is_built_from_the_parts_given(qwen2_dir, prm_dir, tmp_path):
+    """`build_cell` takes the full-context cache's class and a scorer from `CellParts` (the benchmarks' seam), and
+    the grid's own otherwise; `--prm helper-loglik` names the scorer, not a model."""
+    from kvrescue_cli.cell_engine import CellParts
+    from kvrescue_cli.engine.caches import FullCache
+    from kvrescue_cli.engine.prm import PRMScorer
+    from kvrescue_cli.engine.scoring import HelperLoglik
+    from kvrescue_cli.grid import grid_options
+
+    class Marked(FullCache):
+        pass
+
+    settings = SearchSettings(batch=1, max_step_tokens=8, context_cap=256)
+    options = grid_options({"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}, settings, tmp_path,
+                           benches=["t"], methods=["full"], budgets=[16], ns=[2], seeds=[0], evictor="rkv")
+    cell = Cell(ProblemSet("t", "generic", "t.jsonl", []), "full", None, 2, 0)
+    models = load_roles(options, "cpu")
+    scorer = HelperLoglik(None)
+    built = build_cell(options, cell, models, parts=CellParts(full_cache=Marked, scorer=scorer))
+    assert type(built.runners["base"].cache) is Marked and built.scorer is scorer
+    own = build_cell(options, cell, models)
+    assert type(own.runners["base"].cache) is FullCache and isinstance(own.scorer, PRMScorer)
+    loglik = grid_options({"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": "helper-loglik"}, settings,
+                          tmp_path, benches=["t"], methods=["full"], budgets=[16], ns=[2], seeds=[0], evictor="rkv")
+    assert (loglik.scorer, "prm" in loglik.models) == ("helper-loglik", False)
+    assert isinstance(build_cell(loglik, cell, load_roles(loglik, "cpu")).scorer, HelperLoglik)
