@@ -516,18 +516,22 @@ def print_plan(options) -> bool:
     return fits
 
 
+def pct(x: float | None) -> str:
+    """A share as `kvrescue run`'s summary prints it."""
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def num(x: float | None) -> str:
+    """A mean or rate as `kvrescue run`'s summary prints it."""
+    return "n/a" if x is None else f"{x:.1f}"
+
+
 def summary_table(results) -> Table:
     """One row per cell: the figures `kvrescue run` ends with."""
     table = Table(title="kvrescue run")
     for column in ("bench", "method", "B", "N", "seed", "scorer", "acc", "steps", "base tok", "helper tok",
                    "helper share", "early exit", "problems/min"):
         table.add_column(column, justify="right" if column not in ("bench", "method", "scorer") else "left")
-
-    def pct(x):
-        return "n/a" if x is None else f"{100 * x:.1f}%"
-
-    def num(x):
-        return "n/a" if x is None else f"{x:.1f}"
 
     for config, s in results:
         method = config.method + (" (synthetic)" if config.synthetic else "")

@@ -11,7 +11,7 @@ import pytest
 from kvrescue_cli.decoding import load_roles
 from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.loader import ModelLoadError, tensor_names
-from kvrescue_cli.engine.prm import PRMScorer, check_prm, prm_last_scores, prm_scores, trajectory_ids
+from kvrescue_cli.engine.prm import PRMScorer, check_prm
 from kvrescue_cli.engine.prm_recipes import FORMATS, PRM_RECIPES, get_recipe
 from kvrescue_cli.engine.prm_recipes.choose import auto_recipe, resolve_prm_recipe, weight_names
 from kvrescue_cli.errors import InputError
@@ -20,6 +20,7 @@ from kvrescue_cli.model_config import load_config
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.search import SearchSettings
 from tests.conftest import TINY
+from tests.oracles import prm_last_scores, prm_scores, trajectory_ids
 from tests.prm_cards import CARDS
 
 PROBLEM = "What is 3x + 5 = 20 for x?"
