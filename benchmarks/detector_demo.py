@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 
-from kvrescue_cli.data import BUNDLED
-from kvrescue_cli.detect import DetectorConfig
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.caches import FullCache
-from kvrescue_cli.engine.loader import LoadedModel, load_model
-from kvrescue_cli.engine.runner import Runner
-from kvrescue_cli.engine.steps import StepRules, generate_steps
-from kvrescue_cli.smollm import smollm2_folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.oracles: one step decoded for given rows
+
+from kvrescue_cli.data import BUNDLED  # noqa: E402
+from kvrescue_cli.detect import DetectorConfig  # noqa: E402
+from kvrescue_cli.engine.bounded import BoundedCache  # noqa: E402
+from kvrescue_cli.engine.caches import FullCache  # noqa: E402
+from kvrescue_cli.engine.loader import LoadedModel, load_model  # noqa: E402
+from kvrescue_cli.engine.runner import Runner  # noqa: E402
+from kvrescue_cli.engine.steps import StepRules  # noqa: E402
+from kvrescue_cli.smollm import smollm2_folder  # noqa: E402
+from tests.oracles import generate_steps  # noqa: E402
 
 SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 GSM8K = BUNDLED / "gsm8k.jsonl"
@@ -53,8 +58,8 @@ def run_problem(model: LoadedModel, question: str, idx: int, policy: str, args) 
             reasons[res.finish] += 1
             if res.max_mean_entropy is not None:
                 max_ent.append(res.max_mean_entropy)
-            if res.min_ratio is not None:
-                min_rho.append(res.min_ratio)
+            if res.min_gzip_ratio is not None:
+                min_rho.append(res.min_gzip_ratio)
         survivors = [c for c, res in enumerate(results) if res.fired_at is None]
         win = survivors[0] if survivors else 0
         runner.adopt(root, kids[win])

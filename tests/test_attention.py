@@ -66,9 +66,9 @@ def scenario(caches, heads, generator):
     assert forward(caches, [a, b, children[1], c], [2, 1, 3, 1], heads, generator)[0] == [12]  # a is a grandchild now
 
 
-def make_caches():
+def make_caches(**kw):
     """A cache that cascades whenever rows share a block, and one that never does."""
-    return [FullCache(1, HKV, D, 256, max_rows=16, block_size=BLOCK, cascade_from=c) for c in (0, None)]
+    return [FullCache(1, HKV, D, 256, max_rows=16, block_size=BLOCK, cascade_from=c, **kw) for c in (0, None)]
 
 
 @pytest.mark.parametrize("group", range(1, 8))
@@ -78,17 +78,16 @@ def test_paged_and_cascade_equal_the_gather_path(group) -> None:
 
 @pytest.mark.parametrize("padding", [0.0, float("inf")])
 def test_whole_rows_and_chunks_alike_equal_exact_attention(padding, monkeypatch) -> None:
-    """On a CPU, forwards read chunks (ROWS_PADDING 0) or every row padded to the longest (ROWS_PADDING inf), the
+    """On a CPU, forwards read chunks (rows_padding 0) or every row padded to the longest (rows_padding inf), the
     cascade's passes too: both equal exact attention through the whole scenario, the merges of the cascade
     included (which read the whole rows' log-sum-exp)."""
     whole_rows = []
-    monkeypatch.setattr(attention, "ROWS_PADDING", padding)
     def attend_paged(q, k_pool, v_pool, keys, paged=attention.attend_paged):
         whole_rows.append(keys.owner is None)
         return paged(q, k_pool, v_pool, keys)
 
     monkeypatch.setattr(caches, "attend_paged", attend_paged)
-    scenario(make_caches(), HKV * 3, torch.Generator().manual_seed(30))
+    scenario(make_caches(rows_padding=padding), HKV * 3, torch.Generator().manual_seed(30))
     assert set(whole_rows) == {padding > 0}
 
 

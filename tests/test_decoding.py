@@ -8,10 +8,10 @@ from kvrescue_cli.decoding import decode
 from kvrescue_cli.data import Problem, ProblemSet
 from kvrescue_cli.grid import Cell, GridOptions
 from kvrescue_cli.loading import load_roles
-from kvrescue_cli.search import Controller, SearchSettings
+from kvrescue_cli.search import SearchSettings
 
 
-def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_path, monkeypatch):
+def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_path):
     models = {"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}
     options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
                           models=models, scorer="prm", out=tmp_path,
@@ -19,12 +19,12 @@ def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_pa
     problems = [Problem(i, f"What is {i} + 1?", str(i + 1), {}) for i in range(4)]
     cell = Cell(ProblemSet("t", "generic", "t.jsonl", problems), "bon", 16, 2, 0)
     last_retired = threading.Event()
-    retire = Controller._retire
 
-    def retire_and_tell(self, problem):
-        if problem.idx == problems[-1].idx:
-            last_retired.set()
-        return retire(self, problem)
+    def pulled():
+        """The problems as the decode pulls them: one in flight (batch 1), so it asks past the last one only once
+        that one retired."""
+        yield from problems
+        last_retired.set()
 
     graded_on = []
 
@@ -34,9 +34,8 @@ def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_pa
             assert last_retired.wait(60), "the decode waited for the grader"
         return grade(output, gt, bench, **options)
 
-    monkeypatch.setattr(Controller, "_retire", retire_and_tell)
     emitted = []
-    decode(options, cell, build_cell(options, cell, load_roles(options, "cpu")), problems,
+    decode(options, cell, build_cell(options, cell, load_roles(options, "cpu")), pulled(),
            lambda trace, tokens: emitted.append((trace, tokens, threading.current_thread())), grade=grade_slowly)
     assert [trace.idx for trace, _, _ in emitted] == [0, 1, 2, 3]  # in the order they finished, each once
     assert all(thread is threading.current_thread() for _, _, thread in emitted)

@@ -10,7 +10,7 @@ import pytest
 
 from kvrescue_cli.detect import DetectorConfig, gzip_ratio
 from kvrescue_cli.data import BUNDLED
-from tests.detector_oracle import Detector
+from tests.oracles import Detector
 
 
 
@@ -51,7 +51,7 @@ def test_looping_text_fires_repetition_where_the_window_first_compresses():
             assert reason == "repetition"
             break
     assert (det.fired, det.fired_at, det.tokens) == ("repetition", expected, expected)
-    assert det.min_ratio < 0.18
+    assert det.min_gzip_ratio < 0.18
     assert det.max_mean_entropy == pytest.approx(1.0)
     assert det.update("more", 1.0) == "repetition" and det.tokens == expected
 
@@ -63,7 +63,7 @@ def test_high_entropy_fires_only_from_token_24():
     assert det.max_mean_entropy is None
     assert det.update("é", 9.5) == "entropy"
     assert (det.fired, det.fired_at, det.max_mean_entropy) == ("entropy", 24, pytest.approx(9.5))
-    assert det.min_ratio is None  # never 800 characters
+    assert det.min_gzip_ratio is None  # never 800 characters
 
 
 def test_entropy_mean_is_over_the_last_12_tokens():
@@ -92,7 +92,7 @@ def test_real_solutions_never_fire():
             so_far += tok
             if len(so_far) >= 800:
                 ratios.append(gzip_ratio(so_far[-800:]))
-        assert det.min_ratio == min(ratios) >= 0.18
+        assert det.min_gzip_ratio == min(ratios) >= 0.18
 
 
 def test_thresholds_are_options():
@@ -106,13 +106,13 @@ def test_thresholds_are_options():
 def test_empty_pieces_keep_the_ratio():
     det = Detector()
     det.update("z" * 800, 0.0)
-    ratio = det.min_ratio
+    ratio = det.min_gzip_ratio
     assert det.fired == "repetition" and ratio == gzip_ratio("z" * 800)
     det = Detector()
     for tok in pieces(solutions(800)[1])[:400]:
         det.update(tok, 1.0)
-    before = det.min_ratio
-    assert det.update("", 1.0) is None and det.min_ratio == before
+    before = det.min_gzip_ratio
+    assert det.update("", 1.0) is None and det.min_gzip_ratio == before
 
 
 def test_entropy_is_reported_when_both_tests_fire_on_the_same_token():
@@ -121,7 +121,7 @@ def test_entropy_is_reported_when_both_tests_fire_on_the_same_token():
     assert [det.update("a" * 40, 5.0) for _ in range(2)] == [None, None]  # 80 characters, 2 tokens: neither checked
     assert det.update("a" * 40, 5.0) == "entropy"  # token 3: mean entropy 5 > 1 and ratio 0.24 < 0.3 together
     assert (det.fired, det.fired_at) == ("entropy", 3)
-    assert det.min_ratio == gzip_ratio("a" * 100) < 0.3 and det.max_mean_entropy == 5.0
+    assert det.min_gzip_ratio == gzip_ratio("a" * 100) < 0.3 and det.max_mean_entropy == 5.0
     det = Detector(config)  # the same text with low entropy: the repetition test alone
     assert [det.update("a" * 40, 0.5) for _ in range(3)] == [None, None, "repetition"]
 
@@ -129,10 +129,10 @@ def test_entropy_is_reported_when_both_tests_fire_on_the_same_token():
 def test_nothing_is_recorded_before_the_tests_apply():
     det = Detector()
     assert det.update("", 1.0) is None  # an empty first piece: no text, no ratio
-    assert (det.fired, det.fired_at, det.min_ratio, det.max_mean_entropy) == (None, None, None, None)
+    assert (det.fired, det.fired_at, det.min_gzip_ratio, det.max_mean_entropy) == (None, None, None, None)
 
 
 def test_the_gzip_level_is_an_option():
     det = Detector(DetectorConfig(cmp_chars=100, gzip_level=0))  # level 0 stores: the ratio exceeds 1
     det.update("a" * 100, 0.0)
-    assert det.min_ratio == gzip_ratio("a" * 100, 0) > 1 > gzip_ratio("a" * 100, 9)
+    assert det.min_gzip_ratio == gzip_ratio("a" * 100, 0) > 1 > gzip_ratio("a" * 100, 9)

@@ -8,9 +8,10 @@ from tokenizers import Regex, pre_tokenizers
 from transformers import Qwen2Model
 
 from kvrescue_cli.engine import load_model
-from kvrescue_cli.engine.prm import SYSTEM_PROMPT, PRMScorer, prm_last_scores, prm_scores
+from kvrescue_cli.engine.prm import SYSTEM_PROMPT, PRMScorer
 from kvrescue_cli.engine.prm_recipes import FORMATS
 from kvrescue_cli.random_checkpoints import build_tokenizer
+from tests.oracles import prm_last_scores, prm_scores
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 

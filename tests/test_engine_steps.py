@@ -11,8 +11,8 @@ from kvrescue_cli.engine import FullCache, load_model
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine import steps as steps_module
-from kvrescue_cli.engine.steps import STEP_DELIMITER, StepRules, StepTable, generate_steps, step_table
-from tests.detector_oracle import Detector
+from kvrescue_cli.engine.steps import STEP_DELIMITER, StepRules, StepTable, step_table
+from tests.oracles import Detector, generate_steps
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
@@ -133,7 +133,7 @@ def _agrees_with_the_oracle(tokenizer, r, config: DetectorConfig) -> None:
             break
     assert (reason or r.finish) == r.finish and (det.fired_at if reason else None) == r.fired_at
     assert det.max_mean_entropy == pytest.approx(r.max_mean_entropy, abs=1e-9) if det.max_mean_entropy else r.max_mean_entropy is None
-    assert det.min_ratio == r.min_gzip_ratio
+    assert det.min_gzip_ratio == r.min_gzip_ratio
 
 
 def test_vectorised_detector_matches_the_per_token_reference(qwen2_dir) -> None:

@@ -3,11 +3,15 @@
 positions exactly, and the engine's PRMScorer (prefix cached, candidates as suffixes) within 1e-4 in fp32 of the
 card run through transformers; the choice of a recipe and its one-line errors."""
 
+import shutil
+
+import orjson
 import pytest
 
 from kvrescue_cli.loading import load_roles
 from kvrescue_cli.engine import load_model
-from kvrescue_cli.engine.prm import PRMScorer, check_prm, prm_last_scores, prm_scores, trajectory_ids
+from kvrescue_cli.engine.loader import ModelLoadError, tensor_names
+from kvrescue_cli.engine.prm import PRMScorer, check_prm
 from kvrescue_cli.engine.prm_recipes import FORMATS, PRM_RECIPES, get_recipe
 from kvrescue_cli.engine.prm_recipes.choose import auto_recipe, weight_names
 from kvrescue_cli.grid import resolve_prm_recipe
@@ -17,6 +21,7 @@ from kvrescue_cli.model_config import load_config
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.search import SearchSettings
 from tests.conftest import TINY
+from tests.oracles import prm_last_scores, prm_scores, trajectory_ids
 from tests.prm_cards import CARDS
 
 PROBLEM = "What is 3x + 5 = 20 for x?"
@@ -97,6 +102,48 @@ def test_the_recipe_is_chosen_from_the_checkpoint(rlhflow_dir, math_shepherd_dir
     assert auto_recipe("Skywork/Skywork-o1-Open-PRM-Qwen-2.5-1.5B", {}, set()) == "skywork"
     assert auto_recipe("Qwen/Qwen2.5-Math-PRM-7B", {}, set()) == "qwen-math"
     assert auto_recipe("some/prm", {}, set()) == "qwen-math"  # nothing known: the default (the loader speaks next)
+
+
+def test_the_head_weights_are_read_as_the_loader_reads_them(skywork_dir, prm_dir, tmp_path) -> None:
+    """`weight_names` is the loader's `tensor_names`: the headers of the safetensors files; a folder whose weights the
+    loader cannot read has none, and the loader's error follows."""
+    names = tensor_names(skywork_dir)
+    assert weight_names(str(skywork_dir)) == names and {"v_head.summary.weight", "model.embed_tokens.weight"} <= names
+    broken = _copy(prm_dir, tmp_path / "broken")
+    next((tmp_path / "broken").glob("*.safetensors")).write_bytes(b"\x08" + b"\0" * 7 + b"{")
+    assert weight_names(broken) == set() and weight_names("Qwen/Qwen2.5-Math-PRM-7B") == set()
+    with pytest.raises(ModelLoadError, match="is not a readable safetensors file"):
+        tensor_names(broken)
+
+
+def _copy(folder, to, **config):
+    """A copy of a checkpoint folder at `to`, its config.json updated with `config`."""
+    shutil.copytree(folder, to)
+    cfg = orjson.loads((to / "config.json").read_bytes()) | config
+    (to / "config.json").write_bytes(orjson.dumps(cfg))
+    return str(to)
+
+
+def test_a_language_model_is_a_recipe_s_only_where_its_name_or_config_says(rlhflow_dir, math_shepherd_dir, llama_dir,
+                                                                           tmp_path) -> None:
+    """An LM-head checkpoint is RLHFlow's or Math-Shepherd's by its name (a Hub id, its folder's own name) or the
+    `_name_or_path` of its config; a plain Llama or Mistral is refused in one line naming the recipes and
+    --prm-recipe, even below a folder whose name would say."""
+    plain = [str(llama_dir), _copy(rlhflow_dir, tmp_path / "llama-3.1-8b"), _copy(math_shepherd_dir, tmp_path / "m7b"),
+             _copy(math_shepherd_dir, tmp_path / "math-shepherd-runs" / "mistral")]
+    for model in plain:
+        assert auto_recipe(model, load_config(model), weight_names(model)) is None, model
+        with pytest.raises(InputError, match=r"^--prm .* has no PRM head .* neither its name nor its config says which "
+                                             r"PRM it is \(a (llama|mistral) model\): give --prm-recipe, one of "
+                                             r"qwen-math, rlhflow, math-shepherd, skywork, or --prm helper-loglik"):
+            resolve_prm_recipe(_options(model, prm_recipe="auto"))
+    named = {_copy(rlhflow_dir, tmp_path / "Llama3.1-8B-PRM-Deepseek-Data"): "rlhflow",
+             _copy(rlhflow_dir, tmp_path / "a", _name_or_path="RLHFlow/Llama3.1-8B-PRM-Mistral-Data"): "rlhflow",
+             _copy(math_shepherd_dir, tmp_path / "b", _name_or_path="peiyi9979/math-shepherd-mistral-7b-prm"):
+                 "math-shepherd"}
+    for model, recipe in named.items():
+        assert resolve_prm_recipe(_options(model, prm_recipe="auto")).prm_recipe == recipe, model
+    assert resolve_prm_recipe(_options(plain[1], prm_recipe="rlhflow")).prm_recipe == "rlhflow"  # given: as given
 
 
 def _options(prm: str, **kw) -> GridOptions:

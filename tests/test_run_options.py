@@ -12,6 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from kvrescue_cli.cli import num, pct
 from kvrescue_cli.report.load import load_run
 from tests.helpers import KVRESCUE, kvrescue, kvrescue_run, ok, write_jsonl
 from tests.prm_cards import CARDS
@@ -40,14 +41,6 @@ def summary(folder: Path) -> dict:
 
 def untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in t.items() if k != "timings"} for t in rows]
-
-
-def pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
-def num(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.1f}"
 
 
 # -- eviction -----------------------------------------------------------------------------------------

@@ -14,11 +14,12 @@ from kvrescue_cli.engine import FullCache, load_model  # noqa: E402
 from kvrescue_cli.engine.prm import PRMScorer  # noqa: E402
 from kvrescue_cli.engine.prm_recipes import FORMATS  # noqa: E402
 from kvrescue_cli.engine.runner import Runner  # noqa: E402
-from kvrescue_cli.engine.steps import StepRules, generate_steps  # noqa: E402
+from kvrescue_cli.engine.steps import StepRules  # noqa: E402
 from kvrescue_cli.prompts import STEP_DELIMITER, generation_prompt  # noqa: E402
 from kvrescue_cli.search import Controller, SearchSettings  # noqa: E402
 from kvrescue_cli.vllm_engine.llm import start_llm  # noqa: E402
 from kvrescue_cli.vllm_engine.steps import SteppedEngine, VllmRunner  # noqa: E402
+from tests.oracles import generate_steps  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 PROBLEMS = ["What is 3x + 5 = 20?", "Find the sum 1 + 2 + 3 + ... + 10.", "The square root of 144 is"]

@@ -16,7 +16,8 @@ from kvrescue_cli.engine import FullCache, load_model
 from kvrescue_cli.engine import bounded
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.graphs import StaticDecode
-from kvrescue_cli.engine.prm import PRMScorer, prm_scores
+from kvrescue_cli.engine.prm import PRMScorer
+from tests.oracles import prm_scores
 
 BUDGET, SLACK = 16, 8
 PROBLEM = "What is 3x + 5 = 20 for x?"

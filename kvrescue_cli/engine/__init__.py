@@ -4,9 +4,9 @@ from kvrescue_cli.engine.caches import FullCache, KVCache
 from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
 from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.engine.sampling import SamplingParams, sample
-from kvrescue_cli.engine.steps import CandidateStep, append_tokens, generate_steps
+from kvrescue_cli.engine.steps import CandidateStep, append_tokens
 
 __all__ = [
     "FullCache", "KVCache", "LoadedModel", "ModelLoadError", "PRMScorer", "SamplingParams", "CandidateStep",
-    "append_tokens", "generate_steps", "load_model", "sample",
+    "append_tokens", "load_model", "sample",
 ]

@@ -104,10 +104,10 @@ class PagedKeys:
 
 
 def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, queries: int,
-                 causal: bool) -> dict[str, np.ndarray]:
+                 causal: bool, rows_padding: float = ROWS_PADDING) -> dict[str, np.ndarray]:
     """The host half of `paged_keys`: where S sequences' keys lie, from host arrays (table [S, W] of block ids,
     cached [S]); for the torch path also the blocks it reads: the chunks of whole blocks of each sequence (owner
-    and index of every chunk, and its blocks), or on a CPU, when it costs at most ROWS_PADDING times the chunks'
+    and index of every chunk, and its blocks), or on a CPU, when it costs at most `rows_padding` times the chunks'
     reads, every sequence's blocks padded to the longest's. Send the arrays to the device (`transfer.upload_all`)
     and build the keys there with `paged_keys`: nothing waits for the device."""
     layout = {"table": table, "cached": cached}
@@ -117,7 +117,7 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
     per_chunk = max(1, CHUNK_TOKENS // block_size)
     n_chunks = -(-(cached + queries * causal) // (per_chunk * block_size))
     width = int((-(-(cached + queries * causal) // block_size)).max())
-    if k_pool.device.type == "cpu" and len(cached) * width <= ROWS_PADDING * n_chunks.sum() * per_chunk:
+    if k_pool.device.type == "cpu" and len(cached) * width <= rows_padding * n_chunks.sum() * per_chunk:
         return {**layout, "blocks": table[:, :width].ravel()}
     width = -(-table.shape[1] // per_chunk) * per_chunk
     chunks = np.zeros((table.shape[0], width), table.dtype)  # the table padded to whole chunks

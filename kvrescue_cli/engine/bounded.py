@@ -2,7 +2,7 @@
 
 Every forward attends over everything appended so far; afterwards each row whose physical length
 reached B' = budget + buffer is compressed to exactly `budget` entries, per layer and KV head, by the
-run's policy (`evict.keep_positions`). A row's peak is B' - 1 + its largest append; in steady decoding
+run's evictor (`evict.keep_positions`). A row's peak is B' - 1 + its largest append; in steady decoding
 it cycles budget -> B' -> budget. Tokens keep their logical positions: RoPE is applied before caching
 and new tokens are placed at the row's logical length, never at its physical length.
 """

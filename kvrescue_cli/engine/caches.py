@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from kvrescue_cli.engine.attention import (FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys,
-                                           paged_layout, use_flash)
+                                           ROWS_PADDING, paged_layout, use_flash)
 from kvrescue_cli.engine.transfer import upload_all
 from kvrescue_cli.shapes import CASCADE_FROM
 
@@ -135,6 +135,8 @@ class FullCache(KVCache):
     attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
     another, and the two results are merged exactly by their log-sum-exp. `cascade_from`: the shared tokens
     a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never).
+    `rows_padding`: on a CPU, rows are read whole, padded to the longest, when that reads at most this many times
+    the blocks of the chunks (0: always in chunks; inf: always whole).
     """
 
     def __init__(
@@ -148,12 +150,14 @@ class FullCache(KVCache):
         max_row_tokens: int = 8192,
         block_size: int = 16,
         cascade_from: int | None = CASCADE_FROM,
+        rows_padding: float = ROWS_PADDING,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.cascade_from = cascade_from
+        self.rows_padding = rows_padding
         self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.table = np.zeros((max_rows, -(-max_row_tokens // block_size)), np.int64)
@@ -321,7 +325,7 @@ class FullCache(KVCache):
         host = {"positions": positions, "slots": table[row, pos // bs] * bs + pos % bs}
         if n_new.min() < T:
             host["valid"] = np.flatnonzero(valid)
-        own_layout = paged_layout(self.k[0], own_table, lengths - skipped * bs, T, True)
+        own_layout = paged_layout(self.k[0], own_table, lengths - skipped * bs, T, True, self.rows_padding)
         host.update(("own." + k, v) for k, v in own_layout.items())
         if groups is not None:
             n = int(groups.sizes.max())
@@ -331,7 +335,7 @@ class FullCache(KVCache):
             members = np.repeat(groups.rows[starts], n).reshape(-1, n)  # padded with each group's first row
             members[group, member] = groups.rows
             layout = paged_layout(self.k[0], self.table[rows[groups.rows[starts]], : int(groups.shared.max())],
-                                  groups.shared * bs, n * T, False)
+                                  groups.shared * bs, n * T, False, self.rows_padding)
             host.update(("shared." + k, v) for k, v in layout.items())
             host["members"] = members
             host["grouped_rows"] = groups.rows

@@ -223,16 +223,7 @@ def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
         raise ModelLoadError(f"model {name!r}: {folder} has no config.json")
     _check_files(folder, name)
     cfg = _read_json(cfg_path, name)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"model {name!r}: {folder} has no .safetensors weights")
-    sources = {}
-    for f in files:
-        try:
-            handle = safe_open(f, framework="pt")
-        except (SafetensorError, OSError) as e:  # empty, truncated header, or not safetensors at all
-            raise ModelLoadError(f"model {name!r}: {f} is not a readable safetensors file ({e})") from None
-        sources.update({key: handle.get_slice(key) for key in handle.keys()})
+    sources = {key: handle.get_slice(key) for handle in _weight_files(folder, name) for key in handle.keys()}
     try:
         net = _build(sources, cfg, **place, name=name)
     except ModelLoadError:
@@ -243,6 +234,27 @@ def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
                              f"({type(e).__name__}: {reason})") from None
     tokenizer, eos_ids = _tokenizer(folder, name, cfg)
     return LoadedModel(net, tokenizer, cfg, name, eos_ids)
+
+
+def _weight_files(folder: Path, name: str) -> list[Any]:
+    """The folder's safetensors files opened (their headers read, the tensors mapped, not loaded); a
+    `ModelLoadError` where it has none or one cannot be read."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model {name!r}: {folder} has no .safetensors weights")
+    handles = []
+    for f in files:
+        try:
+            handles.append(safe_open(f, framework="pt"))
+        except (SafetensorError, OSError) as e:  # empty, truncated header, or not safetensors at all
+            raise ModelLoadError(f"model {name!r}: {f} is not a readable safetensors file ({e})") from None
+    return handles
+
+
+def tensor_names(folder: str | Path) -> set[str]:
+    """The tensor names of a local checkpoint folder, as the loader reads them (the safetensors headers, no
+    tensor loaded); a `ModelLoadError` where it has no weights or one file cannot be read."""
+    return {key for handle in _weight_files(Path(folder).expanduser(), str(folder)) for key in handle.keys()}
 
 
 def _read_json(path: Path, name: str) -> dict[str, Any]:

@@ -44,39 +44,6 @@ def check_prm(prm: LoadedModel, recipe: PRMRecipe, window: int = PRM_WINDOW) -> 
     return recipe.bind(prm.tokenizer, prm.name)
 
 
-def trajectory_ids(inputs: RecipeInputs, problem: str, steps: Sequence[str],
-                   system: str = SYSTEM_PROMPT) -> tuple[list[int], list[int]]:
-    """A whole trajectory's input ids as the recipe builds them (the prompt and each step's committed piece, as
-    `PRMInputs` builds them), and the position of each step's score: the last token of its candidate piece."""
-    ids, ends = inputs.prompt(problem, system), []
-    for i, step in enumerate(steps):
-        ends.append(len(ids) + len(inputs.candidates([step], [i])[0]) - 1)
-        ids = ids + inputs.committed(step, i)
-    return ids, ends
-
-
-@torch.inference_mode()
-def prm_scores(prm: LoadedModel, problem: str, steps: Sequence[str], system: str = SYSTEM_PROMPT,
-               recipe: PRMRecipe = FORMATS["paper"]) -> list[float]:
-    """From-scratch reference: score of every step of a whole trajectory in one plain forward."""
-    inputs = check_prm(prm, recipe)
-    ids, ends = trajectory_ids(inputs, problem, steps, system)
-    return inputs.score(prm.logits(torch.tensor([ids]))[0][ends]).tolist()
-
-
-@torch.inference_mode()
-def prm_last_scores(prm: LoadedModel, problem: str, trajectories: Sequence[Sequence[str]],
-                    system: str = SYSTEM_PROMPT, recipe: PRMRecipe = FORMATS["paper"]) -> list[float]:
-    """From scratch, batched: the last step's score of each trajectory, all in one right-padded forward
-    (attention is causal, so no real token sees the padding after it). No prefix is shared or cached."""
-    inputs = check_prm(prm, recipe)
-    rows = [trajectory_ids(inputs, problem, steps, system) for steps in trajectories]
-    width = max(len(row) for row, _ in rows)
-    ids = torch.tensor([row + [0] * (width - len(row)) for row, _ in rows])
-    head = prm.logits(ids)
-    return inputs.score(torch.stack([head[i, ends[-1]] for i, (_, ends) in enumerate(rows)])).tolist()
-
-
 @dataclass
 class PRMTrajectory:
     """One problem's PRM input as token ids: its prompt, then its committed steps' pieces (the recipe's)."""

@@ -1,6 +1,6 @@
 """Step decoding: many rows (problems x candidates) sampled one token per iteration until each ends a step.
 
-This is the one decode loop of the tool (the controller and `generate_steps` both drive it). Per-token
+This is the one decode loop of the tool (the controller drives it, tests/oracles.py's `generate_steps` too). Per-token
 work is done for all rows at once on the model's device: sampling from counter-based streams, step
 ends decided from token ids by per-vocabulary tables, the detector's entropy window. The host sees
 one small packed transfer per iteration (tokens, entropies, finish codes), writes it into its
@@ -343,17 +343,3 @@ def padded_tokens(token_lists: Sequence[Sequence[int]], device: torch.device) ->
     for i, tokens in enumerate(token_lists):
         batch[i, : len(tokens)] = tokens
     return upload(batch, device), n_new
-
-
-def generate_steps(runner, rows: Sequence[int], keys: Sequence[Sequence[int] | int], rules: StepRules,
-                   screened: Sequence[bool] | None = None) -> list[CandidateStep]:
-    """Decode one step for every row (prefilled or forked through `runner`) until each ends; in row order.
-
-    keys[i]: row i's random stream, e.g. (seed, problem idx, step, candidate index). Each row's cache
-    then holds its step minus the last token.
-    """
-    runner.start(rows, keys, [runner.length(r) for r in rows], screened or [False] * len(rows), rules)
-    done: dict[int, CandidateStep] = {}
-    while runner.busy:
-        done.update((step.row, step) for step in runner.advance(wait=True))
-    return [done[r] for r in rows]

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from kvrescue_cli.outputs.records import RunConfig, Trace
-from kvrescue_cli.reasons import DETECTOR_FINISHES, STOPS, UNDECODED
+from kvrescue_cli.reasons import DETECTOR_FINISHES, FAILED, SKIPPED, STOPS, UNDECODED
 
 DEGENERATE_STEPS = 256
 
@@ -85,7 +85,7 @@ def summarize(traces: list[Trace], config: RunConfig, total: int | None = None) 
         problems=len(traces), total=total, complete=total is not None and len(traces) >= total,
         correct=correct,
         accuracy=None if config.synthetic else _ratio(correct, len(traces)),
-        skipped=stops["skipped"], failed=stops["failed"], timeouts=sum(t.timed_out for t in traces),
+        skipped=stops[SKIPPED], failed=stops[FAILED], timeouts=sum(t.timed_out for t in traces),
         mean_steps=_mean([t.n_steps for t in decoded]),
         mean_output_tokens=_mean([sum(s.tokens for s in t.steps) for t in decoded]),
         base_tokens=_mean([t.tokens.base for t in decoded]),
