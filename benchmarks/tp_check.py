@@ -39,8 +39,8 @@ def tp_section(tiny: bool, timeout_s: float = 300.0) -> dict:
         from kvrescue_cli.random_checkpoints import write_random_checkpoint
 
         dtype = torch.float32 if tiny else torch.bfloat16
-        folder = write_random_checkpoint(Path(tmp) / "model", "qwen2", dtype=dtype, device="cpu" if tiny else "cuda:0",
-                                         **(SHAPE_TINY if tiny else SHAPE_7B))
+        write_random_checkpoint(Path(tmp) / "model", "qwen2", dtype=dtype, device="cpu" if tiny else "cuda:0",
+                                **(SHAPE_TINY if tiny else SHAPE_7B))
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--dir", tmp, *(["--tiny"] if tiny else [])],
                                   stderr=subprocess.PIPE) for rank in range(2)]
         errors = []

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvrescue_cli.dtypes import BYTES
-from kvrescue_cli.errors import InputError
 from kvrescue_cli.jsonl import dumps_exact
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError, load_config
 from kvrescue_cli.shapes import BUFFER, local_args

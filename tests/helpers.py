@@ -86,3 +86,40 @@ def write_run(root: Path, cfg, traces: Iterable) -> Path:
             rf.append(t)
         rf.write_summary()
     return path
+
+
+# The one cell most engine-level tests build by hand: bench "t", `bon`, B 16, N 2, seed 0, R-KV, the PRM scorer.
+ONE_CELL = {"benches": ["t"], "methods": ["bon"], "budgets": [16], "ns": [2], "seeds": [0], "evictor": "rkv",
+            "models": {}, "scorer": "prm"}
+
+
+def small_grid(out: Path | None, settings, **fields):
+    """`GridOptions` of `ONE_CELL` writing under `out` with `settings` (a `SearchSettings`), `fields` replacing any
+    of its axes or setting the rest of the options."""
+    from kvrescue_cli.grid import GridOptions
+
+    return GridOptions(**{**ONE_CELL, "settings": settings, "out": out, **fields})
+
+
+def paper_grid(out: Path | None, models: dict[str, str], **fields):
+    """`small_grid` at the paper's cell: MATH500, `kvrescue`, B 64, N 8, batch 8 in bf16, `fields` replacing any."""
+    from kvrescue_cli.search import SearchSettings
+
+    return small_grid(out, SearchSettings(batch=8), **{"benches": ["math500"], "methods": ["kvrescue"],
+                                                       "budgets": [64], "ns": [8], "models": models,
+                                                       "dtype": "bfloat16", **fields})
+
+
+def small_cell(problems: Iterable = (), method: str = "bon", budget: int | None = 16, n: int = 2):
+    """A `Cell` of `problems` (`data.Problem`s) as bench "t", seed 0."""
+    from kvrescue_cli.data import ProblemSet
+    from kvrescue_cli.grid import Cell
+
+    return Cell(ProblemSet("t", "generic", "t.jsonl", list(problems)), method, budget, n, 0)
+
+
+def sums(count: int, plus: int = 1, text: str = "") -> list:
+    """`count` problems "What is i + `plus`?`text`" (answer i + plus), ids 0..count-1."""
+    from kvrescue_cli.data import Problem
+
+    return [Problem(i, f"What is {i} + {plus}?{text}", str(i + plus), {}) for i in range(count)]

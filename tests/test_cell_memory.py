@@ -18,8 +18,9 @@ from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.sampling import SamplingParams
 from kvrescue_cli.engine.scoring import HelperLoglik
 from kvrescue_cli.engine.steps import StepDecoder
-from kvrescue_cli.runs import GridOptions, run_grid
+from kvrescue_cli.runs import run_grid
 from kvrescue_cli.search import Controller, SearchSettings
+from tests.helpers import small_grid
 
 TRACKED = (BoundedCache, FullCache, Runner, StepDecoder, PRMScorer, HelperLoglik, Controller)
 
@@ -56,9 +57,9 @@ def test_a_finished_cell_of_a_grid_is_freed_without_the_cyclic_collector(collect
     monkeypatch.setattr(in_process, "decode", decode_one_cell)
     settings = SearchSettings(sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0), max_step_tokens=8,
                               max_steps=2, context_cap=256, batch=2)
-    options = GridOptions(benches=[str(problems)], methods=["kvrescue", "bon", "full", "helper"], budgets=[16, 24],
-                          ns=[1], seeds=[0], evictor="rkv", scorer=scorer, settings=settings, out=tmp_path / "out",
-                          models={"base": str(qwen2_dir), "helper": str(llama_dir), "prm": str(prm_dir)})
+    options = small_grid(tmp_path / "out", settings, benches=[str(problems)], methods=["kvrescue", "bon", "full", "helper"],
+                         budgets=[16, 24], ns=[1], scorer=scorer,
+                         models={"base": str(qwen2_dir), "helper": str(llama_dir), "prm": str(prm_dir)})
     results = run_grid(options, Progress(disable=True))
     assert len(results) == 6 and cell[0] == 6
     unused = HelperLoglik if scorer == "prm" else PRMScorer

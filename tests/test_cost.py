@@ -11,6 +11,7 @@ from kvrescue_cli.cli import app
 from kvrescue_cli.cost import Architecture, estimate
 from kvrescue_cli.model_config import ModelConfigError, load_config
 from kvrescue_cli.errors import InputError
+from tests.helpers import paper_grid, small_cell, small_grid
 
 # Values from each model's config.json on the Hugging Face Hub.
 QWEN_MATH_7B = {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -143,16 +144,13 @@ def test_a_run_that_does_not_fit_the_free_device_memory_is_refused(tmp_path):
     from dataclasses import replace
 
     from kvrescue_cli.device_plan import refuse_what_does_not_fit
-    from kvrescue_cli.grid import GridOptions
-    from kvrescue_cli.search import SearchSettings
 
     models = {}
     for role, cfg in (("base", QWEN_72B), ("helper", QWEN_MATH_1_5B), ("prm", QWEN_MATH_PRM_7B)):
         (tmp_path / role).mkdir()
         (tmp_path / role / "config.json").write_bytes(orjson.dumps(cfg))
         models[role] = str(tmp_path / role)
-    options = GridOptions(benches=["math500"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv",
-                          models=models, scorer="prm", settings=SearchSettings(batch=8), out=tmp_path, dtype="bfloat16")
+    options = paper_grid(tmp_path, models)
     with pytest.raises(InputError, match=r"batch 8 needs 1\d\d\.\d GiB on cuda:0 \(base 135\.4 GiB \+ KV \d+\.\d GiB "
                                          r"\+ buffers .* but 40\.0 GiB is free \(38\.0 GiB after 2\.0 GiB of headroom\); "
                                          r"lower --batch \(or --batch auto\) or --n, or use larger devices"):
@@ -165,19 +163,16 @@ def test_a_run_that_does_not_fit_the_free_device_memory_is_refused(tmp_path):
 
 def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir, tmp_path):
     """The K/V the plan counts per role is what the run's caches allocate, on the random checkpoints."""
-    from kvrescue_cli.data import ProblemSet
     from kvrescue_cli.cell_engine import build_cell
     from kvrescue_cli.device_plan import memory_plan
     from kvrescue_cli.loading import load_roles
-    from kvrescue_cli.grid import Cell, GridOptions
     from kvrescue_cli.search import SearchSettings
 
     models = {"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}
-    options = GridOptions(benches=["t"], methods=["kvrescue"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
-                          models=models, scorer="prm", settings=SearchSettings(batch=3, max_step_tokens=64,
-                                                                               context_cap=200), out=tmp_path)
+    options = small_grid(tmp_path, SearchSettings(batch=3, max_step_tokens=64, context_cap=200), methods=["kvrescue"],
+                         models=models)
     loaded = load_roles(options, "cpu")
-    cell = Cell(ProblemSet("t", "generic", "t.jsonl", []), "kvrescue", 16, 2, 0)
+    cell = small_cell(method="kvrescue")
     engine = build_cell(options, cell, loaded)
     caches = {role: runner.cache for role, runner in engine.runners.items()}
     caches["prm"] = engine.scorer.cache
@@ -201,9 +196,8 @@ def test_vllm_gets_its_share_and_this_engine_the_rest(tmp_path):
         models[role] = str(tmp_path / role)
 
     def options(memory: float, methods=("kvrescue",), batch: int = 8) -> GridOptions:
-        return GridOptions(benches=["t"], methods=list(methods), budgets=[64], ns=[8], seeds=[0], evictor="rkv",
-                           models=models, scorer="prm", settings=SearchSettings(batch=batch), out=tmp_path,
-                           dtype="bfloat16", engine="vllm", vllm_memory=memory)
+        return small_grid(tmp_path, SearchSettings(batch=batch), methods=list(methods), budgets=[64], ns=[8],
+                          models=models, dtype="bfloat16", engine="vllm", vllm_memory=memory)
 
     gib = 2**30
     assert options(0.4).vllm_roles() == {"helper", "prm"} and options(0.4).native_roles() == {"base"}

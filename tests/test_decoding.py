@@ -5,19 +5,17 @@ import threading
 from grader import grade
 from kvrescue_cli.cell_engine import build_cell
 from kvrescue_cli.decoding import decode
-from kvrescue_cli.data import Problem, ProblemSet
-from kvrescue_cli.grid import Cell, GridOptions
 from kvrescue_cli.loading import load_roles
 from kvrescue_cli.search import SearchSettings
+from tests.helpers import small_cell, small_grid, sums
 
 
 def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_path):
     models = {"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}
-    options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
-                          models=models, scorer="prm", out=tmp_path,
-                          settings=SearchSettings(batch=1, synthetic_steps=(4, 2), max_step_tokens=8, context_cap=256))
-    problems = [Problem(i, f"What is {i} + 1?", str(i + 1), {}) for i in range(4)]
-    cell = Cell(ProblemSet("t", "generic", "t.jsonl", problems), "bon", 16, 2, 0)
+    options = small_grid(tmp_path, SearchSettings(batch=1, synthetic_steps=(4, 2), max_step_tokens=8, context_cap=256),
+                         models=models)
+    problems = sums(4)
+    cell = small_cell(problems)
     last_retired = threading.Event()
 
     def pulled():
@@ -61,7 +59,7 @@ def test_a_cell_is_built_from_the_parts_given(qwen2_dir, prm_dir, tmp_path):
     settings = SearchSettings(batch=1, max_step_tokens=8, context_cap=256)
     options = grid_options({"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}, settings, tmp_path,
                            benches=["t"], methods=["full"], budgets=[16], ns=[2], seeds=[0], evictor="rkv")
-    cell = Cell(ProblemSet("t", "generic", "t.jsonl", []), "full", None, 2, 0)
+    cell = small_cell(method="full", budget=None)
     models = load_roles(options, "cpu")
     scorer = HelperLoglik(None)
     built = build_cell(options, cell, models, parts=CellParts(full_cache=Marked, scorer=scorer))

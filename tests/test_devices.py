@@ -10,6 +10,7 @@ import torch
 from kvrescue_cli import device_plan, in_process, loading, rank_group
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import GridOptions
+from tests.helpers import small_grid
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.search import SearchSettings
 from kvrescue_cli.grid import device_groups
@@ -36,8 +37,7 @@ def gpus(monkeypatch) -> list[tuple[str, str]]:
 
 
 def options(models: dict[str, str], devices: tuple[str, ...], tp: int, out: Path) -> GridOptions:
-    return GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv", models=models,
-                       scorer="prm", settings=SearchSettings(batch=2), out=out, devices=devices, tp=tp)
+    return small_grid(out, SearchSettings(batch=2), models=models, devices=devices, tp=tp)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ one device)."""
 
 import gc
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,8 +18,7 @@ from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.engine.transfer import upload_all
 from kvrescue_cli.fake_cuda import CaptureError, FakeCuda
 from kvrescue_cli.memory_plan import CellShape, DeviceKind, plan_cell
-from kvrescue_cli.model_config import ModelArgs
-from kvrescue_cli.paper_shapes import PAPER_MODELS, hf_config
+from kvrescue_cli.paper_shapes import PAPER_MODELS
 
 CUDA = torch.device("cuda:0")
 

@@ -11,7 +11,7 @@ from grader import grade_many
 from kvrescue_cli import grading
 from kvrescue_cli.cli import app
 from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, Step, Tokens, Trace
-from tests.helpers import write_run
+from tests.helpers import paper_grid, write_run
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
 # (output, raw gt, Qwen's verdict, Math-Verify's verdict), checked below against the graders themselves
@@ -98,13 +98,11 @@ def test_math_verify_missing_is_a_one_line_error_naming_the_extra(monkeypatch):
 
 def test_the_grader_is_part_of_a_runs_identity_and_qwen_keeps_old_folders():
     from kvrescue_cli.data import ProblemSet
-    from kvrescue_cli.grid import Cell, GridOptions
+    from kvrescue_cli.grid import Cell
     from kvrescue_cli.runs import cell_config
-    from kvrescue_cli.search import SearchSettings
 
     def config(**kw) -> RunConfig:
-        options = GridOptions(["math500"], ["bon"], [64], [8], [0], "rkv", {"base": "b", "prm": "p"}, "prm",
-                              SearchSettings(batch=8), Path("runs"), **kw)
+        options = paper_grid(Path("runs"), {"base": "b", "prm": "p"}, methods=["bon"], dtype="float32", **kw)
         return cell_config(options, Cell(ProblemSet("math500", "math500", "math500", []), "bon", 64, 8, 0))
 
     qwen, verify = config(), config(grader="math-verify")

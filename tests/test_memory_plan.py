@@ -13,11 +13,12 @@ from kvrescue_cli.cell_engine import build_cell
 from kvrescue_cli.decoding import decode
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.loading import load_roles
-from kvrescue_cli.data import Problem, ProblemSet
-from kvrescue_cli.grid import Cell, GridOptions
+from kvrescue_cli.data import Problem
+from kvrescue_cli.grid import GridOptions
 from kvrescue_cli.prompts import generation_prompt
 from kvrescue_cli.random_checkpoints import build_tokenizer, write_random_checkpoint
 from kvrescue_cli.search import SearchSettings
+from tests.helpers import paper_grid, small_cell, small_grid
 from tests.tensor_bytes import TensorBytes, parameter_bytes
 
 SHAPE = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, init_std=0.1)
@@ -30,7 +31,6 @@ def worst_case_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
     is the embedding's direction, which only `!`'s head row follows), and a PRM: every step then has exactly the
     tokens it was given, in the policy's and the PRM's tokenizer alike, so a cell reaches the shapes it is planned
     for (its longest steps, its whole context)."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     policy = write_random_checkpoint(tmp_path_factory.mktemp("bang"), "qwen2", seed=7, **SHAPE)
@@ -53,16 +53,14 @@ def measured_cell(policy: Path, prm: Path, method: str, scorer: str, batch: int,
     import torch
 
     models = {"base": str(policy), "helper": str(policy), "prm": str(prm) if scorer == "prm" else scorer}
-    options = GridOptions(benches=["t"], methods=[method], budgets=[16], ns=[n], seeds=[0], evictor="rkv",
-                          models=models, scorer=scorer, out=tmp_path, dtype="float32",
-                          settings=SearchSettings(batch=batch, synthetic_steps=(step, 1000), max_step_tokens=step,
-                                                  context_cap=cap))
+    settings = SearchSettings(batch=batch, synthetic_steps=(step, 1000), max_step_tokens=step, context_cap=cap)
+    options = small_grid(tmp_path, settings, methods=[method], ns=[n], models=models, scorer=scorer, dtype="float32")
     problems = [Problem(i, "What is one plus one?", "2", {}) for i in range(batch)]
     loaded = load_roles(options, "cpu")
     tokenizer = loaded["base" if "base" in loaded else "helper"].tokenizer
     prompt = len(tokenizer.encode(generation_prompt(tokenizer, problems[0].problem), add_special_tokens=False))
     weights = parameter_bytes(*{id(m.net): m.net for m in loaded.values()}.values())
-    cell = Cell(ProblemSet("t", "generic", "t.jsonl", problems), method, 16, n, 0)
+    cell = small_cell(problems, method, n=n)
     mode = TensorBytes()
     with torch.inference_mode(), mode:
         decode(options, cell, build_cell(options, cell, loaded), problems, lambda trace, tokens: None)
@@ -134,10 +132,8 @@ def test_batch_auto_is_the_largest_that_fits(tmp_path):
     from dataclasses import replace
 
     paths = write_paper_configs(tmp_path)
-    options = GridOptions(benches=["math500"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv",
-                          models={"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},
-                          scorer="prm", settings=SearchSettings(batch=8), out=tmp_path, dtype="bfloat16",
-                          devices=("cuda:0",), device_memory=80 * 10**9)
+    options = paper_grid(tmp_path, {"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},
+                         devices=("cuda:0",), device_memory=80 * 10**9)
     batch = device_plan.auto_batch(options, [("cuda:0",)])
     room = 80 * 10**9 - memory_plan.headroom(80 * 10**9)
     assert device_plan.memory_plan(options, "cuda:0", batch).total <= room < device_plan.memory_plan(
@@ -164,10 +160,8 @@ def test_helper_loglik_counts_both_helper_caches(tmp_path):
 
 def gpu_options(tmp_path: Path, devices: tuple[str, ...], tp: int = 1) -> GridOptions:
     paths = write_paper_configs(tmp_path)
-    return GridOptions(benches=["math500"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv",
-                       models={"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},
-                       scorer="prm", settings=SearchSettings(batch=8), out=tmp_path, dtype="bfloat16", devices=devices,
-                       tp=tp)
+    return paper_grid(tmp_path, {"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},
+                      devices=devices, tp=tp)
 
 
 def fake_gpus(monkeypatch, free: Callable[[str], int], total: int = 80 * 2**30) -> None:

@@ -21,6 +21,7 @@ from kvrescue_cli.model_config import load_config
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.search import SearchSettings
 from tests.conftest import TINY
+from tests.helpers import small_grid
 from tests.oracles import prm_last_scores, prm_scores, trajectory_ids
 from tests.prm_cards import CARDS
 
@@ -147,9 +148,8 @@ def test_a_language_model_is_a_recipe_s_only_where_its_name_or_config_says(rlhfl
 
 
 def _options(prm: str, **kw) -> GridOptions:
-    given = dict(models={"base": "b", "helper": "h", "prm": prm}, settings=SearchSettings(batch=8)) | kw
-    return GridOptions(benches=["b"], methods=["bon"], budgets=[64], ns=[2], seeds=[0], evictor="rkv", scorer="prm",
-                       out=None, **given)
+    given = {"models": {"base": "b", "helper": "h", "prm": prm}, "settings": SearchSettings(batch=8)} | kw
+    return small_grid(None, **given)
 
 
 def test_resolution_and_its_one_line_errors(skywork_dir, prm_dir, qwen2_dir) -> None:

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from kvrescue_cli.engine.loader import resolve_dtype
-from tests.helpers import KVRESCUE, kvrescue, kvrescue_run, read_folder
+from tests.helpers import KVRESCUE, kvrescue, kvrescue_run, read_folder, small_grid
 
 METHODS = ("kvrescue", "interleave", "bon", "full", "helper")
 SMALL = ["--max-step-tokens", "12", "--max-steps", "12", "--context-cap", "320", "--budget", "16",
@@ -319,7 +319,7 @@ def test_full_and_helper_never_build_the_evicting_cache(monkeypatch, problems, q
 
     from kvrescue_cli.engine import bounded
     from kvrescue_cli.engine.sampling import SamplingParams
-    from kvrescue_cli.runs import GridOptions, run_grid
+    from kvrescue_cli.runs import run_grid
     from kvrescue_cli.search import SearchSettings
 
     def refuse(*args, **kwargs):
@@ -328,9 +328,8 @@ def test_full_and_helper_never_build_the_evicting_cache(monkeypatch, problems, q
     monkeypatch.setattr(bounded.BoundedCache, "__init__", refuse)
     settings = SearchSettings(sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0), max_step_tokens=12,
                               max_steps=3, context_cap=320, batch=2)
-    options = GridOptions(benches=[str(problems)], methods=["full", "helper"], budgets=[16], ns=[2], seeds=[0],
-                          evictor="rkv", models={"base": str(qwen2_dir), "helper": str(llama_dir), "prm": str(prm_dir)},
-                          scorer="prm", settings=settings, out=tmp_path, limit=2)
+    options = small_grid(tmp_path, settings, benches=[str(problems)], methods=["full", "helper"], limit=2,
+                         models={"base": str(qwen2_dir), "helper": str(llama_dir), "prm": str(prm_dir)})
     results = run_grid(options, Progress(disable=True))
     assert [(c.method, s.problems) for c, s in results] == [("full", 2), ("helper", 2)]
 

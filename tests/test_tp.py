@@ -126,7 +126,7 @@ def test_tp_without_a_process_group_is_a_load_error(checkpoints):
 
 
 # -- whole runs: `--devices cpu,cpu --tp 2` is one group of two ranks ------------------------------------
-from tests.helpers import kvrescue, traces_of  # noqa: E402
+from tests.helpers import kvrescue, small_cell, small_grid, sums, traces_of  # noqa: E402
 from tests.test_workers import command, comparable, descendants, models, problems  # noqa: E402,F401
 
 METHODS = ["--method", "kvrescue,bon,full", "--dtype", "float32"]  # exact up to float rounding in fp32
@@ -198,18 +198,15 @@ def test_the_other_ranks_wait_between_cells_as_long_as_rank_0_lives(models, monk
     from datetime import timedelta
 
     from kvrescue_cli import in_process, rank_group
-    from kvrescue_cli.data import Problem, ProblemSet
-    from kvrescue_cli.grid import Cell, GridOptions
     from kvrescue_cli.search import SearchSettings
 
     monkeypatch.setenv("KVRESCUE_TP_TIMEOUT_S", "10")  # rank 1's (it reads it when it starts)
     monkeypatch.setattr(rank_group, "TIMEOUT", timedelta(seconds=10))
     roles = dict(zip(("base", "helper", "prm"), models[1::2]))
-    options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv", models=roles,
-                          scorer="prm", out=tmp_path, devices=("cpu", "cpu"), tp=2,
-                          settings=SearchSettings(batch=1, synthetic_steps=(4, 2), max_step_tokens=8, context_cap=256))
-    problems = [Problem(i, f"What is {i} + 1?", str(i + 1), {}) for i in range(2)]
-    cell = Cell(ProblemSet("t", "generic", "t.jsonl", problems), "bon", 16, 2, 0)
+    options = small_grid(tmp_path, SearchSettings(batch=1, synthetic_steps=(4, 2), max_step_tokens=8, context_cap=256),
+                         models=roles, devices=("cpu", "cpu"), tp=2)
+    problems = sums(2)
+    cell = small_cell(problems)
     traces = []
     group = in_process.InProcessGroup(options, ("cpu", "cpu"))
     try:
@@ -228,9 +225,7 @@ def test_every_rank_takes_rank_0s_decisions_where_copies_of_a_model_disagree(che
     scores are moved by noise (tests/tp_decisions.py); both ranks still sample, finish and commit alike."""
     import pickle
 
-    from kvrescue_cli.data import Problem, ProblemSet
     from kvrescue_cli.engine.sampling import SamplingParams
-    from kvrescue_cli.grid import Cell, GridOptions
     from kvrescue_cli.search import SearchSettings
 
     helper = write_random_checkpoint(tmp_path / "helper3", "llama", num_heads=3, num_kv_heads=1, seed=14,
@@ -238,12 +233,11 @@ def test_every_rank_takes_rank_0s_decisions_where_copies_of_a_model_disagree(che
     assert shard_degree(3, 1, 128, 2) == 1
     settings = SearchSettings(sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0), max_step_tokens=10,
                               max_steps=4, context_cap=256, batch=2)
-    options = GridOptions(benches=["t"], methods=["kvrescue"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
-                          models={"base": str(checkpoints[0]), "helper": str(helper), "prm": str(checkpoints[2])},
-                          scorer="prm", settings=settings, out=tmp_path, devices=("cpu", "cpu"), tp=2)
-    problems = [Problem(i, f"What is {i} + 2? Let x be the answer.", str(i + 2), {}) for i in range(3)]
+    options = small_grid(tmp_path, settings, methods=["kvrescue"], devices=("cpu", "cpu"), tp=2,
+                         models={"base": str(checkpoints[0]), "helper": str(helper), "prm": str(checkpoints[2])})
+    problems = sums(3, plus=2, text=" Let x be the answer.")
     setup = tmp_path / "setup.pickle"
-    setup.write_bytes(pickle.dumps((options, Cell(ProblemSet("t", "generic", "t.jsonl", problems), "kvrescue", 16, 2, 0))))
+    setup.write_bytes(pickle.dumps((options, small_cell(problems, "kvrescue"))))
     procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_decisions", str(rank), "2", str(tmp_path / "rendezvous"),
                                str(setup), str(tmp_path / f"rank{rank}.json")], cwd=ROOT, stderr=subprocess.PIPE)
              for rank in range(2)]

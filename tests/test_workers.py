@@ -14,7 +14,7 @@ import pytest
 from kvrescue_cli.data import Problem
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.workers import WorkQueue, resolve_devices
-from tests.helpers import KVRESCUE, PAIRS, kvrescue, tiny_problems, traces_of
+from tests.helpers import KVRESCUE, PAIRS, kvrescue, small_cell, small_grid, tiny_problems, traces_of
 
 MANY = 20  # problems of `many_problems`
 # `--batch 1`: each problem decodes alone, so its traces do not depend on which problems a worker happens to
@@ -265,16 +265,12 @@ def test_a_problem_that_kills_two_actors_is_recorded_as_failed_and_no_actor_left
     import ray
 
     from kvrescue_cli import workers
-    from kvrescue_cli.data import ProblemSet
-    from kvrescue_cli.grid import Cell, GridOptions
     from kvrescue_cli.outputs import RunConfig, summarize
     from kvrescue_cli.search import SearchSettings
 
     roles = dict(zip(("base", "helper", "prm"), models[1::2]))
-    options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
-                          models=roles, scorer="prm", settings=SearchSettings(batch=8), out=tmp_path, devices=("cpu",),
-                          ray_address=cluster.address)
-    cell = Cell(ProblemSet("t", "generic", "t.jsonl", []), "bon", 16, 2, 0)
+    options = small_grid(tmp_path, SearchSettings(batch=8), models=roles, ray_address=cluster.address)
+    cell = small_cell()
     said, emitted = [], []
     ray.init(address=cluster.address, **workers.RAY_QUIET)
     try:
@@ -319,16 +315,12 @@ def test_actors_report_their_running_totals_to_the_driver(models, cluster, tmp_p
     import ray
 
     from kvrescue_cli import workers
-    from kvrescue_cli.data import ProblemSet
-    from kvrescue_cli.grid import Cell, GridOptions
     from kvrescue_cli.search import SearchSettings
 
     roles = dict(zip(("base", "helper", "prm"), models[1::2]))
     settings = SearchSettings(batch=1, synthetic_steps=(32, 16), max_step_tokens=32, context_cap=2048)
-    options = GridOptions(benches=["t"], methods=["bon"], budgets=[16], ns=[2], seeds=[0], evictor="rkv",
-                          models=roles, scorer="prm", settings=settings, out=tmp_path, devices=("cpu",),
-                          ray_address=cluster.address)
-    cell = Cell(ProblemSet("t", "generic", "t.jsonl", []), "bon", 16, 2, 0)
+    options = small_grid(tmp_path, settings, models=roles, ray_address=cluster.address)
+    cell = small_cell()
     emitted, reported = [], []
     # The actors report every iteration (their processes read the interval from this job's environment), so the
     # test does not depend on how long the decode takes here.
