@@ -8,7 +8,7 @@ threshold tau would have fired on a candidate exactly when ``max_mean_entropy > 
 The rules run in one place, the decode loop (`engine.steps.StepDecoder`), for all rows at once: the entropy
 window on the device, the gzip test on the host only for rows that may hold `cmp_chars` characters; every token
 is screened, a step's last one too. tests/oracles.py transcribes the rules token by token, and
-tests/test_engine_steps.py checks the decode loop against it.
+tests/engine/test_steps.py checks the decode loop against it.
 
 Cost: one gzip of ``cmp_chars`` characters per token once the text is that long: about 40-55 us
 per token on one CPU core (benchmarks/evict_bench.py); no host work per token before that.

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import orjson
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 KVRESCUE = str(Path(sys.executable).parent / "kvrescue")  # the console script installed beside this python
 # (a, b) of the tiny problem files: "What is a + b? Let x be the answer.", answer a + b
 PAIRS = ((1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1))

@@ -12,10 +12,10 @@ from kvrescue_cli.cli import _run_option_kinds, app
 from kvrescue_cli.config_file import read_grid_file
 from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.grid import GridOptions
-from tests.helpers import kvrescue_run, ok
-from tests.test_run_options import MODELS, folders
+from tests.helpers import ROOT, kvrescue_run, ok
+from tests.cli.test_run_options import MODELS, folders
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = ROOT / "examples"
 PAPER_METHODS = ["full", "helper", "bon", "kvrescue"]
 FIVE_SEEDS = [0, 1, 2, 3, 4]
 

@@ -1,11 +1,11 @@
 """Benchmark loading by name from a data folder, from any JSONL, and its errors."""
 
-from pathlib import Path
 
 import pytest
 
 from kvrescue_cli.data import BENCHES, BUNDLED, load_problems, source_of
 from kvrescue_cli.errors import InputError
+from tests.helpers import ROOT
 
 SIZES = {"math500": 500, "gsm8k": 1319, "aime24": 30, "amc23": 40, "olympiadbench": 675}
 
@@ -30,7 +30,7 @@ def test_raw_answers_follow_each_benchmarks_rule():
 
 def test_the_demos_easy_set_loads_as_a_generic_jsonl():
     """examples/easy.jsonl (scripts/demo.sh): two sums, each answer the sum."""
-    problems = load_problems(str(Path(__file__).parents[1] / "examples" / "easy.jsonl")).problems
+    problems = load_problems(str(ROOT / "examples" / "easy.jsonl")).problems
     assert [(p.idx, p.gt) for p in problems] == [(0, "5"), (1, "12")]
     assert "3 apples" in problems[0].problem and "2 more" in problems[0].problem and "7 + 5" in problems[1].problem
 

@@ -9,7 +9,8 @@ the packages around it).
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 PACKAGES = ("kvrescue_cli", "grader")
 
 

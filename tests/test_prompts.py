@@ -11,7 +11,7 @@ from kvrescue_cli.prompts import SYSTEM_PROMPT, generation_prompt, resolve_style
 from kvrescue_cli.random_checkpoints import QWEN3_CHAT_TEMPLATE, build_tokenizer, write_random_checkpoint
 from tests.conftest import TINY
 from tests.helpers import kvrescue, kvrescue_run, read_folder
-from tests.test_run import SMALL
+from tests.cli.test_run import SMALL
 
 QUESTION = "What is 1 + 1?"
 USER_TURN = f"<|im_start|>user\n{QUESTION}\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>assistant\n"

@@ -9,7 +9,7 @@ from kvrescue_cli.engine.loader import load_tokenizer
 from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.engine.prm_recipes import FORMATS
 from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
-from tests.test_engine_prm import PROBLEMS, STEPS, recipe_ids
+from tests.engine.test_prm import PROBLEMS, STEPS, recipe_ids
 
 pytestmark = pytest.mark.vllm
 

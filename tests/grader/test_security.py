@@ -14,7 +14,7 @@ import pytest
 
 from grader import GRADERS, grade, grade_many
 from grader.sandbox import SymbolicPool
-from tests.helpers import kvrescue
+from tests.helpers import ROOT, kvrescue
 
 # Each payload, evaluated as Python, creates {p}; each survives strip_string and is refused by every
 # parser (the reference then hands it to sympify). `__name__` first keeps parse_latex from reading a prefix.
@@ -139,7 +139,7 @@ def test_confined_process_can_do_nothing_but_compute(tmp_path: Path) -> None:
     existing.write_text("data")
     inherited = open(tmp_path / "inherited", "w")  # an extra descriptor the probe inherits
     done = subprocess.run([sys.executable, "-c", CONFINED_PROBE, str(existing)], capture_output=True,
-                          pass_fds=(inherited.fileno(),), cwd=Path(__file__).resolve().parents[1], timeout=120)
+                          pass_fds=(inherited.fileno(),), cwd=ROOT, timeout=120)
     inherited.close()
     assert done.returncode == 0, done.stderr.decode()
     result = json.loads(done.stdout)

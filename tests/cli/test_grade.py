@@ -2,21 +2,18 @@
 
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import orjson
 import pytest
 
 from kvrescue_cli.data import BUNDLED
+from tests.helpers import KVRESCUE, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-KVRESCUE = [str(Path(sys.executable).parent / "kvrescue")]  # the console script installed beside this python
 EXAMPLE = ROOT / "examples" / "gsm8k_outputs.jsonl"
 
 
 def kvrescue(*args: str, stdin: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*KVRESCUE, *args], input=stdin, capture_output=True, timeout=300, env=env)
+    return subprocess.run([KVRESCUE, *args], input=stdin, capture_output=True, timeout=300, env=env)
 
 
 def test_grade_example_file_to_stdout():

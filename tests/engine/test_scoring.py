@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvrescue_cli.engine import FullCache, load_model, scoring
 from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.scoring import HelperLoglik
-from tests.test_syncs import counting
+from tests.engine.test_syncs import counting
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 

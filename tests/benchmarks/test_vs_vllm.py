@@ -3,11 +3,12 @@
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_vllm.py"
+from tests.helpers import ROOT
+
+SCRIPT = ROOT / "benchmarks" / "vs_vllm.py"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

@@ -3,7 +3,7 @@ batch 1/8/32 and PRM candidates/s, same tiny shape and dtype on both sides, with
 
 import pytest
 
-from tests.test_gpu_check import gpu_check
+from tests.benchmarks.test_gpu_check import gpu_check
 
 pytestmark = pytest.mark.vllm
 

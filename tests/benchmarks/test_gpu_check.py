@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+from tests.helpers import ROOT
+
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 # The tiny shape's engine in fp32, counted here from its config: embeddings + untied head + 2 layers + final norm.
 H, KV, INTER, VOCAB, LAYERS = 64, 32, 128, 1024, 2
 TINY_WEIGHT_BYTES = 4 * (2 * VOCAB * H + LAYERS * (H * H + H + 2 * (H * KV + KV) + H * H + 3 * H * INTER + 2 * H) + H)
@@ -58,7 +60,7 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
         assert p["base_tokens_per_problem"] == 2 * 2 * 4
         assert p["helper_tokens_per_problem"] == (16 if method == "kvrescue" else 0)
     # vLLM is not in .venv: the vllm section's records, in their usual shape, say why they were not measured
-    # (tests/test_vllm_gpu_check.py measures them in .venv-vllm)
+    # (tests/benchmarks/test_gpu_check_vllm.py measures them in .venv-vllm)
     assert report["vllm_version"] is None
     assert [(r["measure"], r["shape"], r["dtype"], r.get("batch"), r.get("new_tokens")) for r in report["vllm"]] == [
         ("decode", "tiny", "float32", 1, 8), ("decode", "tiny", "float32", 8, 8), ("decode", "tiny", "float32", 32, 8),

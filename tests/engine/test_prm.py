@@ -208,7 +208,7 @@ def test_where_flash_attn_serves_the_prm_it_reads_its_cache_through_the_paged_ke
     kernel takes no other) and every forward reads it through flash_attn_with_kvcache (a plain-torch stand-in
     here), the candidates' copied partial blocks too, with the from-scratch scores."""
     from kvrescue_cli.engine import attention, caches
-    from tests.test_attention import reference_flash_attn_with_kvcache
+    from tests.engine.test_attention import reference_flash_attn_with_kvcache
 
     calls = []
     flash = kernel_layouts.flash(reference_flash_attn_with_kvcache)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from grader import GradeResult, grade_many
-VECTORS_PATH = Path(__file__).parent / "data" / "grader_vectors.jsonl"
+from tests.helpers import ROOT
+
+VECTORS_PATH = ROOT / "tests" / "data" / "grader_vectors.jsonl"
 
 VECTORS = [json.loads(line) for line in VECTORS_PATH.read_text(encoding="utf-8").splitlines() if line.strip()]
 

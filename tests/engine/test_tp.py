@@ -27,7 +27,6 @@ from tests import tp_scenario
 
 TOL = 1e-5
 SHAPE = dict(hidden_size=64, num_layers=2, intermediate_size=128, init_std=0.1)
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +125,7 @@ def test_tp_without_a_process_group_is_a_load_error(checkpoints):
 
 
 # -- whole runs: `--devices cpu,cpu --tp 2` is one group of two ranks ------------------------------------
-from tests.helpers import kvrescue, small_cell, small_grid, sums, traces_of  # noqa: E402
+from tests.helpers import ROOT, kvrescue, small_cell, small_grid, sums, traces_of  # noqa: E402
 from tests.test_workers import command, comparable, descendants, models, problems  # noqa: E402,F401
 
 METHODS = ["--method", "kvrescue,bon,full", "--dtype", "float32"]  # exact up to float rounding in fp32

@@ -328,7 +328,7 @@ def test_problem_page_shows_each_runs_steps_side_by_side(browser, page):
          "—" if c.fired_at is None else str(c.fired_at)] for c in expected]
     assert cand_texts == ["committed: the step's text" if c.committed else c.text for c in expected]
     screenshot = os.environ.get("KVRESCUE_VIEW_SCREENSHOT")
-    if screenshot:  # README's picture: KVRESCUE_VIEW_SCREENSHOT=docs/view.png pytest tests/test_view.py
+    if screenshot:  # README's picture: KVRESCUE_VIEW_SCREENSHOT=docs/view.png pytest tests/view/test_view.py
         browser.set_window_size(1400, 860)
         browser.save_screenshot(screenshot)
 

@@ -24,6 +24,7 @@ from kvrescue_cli.outputs import (
     installed_version, summarize, write_atomic, write_json_atomic,
 )
 from kvrescue_cli.outputs.folder import git_state
+from tests.helpers import ROOT
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct", "abc"),
           "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct", "def"),
@@ -430,8 +431,8 @@ def test_busy_seconds_is_the_union_of_the_spans():
 
 WRITER = textwrap.dedent("""
     import sys, time
-    sys.path.insert(0, {tests!r})
-    from test_outputs import config, trace
+    sys.path.insert(0, {root!r})
+    from tests.outputs.test_outputs import config, trace
     from kvrescue_cli.outputs import RunFolder
     rf = RunFolder.open({path!r}, config())
     start = len(rf.done)
@@ -444,7 +445,7 @@ WRITER = textwrap.dedent("""
 
 def test_sigkill_mid_append_leaves_a_readable_resumable_file(tmp_path):
     path = tmp_path / "run"
-    script = WRITER.format(tests=str(Path(__file__).parent), path=str(path))
+    script = WRITER.format(root=str(ROOT), path=str(path))
     for round_ in range(3):
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
         for _ in range(5 + 7 * round_):

@@ -15,10 +15,9 @@ import orjson
 import pytest
 
 from kvrescue_cli.outputs import RunFolder, RunFolderError, TornTraceWarning, run_dir
-from tests.test_outputs import config, trace
+from tests.helpers import KVRESCUE, ROOT
+from tests.outputs.test_outputs import config, trace
 
-KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def kvrescue(*args: str, cwd: Path, memory: int = 3 << 30, timeout: float = 120,
@@ -205,7 +204,7 @@ FULL_DISK = textwrap.dedent("""
     import resource, signal, sys
     from pathlib import Path
     from kvrescue_cli.outputs import RunFolder, RunFolderError
-    from tests.test_outputs import config, trace
+    from tests.outputs.test_outputs import config, trace
     folder = Path(sys.argv[1])
     run = RunFolder.open(folder, config())
     run.append(trace(0))

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from kvrescue_cli.cli import app
 from kvrescue_cli.data import load_problems
 from kvrescue_cli.outputs import ModelRef, RunConfig, RunFolder, RunFolderError, run_dir
-from tests.test_hostile_files import kvrescue, one_line_error
-from tests.test_outputs import config, trace
+from tests.cli.test_hostile_files import kvrescue, one_line_error
+from tests.outputs.test_outputs import config, trace
 
 BIG = 123456789012345678901234567890
 

@@ -12,8 +12,8 @@ import pytest
 from kvrescue_cli.outputs import CONFIG, RunFolder, RunFolderError, problem_checksum, run_dir
 from kvrescue_cli.report import load_runs
 from tests.helpers import kvrescue
-from tests.test_outputs import config, trace
-from tests.test_report import write_run
+from tests.outputs.test_outputs import config, trace
+from tests.report.test_report import write_run
 
 
 @pytest.mark.parametrize("bench", ["...jsonl", "..jsonl", "..", ".", "../../../tmp/evil.jsonl", "/etc/passwd",
