@@ -10,10 +10,11 @@ import torch
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.graphs import StaticDecode
-from kvrescue_cli.engine.evict import gather_positions, rkv_keep, snapkv_keep, streaming_keep
+from kvrescue_cli.engine.evict import gather_positions
 from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from tests.conftest import TINY
+from tests.oracles import rkv_keep, snapkv_keep, streaming_keep
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
