@@ -16,7 +16,7 @@ Equal scores are broken toward the earlier position.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, ClassVar
 
 import torch
@@ -129,6 +129,9 @@ class RKV(Evictor):
     kernel: int = 7
     threshold: float = 0.5
 
+    def __post_init__(self) -> None:
+        _odd_kernel(self.kernel)
+
     def score(self, keys: Tensor, queries: Tensor, received: Tensor | None = None) -> Tensor:
         red = redundancy(keys, threshold=self.threshold)[..., :-OBSERVATION_WINDOW]
         return self.lam * importance(keys, queries, kernel=self.kernel) - (1 - self.lam) * red
@@ -142,6 +145,9 @@ class SnapKV(Evictor):
     description = "SnapKV (Li et al. 2024) at decode time: attention importance alone"
     kernel: int = 7
 
+    def __post_init__(self) -> None:
+        _odd_kernel(self.kernel)
+
     def score(self, keys: Tensor, queries: Tensor, received: Tensor | None = None) -> Tensor:
         return importance(keys, queries, kernel=self.kernel)
 
@@ -153,6 +159,10 @@ class Streaming(Evictor):
     name = "streaming"
     description = "StreamingLLM (Xiao et al. 2023): the first positions (attention sinks) and the most recent"
     sinks: int = 4
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0:
+            raise ValueError(f"sinks={self.sinks}: need 0 or more")
 
     def score(self, keys: Tensor, queries: Tensor, received: Tensor | None = None) -> Tensor:
         past = keys.shape[-2] - OBSERVATION_WINDOW
@@ -187,6 +197,11 @@ class H2O(Evictor):
         return received[..., :-OBSERVATION_WINDOW]
 
 
+def _odd_kernel(kernel: int) -> None:
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"kernel={kernel}: the max-pool kernel must be odd and positive (same padding)")
+
+
 EVICTORS: dict[str, Evictor] = {e.name: e for e in (RKV(), SnapKV(), Streaming(), TOVA(), H2O())}
 NO_EVICTION = "none"  # `--evictor none`: the base keeps a full cache (no evictor runs)
 CHOICES = (*EVICTORS, NO_EVICTION)
@@ -199,6 +214,38 @@ def evictor_named(evictor: Evictor | str) -> Evictor:
     if evictor not in EVICTORS:
         raise ValueError(f"policy {evictor!r} does not compress; choose one of {tuple(EVICTORS)}")
     return EVICTORS[evictor]
+
+
+def parse_evictor(spec: str) -> tuple[str, dict[str, Any]]:
+    """`NAME` or `NAME:FIELD=VALUE,...` (`--evictor rkv:lam=0.2,kernel=5`): the name, and the fields given with
+    values of their fields' types, checked by building the policy (ValueError naming what is wrong). An unknown
+    name without fields is left for the caller to refuse."""
+    name, _, given = spec.partition(":")
+    if not given:
+        return name, {}
+    if name not in EVICTORS:
+        raise ValueError(f"unknown evictor {name!r} in --evictor {spec!r}; choose one of {', '.join(EVICTORS)}")
+    kinds = {f.name: {"int": int, "float": float}[str(f.type)] for f in fields(EVICTORS[name])}
+    params: dict[str, Any] = {}
+    for item in given.split(","):
+        key, equals, value = item.partition("=")
+        if key not in kinds or not equals:
+            have = ", ".join(kinds) or "none"
+            raise ValueError(f"--evictor {spec!r}: {item!r} is not FIELD=VALUE of one of {name}'s parameters ({have})")
+        try:
+            params[key] = kinds[key](value)
+        except ValueError:
+            raise ValueError(f"--evictor {spec!r}: {key} must be {kinds[key].__name__}, not {value!r}") from None
+    make_evictor(name, params)
+    return name, params
+
+
+def make_evictor(name: str, params: dict[str, Any]) -> Evictor:
+    """The named policy with `params` in place of its defaults (ValueError for a value it refuses)."""
+    try:
+        return replace(evictor_named(name), **params)
+    except ValueError as err:
+        raise ValueError(f"--evictor {name}: {err}") from None
 
 
 def keep_positions(evictor: Evictor | str, keys: Tensor, queries: Tensor, budget: int,
