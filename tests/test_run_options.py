@@ -97,6 +97,8 @@ def test_evictor_parameters_are_set_recorded_and_part_of_the_configuration(evict
     assert "evictor_params" not in settings[0]  # the defaults record nothing: older folders keep their identity
     assert settings[1]["evictor_params"] == {"lam": 0.9, "kernel": 3, "threshold": 0.5}
     assert all(a["output"] != b["output"] for a, b in zip(traces(default), traces(tuned)))
+    table = ok(kvrescue("report", str(evictor_runs), "--format", "csv")).stdout.decode()  # the tuned run below too
+    assert "bon[rkv, lam=0.9, kernel=3, threshold=0.5]" in table  # its own report row
 
 
 def test_buffer_sets_b_prime_and_is_part_of_the_configuration(evictor_runs, problems, qwen2_dir, prm_dir, tmp_path):

@@ -75,12 +75,15 @@ def received_attention(q: Tensor, keys: Tensor, visible: Tensor, real: Tensor | 
     logits stay within SCORE_BYTES."""
     R, h_q, T, d = q.shape
     h_kv, length = keys.shape[1], keys.shape[2]
-    k = keys.float().unsqueeze(2).transpose(-1, -2)  # [R, H_kv, 1, D, L]
-    qg = q.float().view(R, h_kv, h_q // h_kv, T, d)
+    g = h_q // h_kv
+    k = keys.float().transpose(-1, -2)  # [R, H_kv, D, L]
+    qg = q.float().view(R, h_kv, g, T, d)
     step = max(1, SCORE_BYTES // (4 * R * h_q * length))
     total = k.new_zeros(R, h_kv, length)
     for t in range(0, T, step):
-        logits = (qg[:, :, :, t : t + step] @ k / math.sqrt(d)).amax(dim=2)  # [R, H_kv, t', L]
+        part = qg[:, :, :, t : t + step]  # the group's queries as rows of one matmul per KV head
+        n = part.shape[3]
+        logits = (part.reshape(R, h_kv, g * n, d) @ k / math.sqrt(d)).view(R, h_kv, g, n, length).amax(dim=2)
         seen = visible[:, t : t + step] if visible.shape[1] > 1 else visible
         probs = logits.masked_fill_(~seen[:, None], -math.inf).softmax(dim=-1)
         if real is not None:
