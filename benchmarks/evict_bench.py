@@ -8,6 +8,8 @@ Measures, for a batch of rows decoding one token each:
   an uncompressed bounded row of the same physical length (B + 64 on average), plus one compression per
   128 tokens (`--cycle` also times real cycles end to end);
 - the cost of one compression (all rows at once, all layers) and cache bytes per row;
+- each evictor's per-token cost (`--evictors`): its compression, and for h2o, whose decode step also accumulates
+  each entry's received attention, its own decode step at B + 64;
 - the context length from which evicted decoding is cheaper than the bounded cache uncompressed and
   than the paged cache;
 - the degeneration detector's CPU time per token.

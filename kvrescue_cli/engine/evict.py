@@ -7,6 +7,7 @@ every row due for compression in one call:
 
     keys     [..., H_kv, L, D]     post-RoPE keys
     queries  [..., H_q, OBSERVATION_WINDOW, D] post-RoPE queries of the last OBSERVATION_WINDOW positions, H_q = g * H_kv
+    received [..., H_kv, L]        (H2O) the attention each entry received since it entered, fp32, kept by the cache
     result   [..., H_kv, budget]   kept positions, ascending
 
 Query heads ``h*g .. h*g+g-1`` share KV head ``h`` (the Hugging Face ``repeat_kv`` layout).
