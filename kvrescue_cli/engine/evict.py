@@ -73,7 +73,7 @@ def received_attention(q: Tensor, keys: Tensor, visible: Tensor, real: Tensor | 
     of q [R, H_q, T, D] against keys [R, H_kv, L, D], max over each KV head's query group (before softmax, as
     `past_attention`), softmax over the keys each query sees (`visible` [R, T or 1, L]), summed over the queries
     where `real` [R, T] (all when None; padding queries are left out). Sliced over the queries so that one slice's
-    logits stay within SCORE_BYTES."""
+    logits stay within SCORE_BYTES (the softmax then holds 1/g of that)."""
     R, h_q, T, d = q.shape
     h_kv, length = keys.shape[1], keys.shape[2]
     g = h_q // h_kv
@@ -84,11 +84,11 @@ def received_attention(q: Tensor, keys: Tensor, visible: Tensor, real: Tensor | 
     for t in range(0, T, step):
         part = qg[:, :, :, t : t + step]  # the group's queries as rows of one matmul per KV head
         n = part.shape[3]
-        logits = (part.reshape(R, h_kv, g * n, d) @ k / math.sqrt(d)).view(R, h_kv, g, n, length).amax(dim=2)
+        logits = (part.reshape(R, h_kv, g * n, d) @ k).div_(math.sqrt(d)).view(R, h_kv, g, n, length).amax(dim=2)
         seen = visible[:, t : t + step] if visible.shape[1] > 1 else visible
         probs = logits.masked_fill_(~seen[:, None], -math.inf).softmax(dim=-1)
         if real is not None:
-            probs = probs * real[:, None, t : t + step, None]
+            probs.mul_(real[:, None, t : t + step, None])
         total += probs.sum(dim=2)
     return total
 
