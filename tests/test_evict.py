@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -353,3 +354,16 @@ def test_policies_are_frozen_dataclasses_of_their_parameters():
     keys, queries = random_inputs(2, 2, 40, 8, seed=3)
     assert torch.equal(keep_positions(RKV(lam=0.5), keys, queries, 16), loop_rkv(keys, queries, 16, lam=0.5)[0])
     assert torch.equal(keep_positions(Streaming(sinks=2), keys, queries, 16)[0], streaming_keep(40, 16, sinks=2))
+
+
+def test_evictor_specs_name_typed_parameters_or_a_one_line_error():
+    from kvrescue_cli.engine.evict import make_evictor, parse_evictor
+
+    assert parse_evictor("rkv") == ("rkv", {}) and parse_evictor("h3o") == ("h3o", {})  # the caller refuses h3o
+    assert parse_evictor("rkv:lam=0.2,kernel=5") == ("rkv", {"lam": 0.2, "kernel": 5})
+    assert make_evictor("streaming", {"sinks": 2}) == Streaming(sinks=2)
+    for spec, message in [("h3o:x=1", "unknown evictor 'h3o'"), ("rkv:kernel=4", "kernel=4: the max-pool kernel"),
+                          ("snapkv:kernel=2.5", "kernel must be int, not '2.5'"), ("rkv:lam", "'lam' is not FIELD=VALUE"),
+                          ("tova:lam=1", "of one of tova's parameters (none)"), ("streaming:sinks=-1", "sinks=-1")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_evictor(spec)
