@@ -8,6 +8,8 @@ Measures, for a batch of rows decoding one token each:
   an uncompressed bounded row of the same physical length (B + 64 on average), plus one compression per
   128 tokens (`--cycle` also times real cycles end to end);
 - the cost of one compression (all rows at once, all layers) and cache bytes per row;
+- each evictor's per-token cost (`--evictors`): its compression, and for h2o, whose decode step also accumulates
+  each entry's received attention, its own decode step at B + 64;
 - the context length from which evicted decoding is cheaper than the bounded cache uncompressed and
   than the paged cache;
 - the degeneration detector's CPU time per token.
@@ -34,7 +36,7 @@ from kvrescue_cli.data import BUNDLED
 from kvrescue_cli.detect import gzip_ratio
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache, block_size_for
-from kvrescue_cli.engine.evict import MIN_BUDGET
+from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET
 from kvrescue_cli.engine.model import CausalLM, ModelArgs
 from kvrescue_cli.shapes import BUFFER
 
@@ -64,13 +66,16 @@ def make_rows(net: CausalLM, budget: int, batch: int, physical: int, logical: in
     cache.k.normal_()
     cache.v.normal_()
     cache.q.normal_()
+    if cache.received is not None:
+        cache.received.uniform_()
     return cache, rows
 
 
-def uncompressed_rows(net: CausalLM, batch: int, length: int, room: int) -> tuple[BoundedCache, list[int]]:
+def uncompressed_rows(net: CausalLM, batch: int, length: int, room: int,
+                      policy: str = "rkv") -> tuple[BoundedCache, list[int]]:
     """Bounded-cache rows of `length` random entries that decode `room` more tokens without a compression
     (their budget lies beyond `length + room`)."""
-    return make_rows(net, max(MIN_BUDGET, length + room), batch, length, length)
+    return make_rows(net, max(MIN_BUDGET, length + room), batch, length, length, policy)
 
 
 def make_paged_rows(net: CausalLM, batch: int, length: int, room: int, candidates: int = 8) -> tuple[FullCache, list[int]]:
@@ -113,11 +118,14 @@ def timed_decodes(net: CausalLM, cache: BoundedCache | FullCache, rows: list[int
 
 
 def decode_cost(net, lengths: list[int], paged: list[int], batch: int, rounds: int, steps: int,
-                device: str) -> dict[tuple[str, int], float]:
+                device: str, accumulating: dict[str, list[int]] | None = None) -> dict[tuple[str, int], float]:
     """Fastest of the timed batched decode steps of uncompressed bounded rows at each physical length in
-    `lengths` and of paged rows at each in `paged`, keyed (cache, length). All are measured round-robin, in
-    alternating order, and the minimum is kept because a shared machine only ever adds time."""
+    `lengths`, of paged rows at each in `paged`, and of the bounded rows of each evictor in `accumulating`
+    (H2O's decode step does more) at its lengths, keyed (cache or evictor, length). All are measured
+    round-robin, in alternating order, and the minimum is kept because a shared machine only ever adds time."""
     caches = {("bounded", n): uncompressed_rows(net, batch, n, rounds * steps + 1) for n in lengths}
+    caches |= {(e, n): uncompressed_rows(net, batch, n, rounds * steps + 1, e)
+               for e, ns in (accumulating or {}).items() for n in ns}
     caches |= {("paged", n): make_paged_rows(net, batch, n, rounds * steps + 1) for n in paged}
     for cache, rows in caches.values():
         timed_decodes(net, cache, rows, 1, device)  # warm-up
@@ -182,7 +190,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,2048,4096", help="contexts reported in the table")
     ap.add_argument("--extra-contexts", default="256,1024,1536,3072", help="more uncompressed points for the crossover")
     ap.add_argument("--budgets", default="64,512")
-    ap.add_argument("--evictors", default="rkv,snapkv,tova,streaming",
+    ap.add_argument("--evictors", default="rkv,snapkv,tova,h2o,streaming",
                     help="evictors whose compression cost per token is compared with rkv's")
     ap.add_argument("--rounds", type=int, default=4, help="round-robin passes over the lengths")
     ap.add_argument("--steps", type=int, default=2, help="timed decodes per length and round")
@@ -203,8 +211,10 @@ def main() -> None:
     # between compressions an evicted row decodes like an uncompressed one of the same physical length;
     # over a cycle its length averages B + 64, and one compression of every row is added per 128 tokens
     t0 = time.perf_counter()
+    evictors = args.evictors.split(",")
+    accumulating = {e: [b + BUFFER // 2 for b in budgets] for e in evictors if EVICTORS[e].accumulates}
     step = decode_cost(net, sorted(set(contexts) | {b + BUFFER // 2 for b in budgets}), contexts, args.batch,
-                       args.rounds, args.steps, args.device)
+                       args.rounds, args.steps, args.device, accumulating)
     comp = {b: compression_time(net, b, args.batch, args.device) for b in budgets}
     bounded = {c: step[("bounded", c)] / args.batch for c in contexts}
     paged = {c: step[("paged", c)] / args.batch for c in contexts}
@@ -235,13 +245,15 @@ def main() -> None:
         print(f"  full cache at {c}: {c * per_entry / 2**20:.2f} MiB/row here, {c * per_entry_7b / 2**20:.1f} MiB/row for 7B")
 
     print("\nper-token cost by evictor (decode at B + 64 plus one compression per 128 tokens; ms per row-token, "
-          "and the compression's share against rkv's)")
+          "the compression's time against rkv's, and for h2o its decode step's against rkv's)")
     for b in budgets:
         per = {e: comp[b] if e == "rkv" else compression_time(net, b, args.batch, args.device, policy=e)
-               for e in args.evictors.split(",")}
-        decode = step[("bounded", b + BUFFER // 2)] / args.batch
-        print(f"  B={b}: " + ", ".join(f"{e} {(decode + c / BUFFER / args.batch) * 1e3:.3f} "
-                                     f"(compression x{c / per['rkv']:.2f})" for e, c in per.items()))
+               for e in evictors}
+        decode = {e: step[(e if e in accumulating else "bounded", b + BUFFER // 2)] / args.batch for e in evictors}
+        base = step[("bounded", b + BUFFER // 2)] / args.batch
+        print(f"  B={b}: " + ", ".join(
+            f"{e} {(decode[e] + c / BUFFER / args.batch) * 1e3:.3f} (compression x{c / per['rkv']:.2f}"
+            + (f", decode x{decode[e] / base:.2f})" if e in accumulating else ")") for e, c in per.items()))
 
     print("\nuncompressed bounded decode by context (ms per row-token): "
           + ", ".join(f"{c}: {bounded[c] * 1e3:.2f}" for c in contexts))

@@ -59,7 +59,7 @@ def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], v
         runners[role] = vllm.runner(role)
     if spec.base and "base" not in runners:
         base = models["base"]
-        cache = (BoundedCache.for_model(base.net, cell.budget, options.evictor, buffer=options.buffer,
+        cache = (BoundedCache.for_model(base.net, cell.budget, options.policy(), buffer=options.buffer,
                                         max_append=s.max_step_tokens, rows=s.batch * (cell.n + 1))
                  if options.evicts(cell.method)
                  else full.for_model(base.net, full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))

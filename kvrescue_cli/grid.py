@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.devices import CPU, GPU
 from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
-from kvrescue_cli.engine.evict import CHOICES, MIN_BUDGET, NO_EVICTION
+from kvrescue_cli.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, Evictor, make_evictor, parse_evictor
 from kvrescue_cli.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES, PRMRecipe, get_recipe
 from kvrescue_cli.engine.prm_recipes.choose import AUTO as PRM_AUTO
 from kvrescue_cli.engine.prm_recipes.choose import auto_recipe, weight_names
@@ -88,6 +88,17 @@ class GridOptions:
     buffer: int = BUFFER  # W: entries an evicted row appends past the budget before a compression (B' = B + W)
     prm_format: str = "paper"  # the qwen-math recipe's input format (engine/prm_recipes/qwen_math.py)
     prm_recipe: str = "qwen-math"  # the PRM's recipe (engine/prm_recipes; `auto` resolved by `resolve_prm_recipe`)
+    evictor_params: dict[str, Any] = field(default_factory=dict)  # --evictor NAME:FIELD=VALUE,...: the fields given
+
+    def policy(self) -> Evictor:
+        """The evictor with its parameters (`--evictor NAME:FIELD=VALUE,...`; the others its defaults)."""
+        return make_evictor(self.evictor, self.evictor_params)
+
+    def policy_params(self) -> dict[str, Any] | None:
+        """Every parameter of the evictor when one differs from its defaults, as config.json records them; else None
+        (so the default policies' run folders keep their identity)."""
+        policy = self.policy()
+        return policy.params() if policy != EVICTORS[self.evictor] else None
 
     def prm_input_recipe(self) -> PRMRecipe:
         """The PRM's recipe object: `prm_recipe`, in `prm_format` for qwen-math."""
@@ -222,6 +233,11 @@ def grid_options(models: dict[str, str], settings: SearchSettings, out: Path, **
     --helper and --prm give them (`prm` may name the alternative scorer: `split_scorer`); `fields`: the rest of
     `GridOptions` (its axes, evictor, ...)."""
     models, scorer = split_scorer(models)
+    if "evictor" in fields:
+        try:
+            fields["evictor"], fields["evictor_params"] = parse_evictor(fields["evictor"])
+        except ValueError as err:
+            raise InputError(str(err)) from None
     return GridOptions(models=models, scorer=scorer, settings=settings, out=out, **fields)
 
 

@@ -55,6 +55,7 @@ class CellShape:
     prompt_tokens: int = PROMPT_TOKENS
     buffer: int = BUFFER  # W: the bounded cache peaks at B' = B + W entries
     prm_step_tokens: int | None = None  # the PRM's tokens for one step: by default the policy's + its step tag
+    accumulates: bool = False  # the evictor keeps each entry's received attention (H2O: fp32 per entry and KV head)
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,9 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         ring = r.args.n_layers * rows * r.args.n_heads * OBSERVATION_WINDOW * r.args.head_dim * b
         add("base", "kv", 2 * rows * capacity * per_slot, f"bounded K/V: {rows} rows x {capacity} entries")
         add("base", "kv", ring, f"query rings of {rows} rows")
+        if s.accumulates:
+            add("base", "kv", rows * capacity * r.args.n_layers * r.args.n_kv_heads * FP32,
+                f"received attention (H2O): {rows} rows x {capacity} entries")
         if capacity > peak + step:
             moment("base", rows * (peak + step) * per_slot + ring, "pool regrowth for the longest prompt")
         if graphs:
@@ -352,7 +356,8 @@ def cell_shapes(options: Any, batch: int | None = None) -> list[CellShape]:
         for budget in options.budgets if base == "bounded" else [None]:
             for n in options.ns:
                 shapes.append(CellShape(batch or s.batch, n, base, budget, helper, scorer, s.max_step_tokens,
-                                        s.context_cap, buffer=getattr(options, "buffer", BUFFER)))
+                                        s.context_cap, buffer=getattr(options, "buffer", BUFFER),
+                                        accumulates=base == "bounded" and options.policy().accumulates))
     return list(dict.fromkeys(shapes))
 
 

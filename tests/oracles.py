@@ -1,7 +1,8 @@
 """Reference code the product is checked against, kept in the tests: the degeneration detector's rules (DESIGN
 section 4) transcribed token by token (the decode loop's vectorised detector, engine/steps.py, is checked against
-it), one step decoded for given rows to the end, and PRM scores of whole trajectories from scratch (the cached
-scorers, engine/prm.py and vllm_engine/prm.py, are checked against them)."""
+it), one step decoded for given rows to the end, PRM scores of whole trajectories from scratch (the cached
+scorers, engine/prm.py and vllm_engine/prm.py, are checked against them), and the positions each evictor keeps
+from given keys and queries (the bounded cache is checked against them)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ from collections import deque
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from kvrescue_cli.detect import DetectorConfig, gzip_ratio
+from kvrescue_cli.engine.evict import RKV, SnapKV, Streaming, keep_top
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.prm import check_prm
 from kvrescue_cli.engine.prm_recipes import FORMATS, PRMRecipe, RecipeInputs
 from kvrescue_cli.engine.steps import CandidateStep, StepRules
 from kvrescue_cli.prompts import SYSTEM_PROMPT
 from kvrescue_cli.reasons import ENTROPY, REPETITION
+from kvrescue_cli.shapes import OBSERVATION_WINDOW
 
 
 class Detector:
@@ -114,3 +118,26 @@ def prm_last_scores(prm: LoadedModel, problem: str, trajectories: Sequence[Seque
     ids = torch.tensor([row + [0] * (width - len(row)) for row, _ in rows])
     head = prm.logits(ids)
     return inputs.score(torch.stack([head[i, ends[-1]] for i, (_, ends) in enumerate(rows)])).tolist()
+
+
+def rkv_keep(keys: Tensor, queries: Tensor, budget: int, **params) -> Tensor:
+    """Positions R-KV keeps per KV head, [..., H_kv, budget], ascending (`params`: RKV's fields)."""
+    return keep_top(RKV(**params).score(keys, queries), budget)
+
+
+def snapkv_keep(keys: Tensor, queries: Tensor, budget: int, **params) -> Tensor:
+    """Positions SnapKV keeps per KV head, [..., H_kv, budget], ascending."""
+    return keep_top(SnapKV(**params).score(keys, queries), budget)
+
+
+def streaming_scores(length: int, **params) -> Tensor:
+    """StreamingLLM's scores of the past positions of a row of `length` entries, [length - OBSERVATION_WINDOW]."""
+    return Streaming(**params).score(torch.zeros(length, 1), torch.zeros(0))
+
+
+def streaming_keep(length: int, budget: int, **params) -> Tensor:
+    """Positions StreamingLLM keeps: the first `sinks` and the last ``budget - sinks``, [budget]."""
+    sinks = Streaming(**params).sinks
+    if not sinks + OBSERVATION_WINDOW <= budget < length:
+        raise ValueError(f"need {sinks + OBSERVATION_WINDOW} <= budget {budget} < length {length}")
+    return keep_top(streaming_scores(length, **params), budget)

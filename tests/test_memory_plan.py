@@ -158,6 +158,26 @@ def test_helper_loglik_counts_both_helper_caches(tmp_path):
     assert plan.bytes(None, "weights") == (archs["base"].params + archs["helper"].params) * 2  # the helper once
 
 
+def test_h2o_counts_the_accumulator_its_cache_allocates(tmp_path):
+    """--evictor h2o's cache holds each entry's received attention beside K/V: the plan counts those bytes."""
+    from kvrescue_cli.cost import Architecture
+    from kvrescue_cli.engine.bounded import BoundedCache
+    from kvrescue_cli.model_config import load_config
+
+    options = replace(gpu_options(tmp_path, ("cuda:0",)), evictor="h2o")
+    shape = memory_plan.cell_shapes(options)[0]
+    assert shape.accumulates and not memory_plan.cell_shapes(replace(options, evictor="rkv"))[0].accumulates
+    path = options.models["base"]
+    archs = {"base": Architecture.from_config(path, load_config(path))}
+    dev = memory_plan.DeviceKind(cuda=True, dtype_bytes=2)
+    plain, h2o = (memory_plan.plan_cell(archs, replace(shape, accumulates=a, helper=False, scorer=None), dev)
+                  for a in (False, True))
+    a = archs["base"].args
+    cache = BoundedCache(a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, budget=64, evictor="h2o",
+                         max_append=512, rows=8 * 9, device="meta")
+    assert h2o.bytes("base", "kv") - plain.bytes("base", "kv") == cache.received.nbytes > 0
+
+
 def gpu_options(tmp_path: Path, devices: tuple[str, ...], tp: int = 1) -> GridOptions:
     paths = write_paper_configs(tmp_path)
     return paper_grid(tmp_path, {"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},

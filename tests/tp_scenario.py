@@ -68,6 +68,7 @@ def run(base_dir: Path, helper_dir: Path, prm_dir: Path, tp: int = 1) -> dict[st
         "static": _cached(base.net, BoundedCache.for_model(base.net, BUDGET, "rkv", buffer=SLACK, rows=4), lengths, 30, 2,
                           static=True),
         "kept": kept_positions(base.net, "rkv", lengths, 30, 2),
+        "kept_h2o": kept_positions(base.net, "h2o", lengths, 30, 2),  # each rank accumulates for its own KV heads
         "helper": _cached(helper.net, FullCache.for_model(helper.net, 512, max_rows=8, block_size=4), lengths, 6, 3),
         "prm_plain": prm_scores(prm, PROBLEM, STEPS),
     }

@@ -17,7 +17,9 @@ import torch
 
 from kvrescue_cli.engine.attention import attend_masked, padded_visibility
 from kvrescue_cli.engine.caches import KVCache
-from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET, gather_positions, keep_positions
+from kvrescue_cli.engine.evict import (
+    EVICTORS, MIN_BUDGET, Evictor, evictor_named, gather_positions, keep_positions, received_attention,
+)
 from kvrescue_cli.engine.transfer import upload, upload_all
 from kvrescue_cli.shapes import BUFFER, COMPRESS_BYTES, OBSERVATION_WINDOW
 
@@ -40,11 +42,13 @@ class BoundedCache(KVCache):
     the last OBSERVATION_WINDOW post-RoPE queries (R-KV's observation window).
 
     Pools (gpt-fast style, written in place): K and V [layers, slots, kv_heads, capacity, head_dim]
-    and queries [layers, slots, heads, OBSERVATION_WINDOW, head_dim]. Rows are ids mapped to slots, so `adopt`
-    moves no data; a fork copies its parent's entries, ring and counters. The pools grow when rows
+    and queries [layers, slots, heads, OBSERVATION_WINDOW, head_dim]; for an evictor that `accumulates` (H2O) also
+    the fp32 attention each entry received since it entered, [layers, slots, kv_heads, capacity] (`received`, else
+    None), compacted with the entries. Rows are ids mapped to slots, so `adopt` moves no data; a fork copies its
+    parent's entries, ring, received attention and counters. The pools grow when rows
     (by doubling) or an append do not fit: capacity defaults to B' + `max_append`, so only an append
-    longer than `max_append` reallocates. `evictor` is one of `evict.EVICTORS`; `--evictor none`
-    keeps a full cache (`FullCache`) instead.
+    longer than `max_append` reallocates. `evictor` is a policy (`evict.Evictor`) or the name of one in
+    `evict.EVICTORS` (its default settings); `--evictor none` keeps a full cache (`FullCache`) instead.
     """
 
     @torch.inference_mode(False)  # the pools are written outside inference mode too (forks)
@@ -56,7 +60,7 @@ class BoundedCache(KVCache):
         head_dim: int,
         *,
         budget: int,
-        evictor: str = "rkv",
+        evictor: Evictor | str = "rkv",
         buffer: int = BUFFER,
         max_append: int = 512,
         rows: int = 16,
@@ -64,15 +68,17 @@ class BoundedCache(KVCache):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
-        if evictor not in EVICTORS:
+        if not isinstance(evictor, Evictor) and evictor not in EVICTORS:
             raise ValueError(f"unknown evictor {evictor!r} for a bounded cache; choose one of {tuple(EVICTORS)}")
         if budget < MIN_BUDGET:
             raise ValueError(f"budget {budget} is below the minimum {MIN_BUDGET}")
-        self.evictor, self.budget, self.trigger = evictor, budget, budget + buffer
+        self.evictor, self.budget, self.trigger = evictor_named(evictor), budget, budget + buffer
         cap = capacity or self.trigger + max_append
         self.k = torch.zeros(n_layers, rows, n_kv_heads, cap, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.q = torch.zeros(n_layers, rows, n_heads, OBSERVATION_WINDOW, head_dim, dtype=dtype, device=device)
+        self.received = (torch.zeros(n_layers, rows, n_kv_heads, cap, dtype=torch.float32, device=device)
+                         if self.evictor.accumulates else None)
         # Each row id's pool slot, entries held, tokens appended (the next RoPE position) and the largest number
         # of entries it (and the rows it was forked from) held; ids below next_id, those in free_ids unused.
         self.row_slot = np.zeros(rows, np.int64)
@@ -86,7 +92,7 @@ class BoundedCache(KVCache):
         self.fwd: _BoundedForward | None = None
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, budget: int, evictor: str = "rkv", **kw) -> "BoundedCache":
+    def for_model(cls, model: torch.nn.Module, budget: int, evictor: Evictor | str = "rkv", **kw) -> "BoundedCache":
         """A cache for `model` (a `Transformer`), in its dtype and on its device."""
         a = model.args
         p = next(model.parameters())
@@ -138,6 +144,8 @@ class BoundedCache(KVCache):
             self.k[:, dst, :, :p] = self.k[:, src, :, :p]
             self.v[:, dst, :, :p] = self.v[:, src, :, :p]
             self.q[:, dst] = self.q[:, src]
+            if self.received is not None:
+                self.received[:, dst, :, :p] = self.received[:, src, :, :p]
             for lengths in (self.row_physical, self.row_logical, self.row_peak):
                 lengths[children] = lengths[parents]
         return children
@@ -198,6 +206,10 @@ class BoundedCache(KVCache):
         q = self.q.new_zeros(n_layers, rows, *self.q.shape[2:])
         q[:, :old_rows] = self.q
         self.q = q
+        if self.received is not None:
+            received = self.received.new_zeros(n_layers, rows, h_kv, capacity)
+            received[:, :old_rows, :, :old_cap] = self.received
+            self.received = received
         self.generation += 1
         self.free_slots = list(range(rows - 1, old_rows - 1, -1)) + self.free_slots
 
@@ -253,7 +265,22 @@ class BoundedCache(KVCache):
             joined = torch.cat([qp[f.slots], q], dim=2)
             idx = (f.new_lengths[:, None] + torch.arange(OBSERVATION_WINDOW, device=q.device))[:, None, :, None]
             qp[f.slots] = joined.gather(2, idx.expand(-1, q.shape[1], -1, q.shape[3]))
-        return attend_masked(q, kp[f.slots, :, : f.length], vp[f.slots, :, : f.length], f.visible)
+        keys = kp[f.slots, :, : f.length]
+        if self.received is not None:
+            real = torch.arange(q.shape[2], device=q.device) < f.new_lengths[:, None]
+            self.receive(layer, f.slots, q, keys, f.visible, f.kv_lengths, real)
+        return attend_masked(q, keys, vp[f.slots, :, : f.length], f.visible)
+
+    def receive(self, layer: int, slots: torch.Tensor | slice, q: torch.Tensor, keys: torch.Tensor,
+                visible: torch.Tensor, cached: torch.Tensor, real: torch.Tensor | None = None) -> None:
+        """H2O's accumulation: add the attention the new queries q [R, Hq, T, D] pay the rows' keys [R, Hkv, L, D]
+        (`evict.received_attention`) to the rows' `received`; each row's entries from `cached` [R] on (its new
+        ones, and stale values past them) start from zero. Both decodes call it, the dynamic one here and the
+        static one in `graphs`."""
+        pool, length = self.received[layer], keys.shape[2]
+        old = (torch.arange(length, device=keys.device) < cached[:, None])[:, None]  # [R, 1, L]
+        before = torch.where(old, pool[slots, :, :length], 0.0)
+        pool[slots, :, :length] = before + received_attention(q, keys, visible, real)
 
     def end(self) -> None:
         rows, self.fwd = self.fwd.rows, None
@@ -272,7 +299,10 @@ class BoundedCache(KVCache):
                 part = group[start:start + chunk]
                 slots = upload(self.row_slot[part], self.k.device)
                 keys = self.k[:, slots, :, :length]
-                kept = keep_positions(self.evictor, keys, self.q[:, slots], self.budget)
+                received = None if self.received is None else self.received[:, slots, :, :length]
+                kept = keep_positions(self.evictor, keys, self.q[:, slots], self.budget, received)
                 self.k[:, slots, :, : self.budget] = gather_positions(keys, kept)
                 self.v[:, slots, :, : self.budget] = gather_positions(self.v[:, slots, :, :length], kept)
+                if received is not None:
+                    self.received[:, slots, :, : self.budget] = received.gather(-1, kept)
                 self.row_physical[part] = self.budget

@@ -1,12 +1,13 @@
-"""KV eviction policies as pure tensor functions (DESIGN section 3).
+"""KV eviction policies (DESIGN section 3), kvpress style: each a frozen dataclass of its parameters with a `score`.
 
 Every policy is a score over the *past* positions (all but the last ``OBSERVATION_WINDOW``); the shared
 machinery keeps the top ``budget - OBSERVATION_WINDOW`` past positions plus the last ``OBSERVATION_WINDOW``, sorted by
-position. All functions accept extra leading batch dimensions (rows), so the bounded cache scores
+position. All scores accept extra leading batch dimensions (rows), so the bounded cache scores
 every row due for compression in one call:
 
     keys     [..., H_kv, L, D]     post-RoPE keys
     queries  [..., H_q, OBSERVATION_WINDOW, D] post-RoPE queries of the last OBSERVATION_WINDOW positions, H_q = g * H_kv
+    received [..., H_kv, L]        (H2O) the attention each entry received since it entered, fp32, kept by the cache
     result   [..., H_kv, budget]   kept positions, ascending
 
 Query heads ``h*g .. h*g+g-1`` share KV head ``h`` (the Hugging Face ``repeat_kv`` layout).
@@ -16,14 +17,14 @@ Equal scores are broken toward the earlier position.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvrescue_cli.shapes import OBSERVATION_WINDOW  # the last 8 positions, always kept
+from kvrescue_cli.shapes import OBSERVATION_WINDOW, SCORE_BYTES  # OBSERVATION_WINDOW: the last 8 positions, always kept
 MIN_BUDGET = 2 * OBSERVATION_WINDOW  # the smallest budget B any evictor accepts
 
 
@@ -67,29 +68,29 @@ def redundancy(keys: Tensor, *, threshold: float = 0.5) -> Tensor:
     return sim.mean(dim=-2).softmax(dim=-1)
 
 
-def rkv_scores(keys: Tensor, queries: Tensor, *, lam: float = 0.1, kernel: int = 7,
-               threshold: float = 0.5) -> Tensor:
-    """R-KV score lam * importance - (1 - lam) * redundancy over the past positions."""
-    red = redundancy(keys, threshold=threshold)[..., :-OBSERVATION_WINDOW]
-    return lam * importance(keys, queries, kernel=kernel) - (1 - lam) * red
-
-
-def snapkv_scores(keys: Tensor, queries: Tensor, *, kernel: int = 7) -> Tensor:
-    """Decode-time SnapKV: R-KV without the redundancy term."""
-    return importance(keys, queries, kernel=kernel)
-
-
-def tova_scores(keys: Tensor, queries: Tensor) -> Tensor:
-    """TOVA (Oren et al. 2024): the `past_attention` of the newest query alone, fp32, [..., H_kv, L - OBSERVATION_WINDOW]
-    (its query group combined as for R-KV)."""
-    return past_attention(keys, queries[..., -1:, :])[..., 0, :]
-
-
-def streaming_scores(length: int, *, sink: int = 4, device: torch.device | str = "cpu") -> Tensor:
-    """StreamingLLM as a score: the ``sink`` first positions first, then by recency, [length - OBSERVATION_WINDOW]."""
-    score = torch.arange(length - OBSERVATION_WINDOW, device=device, dtype=torch.float32)
-    score[:sink] = math.inf
-    return score
+def received_attention(q: Tensor, keys: Tensor, visible: Tensor, real: Tensor | None = None) -> Tensor:
+    """H2O's observation: the attention each key receives from new queries, fp32 [R, H_kv, L]. Logits q.k/sqrt(d)
+    of q [R, H_q, T, D] against keys [R, H_kv, L, D], max over each KV head's query group (before softmax, as
+    `past_attention`), softmax over the keys each query sees (`visible` [R, T or 1, L]), summed over the queries
+    where `real` [R, T] (all when None; padding queries are left out). Sliced over the queries so that one slice's
+    logits stay within SCORE_BYTES (the softmax then holds 1/g of that)."""
+    R, h_q, T, d = q.shape
+    h_kv, length = keys.shape[1], keys.shape[2]
+    g = h_q // h_kv
+    k = keys.float().transpose(-1, -2)  # [R, H_kv, D, L]
+    qg = q.float().view(R, h_kv, g, T, d)
+    step = max(1, SCORE_BYTES // (4 * R * h_q * length))
+    total = k.new_zeros(R, h_kv, length)
+    for t in range(0, T, step):
+        part = qg[:, :, :, t : t + step]  # the group's queries as rows of one matmul per KV head
+        n = part.shape[3]
+        logits = (part.reshape(R, h_kv, g * n, d) @ k).div_(math.sqrt(d)).view(R, h_kv, g, n, length).amax(dim=2)
+        seen = visible[:, t : t + step] if visible.shape[1] > 1 else visible
+        probs = logits.masked_fill_(~seen[:, None], -math.inf).softmax(dim=-1)
+        if real is not None:
+            probs.mul_(real[:, None, t : t + step, None])
+        total += probs.sum(dim=2)
+    return total
 
 
 def keep_top(scores: Tensor, budget: int) -> Tensor:
@@ -102,54 +103,159 @@ def keep_top(scores: Tensor, budget: int) -> Tensor:
     return torch.cat([order, window], dim=-1).sort(dim=-1).values
 
 
-def rkv_keep(keys: Tensor, queries: Tensor, budget: int, *, lam: float = 0.1, kernel: int = 7,
-             threshold: float = 0.5) -> Tensor:
-    """Positions R-KV keeps per KV head, [..., H_kv, budget], ascending."""
-    return keep_top(rkv_scores(keys, queries, lam=lam, kernel=kernel, threshold=threshold), budget)
+@dataclass(frozen=True)
+class Evictor:
+    """One policy, kvpress style: a frozen dataclass whose fields are its parameters, and whose
+    `score(keys, queries, received)` ranks the past positions [..., H_kv, L - OBSERVATION_WINDOW] (higher is kept);
+    `keep_top` and the bounded cache around it are shared by all. `received` is the attention each cached entry
+    received since it entered, [..., H_kv, L] (`received_attention`), kept by the cache only for a policy that
+    `accumulates`; else None."""
 
+    name: ClassVar[str]
+    description: ClassVar[str]
+    accumulates: ClassVar[bool] = False
 
-def snapkv_keep(keys: Tensor, queries: Tensor, budget: int, *, kernel: int = 7) -> Tensor:
-    """Positions SnapKV keeps per KV head, [..., H_kv, budget], ascending."""
-    return keep_top(snapkv_scores(keys, queries, kernel=kernel), budget)
+    def score(self, keys: Tensor, queries: Tensor, received: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
 
-
-def streaming_keep(length: int, budget: int, *, sink: int = 4) -> Tensor:
-    """Positions StreamingLLM keeps: the first ``sink`` and the last ``budget - sink``, [budget]."""
-    if not sink + OBSERVATION_WINDOW <= budget < length:
-        raise ValueError(f"need {sink + OBSERVATION_WINDOW} <= budget {budget} < length {length}")
-    return keep_top(streaming_scores(length, sink=sink), budget)
+    def params(self) -> dict[str, Any]:
+        """The parameters by name, as config.json records them."""
+        return asdict(self)
 
 
 @dataclass(frozen=True)
-class Evictor:
-    """One policy, kvpress style: `score(keys, queries)` ranks the past positions [..., H_kv, L - OBSERVATION_WINDOW]
-    (higher is kept); `keep_top` and the bounded cache around it are shared by all."""
+class RKV(Evictor):
+    """R-KV score lam * importance - (1 - lam) * redundancy over the past positions."""
 
-    name: str
-    description: str
-    score: Callable[[Tensor, Tensor], Tensor]
+    name = "rkv"
+    description = "R-KV (Cai et al. 2025): attention importance minus key redundancy"
+    lam: float = 0.1
+    kernel: int = 7
+    threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        _odd_kernel(self.kernel)
+
+    def score(self, keys: Tensor, queries: Tensor, received: Tensor | None = None) -> Tensor:
+        red = redundancy(keys, threshold=self.threshold)[..., :-OBSERVATION_WINDOW]
+        return self.lam * importance(keys, queries, kernel=self.kernel) - (1 - self.lam) * red
 
 
-def _streaming(keys: Tensor, queries: Tensor) -> Tensor:
-    length = keys.shape[-2]
-    return streaming_scores(length, device=keys.device).expand(*keys.shape[:-2], length - OBSERVATION_WINDOW)
+@dataclass(frozen=True)
+class SnapKV(Evictor):
+    """Decode-time SnapKV: R-KV without the redundancy term."""
+
+    name = "snapkv"
+    description = "SnapKV (Li et al. 2024) at decode time: attention importance alone"
+    kernel: int = 7
+
+    def __post_init__(self) -> None:
+        _odd_kernel(self.kernel)
+
+    def score(self, keys: Tensor, queries: Tensor, received: Tensor | None = None) -> Tensor:
+        return importance(keys, queries, kernel=self.kernel)
 
 
-EVICTORS: dict[str, Evictor] = {e.name: e for e in (
-    Evictor("rkv", "R-KV (Cai et al. 2025): attention importance minus key redundancy", rkv_scores),
-    Evictor("snapkv", "SnapKV (Li et al. 2024) at decode time: attention importance alone", snapkv_scores),
-    Evictor("streaming", "StreamingLLM (Xiao et al. 2023): the 4 first positions (attention sinks) and the most recent", _streaming),
-    Evictor("tova", "TOVA (Oren et al. 2024): the newest query's attention alone", tova_scores),
-)}
+@dataclass(frozen=True)
+class Streaming(Evictor):
+    """StreamingLLM as a score: the ``sinks`` first positions first, then by recency."""
+
+    name = "streaming"
+    description = "StreamingLLM (Xiao et al. 2023): the first positions (attention sinks) and the most recent"
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0:
+            raise ValueError(f"sinks={self.sinks}: need 0 or more")
+
+    def score(self, keys: Tensor, queries: Tensor, received: Tensor | None = None) -> Tensor:
+        past = keys.shape[-2] - OBSERVATION_WINDOW
+        score = torch.arange(past, device=keys.device, dtype=torch.float32)
+        score[: self.sinks] = math.inf
+        return score.expand(*keys.shape[:-2], past)
+
+
+@dataclass(frozen=True)
+class TOVA(Evictor):
+    """TOVA (Oren et al. 2024): the `past_attention` of the newest query alone (its query group combined as for R-KV)."""
+
+    name = "tova"
+    description = "TOVA (Oren et al. 2024): the newest query's attention alone"
+
+    def score(self, keys: Tensor, queries: Tensor, received: Tensor | None = None) -> Tensor:
+        return past_attention(keys, queries[..., -1:, :])[..., 0, :]
+
+
+@dataclass(frozen=True)
+class H2O(Evictor):
+    """H2O (Zhang et al. 2023) at decode time: the attention each past entry received from every query since it
+    entered (`received_attention`, accumulated by the cache), the heaviest kept."""
+
+    name = "h2o"
+    description = "H2O (Zhang et al. 2023): the attention each entry received from every query since it entered"
+    accumulates = True
+
+    def score(self, keys: Tensor, queries: Tensor, received: Tensor | None = None) -> Tensor:
+        if received is None:
+            raise ValueError("h2o scores the attention the cache accumulated: pass `received`")
+        return received[..., :-OBSERVATION_WINDOW]
+
+
+def _odd_kernel(kernel: int) -> None:
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"kernel={kernel}: the max-pool kernel must be odd and positive (same padding)")
+
+
+EVICTORS: dict[str, Evictor] = {e.name: e for e in (RKV(), SnapKV(), Streaming(), TOVA(), H2O())}
 NO_EVICTION = "none"  # `--evictor none`: the base keeps a full cache (no evictor runs)
 CHOICES = (*EVICTORS, NO_EVICTION)
 
 
-def keep_positions(evictor: str, keys: Tensor, queries: Tensor, budget: int) -> Tensor:
-    """Kept positions [..., H_kv, budget] under a named policy with its default settings."""
+def evictor_named(evictor: Evictor | str) -> Evictor:
+    """A policy given as itself or by name (its default settings)."""
+    if isinstance(evictor, Evictor):
+        return evictor
     if evictor not in EVICTORS:
         raise ValueError(f"policy {evictor!r} does not compress; choose one of {tuple(EVICTORS)}")
-    return keep_top(EVICTORS[evictor].score(keys, queries), budget)
+    return EVICTORS[evictor]
+
+
+def parse_evictor(spec: str) -> tuple[str, dict[str, Any]]:
+    """`NAME` or `NAME:FIELD=VALUE,...` (`--evictor rkv:lam=0.2,kernel=5`): the name, and the fields given with
+    values of their fields' types, checked by building the policy (ValueError naming what is wrong). An unknown
+    name without fields is left for the caller to refuse."""
+    name, _, given = spec.partition(":")
+    if not given:
+        return name, {}
+    if name not in EVICTORS:
+        raise ValueError(f"unknown evictor {name!r} in --evictor {spec!r}; choose one of {', '.join(EVICTORS)}")
+    kinds = {f.name: {"int": int, "float": float}[str(f.type)] for f in fields(EVICTORS[name])}
+    params: dict[str, Any] = {}
+    for item in given.split(","):
+        key, equals, value = item.partition("=")
+        if key not in kinds or not equals:
+            have = ", ".join(kinds) or "none"
+            raise ValueError(f"--evictor {spec!r}: {item!r} is not FIELD=VALUE of one of {name}'s parameters ({have})")
+        try:
+            params[key] = kinds[key](value)
+        except ValueError:
+            raise ValueError(f"--evictor {spec!r}: {key} must be {kinds[key].__name__}, not {value!r}") from None
+    make_evictor(name, params)
+    return name, params
+
+
+def make_evictor(name: str, params: dict[str, Any]) -> Evictor:
+    """The named policy with `params` in place of its defaults (ValueError for a value it refuses)."""
+    try:
+        return replace(evictor_named(name), **params)
+    except ValueError as err:
+        raise ValueError(f"--evictor {name}: {err}") from None
+
+
+def keep_positions(evictor: Evictor | str, keys: Tensor, queries: Tensor, budget: int,
+                   received: Tensor | None = None) -> Tensor:
+    """Kept positions [..., H_kv, budget] under a policy (a name: its default settings)."""
+    return keep_top(evictor_named(evictor).score(keys, queries, received), budget)
 
 
 def gather_positions(x: Tensor, kept: Tensor) -> Tensor:

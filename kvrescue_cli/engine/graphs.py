@@ -11,7 +11,8 @@ the CPU tests check it against the dynamic path.
 
 Attention uses flash-attn's `flash_attn_with_kvcache` (per-row cache lengths, rows addressed by
 slot, no gather) when it is installed and the cache is on a GPU in half precision, else a masked
-torch SDPA over the gathered span.
+torch SDPA over the gathered span. Under H2O (an evictor that accumulates) the step also computes its
+queries' attention probabilities over the span (`BoundedCache.receive`), which flash-attn does not return.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class _StaticView:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.store_token(layer, self.slots, self.lengths, q, k, v)
         kp, vp = self.cache.k[layer], self.cache.v[layer]
+        if self.cache.received is not None:  # H2O: the step's query against the span's keys, once more
+            visible = (torch.arange(self.span, device=q.device) <= self.lengths[:, None])[:, None]
+            self.cache.receive(layer, self.slots, q, kp[self.slots, :, : self.span], visible, self.lengths)
         if use_flash(q):
             out = flash_attn_with_kvcache(q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                                           cache_seqlens=(self.lengths + 1).int(), cache_batch_idx=self.slots.int())

@@ -55,9 +55,11 @@ class Run:
 
     @property
     def evictor(self) -> str:
-        """The evictor, with R-KV's buffer W when it is not the default (runs at other buffers are other rows)."""
-        buffer = self.config.settings.get("buffer")
-        return self.config.evictor + (f", W={buffer}" if buffer not in (None, BUFFER) else "")
+        """The evictor, with its parameters when not its defaults and R-KV's buffer W when not the default (runs at
+        other settings are other rows)."""
+        buffer, params = self.config.settings.get("buffer"), self.config.settings.get("evictor_params") or {}
+        return (self.config.evictor + "".join(f", {k}={v}" for k, v in params.items())
+                + (f", W={buffer}" if buffer not in (None, BUFFER) else ""))
 
     @property
     def row(self) -> RowKey:

@@ -19,7 +19,7 @@ from tests.prm_cards import CARDS
 
 MODELS = lambda q, p: ["--base", str(q), "--prm", str(p), "--device", "cpu"]  # noqa: E731
 BUDGET = 16
-EVICTING = ("rkv", "snapkv", "streaming", "tova")
+EVICTING = ("rkv", "snapkv", "streaming", "tova", "h2o")
 B_PRIME = BUDGET + 128
 # 12 synthetic steps of 48 tokens: a ~57-token prompt grows to ~632 cached tokens, over four times B' - B past B'
 SYNTHETIC = ["--synthetic-steps", "48:12", "--max-step-tokens", "48", "--context-cap", "1024"]
@@ -54,6 +54,8 @@ def evictor_runs(tmp_path_factory, problems, qwen2_dir, prm_dir) -> Path:
     for evictor in EVICTING:
         ok(kvrescue_run(*common, "--method", "bon", "--evictor", evictor))
     ok(kvrescue_run(*common, "--method", "bon,full", "--evictor", "none"))
+    tuned = [str(out / "tuned") if a == str(out) else a for a in common]  # beside the others, not among them
+    ok(kvrescue_run(*tuned, "--method", "bon", "--evictor", "rkv:lam=0.9,kernel=3"))
     return out
 
 
@@ -85,6 +87,18 @@ def test_evictors_change_the_outputs_and_none_equals_full(evictor_runs):
     assert untimed(traces(none)) == untimed(traces(full))
     config = orjson.loads((found[f"tiny/bon-snapkv-b{BUDGET}-n2-s0"] / "config.json").read_bytes())["config"]
     assert config["evictor"] == "snapkv" and config["settings"]["synthetic_steps"] == [48, 12]
+
+
+def test_evictor_parameters_are_set_recorded_and_part_of_the_configuration(evictor_runs):
+    name = f"tiny/bon-rkv-b{BUDGET}-n2-s0"
+    default, tuned = folders(evictor_runs)[name], folders(evictor_runs / "tuned")[name]
+    assert tuned.name != default.name  # another identity, another folder
+    settings = [orjson.loads((f / "config.json").read_bytes())["config"]["settings"] for f in (default, tuned)]
+    assert "evictor_params" not in settings[0]  # the defaults record nothing: older folders keep their identity
+    assert settings[1]["evictor_params"] == {"lam": 0.9, "kernel": 3, "threshold": 0.5}
+    assert all(a["output"] != b["output"] for a, b in zip(traces(default), traces(tuned)))
+    table = ok(kvrescue("report", str(evictor_runs), "--format", "csv")).stdout.decode()  # the tuned run below too
+    assert "bon[rkv, kernel=3, lam=0.9, threshold=0.5]" in table  # its own report row (config.json sorts keys)
 
 
 def test_buffer_sets_b_prime_and_is_part_of_the_configuration(evictor_runs, problems, qwen2_dir, prm_dir, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -10,10 +11,11 @@ import torch
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.graphs import StaticDecode
-from kvrescue_cli.engine.evict import gather_positions, rkv_keep, snapkv_keep, streaming_keep
+from kvrescue_cli.engine.evict import gather_positions
 from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from tests.conftest import TINY
+from tests.oracles import rkv_keep, snapkv_keep, streaming_keep
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
@@ -199,6 +201,94 @@ def test_compression_keeps_what_the_policy_selects(net, policy):
                 assert torch.equal(v_after[layer, i], gather_positions(v[layer, i, :, :length], kept))
 
 
+class H2OLoop:
+    """H2O's bookkeeping written out per row, layer and KV head (float64 Python): each entry's key and the attention
+    it received from every query since it entered (logits maxed over the KV head's query group before the softmax over
+    the entries the query sees), fed each forward's new queries and keys; a row that reaches B' keeps its top B - 8
+    past entries by received attention (ties: earlier first) and its last 8, in order; a fork copies a row."""
+
+    def __init__(self, cache: BoundedCache) -> None:
+        self.cache, self.rows = cache, {}
+        self.layers, _, self.h_kv, _, self.d = cache.k.shape
+
+    def create(self, row: int) -> None:
+        self.rows[row] = [[[] for _ in range(self.h_kv)] for _ in range(self.layers)]
+
+    def fork(self, parent: int, children: list[int]) -> None:
+        for child in children:
+            self.rows[child] = copy.deepcopy(self.rows[parent])
+
+    def forward(self, layer: int, rows: list[int], new: list[int], q: torch.Tensor, k: torch.Tensor) -> None:
+        group = q.shape[1] // self.h_kv
+        for i, (row, n) in enumerate(zip(rows, new)):
+            for h, entries in enumerate(self.rows[row][layer]):
+                cached = len(entries)
+                entries += [[k[i, h, t].tolist(), 0.0] for t in range(n)]
+                for t in range(n):
+                    seen = entries[: cached + t + 1]
+                    logits = [max(sum(a * b for a, b in zip(q[i, h * group + g, t].tolist(), key)) / math.sqrt(self.d)
+                                  for g in range(group)) for key, _ in seen]
+                    top = max(logits)
+                    exps = [math.exp(x - top) for x in logits]
+                    for entry, e in zip(seen, exps):
+                        entry[1] += e / sum(exps)
+
+    def end(self, rows: list[int]) -> None:
+        budget = self.cache.budget
+        for row in rows:
+            for heads in self.rows[row]:
+                for h, entries in enumerate(heads):
+                    if len(entries) >= self.cache.trigger:
+                        past = len(entries) - 8
+                        ranked = sorted(range(past), key=lambda j: (-entries[j][1], j))[: budget - 8]
+                        heads[h] = [entries[j] for j in sorted(ranked) + list(range(past, len(entries)))]
+
+    def check(self, rows: list[int]) -> None:
+        for row in rows:
+            slot = self.cache.slot(row)
+            for layer, heads in enumerate(self.rows[row]):
+                for h, entries in enumerate(heads):
+                    n = self.cache.physical_length(row)
+                    assert len(entries) == n
+                    keys = torch.tensor([key for key, _ in entries])
+                    torch.testing.assert_close(self.cache.k[layer, slot, h, :n], keys, rtol=0, atol=0)
+                    torch.testing.assert_close(self.cache.received[layer, slot, h, :n].double(),
+                                               torch.tensor([score for _, score in entries], dtype=torch.float64),
+                                               rtol=1e-4, atol=1e-6)
+
+
+def test_h2o_accumulates_and_keeps_as_its_loop_transcription_per_kv_head(net):
+    cache = BoundedCache.for_model(net, budget=16, evictor="h2o", buffer=16, max_append=48)  # B' = 32
+    loop = H2OLoop(cache)
+    attend, end, compressed = cache.attend, cache.end, []
+
+    def spy_attend(layer, q, k, v):
+        loop.forward(layer, cache.fwd.rows.tolist(), cache.fwd.new_lengths.tolist(), q, k)
+        return attend(layer, q, k, v)
+
+    def spy_end():
+        rows = cache.fwd.rows.tolist()
+        compressed.extend(r for r in rows if cache.physical_length(r) >= cache.trigger)
+        end()
+        loop.end(rows)
+        loop.check(rows)
+
+    cache.attend, cache.end = spy_attend, spy_end
+    d = Driver(net, cache)
+    root = cache.create()
+    loop.create(root)
+    d.greedy([root], d.append([root], [prompt(20)]), 30)
+    kids = cache.fork(root, 3)
+    loop.fork(root, kids)
+    firsts = d.append(kids, [[101], [102, 103], prompt(40, seed=2)])  # the third child passes B' at once
+    d.greedy(kids, firsts, 20)
+    cache.adopt(root, kids[1])
+    loop.rows[root] = loop.rows.pop(kids[1])
+    cache.release([kids[0], kids[2]])
+    d.greedy([root], torch.tensor([7]), 20)
+    assert len(compressed) >= 6 and kids[2] in compressed  # compressions of every row, forked ones included
+
+
 def test_query_ring_holds_the_last_eight_queries(net):
     cache = BoundedCache.for_model(net, budget=16)
     history: dict[int, list[torch.Tensor]] = {}
@@ -277,7 +367,7 @@ def test_bad_settings_are_refused(net):
     with pytest.raises(ValueError):
         BoundedCache.for_model(net, budget=8)
     with pytest.raises(ValueError):
-        BoundedCache.for_model(net, budget=64, evictor="h2o")
+        BoundedCache.for_model(net, budget=64, evictor="h3o")
     with pytest.raises(ValueError, match="unknown evictor 'none'"):  # `--evictor none` keeps a FullCache
         BoundedCache.for_model(net, budget=64, evictor="none")
 

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 from kvrescue_cli.engine.evict import (
-    gather_positions,
-    importance,
-    keep_positions,
-    rkv_keep,
+    EVICTORS, H2O, RKV, TOVA, SnapKV, Streaming, gather_positions, importance, keep_positions, received_attention,
     redundancy,
-    rkv_scores,
-    snapkv_keep,
-    snapkv_scores,
-    streaming_keep,
-    streaming_scores,
-    tova_scores,
 )
+from tests.oracles import rkv_keep, snapkv_keep, streaming_keep, streaming_scores
 
 
 def loop_importance(keys: list, queries: list, h: int, h_kv: int, kernel: int) -> list[float]:
@@ -78,6 +71,25 @@ def loop_tova(keys: list, queries: list, h: int, h_kv: int) -> list[float]:
     return [e / sum(exps) for e in exps]
 
 
+def loop_received(q: list, keys: list, visible: list, real: list, h: int, h_kv: int) -> list[float]:
+    """H2O's attention received by each key of KV head h from the real queries, written out query by query
+    (logits maxed over the KV head's query group before the softmax over the keys the query sees)."""
+    length, d = len(keys[h]), len(keys[h][0])
+    group = len(q) // h_kv
+    total = [0.0] * length
+    for t in range(len(q[0])):
+        if not real[t]:
+            continue
+        seen = [j for j in range(length) if visible[t][j]]
+        logits = {j: max(sum(q[h * group + g][t][c] * keys[h][j][c] for c in range(d)) / math.sqrt(d)
+                         for g in range(group)) for j in seen}
+        top = max(logits.values())
+        denominator = sum(math.exp(x - top) for x in logits.values())
+        for j in seen:
+            total[j] += math.exp(logits[j] - top) / denominator
+    return total
+
+
 def loop_keep(scores: list[float], length: int, budget: int) -> list[int]:
     """Top budget - 8 past positions (ties: earlier first) plus the last 8, ascending."""
     ranked = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
@@ -125,7 +137,7 @@ def test_rkv_matches_loop_transcription(shape):
     h_kv, group, length, d, budget, shared = shape
     keys, queries = random_inputs(h_kv, group, length, d, seed=length, shared=shared)
     expected, expected_scores = loop_rkv(keys, queries, budget)
-    torch.testing.assert_close(rkv_scores(keys, queries).double(), expected_scores,
+    torch.testing.assert_close(RKV().score(keys, queries).double(), expected_scores,
                                rtol=1e-4, atol=1e-7)
     kept = rkv_keep(keys, queries, budget)
     assert kept.dtype == torch.long and kept.shape == (h_kv, budget)
@@ -159,16 +171,16 @@ def test_tova_matches_loop_transcription(shape):
     keys, queries = random_inputs(h_kv, group, length, d, seed=length + 3, shared=shared)
     k, q = keys.double().tolist(), queries.double().tolist()
     scores = [loop_tova(k, q, h, h_kv) for h in range(h_kv)]
-    torch.testing.assert_close(tova_scores(keys, queries).double(), torch.tensor(scores, dtype=torch.float64),
+    torch.testing.assert_close(TOVA().score(keys, queries).double(), torch.tensor(scores, dtype=torch.float64),
                                rtol=1e-4, atol=1e-7)
     expected = torch.tensor([loop_keep(s, length, budget) for s in scores])
     assert torch.equal(keep_positions("tova", keys, queries, budget), expected)
     earlier = queries.clone()
     earlier[:, -1] = torch.randn_like(earlier[:, -1])  # only the newest query counts: another one moves the scores
-    assert not torch.equal(tova_scores(keys, earlier), tova_scores(keys, queries))
+    assert not torch.equal(TOVA().score(keys, earlier), TOVA().score(keys, queries))
     same_newest = queries.clone()
     same_newest[:, :-1] = 0.0
-    assert torch.equal(tova_scores(keys, same_newest), tova_scores(keys, queries))
+    assert torch.equal(TOVA().score(keys, same_newest), TOVA().score(keys, queries))
 
 
 def test_rkv_parameters_are_honoured():
@@ -240,7 +252,7 @@ def test_bad_budgets_are_refused():
     assert rkv_keep(keys, queries, 20).tolist() == [list(range(20))]  # a budget of the whole length keeps all
     with pytest.raises(ValueError):
         streaming_keep(20, 20)
-    with pytest.raises(ValueError, match=r"^policy 'none' does not compress; choose one of \('rkv', 'snapkv', 'streaming', 'tova'\)$"):
+    with pytest.raises(ValueError, match=r"^policy 'none' does not compress; choose one of \('rkv', 'snapkv', 'streaming', 'tova', 'h2o'\)$"):
         keep_positions("none", keys, queries, 16)
 
 
@@ -250,15 +262,15 @@ def test_every_option_changes_what_is_kept_and_is_honoured():
     for lam, kernel, threshold in [(0.1, 7, 0.7), (0.1, 3, 0.5), (0.5, 7, 0.5)]:  # one option each
         expected, scores = loop_rkv(keys, queries, 16, lam=lam, kernel=kernel, threshold=threshold)
         assert not torch.equal(expected, default)  # so an option that is not passed on shows
-        torch.testing.assert_close(rkv_scores(keys, queries, lam=lam, kernel=kernel, threshold=threshold).double(),
+        torch.testing.assert_close(RKV(lam=lam, kernel=kernel, threshold=threshold).score(keys, queries).double(),
                                    scores, rtol=1e-4, atol=1e-7)
         assert torch.equal(rkv_keep(keys, queries, 16, lam=lam, kernel=kernel, threshold=threshold), expected)
     expected, scores = loop_rkv(keys, queries, 16, kernel=3, redundant=False)
     assert not torch.equal(expected, loop_rkv(keys, queries, 16, redundant=False)[0])
-    torch.testing.assert_close(snapkv_scores(keys, queries, kernel=3).double(), scores, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(SnapKV(kernel=3).score(keys, queries).double(), scores, rtol=1e-4, atol=1e-7)
     assert torch.equal(snapkv_keep(keys, queries, 16, kernel=3), expected)
-    assert streaming_keep(40, 16, sink=2).tolist() == [0, 1, *range(26, 40)]
-    assert streaming_scores(40, sink=2)[:3].tolist() == streaming_scores(40, sink=2)[:3].sort(descending=True)[0].tolist()
+    assert streaming_keep(40, 16, sinks=2).tolist() == [0, 1, *range(26, 40)]
+    assert streaming_scores(40, sinks=2)[:3].tolist() == streaming_scores(40, sinks=2)[:3].sort(descending=True)[0].tolist()
 
 
 def test_a_similarity_exactly_at_the_threshold_is_not_redundant():
@@ -277,8 +289,9 @@ def test_streaming_budget_bounds():
 def test_every_policy_scores_on_the_keys_device():
     """The meta device stands in for a GPU: a position tensor made on the CPU beside it is an error."""
     keys, queries = random_inputs(2, 2, 40, 8, seed=1)
-    for policy in ("rkv", "snapkv", "streaming", "tova"):
-        kept = keep_positions(policy, keys[None].to("meta"), queries[None].to("meta"), 16)
+    received = torch.rand(1, 2, 40, device="meta")
+    for policy in EVICTORS:
+        kept = keep_positions(policy, keys[None].to("meta"), queries[None].to("meta"), 16, received)
         assert kept.device.type == "meta" and kept.shape == (1, 2, 16)
 
 
@@ -289,3 +302,68 @@ def test_keys_of_norm_near_the_epsilon_are_normalised_as_designed():
     keys = keys / keys.norm(dim=-1, keepdim=True) * torch.linspace(1e-8, 3e-8, 24)[:, None]
     expected = loop_redundancy(keys.double().tolist(), 0, 0.5)
     assert redundancy(keys)[0].tolist() == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_received_attention_matches_loop_transcription(shape):
+    """Rows of queries right padded, each query seeing its own prefix of the keys (a prefill after cached entries)."""
+    h_kv, group, length, d, _, _ = shape
+    gen = torch.Generator().manual_seed(length + 4)
+    rows, t = 3, 5
+    keys = torch.randn(rows, h_kv, length, d, generator=gen)
+    q = torch.randn(rows, h_kv * group, t, d, generator=gen) * 2
+    cached, new = torch.tensor([length - t, 2, 9]), torch.tensor([t, 3, 1])
+    j = torch.arange(length)
+    visible = (j <= cached[:, None, None] + torch.arange(t)[:, None]) & (j < (cached + new)[:, None, None])
+    real = torch.arange(t) < new[:, None]
+    got = received_attention(q, keys, visible, real)
+    expected = [[loop_received(q[r].double().tolist(), keys[r].double().tolist(), visible[r].tolist(), real[r].tolist(),
+                               h, h_kv) for h in range(h_kv)] for r in range(rows)]
+    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-7)
+    assert got.sum().item() == pytest.approx(h_kv * new.sum().item(), rel=1e-5)  # a unit of attention per real query
+
+
+def test_received_attention_slices_the_queries_within_score_bytes(monkeypatch):
+    from kvrescue_cli.engine import evict
+
+    keys, q = torch.randn(2, 2, 30, 8), torch.randn(2, 4, 12, 8)
+    visible = torch.rand(2, 12, 30) < 0.7
+    visible[..., 0] = True
+    whole = received_attention(q, keys, visible)
+    monkeypatch.setattr(evict, "SCORE_BYTES", 4 * 2 * 4 * 30 * 5)  # 5 queries a slice
+    torch.testing.assert_close(received_attention(q, keys, visible), whole, rtol=1e-6, atol=1e-6)
+
+
+def test_h2o_keeps_the_heaviest_received_and_the_window():
+    keys, queries = random_inputs(2, 2, 40, 8, seed=9)
+    received = torch.rand(2, 40, generator=torch.Generator().manual_seed(9))
+    expected = torch.tensor([loop_keep(received[h, :32].tolist(), 40, 16) for h in range(2)])
+    assert torch.equal(keep_positions("h2o", keys, queries, 16, received), expected)
+    assert torch.equal(H2O().score(keys, queries, received), received[:, :32])
+    with pytest.raises(ValueError, match="h2o scores the attention the cache accumulated"):
+        keep_positions("h2o", keys, queries, 16)
+
+
+def test_policies_are_frozen_dataclasses_of_their_parameters():
+    assert {name: e.params() for name, e in EVICTORS.items()} == {
+        "rkv": {"lam": 0.1, "kernel": 7, "threshold": 0.5}, "snapkv": {"kernel": 7}, "streaming": {"sinks": 4},
+        "tova": {}, "h2o": {}}
+    assert [e.accumulates for e in EVICTORS.values()] == [False, False, False, False, True]
+    with pytest.raises(AttributeError):
+        EVICTORS["rkv"].lam = 0.5
+    keys, queries = random_inputs(2, 2, 40, 8, seed=3)
+    assert torch.equal(keep_positions(RKV(lam=0.5), keys, queries, 16), loop_rkv(keys, queries, 16, lam=0.5)[0])
+    assert torch.equal(keep_positions(Streaming(sinks=2), keys, queries, 16)[0], streaming_keep(40, 16, sinks=2))
+
+
+def test_evictor_specs_name_typed_parameters_or_a_one_line_error():
+    from kvrescue_cli.engine.evict import make_evictor, parse_evictor
+
+    assert parse_evictor("rkv") == ("rkv", {}) and parse_evictor("h3o") == ("h3o", {})  # the caller refuses h3o
+    assert parse_evictor("rkv:lam=0.2,kernel=5") == ("rkv", {"lam": 0.2, "kernel": 5})
+    assert make_evictor("streaming", {"sinks": 2}) == Streaming(sinks=2)
+    for spec, message in [("h3o:x=1", "unknown evictor 'h3o'"), ("rkv:kernel=4", "kernel=4: the max-pool kernel"),
+                          ("snapkv:kernel=2.5", "kernel must be int, not '2.5'"), ("rkv:lam", "'lam' is not FIELD=VALUE"),
+                          ("tova:lam=1", "of one of tova's parameters (none)"), ("streaming:sinks=-1", "sinks=-1")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_evictor(spec)

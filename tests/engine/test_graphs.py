@@ -14,12 +14,13 @@ def test_buckets_are_powers_of_two():
     assert [bucket(r) for r in (1, 2, 3, 4, 5, 64, 65, 513)] == [1, 2, 4, 4, 8, 64, 128, 1024]
 
 
-def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_releases(qwen2_dir):
+@pytest.mark.parametrize("evictor", ["rkv", "h2o"])
+def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_releases(qwen2_dir, evictor):
     model = load_model(qwen2_dir)
     net = model.net
     generator = torch.Generator().manual_seed(0)
-    dynamic = BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=4)
-    static = BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=4)
+    dynamic = BoundedCache.for_model(net, budget=16, evictor=evictor, max_append=40, rows=4)
+    static = BoundedCache.for_model(net, budget=16, evictor=evictor, max_append=40, rows=4)
     step = StaticDecode(net, static, graphs=True)  # no CUDA here: the same static step, eagerly
     assert static.k.shape[1] == 5  # the scratch slot comes on top of the rows the cache was sized for
     lengths = [5, 20, 33]
@@ -44,6 +45,9 @@ def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_r
         assert dynamic.length(a) == static.length(b) and dynamic.peak_length(a) == static.peak_length(b)
         n = dynamic.physical_length(a)
         torch.testing.assert_close(static.k[:, static.slot(b), :, :n], dynamic.k[:, dynamic.slot(a), :, :n])
+        if evictor == "h2o":  # the attention each entry received, accumulated by both steps alike
+            torch.testing.assert_close(static.received[:, static.slot(b), :, :n],
+                                       dynamic.received[:, dynamic.slot(a), :, :n], rtol=1e-5, atol=1e-6)
     assert max(static.physical_length(r) for r in rows["static"]) < static.trigger
 
 

@@ -75,12 +75,13 @@ def test_plain_logits_and_prm_scores_equal_one_device(results) -> None:
         _close(torch.tensor(rank["prm_plain"] + rank["prm_cached"]), torch.tensor(single["prm_plain"] + single["prm_cached"]))
 
 
-def test_each_rank_keeps_the_positions_one_device_keeps_for_its_kv_heads(results) -> None:
-    """Every compression, every layer and row: rank r's KV head equals one device's head r."""
+@pytest.mark.parametrize("key", ["kept", "kept_h2o"])
+def test_each_rank_keeps_the_positions_one_device_keeps_for_its_kv_heads(results, key) -> None:
+    """Every compression, every layer and row: rank r's KV head equals one device's head r (rkv, and h2o)."""
     single, ranks = results
-    assert len(single["kept"]) >= 3
+    assert len(single[key]) >= 3
     for r, rank in enumerate(ranks):
-        for mine, whole in zip(rank["kept"], single["kept"], strict=True):
+        for mine, whole in zip(rank[key], single[key], strict=True):
             assert whole.shape[2] == 2 and mine.shape[2] == 1
             assert torch.equal(mine, whole[:, :, r : r + 1])
 
