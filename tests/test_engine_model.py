@@ -4,11 +4,12 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvrescue_cli.engine import FullCache, ModelLoadError, load_model
 from kvrescue_cli.engine.loader import cpu_has_native_bf16, resolve_dtype
 from kvrescue_cli.engine.model import linear
+from tests.gguf_files import write_gguf
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
@@ -55,6 +56,23 @@ def test_cached_prefill_and_decode_match_transformers(pair) -> None:
             for i, n in enumerate(lengths):
                 assert (out[i] - refs[i][n + t]).abs().max() < TOL
     assert [cache.length(r) for r in rows] == [n + 6 for n in lengths]
+
+
+@pytest.mark.parametrize("folder", ["qwen2_dir", "qwen3_dir"])
+def test_a_gguf_file_loads_as_its_safetensors_checkpoint(request, tmp_path, folder) -> None:
+    """A GGUF file written from a checkpoint as llama.cpp writes one (the Qwen3's head size, 32, is not
+    Qwen3Config's default): the engine's logits on it equal transformers' on the safetensors original, and its
+    tokenizer (built by transformers from the file's vocabulary and merges) and EOS ids equal the original's."""
+    folder = request.getfixturevalue(folder)
+    ours = load_model(write_gguf(folder, tmp_path / "m.gguf"))
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, len(ours.tokenizer), (2, 19), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert (ours.logits(ids) - expected).abs().max() < TOL
+    text = "<|im_start|>user\nStep 1: 3x + 5 = 20, so x = 5.\n\n<|im_end|>"
+    assert ours.tokenizer.encode(text) == AutoTokenizer.from_pretrained(folder).encode(text)
+    assert ours.eos_ids == load_model(folder).eos_ids
 
 
 def test_prefill_returns_last_position_logits(qwen2_dir) -> None:

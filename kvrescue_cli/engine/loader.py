@@ -277,7 +277,8 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
 
     try:
         check_regular(path, ModelLoadError)
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                  **_gguf_config_fixes(path))
     except ModelLoadError:
         raise
     except Exception as e:  # the GGUF reader raises ValueError, struct.error, KeyError, ... on a mangled file
@@ -290,3 +291,12 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
     del hf
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return LoadedModel(net, tokenizer, cfg, str(path), _eos_ids(cfg, gen_cfg, tokenizer))
+
+
+def _gguf_config_fixes(path: Path) -> dict[str, Any]:
+    """Config fields transformers does not take from a GGUF file: a Qwen3's head size (it keeps Qwen3Config's
+    default, 128, over the file's `qwen3.attention.key_length`)."""
+    from gguf import GGUFReader
+
+    head_dim = GGUFReader(path).fields.get("qwen3.attention.key_length")
+    return {} if head_dim is None else {"head_dim": int(head_dim.contents())}
