@@ -121,6 +121,22 @@ def test_hub_id_without_network_fails_with_one_clear_line(monkeypatch) -> None:
     assert "Qwen/Qwen2.5-Math-1.5B-Instruct" in msg and "\n" not in msg
 
 
+def test_a_hub_repo_s_pytorch_weight_files_are_fetched_only_where_it_has_no_safetensors(monkeypatch, tmp_path) -> None:
+    import huggingface_hub
+
+    from kvrescue_cli.engine.loader import model_folder
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, allow_patterns: asked.append(allow_patterns)
+                        or str(tmp_path))
+    assert model_folder("Skywork/Skywork-o1-Open-PRM-Qwen-2.5-1.5B") == tmp_path
+    assert len(asked) == 2 and "*.safetensors" in asked[0] and asked[1] == asked[0] + ["pytorch_model*.bin"]
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    asked.clear()
+    model_folder("Qwen/Qwen2.5-Math-PRM-7B")
+    assert len(asked) == 1 and not any(".bin" in pattern for pattern in asked[0])
+
+
 def test_missing_path_is_refused(tmp_path) -> None:
     with pytest.raises(ModelLoadError, match="config.json"):
         load_model(tmp_path)

@@ -116,6 +116,33 @@ def test_the_head_weights_are_read_as_the_loader_reads_them(skywork_dir, prm_dir
         tensor_names(broken)
 
 
+def test_a_skywork_folder_of_pytorch_weight_files_scores_as_its_safetensors_one(skywork_dir, tmp_path) -> None:
+    """Skywork's Hub repos ship pytorch_model.bin: a folder of PyTorch weight files (sharded here) is read as the
+    safetensors one (the recipe chosen from its head, the same scores exactly), and identified by its weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from kvrescue_cli.model_config import model_revision
+
+    def bin_copy(to, scale=1.0):
+        folder = _copy(skywork_dir, tmp_path / to)
+        tensors = load_file(f"{folder}/model.safetensors")
+        names = sorted(tensors)
+        for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+            torch.save({k: tensors[k] * (scale if k == "v_head.summary.bias" else 1) for k in part},
+                       f"{folder}/pytorch_model-0000{i + 1}-of-00002.bin")
+        (tmp_path / to / "model.safetensors").unlink()
+        return folder
+
+    folder = bin_copy("bin")
+    assert tensor_names(folder) == tensor_names(skywork_dir)
+    assert auto_recipe(folder, load_config(folder), weight_names(folder)) == "skywork"
+    recipe = get_recipe("skywork")
+    assert prm_scores(_prm(folder), PROBLEM, STEPS, recipe=recipe) == prm_scores(_prm(skywork_dir), PROBLEM, STEPS,
+                                                                                 recipe=recipe)
+    assert model_revision(folder) not in (model_revision(bin_copy("other", scale=2.0)), model_revision(str(skywork_dir)))
+
+
 def _copy(folder, to, **config):
     """A copy of a checkpoint folder at `to`, its config.json updated with `config`."""
     shutil.copytree(folder, to)
