@@ -186,10 +186,13 @@ def test_resolution_and_its_one_line_errors(skywork_dir, prm_dir, qwen2_dir) -> 
     with pytest.raises(InputError, match="no PRM head .* give --prm-recipe, one of qwen-math, rlhflow, "
                                          "math-shepherd, skywork"):
         resolve_prm_recipe(_options(str(qwen2_dir), prm_recipe="auto"))
-    for name in NEW:  # no vLLM 0.32 model serves these: --engine vllm says so
-        with pytest.raises(InputError, match=f"--engine vllm: .*the {name} recipe runs on --engine native only"):
-            resolve_prm_recipe(_options(str(prm_dir), prm_recipe=name, engine="vllm"))
-    assert resolve_prm_recipe(_options(str(prm_dir), prm_recipe="qwen-math", engine="vllm")).prm_recipe == "qwen-math"
+    with pytest.raises(InputError) as e:  # vLLM 0.32 has no value-head PRM: --engine vllm says so
+        resolve_prm_recipe(_options(str(skywork_dir), prm_recipe="skywork", engine="vllm"))
+    assert str(e.value) == ("--engine vllm: vLLM 0.32 has no value-head PRM (Skywork's v_head.summary on a Qwen2 "
+                            "decoder; its Qwen2 reward models carry a two-layer score head), so the skywork recipe "
+                            "runs on --engine native only")
+    for name in ("qwen-math", "rlhflow", "math-shepherd"):  # served by vLLM (tests/test_vllm_prm.py)
+        assert resolve_prm_recipe(_options(str(prm_dir), prm_recipe=name, engine="vllm")).prm_recipe == name
     with pytest.raises(InputError, match="unknown --prm-recipe 'chat': use one of auto, qwen-math, rlhflow"):
         _options(str(prm_dir), prm_recipe="chat").check()
     with pytest.raises(ValueError, match="unknown PRM recipe 'chat': use one of " + ", ".join(PRM_RECIPES)):

@@ -73,9 +73,9 @@ def test_a_second_run_resumes_the_same_folders(grid, problems, step_qwen2_dir, v
     (["--vllm-memory", "0.0000001"], "error: --vllm-memory 1e-07: vLLM's 0.00 GiB of cpu over its 2 engine(s) leaves"),
     (["--vllm-memory", "1.5"], "error: --vllm-memory 1.5: expected a share of the device between 0 and 1"),
     (["--devices", "cpu,cpu"], "error: --engine vllm runs in this process on one device, not on --devices cpu,cpu"),
-    (["--prm-recipe", "skywork"], "error: --engine vllm: vLLM 0.32 has no Skywork value-head PRM, so the skywork recipe "
-                                  "runs on --engine native only"),
-    (["--prm-recipe", "rlhflow"], "error: --engine vllm: vLLM's pooling runner has no LM-head PRM"),
+    (["--prm-recipe", "skywork"], "error: --engine vllm: vLLM 0.32 has no value-head PRM (Skywork's v_head.summary on "
+                                  "a Qwen2 decoder; its Qwen2 reward models carry a two-layer score head), so the "
+                                  "skywork recipe runs on --engine native only"),
 ])
 def test_bad_vllm_options_are_one_line_errors(args, message, problems, step_qwen2_dir, vllm_prm_dir, tmp_path):
     done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "kvrescue", "--base", str(step_qwen2_dir),
