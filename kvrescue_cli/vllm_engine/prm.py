@@ -31,16 +31,13 @@ from kvrescue_cli.shapes import PRM_WINDOW
 def pooling_args(recipe: PRMRecipe, tokenizer, model: str) -> dict[str, Any]:
     """The engine arguments (`start_llm`'s) under which vLLM's pooling runner outputs the head `recipe` reads:
     none for the checkpoint's own PRM head; for an LM-head recipe, the `classify` conversion to a classifier of the
-    LM head's rows of its `columns` tokens, in order. A ValueError where those tokens do not name their ids."""
+    LM head's rows of its `columns` tokens, in order (vLLM finds each row by its token's id). A ValueError where
+    the tokenizer cannot take the recipe."""
     if recipe.head != "lm":
         return {}
     from vllm.config import PoolerConfig
 
-    columns = recipe.bind(tokenizer, model).columns
-
-    tokens = tokenizer.convert_ids_to_tokens(columns)
-    if tokenizer.convert_tokens_to_ids(tokens) != columns:  # vLLM finds the rows by these tokens' ids
-        raise ValueError(f"{model}: its tokenizer's tokens {tokens} do not name the label ids {columns}")
+    tokens = tokenizer.convert_ids_to_tokens(recipe.bind(tokenizer, model).columns)
     return dict(convert="classify", pooler_config=PoolerConfig(task="token_classify", tok_pooling_type="ALL"),
                 hf_overrides={"method": "no_post_processing", "classifier_from_token": tokens})
 
