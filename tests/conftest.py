@@ -81,6 +81,10 @@ skywork_dir = checkpoint_fixture("skywork_dir", "skywork", 9, "A random Skywork-
                                  "value head v_head.summary, a tokenizer with a BOS.")
 vllm_prm_dir = checkpoint_fixture("vllm_prm_dir", "prm", 3, "A random Qwen2ForProcessRewardModel checkpoint in a shape "
                                   "vLLM's CPU build runs.", **VLLM_TINY)
+vllm_rlhflow_dir = checkpoint_fixture("vllm_rlhflow_dir", "rlhflow", 7, "An RLHFlow-shaped PRM in a shape vLLM's CPU "
+                                      "build runs.", **VLLM_TINY)
+vllm_math_shepherd_dir = checkpoint_fixture("vllm_math_shepherd_dir", "math-shepherd", 8, "A Math-Shepherd-shaped "
+                                            "PRM in a shape vLLM's CPU build runs.", **VLLM_TINY)
 
 
 @pytest.fixture(scope="session")

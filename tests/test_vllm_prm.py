@@ -9,11 +9,9 @@ from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.loader import load_tokenizer
 from kvrescue_cli.engine.prm import PRMScorer
 from kvrescue_cli.engine.prm_recipes import FORMATS, get_recipe
-from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.shapes import PRM_WINDOW
 from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
 from kvrescue_cli.vllm_engine.roles import EngineSpec, VllmEngines
-from tests.conftest import VLLM_TINY
 from tests.test_engine_prm import PROBLEMS, STEPS, recipe_ids
 
 pytestmark = pytest.mark.vllm
@@ -107,12 +105,12 @@ def test_the_window_drops_the_same_steps(prm, vllm_prm) -> None:
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["rlhflow", "math-shepherd"])
-def test_an_lm_head_recipe_on_vllm_scores_as_prm_scorer(name, tmp_path) -> None:
+@pytest.mark.parametrize("name, folder", [("rlhflow", "vllm_rlhflow_dir"), ("math-shepherd", "vllm_math_shepherd_dir")])
+def test_an_lm_head_recipe_on_vllm_scores_as_prm_scorer(name, folder, request) -> None:
     """An LM-head PRM's engine as `--engine vllm` starts it (VllmEngines: the LM head's "+" and "-" rows as vLLM's
     classifier) scores a random Llama 3.1-like (rlhflow) or Mistral (math-shepherd) checkpoint as PRMScorer does,
     counts the same tokens, and reads a long problem's committed prefix from its prefix cache."""
-    folder = write_random_checkpoint(tmp_path, name, seed=7, **VLLM_TINY)
+    folder = request.getfixturevalue(folder)
     recipe = get_recipe(name)
     problems = MORE_PROBLEMS[:-1] + [PROBLEMS[0] + " " + " ".join(f"Then {i} + {i} = {2 * i}." for i in range(40))]
     want_tokens, got_tokens = [], []

@@ -87,13 +87,17 @@ def test_bad_vllm_options_are_one_line_errors(args, message, problems, step_qwen
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("recipe", ["paper", "model-card"])
-def test_bon_scored_on_vllm_makes_the_native_choices_and_counts_the_same_prm_tokens(recipe, problems, step_qwen2_dir,
-                                                                                     vllm_prm_dir, tmp_path):
+@pytest.mark.parametrize("prm, recipe", [("vllm_prm_dir", ["--prm-format", "paper"]),
+                                         ("vllm_prm_dir", ["--prm-format", "model-card"]),
+                                         ("vllm_rlhflow_dir", ["--prm-recipe", "rlhflow"]),
+                                         ("vllm_math_shepherd_dir", ["--prm-recipe", "math-shepherd"])])
+def test_bon_scored_on_vllm_makes_the_native_choices_and_counts_the_same_prm_tokens(prm, recipe, problems,
+                                                                                     step_qwen2_dir, request, tmp_path):
     """bon's base decodes on this engine either way, so only the PRM moves to vLLM: the same steps are chosen, and
-    tokens.prm and prm_truncations are counted alike (vLLM reads each committed prefix from its prefix cache)."""
+    tokens.prm and prm_truncations are counted alike (vLLM reads each committed prefix from its prefix cache), with
+    a Qwen2.5-Math-PRM-shaped PRM in both formats and the LM-head PRMs."""
     common = ["--bench", str(problems), "--method", "bon", "--limit", "2", "--base", str(step_qwen2_dir), "--prm",
-              str(vllm_prm_dir), "--prm-format", recipe, *SMALL]
+              str(request.getfixturevalue(prm)), *recipe, *SMALL]
     for engine in ("native", "vllm"):
         done = kvrescue_run("--engine", engine, "--out", str(tmp_path / engine), *common)
         assert done.returncode == 0, done.stderr.decode()[-3000:]
