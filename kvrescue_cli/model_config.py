@@ -20,6 +20,8 @@ from kvrescue_cli.files import CONFIG_LIMIT, open_regular, read_regular
 
 FAMILIES = ("qwen2", "qwen3", "llama", "mistral")  # mistral: Llama's decoder (full attention: see `window_error`)
 GGUF_HEAD_BYTES = 1 << 20  # a GGUF file's metadata and tensor index sit at its start
+BIN_WEIGHTS = "pytorch_model*.bin"  # PyTorch weight files as transformers names them (older Hub repos ship only these)
+ZIP_TAIL_BYTES = 1 << 20  # a PyTorch weight file is a zip: its end holds every record's name, size and CRC-32
 
 
 class ModelConfigError(InputError):
@@ -161,7 +163,8 @@ def model_revision(model: str) -> str | None:
 
     A Hub id: the commit its files resolve to (from the local Hugging Face cache when offline). A local
     folder: `sha256:` + the hash of its config.json and weight index (model.safetensors.index.json and every
-    safetensors file's name, size and header: tensor names, dtypes, shapes and offsets). A GGUF file:
+    safetensors file's name, size and header: tensor names, dtypes, shapes and offsets; every PyTorch weight
+    file's name, size and last MiB: its zip directory, each tensor's CRC-32 in it). A GGUF file:
     `sha256:` + the hash of its size and first MiB (metadata and tensor index).
     """
     path = Path(model).expanduser()
@@ -188,10 +191,19 @@ def _local_digest(path: Path) -> str:
             digest.update(index.name.encode() + read_regular(index, CONFIG_LIMIT, OSError))
         for weights in sorted(path.glob("*.safetensors")):
             digest.update(weights.name.encode() + struct.pack("<Q", weights.stat().st_size) + _safetensors_header(weights))
+        for weights in sorted(path.glob(BIN_WEIGHTS)):
+            digest.update(weights.name.encode() + struct.pack("<Q", weights.stat().st_size) + _zip_tail(weights))
     else:
         with open_regular(path, OSError) as f:
             digest.update(struct.pack("<Q", path.stat().st_size) + f.read(GGUF_HEAD_BYTES))
     return digest.hexdigest()
+
+
+def _zip_tail(path: Path) -> bytes:
+    """The last `ZIP_TAIL_BYTES` of a file (a zip's central directory)."""
+    with open_regular(path, OSError) as f:
+        f.seek(max(0, path.stat().st_size - ZIP_TAIL_BYTES))
+        return f.read()
 
 
 def _safetensors_header(path: Path) -> bytes:

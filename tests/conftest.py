@@ -54,52 +54,37 @@ def problems(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_problems(tmp_path_factory.mktemp("data") / "tiny.jsonl")
 
 
-@pytest.fixture(scope="session")
-def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Qwen2 checkpoint (q/k/v bias, GQA, untied head, rope theta 5000)."""
-    return write_random_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2", rope_theta=5000.0, seed=1, **TINY)
+def checkpoint_fixture(name: str, arch: str, seed: int, doc: str, **shape):
+    """A session fixture `name`: a random `arch` checkpoint (TINY, updated with `shape`) written once, in a
+    folder named after its architecture (the PRM recipes' choice reads a folder's name)."""
+
+    @pytest.fixture(scope="session", name=name)
+    def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return write_random_checkpoint(tmp_path_factory.mktemp(arch), arch, seed=seed, **{**TINY, **shape})
+
+    folder.__doc__ = doc
+    return folder
 
 
-@pytest.fixture(scope="session")
-def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Qwen3 checkpoint (q/k norms, head_dim 32 = twice hidden / heads, no bias, tied embeddings)."""
-    return write_random_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", rope_theta=1e6, seed=6, **TINY)
-
-
-@pytest.fixture(scope="session")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Llama checkpoint (no bias, tied embeddings)."""
-    return write_random_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=2, **TINY)
-
-
-@pytest.fixture(scope="session")
-def prm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Qwen2ForProcessRewardModel checkpoint (Qwen2 decoder + score head)."""
-    return write_random_checkpoint(tmp_path_factory.mktemp("prm"), "prm", seed=3, **TINY)
-
-
-@pytest.fixture(scope="session")
-def rlhflow_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random RLHFlow-shaped PRM: Llama 3.1-like (untied LM head), Llama 3's tokenizer and chat template."""
-    return write_random_checkpoint(tmp_path_factory.mktemp("rlhflow"), "rlhflow", seed=7, **TINY)
-
-
-@pytest.fixture(scope="session")
-def math_shepherd_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Math-Shepherd-shaped PRM: MistralForCausalLM, a Mistral-like tokenizer holding "ки"."""
-    return write_random_checkpoint(tmp_path_factory.mktemp("math-shepherd"), "math-shepherd", seed=8, **TINY)
-
-
-@pytest.fixture(scope="session")
-def skywork_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Skywork-o1-Open-PRM-shaped PRM: Qwen2 with the value head v_head.summary, a tokenizer with a BOS."""
-    return write_random_checkpoint(tmp_path_factory.mktemp("skywork"), "skywork", seed=9, **TINY)
-
-
-@pytest.fixture(scope="session")
-def vllm_prm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Qwen2ForProcessRewardModel checkpoint in a shape vLLM's CPU build runs."""
-    return write_random_checkpoint(tmp_path_factory.mktemp("vllm-prm"), "prm", seed=3, **VLLM_TINY)
+qwen2_dir = checkpoint_fixture("qwen2_dir", "qwen2", 1, "A random Qwen2 checkpoint (q/k/v bias, GQA, untied head, rope "
+                               "theta 5000).", rope_theta=5000.0)
+qwen3_dir = checkpoint_fixture("qwen3_dir", "qwen3", 6, "A random Qwen3 checkpoint (q/k norms, head_dim 32 = twice "
+                               "hidden / heads, no bias, tied embeddings).", rope_theta=1e6)
+llama_dir = checkpoint_fixture("llama_dir", "llama", 2, "A random Llama checkpoint (no bias, tied embeddings).")
+prm_dir = checkpoint_fixture("prm_dir", "prm", 3, "A random Qwen2ForProcessRewardModel checkpoint (Qwen2 decoder + "
+                             "score head).")
+rlhflow_dir = checkpoint_fixture("rlhflow_dir", "rlhflow", 7, "A random RLHFlow-shaped PRM: Llama 3.1-like (untied LM "
+                                 "head), Llama 3's tokenizer and chat template.")
+math_shepherd_dir = checkpoint_fixture("math_shepherd_dir", "math-shepherd", 8, "A random Math-Shepherd-shaped PRM: "
+                                       "MistralForCausalLM, a Mistral-like tokenizer holding \"ки\".")
+skywork_dir = checkpoint_fixture("skywork_dir", "skywork", 9, "A random Skywork-o1-Open-PRM-shaped PRM: Qwen2 with the "
+                                 "value head v_head.summary, a tokenizer with a BOS.")
+vllm_prm_dir = checkpoint_fixture("vllm_prm_dir", "prm", 3, "A random Qwen2ForProcessRewardModel checkpoint in a shape "
+                                  "vLLM's CPU build runs.", **VLLM_TINY)
+vllm_rlhflow_dir = checkpoint_fixture("vllm_rlhflow_dir", "rlhflow", 7, "An RLHFlow-shaped PRM in a shape vLLM's CPU "
+                                      "build runs.", **VLLM_TINY)
+vllm_math_shepherd_dir = checkpoint_fixture("vllm_math_shepherd_dir", "math-shepherd", 8, "A Math-Shepherd-shaped "
+                                            "PRM in a shape vLLM's CPU build runs.", **VLLM_TINY)
 
 
 @pytest.fixture(scope="session")

@@ -104,7 +104,7 @@ def prm_scores(prm: LoadedModel, problem: str, steps: Sequence[str], system: str
     """From-scratch reference: score of every step of a whole trajectory in one plain forward."""
     inputs = check_prm(prm, recipe)
     ids, ends = trajectory_ids(inputs, problem, steps, system)
-    return inputs.score(prm.logits(torch.tensor([ids]))[0][ends]).tolist()
+    return inputs.read(prm.logits(torch.tensor([ids]))[0][ends]).tolist()
 
 
 @torch.inference_mode()
@@ -117,7 +117,7 @@ def prm_last_scores(prm: LoadedModel, problem: str, trajectories: Sequence[Seque
     width = max(len(row) for row, _ in rows)
     ids = torch.tensor([row + [0] * (width - len(row)) for row, _ in rows])
     head = prm.logits(ids)
-    return inputs.score(torch.stack([head[i, ends[-1]] for i, (_, ends) in enumerate(rows)])).tolist()
+    return inputs.read(torch.stack([head[i, ends[-1]] for i, (_, ends) in enumerate(rows)])).tolist()
 
 
 def rkv_keep(keys: Tensor, queries: Tensor, budget: int, **params) -> Tensor:

@@ -17,7 +17,7 @@ from kvrescue_cli.engine.model import (
 )
 from kvrescue_cli.engine.tp import Shard, make_shard, shard_weight
 from kvrescue_cli.files import CONFIG_LIMIT, check_regular, read_regular
-from kvrescue_cli.model_config import ModelArgs, is_hub_id, unsupported
+from kvrescue_cli.model_config import BIN_WEIGHTS, ModelArgs, is_hub_id, unsupported
 from kvrescue_cli.shapes import shard_degree
 
 DTYPES = {name: getattr(torch, dtype) for name, dtype in NAMES.items()}  # the --dtype names as torch dtypes
@@ -149,8 +149,12 @@ def _hub_download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    files = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+        folder = Path(snapshot_download(repo_id, allow_patterns=files))
+        if not any(folder.glob("*.safetensors")):  # an older repo: its PyTorch weight files instead
+            folder = Path(snapshot_download(repo_id, allow_patterns=files + [BIN_WEIGHTS]))
+        return folder
     except GatedRepoError:
         raise ModelLoadError(f"model {repo_id!r}: gated on the Hugging Face Hub; accept its terms and log in (hf auth login)") from None
     except RepositoryNotFoundError:
@@ -223,7 +227,7 @@ def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
         raise ModelLoadError(f"model {name!r}: {folder} has no config.json")
     _check_files(folder, name)
     cfg = _read_json(cfg_path, name)
-    sources = {key: handle.get_slice(key) for handle in _weight_files(folder, name) for key in handle.keys()}
+    sources = _weight_sources(folder, name)
     try:
         net = _build(sources, cfg, **place, name=name)
     except ModelLoadError:
@@ -236,25 +240,44 @@ def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
     return LoadedModel(net, tokenizer, cfg, name, eos_ids)
 
 
-def _weight_files(folder: Path, name: str) -> list[Any]:
-    """The folder's safetensors files opened (their headers read, the tensors mapped, not loaded); a
-    `ModelLoadError` where it has none or one cannot be read."""
+def _weight_sources(folder: Path, name: str) -> dict[str, Any]:
+    """The folder's tensors by name, none loaded: its safetensors files' slices (headers read, data mapped) or,
+    in a folder without any, its PyTorch weight files' tensors (`BIN_WEIGHTS`, memory-mapped; read with
+    `weights_only`, which unpickles tensors and nothing else: model files are untrusted). A `ModelLoadError`
+    where it has neither or a file cannot be read."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"model {name!r}: {folder} has no .safetensors weights")
-    handles = []
+        bins = sorted(folder.glob(BIN_WEIGHTS))
+        if not bins:
+            raise ModelLoadError(f"model {name!r}: {folder} has no .safetensors weights (nor {BIN_WEIGHTS} files)")
+        return {key: tensor for f in bins for key, tensor in _bin_tensors(f, name).items()}
+    sources = {}
     for f in files:
         try:
-            handles.append(safe_open(f, framework="pt"))
+            handle = safe_open(f, framework="pt")
         except (SafetensorError, OSError) as e:  # empty, truncated header, or not safetensors at all
             raise ModelLoadError(f"model {name!r}: {f} is not a readable safetensors file ({e})") from None
-    return handles
+        sources.update({key: handle.get_slice(key) for key in handle.keys()})
+    return sources
+
+
+def _bin_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
+    """A PyTorch weight file's tensors by name (`torch.load` with `weights_only`, memory-mapped)."""
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # weights_only refusing an object, a truncated zip, not a torch file: many types
+        reason = " ".join(str(e).split())[:200]
+        raise ModelLoadError(f"model {name!r}: {path} is not a readable PyTorch weight file ({type(e).__name__}: "
+                             f"{reason})") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ModelLoadError(f"model {name!r}: {path} holds no state dict (tensors by name)")
+    return tensors
 
 
 def tensor_names(folder: str | Path) -> set[str]:
-    """The tensor names of a local checkpoint folder, as the loader reads them (the safetensors headers, no
-    tensor loaded); a `ModelLoadError` where it has no weights or one file cannot be read."""
-    return {key for handle in _weight_files(Path(folder).expanduser(), str(folder)) for key in handle.keys()}
+    """The tensor names of a local checkpoint folder, as the loader reads them (no tensor loaded); a
+    `ModelLoadError` where it has no weights or one file cannot be read."""
+    return set(_weight_sources(Path(folder).expanduser(), str(folder)))
 
 
 def _read_json(path: Path, name: str) -> dict[str, Any]:
@@ -277,7 +300,8 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
 
     try:
         check_regular(path, ModelLoadError)
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                  **_gguf_config_fixes(path))
     except ModelLoadError:
         raise
     except Exception as e:  # the GGUF reader raises ValueError, struct.error, KeyError, ... on a mangled file
@@ -290,3 +314,12 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
     del hf
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return LoadedModel(net, tokenizer, cfg, str(path), _eos_ids(cfg, gen_cfg, tokenizer))
+
+
+def _gguf_config_fixes(path: Path) -> dict[str, Any]:
+    """Config fields transformers does not take from a GGUF file: a Qwen3's head size (it keeps Qwen3Config's
+    default, 128, over the file's `qwen3.attention.key_length`)."""
+    from gguf import GGUFReader
+
+    head_dim = GGUFReader(path).fields.get("qwen3.attention.key_length")
+    return {} if head_dim is None else {"head_dim": int(head_dim.contents())}

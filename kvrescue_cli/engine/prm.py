@@ -223,7 +223,7 @@ class PRMScorer:
                 head = append_tokens(self.prm, self.cache, rows, [suffixes[i] for i in chunk])
             finally:
                 self.cache.release(rows)
-            scores += self.inputs.codec.score(head).tolist()
+            scores += self.inputs.codec.read(head).tolist()
         return scores
 
     def _chunks(self, suffixes: list[list[int]]) -> list[list[int]]:

@@ -6,8 +6,8 @@ a script that starts one needs the `if __name__ == "__main__"` guard.
 
 A pooling engine (the PRM's) pools `ALL` tokens with prefix caching on: vLLM allows the prefix cache for causal
 pooling models except with `STEP` pooling (the PRM's default; `ModelConfig.is_prefix_caching_supported` in 0.32),
-and with it each request returns the head at the tokens it computed, its last one among them, where both PRM
-recipes read the score.
+and with it each request returns the head at the tokens it computed, its last one among them, where every PRM
+recipe reads the score (prm.pooling_args: the head each recipe reads).
 """
 
 from __future__ import annotations

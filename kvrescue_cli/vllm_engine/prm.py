@@ -1,7 +1,12 @@
-"""PRM scores through vLLM's pooling runner: Qwen2ForProcessRewardModel's head logits at every token the request
-computes (`ALL` token pooling, which vLLM 0.32 lets read the prefix cache, where the PRM's default `STEP` pooling
-does not); a candidate's score is softmax(logits)[1] at its last token, in both formats of the qwen-math recipe
-(DESIGN section 5), the only recipe vLLM 0.32 serves (engine/prm_recipes/choose.py refuses the others).
+"""PRM scores through vLLM's pooling runner: the head's outputs at every token the request computes (`ALL` token
+pooling, which vLLM 0.32 lets read the prefix cache, where Qwen2ForProcessRewardModel's default `STEP` pooling does
+not); a candidate's score is the recipe's, read at its last token (DESIGN section 5).
+
+The head is the checkpoint's own for qwen-math (Qwen2ForProcessRewardModel's two classes). For the LM-head recipes
+(rlhflow on Llama, math-shepherd on Mistral) vLLM's `classify` conversion turns the LM head's rows of the recipe's
+"+" and "-" tokens into a 2-way classifier (`no_post_processing`: their logits as they are), which the recipe
+reads as it reads those columns of the LM head's logits (`pooling_args`). vLLM 0.32 has no value-head PRM, so
+Skywork's recipe is refused before any engine starts (its `no_vllm`).
 
 The token ids are PRMScorer's (engine/prm.py `PRMInputs`): same recipe, prompt, steps, dropped steps and cut
 candidates, and the same token count. Each candidate is one request holding its problem's whole prefix; vLLM's
@@ -11,6 +16,7 @@ prefix cache computes the prefix's full blocks once, as PRMScorer computes the p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -20,6 +26,20 @@ from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.prompts import SYSTEM_PROMPT
 from kvrescue_cli.scorers import PRM
 from kvrescue_cli.shapes import PRM_WINDOW
+
+
+def pooling_args(recipe: PRMRecipe, tokenizer, model: str) -> dict[str, Any]:
+    """The engine arguments (`start_llm`'s) under which vLLM's pooling runner outputs the head `recipe` reads:
+    none for the checkpoint's own PRM head; for an LM-head recipe, the `classify` conversion to a classifier of the
+    LM head's rows of its `columns` tokens, in order (vLLM finds each row by its token's id). A ValueError where
+    the tokenizer cannot take the recipe."""
+    if recipe.head != "lm":
+        return {}
+    from vllm.config import PoolerConfig
+
+    tokens = tokenizer.convert_ids_to_tokens(recipe.bind(tokenizer, model).columns)
+    return dict(convert="classify", pooler_config=PoolerConfig(task="token_classify", tok_pooling_type="ALL"),
+                hf_overrides={"method": "no_post_processing", "classifier_from_token": tokens})
 
 
 class VLLMPRMScorer:
@@ -44,8 +64,8 @@ class VLLMPRMScorer:
         self.inputs.open(key, problem)
 
     def score(self, requests: Sequence[Request]) -> list[float]:
-        """The recipe's score (softmax(head)[1]) at each candidate's last token, all candidates of all problems in one
-        `encode` call."""
+        """The recipe's score at each candidate's last token, all candidates of all problems in one `encode` call
+        (the served head's outputs are the recipe's columns: `pooling_args`)."""
         if not requests:
             return []
         suffixes = self.inputs.candidates(requests)

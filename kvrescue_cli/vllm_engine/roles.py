@@ -12,7 +12,7 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.shapes import PRM_WINDOW
 from kvrescue_cli.vllm_engine import require_vllm
 from kvrescue_cli.vllm_engine.llm import start_llm
-from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
+from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer, pooling_args
 from kvrescue_cli.vllm_engine.steps import SteppedEngine, VllmRunner
 
 
@@ -63,11 +63,13 @@ class VllmEngines:
         try:
             folder = model_folder(spec.model)
             tokenizer_and_eos = load_tokenizer(spec.model)
-        except ModelLoadError as err:
+            head = pooling_args(self.recipe, tokenizer_and_eos[0], spec.model) if spec.pooling else {}
+        except (ModelLoadError, ValueError) as err:
             raise InputError(f"{'/'.join(spec.roles)} model: {err}") from None
         try:
             llm = start_llm(folder, dtype=dtype, max_model_len=spec.max_model_len,
-                            runner="pooling" if spec.pooling else "generate", enable_prefix_caching=True, **share)
+                            runner="pooling" if spec.pooling else "generate", enable_prefix_caching=True, **share,
+                            **head)
         except Exception as err:  # vLLM's own reasons are in its log lines above; keep ours to one line
             raise InputError(f"vLLM could not start the {what}: {type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''}") from None

@@ -73,9 +73,9 @@ def test_a_second_run_resumes_the_same_folders(grid, problems, step_qwen2_dir, v
     (["--vllm-memory", "0.0000001"], "error: --vllm-memory 1e-07: vLLM's 0.00 GiB of cpu over its 2 engine(s) leaves"),
     (["--vllm-memory", "1.5"], "error: --vllm-memory 1.5: expected a share of the device between 0 and 1"),
     (["--devices", "cpu,cpu"], "error: --engine vllm runs in this process on one device, not on --devices cpu,cpu"),
-    (["--prm-recipe", "skywork"], "error: --engine vllm: vLLM 0.32 has no Skywork value-head PRM, so the skywork recipe "
-                                  "runs on --engine native only"),
-    (["--prm-recipe", "rlhflow"], "error: --engine vllm: vLLM's pooling runner has no LM-head PRM"),
+    (["--prm-recipe", "skywork"], "error: --engine vllm: vLLM 0.32 has no value-head PRM (Skywork's v_head.summary on "
+                                  "a Qwen2 decoder; its Qwen2 reward models carry a two-layer score head), so the "
+                                  "skywork recipe runs on --engine native only"),
 ])
 def test_bad_vllm_options_are_one_line_errors(args, message, problems, step_qwen2_dir, vllm_prm_dir, tmp_path):
     done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "kvrescue", "--base", str(step_qwen2_dir),
@@ -87,13 +87,17 @@ def test_bad_vllm_options_are_one_line_errors(args, message, problems, step_qwen
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("recipe", ["paper", "model-card"])
-def test_bon_scored_on_vllm_makes_the_native_choices_and_counts_the_same_prm_tokens(recipe, problems, step_qwen2_dir,
-                                                                                     vllm_prm_dir, tmp_path):
+@pytest.mark.parametrize("prm, recipe", [("vllm_prm_dir", ["--prm-format", "paper"]),
+                                         ("vllm_prm_dir", ["--prm-format", "model-card"]),
+                                         ("vllm_rlhflow_dir", ["--prm-recipe", "rlhflow"]),
+                                         ("vllm_math_shepherd_dir", ["--prm-recipe", "math-shepherd"])])
+def test_bon_scored_on_vllm_makes_the_native_choices_and_counts_the_same_prm_tokens(prm, recipe, problems,
+                                                                                     step_qwen2_dir, request, tmp_path):
     """bon's base decodes on this engine either way, so only the PRM moves to vLLM: the same steps are chosen, and
-    tokens.prm and prm_truncations are counted alike (vLLM reads each committed prefix from its prefix cache)."""
+    tokens.prm and prm_truncations are counted alike (vLLM reads each committed prefix from its prefix cache), with
+    a Qwen2.5-Math-PRM-shaped PRM in both formats and the LM-head PRMs."""
     common = ["--bench", str(problems), "--method", "bon", "--limit", "2", "--base", str(step_qwen2_dir), "--prm",
-              str(vllm_prm_dir), "--prm-format", recipe, *SMALL]
+              str(request.getfixturevalue(prm)), *recipe, *SMALL]
     for engine in ("native", "vllm"):
         done = kvrescue_run("--engine", engine, "--out", str(tmp_path / engine), *common)
         assert done.returncode == 0, done.stderr.decode()[-3000:]

@@ -198,6 +198,39 @@ def test_load_model_refuses_a_special_file_in_a_model_folder(tmp_path: Path, qwe
             load(model)
 
 
+class _Opens:
+    """Unpickled, it would create the file it names (pickle calls `open(path, "w")`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def test_a_pytorch_weight_file_that_would_run_code_is_refused_unrun(tmp_path: Path, qwen2_dir: Path) -> None:
+    """Weight files are untrusted: a pytorch_model.bin is unpickled with weights_only (tensors only), so one that
+    calls a function when loaded is a one-line load error, and the function never runs."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from kvrescue_cli.engine.loader import ModelLoadError, load_model
+
+    model = shutil.copytree(qwen2_dir, tmp_path / "model")
+    marker = tmp_path / "ran"
+    torch.save({**load_file(model / "model.safetensors"), "x": _Opens(marker)}, model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError) as e:
+        load_model(model)
+    assert "pytorch_model.bin is not a readable PyTorch weight file (UnpicklingError" in str(e.value)
+    assert "\n" not in str(e.value) and not marker.exists()
+    torch.save([1, 2], model / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="pytorch_model.bin holds no state dict"):
+        load_model(model)
+
+
 # ---- 4. a full disk during a run -----------------------------------------------------------------------------
 
 FULL_DISK = textwrap.dedent("""

@@ -4,11 +4,12 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvrescue_cli.engine import FullCache, ModelLoadError, load_model
 from kvrescue_cli.engine.loader import cpu_has_native_bf16, resolve_dtype
 from kvrescue_cli.engine.model import linear
+from tests.gguf_files import write_gguf
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
@@ -57,6 +58,23 @@ def test_cached_prefill_and_decode_match_transformers(pair) -> None:
     assert [cache.length(r) for r in rows] == [n + 6 for n in lengths]
 
 
+@pytest.mark.parametrize("folder", ["qwen2_dir", "qwen3_dir"])
+def test_a_gguf_file_loads_as_its_safetensors_checkpoint(request, tmp_path, folder) -> None:
+    """A GGUF file written from a checkpoint as llama.cpp writes one (the Qwen3's head size, 32, is not
+    Qwen3Config's default): the engine's logits on it equal transformers' on the safetensors original, and its
+    tokenizer (built by transformers from the file's vocabulary and merges) and EOS ids equal the original's."""
+    folder = request.getfixturevalue(folder)
+    ours = load_model(write_gguf(folder, tmp_path / "m.gguf"))
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, len(ours.tokenizer), (2, 19), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert (ours.logits(ids) - expected).abs().max() < TOL
+    text = "<|im_start|>user\nStep 1: 3x + 5 = 20, so x = 5.\n\n<|im_end|>"
+    assert ours.tokenizer.encode(text) == AutoTokenizer.from_pretrained(folder).encode(text)
+    assert ours.eos_ids == load_model(folder).eos_ids
+
+
 def test_prefill_returns_last_position_logits(qwen2_dir) -> None:
     ours = load_model(qwen2_dir)
     ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(2))
@@ -101,6 +119,22 @@ def test_hub_id_without_network_fails_with_one_clear_line(monkeypatch) -> None:
         load_model("Qwen/Qwen2.5-Math-1.5B-Instruct")
     msg = str(e.value)
     assert "Qwen/Qwen2.5-Math-1.5B-Instruct" in msg and "\n" not in msg
+
+
+def test_a_hub_repo_s_pytorch_weight_files_are_fetched_only_where_it_has_no_safetensors(monkeypatch, tmp_path) -> None:
+    import huggingface_hub
+
+    from kvrescue_cli.engine.loader import model_folder
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, allow_patterns: asked.append(allow_patterns)
+                        or str(tmp_path))
+    assert model_folder("Skywork/Skywork-o1-Open-PRM-Qwen-2.5-1.5B") == tmp_path
+    assert len(asked) == 2 and "*.safetensors" in asked[0] and asked[1] == asked[0] + ["pytorch_model*.bin"]
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    asked.clear()
+    model_folder("Qwen/Qwen2.5-Math-PRM-7B")
+    assert len(asked) == 1 and not any(".bin" in pattern for pattern in asked[0])
 
 
 def test_missing_path_is_refused(tmp_path) -> None:

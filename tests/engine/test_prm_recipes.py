@@ -117,6 +117,33 @@ def test_the_head_weights_are_read_as_the_loader_reads_them(skywork_dir, prm_dir
         tensor_names(broken)
 
 
+def test_a_skywork_folder_of_pytorch_weight_files_scores_as_its_safetensors_one(skywork_dir, tmp_path) -> None:
+    """Skywork's Hub repos ship pytorch_model.bin: a folder of PyTorch weight files (sharded here) is read as the
+    safetensors one (the recipe chosen from its head, the same scores exactly), and identified by its weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from kvrescue_cli.model_config import model_revision
+
+    def bin_copy(to, scale=1.0):
+        folder = _copy(skywork_dir, tmp_path / to)
+        tensors = load_file(f"{folder}/model.safetensors")
+        names = sorted(tensors)
+        for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+            torch.save({k: tensors[k] * (scale if k == "v_head.summary.bias" else 1) for k in part},
+                       f"{folder}/pytorch_model-0000{i + 1}-of-00002.bin")
+        (tmp_path / to / "model.safetensors").unlink()
+        return folder
+
+    folder = bin_copy("bin")
+    assert tensor_names(folder) == tensor_names(skywork_dir)
+    assert auto_recipe(folder, load_config(folder), weight_names(folder)) == "skywork"
+    recipe = get_recipe("skywork")
+    assert prm_scores(_prm(folder), PROBLEM, STEPS, recipe=recipe) == prm_scores(_prm(skywork_dir), PROBLEM, STEPS,
+                                                                                 recipe=recipe)
+    assert model_revision(folder) not in (model_revision(bin_copy("other", scale=2.0)), model_revision(str(skywork_dir)))
+
+
 def _copy(folder, to, **config):
     """A copy of a checkpoint folder at `to`, its config.json updated with `config`."""
     shutil.copytree(folder, to)
@@ -159,10 +186,13 @@ def test_resolution_and_its_one_line_errors(skywork_dir, prm_dir, qwen2_dir) -> 
     with pytest.raises(InputError, match="no PRM head .* give --prm-recipe, one of qwen-math, rlhflow, "
                                          "math-shepherd, skywork"):
         resolve_prm_recipe(_options(str(qwen2_dir), prm_recipe="auto"))
-    for name in NEW:  # no vLLM 0.32 model serves these: --engine vllm says so
-        with pytest.raises(InputError, match=f"--engine vllm: .*the {name} recipe runs on --engine native only"):
-            resolve_prm_recipe(_options(str(prm_dir), prm_recipe=name, engine="vllm"))
-    assert resolve_prm_recipe(_options(str(prm_dir), prm_recipe="qwen-math", engine="vllm")).prm_recipe == "qwen-math"
+    with pytest.raises(InputError) as e:  # vLLM 0.32 has no value-head PRM: --engine vllm says so
+        resolve_prm_recipe(_options(str(skywork_dir), prm_recipe="skywork", engine="vllm"))
+    assert str(e.value) == ("--engine vllm: vLLM 0.32 has no value-head PRM (Skywork's v_head.summary on a Qwen2 "
+                            "decoder; its Qwen2 reward models carry a two-layer score head), so the skywork recipe "
+                            "runs on --engine native only")
+    for name in ("qwen-math", "rlhflow", "math-shepherd"):  # served by vLLM (tests/vllm_engine/test_prm.py)
+        assert resolve_prm_recipe(_options(str(prm_dir), prm_recipe=name, engine="vllm")).prm_recipe == name
     with pytest.raises(InputError, match="unknown --prm-recipe 'chat': use one of auto, qwen-math, rlhflow"):
         _options(str(prm_dir), prm_recipe="chat").check()
     with pytest.raises(ValueError, match="unknown PRM recipe 'chat': use one of " + ", ".join(PRM_RECIPES)):

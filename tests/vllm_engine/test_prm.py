@@ -1,14 +1,17 @@
-"""PRM scores from vLLM's pooling runner equal PRMScorer's (fp32, random PRM), driven through the same scorer
-protocol in both recipes: several problems, multi-step trajectories, several candidates a step, and a window that
-drops steps; the same token ids, the same token count, and the committed prefix read from vLLM's prefix cache."""
+"""PRM scores from vLLM's pooling runner equal PRMScorer's (fp32, random PRMs), driven through the same scorer
+protocol in both qwen-math formats and the LM-head recipes (rlhflow, math-shepherd): several problems, multi-step
+trajectories, several candidates a step, and a window that drops steps; the same token ids, the same token count,
+and the committed prefix read from vLLM's prefix cache."""
 
 import pytest
 
 from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.loader import load_tokenizer
 from kvrescue_cli.engine.prm import PRMScorer
-from kvrescue_cli.engine.prm_recipes import FORMATS
+from kvrescue_cli.engine.prm_recipes import FORMATS, get_recipe
+from kvrescue_cli.shapes import PRM_WINDOW
 from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
+from kvrescue_cli.vllm_engine.roles import EngineSpec, VllmEngines
 from tests.engine.test_prm import PROBLEMS, STEPS, recipe_ids
 
 pytestmark = pytest.mark.vllm
@@ -100,3 +103,30 @@ def test_the_window_drops_the_same_steps(prm, vllm_prm) -> None:
     got, dropped = drive(VLLMPRMScorer(vllm_prm, prm.tokenizer, window=120), PROBLEMS, long)
     assert dropped == want_dropped and all(d > 0 and n > 0 for d, n in dropped)
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+
+
+@pytest.mark.parametrize("name, folder", [("rlhflow", "vllm_rlhflow_dir"), ("math-shepherd", "vllm_math_shepherd_dir")])
+def test_an_lm_head_recipe_on_vllm_scores_as_prm_scorer(name, folder, request) -> None:
+    """An LM-head PRM's engine as `--engine vllm` starts it (VllmEngines: the LM head's "+" and "-" rows as vLLM's
+    classifier) scores a random Llama 3.1-like (rlhflow) or Mistral (math-shepherd) checkpoint as PRMScorer does,
+    counts the same tokens, and reads a long problem's committed prefix from its prefix cache."""
+    folder = request.getfixturevalue(folder)
+    recipe = get_recipe(name)
+    problems = MORE_PROBLEMS[:-1] + [PROBLEMS[0] + " " + " ".join(f"Then {i} + {i} = {2 * i}." for i in range(40))]
+    want_tokens, got_tokens = [], []
+    want, _ = drive(PRMScorer(load_model(folder), max_problems=4, max_candidates=16, recipe=recipe), problems,
+                    MORE_STEPS, want_tokens)
+    engines = VllmEngines([EngineSpec(str(folder), ("prm",), PRM_WINDOW)], "float32", recipe,
+                          [dict(kv_cache_bytes=64 << 20, enforce_eager=True)])
+    try:
+        scorer = engines.scorer()
+        llm = scorer.llm = Recording(engines.prm)
+        got, truncated = drive(scorer, problems, MORE_STEPS, got_tokens)
+    finally:
+        engines.close()
+    assert len(got) == len(want) == 4 * (3 + 3 + 2)
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert len({round(s, 4) for s in want}) > len(want) // 2  # the candidates are told apart
+    assert truncated == [(0, 0)] * 3 and got_tokens == want_tokens
+    block = engines.prm.llm_engine.vllm_config.cache_config.block_size
+    assert max(out.num_cached_tokens for out in llm.outputs) >= block

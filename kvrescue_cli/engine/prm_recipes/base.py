@@ -35,7 +35,10 @@ def prm_step_text(text: str) -> str:
 
 
 class RecipeInputs(ABC):
-    """A recipe bound to its PRM's tokenizer: token ids in, scores out."""
+    """A recipe bound to its PRM's tokenizer: token ids in, scores out (read from the head's outputs at `columns`,
+    None: all of them)."""
+
+    columns: list[int] | None = None
 
     @abstractmethod
     def prompt(self, problem: str, system: str) -> list[int]:
@@ -52,7 +55,20 @@ class RecipeInputs(ABC):
 
     @abstractmethod
     def score(self, head: Any) -> Any:
-        """Scores in [0, 1] [R] from the head's outputs at the candidates' last tokens [R, out] (a torch tensor)."""
+        """Scores in [0, 1] [R] from the head's outputs at the candidates' last tokens, those of `columns` where it
+        is set [R, out] (a torch tensor)."""
+
+    def read(self, head: Any) -> Any:
+        """Scores from the head's whole outputs at the candidates' last tokens [R, out]."""
+        return self.score(head if self.columns is None else head[:, self.columns])
+
+
+class LabelInputs(RecipeInputs):
+    """A recipe read from the language-model head: its `columns` are the ids of the labels "+" and "-", and a
+    step's score is softmax over their logits, index 0 (P("+") against P("-"))."""
+
+    def score(self, head):
+        return head.softmax(-1)[:, 0]
 
 
 @dataclass(frozen=True)

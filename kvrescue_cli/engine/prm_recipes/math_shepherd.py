@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvrescue_cli.engine.prm_recipes.base import PRMRecipe, RecipeInputs, encode_after, last_token_id, prm_step_text
+from kvrescue_cli.engine.prm_recipes.base import (
+    LabelInputs, PRMRecipe, RecipeInputs, encode_after, last_token_id, prm_step_text,
+)
 
 STEP_TAG = "ки"
 
@@ -29,14 +31,14 @@ class MathShepherdRecipe(PRMRecipe):
         return MathShepherdInputs(tokenizer, model)
 
 
-class MathShepherdInputs(RecipeInputs):
+class MathShepherdInputs(LabelInputs):
     def __init__(self, tokenizer, model: str) -> None:
         self.tokenizer, self.model = tokenizer, model
-        self.labels = tokenizer.encode("+ -")[1:]
+        self.columns = tokenizer.encode("+ -")[1:]
         self.tag = last_token_id(tokenizer, STEP_TAG, model)
-        if len(self.labels) != 2:
+        if len(self.columns) != 2:
             raise ValueError(f"{model}: the math-shepherd recipe reads the ids of '+' and '-' as the card takes them "
-                             f"(encode('+ -')[1:]), and its tokenizer makes {len(self.labels)} ids of them")
+                             f"(encode('+ -')[1:]), and its tokenizer makes {len(self.columns)} ids of them")
         if self.candidates(["x"], [1])[0][-1:] != [self.tag]:
             raise ValueError(f"{model}: its tokenizer makes no {STEP_TAG!r} token at the end of a step")
 
@@ -48,10 +50,5 @@ class MathShepherdInputs(RecipeInputs):
         pieces = [(" " if i == 0 else "\n") + prm_step_text(text) + " " + STEP_TAG for text, i in zip(texts, index)]
         return encode_after(self.tokenizer, STEP_TAG, pieces, self.model)
 
-    def score(self, head):
-        return head[:, self.labels].softmax(-1)[:, 0]
 
-
-MATH_SHEPHERD = MathShepherdRecipe("math-shepherd", "lm", "MistralForCausalLM",
-                                   "vLLM's pooling runner has no LM-head PRM (its logits at chosen tokens), so the "
-                                   "math-shepherd recipe runs on --engine native only")
+MATH_SHEPHERD = MathShepherdRecipe("math-shepherd", "lm", "MistralForCausalLM", no_vllm=None)

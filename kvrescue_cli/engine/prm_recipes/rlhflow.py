@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvrescue_cli.engine.prm_recipes.base import PRMRecipe, RecipeInputs, last_token_id, prm_step_text
+from kvrescue_cli.engine.prm_recipes.base import LabelInputs, PRMRecipe, RecipeInputs, last_token_id, prm_step_text
 from kvrescue_cli.engine.texts import encoder
 
 HOLE = "\x00kvrescue-reply\x00"  # the assistant content while rendering a candidate's turn
@@ -33,10 +33,10 @@ class RLHFlowRecipe(PRMRecipe):
         return RLHFlowInputs(tokenizer, model)
 
 
-class RLHFlowInputs(RecipeInputs):
+class RLHFlowInputs(LabelInputs):
     def __init__(self, tokenizer, model: str) -> None:
         self.tokenizer, self.encode = tokenizer, encoder(tokenizer)
-        self.labels = [last_token_id(tokenizer, "+", model), last_token_id(tokenizer, "-", model)]
+        self.columns = [last_token_id(tokenizer, "+", model), last_token_id(tokenizer, "-", model)]
         self.model = model
         self.after_context = self._render(CONTEXT)
         self.after_problem = self._problem_text("x")  # before a first step's turn (the problem's text changes nothing)
@@ -75,10 +75,5 @@ class RLHFlowInputs(RecipeInputs):
     def committed(self, text: str, index: int) -> list[int]:
         return self.encode([self._turn(text, index, "+")])[0]
 
-    def score(self, head):
-        return head[:, self.labels].softmax(-1)[:, 0]
 
-
-RLHFLOW = RLHFlowRecipe("rlhflow", "lm", "LlamaForCausalLM",
-                        "vLLM's pooling runner has no LM-head PRM (its logits at chosen tokens), so the rlhflow recipe "
-                        "runs on --engine native only")
+RLHFLOW = RLHFlowRecipe("rlhflow", "lm", "LlamaForCausalLM", no_vllm=None)

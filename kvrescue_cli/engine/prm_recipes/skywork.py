@@ -46,4 +46,5 @@ class SkyworkInputs(RecipeInputs):
 
 
 SKYWORK = SkyworkRecipe("skywork", "value", "Qwen2 + v_head (Skywork's PRM)",
-                        "vLLM 0.32 has no Skywork value-head PRM, so the skywork recipe runs on --engine native only")
+                        "vLLM 0.32 has no value-head PRM (Skywork's v_head.summary on a Qwen2 decoder; its Qwen2 reward "
+                        "models carry a two-layer score head), so the skywork recipe runs on --engine native only")
