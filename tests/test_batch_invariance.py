@@ -1,0 +1,124 @@
+"""Batch invariance (`--deterministic`, engine/invariance.py): the per-op probe (each op of a forward as the engine
+calls it, a row alone and inside batches of other rows, at the padded lengths the engine produces) and the runs
+whose traces must not depend on --batch, the workers or a resume."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvrescue_cli.engine import invariance
+from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
+from kvrescue_cli.engine.sampling import SamplingParams, entropy, sample
+
+H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
+SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 8192)]  # its linears (in, out), the head cut to 8192 rows
+BATCHES = (2, 3, 8, 31, 32, 33, 48, 64)
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+@pytest.fixture
+def invariant():
+    invariance.enable(True)
+    yield
+    invariance.enable(False)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def alone_and_batched(op, x: torch.Tensor, batches=BATCHES) -> list[int]:
+    """The batch sizes at which op's rows of x[:M] differ from op of each row alone."""
+    alone = torch.cat([op(x[i : i + 1]) for i in range(max(batches))])
+    return [m for m in batches if not torch.equal(op(x[:m]), alone[:m])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_a_linears_rows_do_not_depend_on_the_row_count(invariant, threads, dtype, shape):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(shape[1], shape[0]).to(dtype) * 0.05, torch.randn(shape[1]).to(dtype)
+    x = torch.randn(max(BATCHES), shape[0]).to(dtype)
+    assert alone_and_batched(lambda rows: linear(rows, weight, bias), x) == []
+    # a prefill's rows: [R, T, dim] of any padded T
+    assert torch.equal(linear(x.view(8, 8, -1), weight, bias).view(64, -1), linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_rope_sampling_and_entropy_are_per_row(threads, dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    x = torch.randn(64, 576).to(dtype)
+    assert alone_and_batched(norm, x) == []
+    cos, sin = rope_cos_sin(torch.arange(64)[:, None] * 37, D, 1e5, dtype)
+    heads = torch.randn(64, H, 1, D).to(dtype)
+    rotated = apply_rope(heads, cos, sin)
+    assert all(torch.equal(apply_rope(heads[i : i + 1], cos[i : i + 1], sin[i : i + 1]), rotated[i : i + 1])
+               for i in range(64))
+    logits = torch.randn(64, 49152).to(dtype) * 4
+    assert alone_and_batched(entropy, logits) == []
+    keys, counters = torch.arange(64) * 7919, torch.arange(64) % 5
+    tokens = sample(logits, keys, counters, SamplingParams())[0]
+    assert all(sample(logits[i : i + 1], keys[i : i + 1], counters[i : i + 1])[0] == tokens[i] for i in range(64))
+
+
+LENGTHS = (40, 300, 600)  # cached keys of the other rows: below, at and past the kernel's 512-key block
+
+
+def probe_cache(cache, dtype, forks: int) -> list[tuple]:
+    """(lengths, new tokens) at which row 0's attention output differs from its output alone: row 0 holds 100
+    cached tokens and appends T; the others (`forks` siblings forked from it, or rows of LENGTHS) append up to 40."""
+    torch.manual_seed(1)
+    rand = lambda *s: torch.randn(*s).to(dtype)  # noqa: E731
+
+    def prefill(rows, n):
+        cache.begin(rows, [n] * len(rows))
+        cache.attend(0, rand(len(rows), H, n, D), rand(len(rows), HKV, n, D), rand(len(rows), HKV, n, D))
+        cache.end()
+
+    root = cache.create()
+    prefill([root], 100)
+    others = []
+    for n in LENGTHS:
+        others.append(cache.create())
+        prefill([others[-1]], n)
+    q0, k0, v0 = rand(1, H, 40, D), rand(1, HKV, 40, D), rand(1, HKV, 40, D)
+
+    def row0(companions, t, t_max):
+        rows = cache.fork(root, 1) + cache.fork_each(companions, 1)
+        news = [t] + [t_max] * len(companions)
+        cache.begin(rows, news)
+        q, k, v = rand(len(rows), H, t_max, D), rand(len(rows), HKV, t_max, D), rand(len(rows), HKV, t_max, D)
+        q[0, :, :t], k[0, :, :t], v[0, :, :t] = q0[..., :t, :], k0[..., :t, :], v0[..., :t, :]
+        out = cache.attend(0, q, k, v)[0, :, :t].clone()
+        cache.end()
+        cache.release(rows)
+        return out
+
+    bad = []
+    for t in (1, 5):
+        alone = row0([], t, t)
+        for companions in ([root] * forks, others[:1], others[1:2], others):
+            for t_max in {t, 7, 40}:
+                if not torch.equal(row0(companions, t, t_max), alone):
+                    bad.append((len(companions), t, t_max))
+    return bad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_bounded_caches_rows_attend_alike_in_any_batch(invariant, dtype):
+    cache = BoundedCache(1, H, HKV, D, budget=2048, rows=16, dtype=dtype)
+    assert probe_cache(cache, dtype, forks=3) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cascade_from", [0, None], ids=["cascade", "no-cascade"])
+def test_a_full_caches_rows_attend_alike_in_any_batch(invariant, dtype, cascade_from):
+    cache = FullCache(1, HKV, D, 512, max_rows=32, max_row_tokens=1024, cascade_from=cascade_from, dtype=dtype)
+    assert probe_cache(cache, dtype, forks=3) == []
