@@ -51,7 +51,7 @@ def test_a_linears_rows_do_not_depend_on_the_row_count(invariant, threads, dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_norm_rope_sampling_and_entropy_are_per_row(threads, dtype):
+def test_norm_rope_sampling_and_entropy_are_per_row(invariant, threads, dtype):
     torch.manual_seed(0)
     norm = RMSNorm(576, 1e-5).to(dtype)
     x = torch.randn(64, 576).to(dtype)

@@ -70,3 +70,17 @@ def attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lses.append(lse.permute(1, 2, 0).reshape(Hq, T))
     return torch.stack(outs), torch.stack(lses)
 
+
+
+SUM_CHUNK = 4096  # elements per partial sum of `row_sum`
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(-1); with the mode on, in partial sums of SUM_CHUNK elements (zero padded) then their sum, so that no
+    row's sum is split among threads when the rows are few (torch parallelises a lone row's sum over its
+    elements, several rows' over the rows)."""
+    if not active(x):
+        return x.sum(-1)
+    pad = -x.shape[-1] % SUM_CHUNK
+    x = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    return x.reshape(*x.shape[:-1], -1, SUM_CHUNK).sum(-1).sum(-1)
