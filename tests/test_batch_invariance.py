@@ -2,7 +2,8 @@
 calls it, a row alone and inside batches of other rows, at the padded lengths the engine produces) and the runs
 whose traces must not depend on --batch, the workers or a resume."""
 
-import numpy as np
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +12,8 @@ from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
 from kvrescue_cli.engine.sampling import SamplingParams, entropy, sample
+from tests.helpers import kvrescue, ok, read_folder, tiny_problems, traces_of
+from tests.test_workers import comparable
 
 H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 8192)]  # its linears (in, out), the head cut to 8192 rows
@@ -122,3 +125,36 @@ def test_a_bounded_caches_rows_attend_alike_in_any_batch(invariant, dtype):
 def test_a_full_caches_rows_attend_alike_in_any_batch(invariant, dtype, cascade_from):
     cache = FullCache(1, HKV, D, 512, max_rows=32, max_row_tokens=1024, cascade_from=cascade_from, dtype=dtype)
     assert probe_cache(cache, dtype, forks=3) == []
+
+
+# An 8-problem kvrescue grid in bf16: enough candidates that a batch's rows pass 32, prompts of unequal lengths.
+RUN = ["--method", "kvrescue", "--n", "4", "--max-step-tokens", "12", "--max-steps", "4", "--context-cap", "320",
+       "--budget", "16", "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--dtype", "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory) -> Path:
+    return tiny_problems(tmp_path_factory.mktemp("data") / "tiny.jsonl",
+                         [(a, b) for a, b in zip(range(1, 9), (7, 123456, 42, 9, 1000003, 5, 77, 31))])
+
+
+@pytest.fixture(scope="module")
+def models(qwen2_dir, llama_dir, prm_dir) -> list[str]:
+    return ["--base", str(qwen2_dir), "--helper", str(llama_dir), "--prm", str(prm_dir)]
+
+
+def run_traces(problems: Path, models: list[str], out: Path, *args: str) -> list[dict]:
+    ok(kvrescue("run", "--bench", str(problems), *models, *RUN, "--out", str(out), *args))
+    return comparable(traces_of(out))
+
+
+@pytest.fixture(scope="module")
+def batch_1(eight, models, tmp_path_factory) -> list[dict]:
+    return run_traces(eight, models, tmp_path_factory.mktemp("b1"), "--deterministic", "--batch", "1")
+
+
+@pytest.mark.parametrize("batch", ["3", "8"])
+def test_batch_1_3_and_8_write_the_same_traces(eight, models, batch_1, batch, tmp_path):
+    assert run_traces(eight, models, tmp_path, "--deterministic", "--batch", batch) == batch_1
+    config, _, _ = read_folder(tmp_path, "kvrescue")
+    assert config["config"]["settings"]["deterministic"] is True
