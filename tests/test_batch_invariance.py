@@ -2,6 +2,7 @@
 calls it, a row alone and inside batches of other rows, at the padded lengths the engine produces) and the runs
 whose traces must not depend on --batch, the workers or a resume."""
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,8 @@ from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
 from kvrescue_cli.engine.sampling import SamplingParams, entropy, sample
-from tests.helpers import kvrescue, ok, read_folder, tiny_problems, traces_of
-from tests.test_workers import comparable
+from tests.helpers import KVRESCUE, kvrescue, ok, read_folder, tiny_problems, traces_of
+from tests.test_workers import comparable, wait_for_traces
 
 H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 8192)]  # its linears (in, out), the head cut to 8192 rows
@@ -158,3 +159,22 @@ def test_batch_1_3_and_8_write_the_same_traces(eight, models, batch_1, batch, tm
     assert run_traces(eight, models, tmp_path, "--deterministic", "--batch", batch) == batch_1
     config, _, _ = read_folder(tmp_path, "kvrescue")
     assert config["config"]["settings"]["deterministic"] is True
+
+
+def test_two_ray_actors_write_the_traces_of_one_device(eight, models, batch_1, tmp_path):
+    done = subprocess.run([KVRESCUE, "run", "--bench", str(eight), *models, *RUN, "--out", str(tmp_path),
+                           "--deterministic", "--batch", "3", "--devices", "cpu,cpu"], capture_output=True, timeout=900)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert comparable(traces_of(tmp_path)) == batch_1
+
+
+def test_a_run_killed_twice_and_resumed_writes_the_traces_of_an_uninterrupted_one(eight, models, batch_1, tmp_path):
+    command = [KVRESCUE, "run", "--bench", str(eight), *models, *RUN, "--out", str(tmp_path), "--deterministic",
+               "--batch", "3"]
+    for lines in (1, 3):
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for_traces(tmp_path, process, lines)
+        process.kill()  # SIGKILL
+        process.wait()
+    ok(kvrescue(*command[1:]))
+    assert comparable(traces_of(tmp_path)) == batch_1
