@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrescue_cli import memory_plan as planner
-from kvrescue_cli.engine import invariance
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import LoadedModel

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvrescue_cli.engine import invariance
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.shapes import CHUNK_TOKENS, FLASH_BLOCK, SCORE_BYTES
 
 try:

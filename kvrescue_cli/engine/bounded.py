@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvrescue_cli.engine import invariance
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.attention import attend_masked, padded_visibility
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET, gather_positions, keep_positions

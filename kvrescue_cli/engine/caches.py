@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvrescue_cli.engine import invariance
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.attention import (FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys,
                                            ROWS_PADDING, paged_layout, use_flash)
 from kvrescue_cli.engine.transfer import upload_all

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvrescue_cli.engine import invariance
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.tp import Shard
 from kvrescue_cli.engine.transfer import upload

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrescue_cli.engine import invariance
+import kvrescue_cli.engine.invariance as invariance
 
 STREAM_VERSION = 2
 _MASK64 = (1 << 64) - 1
