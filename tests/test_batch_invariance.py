@@ -13,6 +13,9 @@ from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
 from kvrescue_cli.engine.sampling import SamplingParams, entropy, sample
+from kvrescue_cli.errors import InputError
+from kvrescue_cli.grid import grid_options
+from kvrescue_cli.search import SearchSettings
 from tests.helpers import KVRESCUE, kvrescue, ok, read_folder, tiny_problems, traces_of
 from tests.test_workers import comparable, wait_for_traces
 
@@ -178,3 +181,13 @@ def test_a_run_killed_twice_and_resumed_writes_the_traces_of_an_uninterrupted_on
         process.wait()
     ok(kvrescue(*command[1:]))
     assert comparable(traces_of(tmp_path)) == batch_1
+
+
+@pytest.mark.parametrize("where", [{"devices": ("cuda:0",)}, {"engine": "vllm"}], ids=["cuda", "vllm"])
+def test_deterministic_off_a_cpu_or_on_vllm_is_refused(where, tmp_path):
+    options = grid_options({"base": "b", "helper": "h", "prm": "p"}, SearchSettings(batch=4), tmp_path, benches=["tiny"],
+                           methods=["kvrescue"], budgets=[16], ns=[2], seeds=[0], evictor="rkv", deterministic=True,
+                           **where)
+    with pytest.raises(InputError, match=r"^--deterministic: batch-invariant kernels exist on CPU devices with "
+                                         r"--engine native only \(vLLM's CPU attention has none"):
+        options.check()
