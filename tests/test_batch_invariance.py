@@ -11,8 +11,12 @@ import torch
 from kvrescue_cli.engine import invariance
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
+from kvrescue_cli.engine.prm import PRMScorer
+from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.sampling import SamplingParams, entropy, sample
+from kvrescue_cli.engine.scoring import HelperLoglik
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import grid_options
 from kvrescue_cli.search import SearchSettings
@@ -191,3 +195,48 @@ def test_deterministic_off_a_cpu_or_on_vllm_is_refused(where, tmp_path):
     with pytest.raises(InputError, match=r"^--deterministic: batch-invariant kernels exist on CPU devices with "
                                          r"--engine native only \(vLLM's CPU attention has none"):
         options.check()
+
+
+def test_two_threads_write_the_traces_of_one(eight, models, batch_1, tmp_path):
+    """What one device's process computes on its threads (two here) and what each of two actors computes on its
+    one thread agree: no op splits a row's reduction by the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert run_traces(eight, models, tmp_path, "--deterministic", "--batch", "8") == batch_1
+    finally:
+        torch.set_num_threads(before)
+
+
+STEPS = ["Let x = 3 + 4 = 7.\n\n", "So the answer is x = 8, since 3 + 4 + 1 = 8 and nothing else.\n\n", "Hmm.\n\n",
+         "We add them: 123456 + 7 = 123463, which we box.\n\n"]
+
+
+def scores_alone_and_together(make_scorer, tokenizer) -> tuple[list[float], list[float]]:
+    """Problem 0's candidates scored alone, and among three other problems' candidates (other lengths)."""
+    prompts = [tokenizer.encode(f"problem {k} " * (1 + 40 * k)) for k in range(4)]
+    problems = ["What is 3 + 4? Let x be the answer.", "What is 123456 + 7?" * 9, "1 + 1?", "Add 5 and 6." * 3]
+
+    def scores(keys):
+        scorer = make_scorer()
+        for key in keys:
+            scorer.open(key, problems[key], prompts[key])
+            scorer.commit(key, STEPS[key], tokenizer.encode(STEPS[key]))
+        requests = [(key, step, tokenizer.encode(step)) for key in keys for step in STEPS]
+        return scorer.score(requests)[: len(STEPS)]
+
+    return scores([0]), scores([0, 1, 2, 3])
+
+
+def test_prm_scores_do_not_depend_on_the_other_problems_candidates(invariant, prm_dir):
+    prm = load_model(prm_dir, "bfloat16")
+    alone, together = scores_alone_and_together(lambda: PRMScorer(prm, max_problems=4, max_candidates=16),
+                                                prm.tokenizer)
+    assert alone == together
+
+
+def test_helper_loglik_scores_do_not_depend_on_the_other_problems_candidates(invariant, llama_dir):
+    helper = load_model(llama_dir, "bfloat16")
+    make = lambda: HelperLoglik(Runner(helper, FullCache.for_model(helper.net, 4096, max_rows=64)))  # noqa: E731
+    alone, together = scores_alone_and_together(make, helper.tokenizer)
+    assert alone == together
