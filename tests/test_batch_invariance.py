@@ -240,3 +240,10 @@ def test_helper_loglik_scores_do_not_depend_on_the_other_problems_candidates(inv
     make = lambda: HelperLoglik(Runner(helper, FullCache.for_model(helper.net, 4096, max_rows=64)))  # noqa: E731
     alone, together = scores_alone_and_together(make, helper.tokenizer)
     assert alone == together
+
+
+def test_in_fp32_too_batch_1_and_8_write_the_same_traces(eight, models, tmp_path):
+    one, eight_rows = (run_traces(eight, models, tmp_path / batch, "--deterministic", "--batch", batch, "--dtype",
+                                  "float32") for batch in ("1", "8"))
+    assert one == eight_rows
+    assert read_folder(tmp_path / "8", "kvrescue")[0]["config"]["settings"]["dtype"] == "float32"
