@@ -3,11 +3,12 @@ same whatever other rows share the forward, its padded length and its row count.
 
 Measured on oneDNN/MKL (tests/test_batch_invariance.py probes every op): a bf16 matrix product gives each row
 the same result from 1 to 32 rows and another from 33 on; an fp32 one another for one row than for two, and
-from two on one that changes with the shape and the thread count (at 576 x 576 on two threads, from 4 rows); SDPA's
-CPU flash kernel reduces keys in blocks of KEY_GRANULE (one block of all keys below it) and queries in blocks
-whose size follows their count. So with the mode on, linears run in row chunks that keep one kernel, keys are
-padded to whole KEY_GRANULE blocks, and each query token attends as a decode step does (its heads sharing a KV
-head as one block). The mode is a process-wide switch, set where a cell's engine is built.
+from two on one that changes with the shape and the thread count (at 576 x 576 on two threads, from 4 rows).
+SDPA's CPU flash kernel reduces keys in blocks of KEY_GRANULE (one block of all keys below it) and queries in
+blocks whose size follows their count; torch splits a lone row's sum over threads. So with the mode on, linears
+run in row chunks that keep one kernel, keys are padded to whole KEY_GRANULE blocks, each query token attends as
+a decode step does (its heads sharing a KV head as one block), and long sums go in fixed partial sums. The mode
+is a process-wide switch, set where a cell's engine is built.
 """
 
 import torch
@@ -15,6 +16,7 @@ import torch
 KEY_GRANULE = 512  # SDPA's CPU flash kernel's key block (kv_split_size)
 # Rows per chunk of a CPU linear, and the fewest rows a chunk is padded to, per dtype (see the module docstring).
 LINEAR_ROWS = {torch.bfloat16: (32, 1), torch.float32: (8, 8)}
+SUM_CHUNK = 4096  # elements per partial sum of `row_sum`
 
 _on = [False]
 
@@ -75,8 +77,6 @@ def attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         outs.append(out.permute(1, 2, 0, 3).reshape(Hq, T, D))
         lses.append(lse.permute(1, 2, 0).reshape(Hq, T))
     return torch.stack(outs), torch.stack(lses)
-
-SUM_CHUNK = 4096  # elements per partial sum of `row_sum`
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
