@@ -20,6 +20,7 @@ from kvrescue_cli.engine.scoring import HelperLoglik
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import grid_options
 from kvrescue_cli.search import SearchSettings
+from kvrescue_cli.smollm import smollm2_folder
 from tests.helpers import KVRESCUE, kvrescue, ok, read_folder, tiny_problems, traces_of
 from tests.test_workers import comparable, wait_for_traces
 
@@ -247,3 +248,15 @@ def test_in_fp32_too_batch_1_and_8_write_the_same_traces(eight, models, tmp_path
                                   "float32") for batch in ("1", "8"))
     assert one == eight_rows
     assert read_folder(tmp_path / "8", "kvrescue")[0]["config"]["settings"]["dtype"] == "float32"
+
+
+@pytest.mark.slow
+def test_smollm2_in_bf16_writes_the_same_traces_at_batch_1_and_8(eight, tmp_path):
+    """The real model, as a new user runs it (without --deterministic, 0 of these 8 problems agree)."""
+    model = str(smollm2_folder())
+    args = ["--method", "kvrescue", "--n", "2", "--max-step-tokens", "24", "--max-steps", "2", "--context-cap", "512",
+            "--budget", "64", "--dtype", "bfloat16", "--base", model, "--helper", model, "--prm", "helper-loglik",
+            "--deterministic"]
+    for batch in ("1", "8"):
+        ok(kvrescue("run", "--bench", str(eight), *args, "--batch", batch, "--out", str(tmp_path / batch)))
+    assert comparable(traces_of(tmp_path / "1")) == comparable(traces_of(tmp_path / "8"))
