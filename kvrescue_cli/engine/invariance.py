@@ -37,8 +37,10 @@ def padded_keys(length: int) -> int:
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel) -> torch.Tensor:
-    """kernel(rows, weight, bias) over x's rows [..., in] in chunks of LINEAR_ROWS (a short last chunk padded to
-    the fewest rows), so that every row goes through the same kernel whatever the row count."""
+    """kernel(x, weight, bias) for x [..., in]; with the mode on, over x's rows in chunks of LINEAR_ROWS (a short
+    last chunk padded to the fewest rows), so that every row goes through the same kernel whatever the row count."""
+    if not active(x):
+        return kernel(x, weight, bias)
     chunk, fewest = LINEAR_ROWS.get(x.dtype, (1, 1))
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
