@@ -11,6 +11,7 @@ import torch
 from kvrescue_cli.engine import invariance
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.evict import EVICTORS, keep_positions
 from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
 from kvrescue_cli.engine.prm import PRMScorer
@@ -260,3 +261,15 @@ def test_smollm2_in_bf16_writes_the_same_traces_at_batch_1_and_8(eight, tmp_path
     for batch in ("1", "8"):
         ok(kvrescue("run", "--bench", str(eight), *args, "--batch", batch, "--out", str(tmp_path / batch)))
     assert comparable(traces_of(tmp_path / "1")) == comparable(traces_of(tmp_path / "8"))
+
+
+@pytest.mark.parametrize("evictor", sorted(EVICTORS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_rows_kept_positions_do_not_depend_on_the_rows_compressed_with_it(invariant, threads, evictor, dtype):
+    """`BoundedCache.compress` scores rows of equal length together: keys [layers, rows, Hkv, L, D] and the
+    observation window's queries [layers, rows, Hq, W, D]."""
+    torch.manual_seed(2)
+    keys, queries = torch.randn(2, 16, HKV, 256, D).to(dtype), torch.randn(2, 16, H, 8, D).to(dtype)
+    together = keep_positions(evictor, keys, queries, 128)
+    assert all(torch.equal(keep_positions(evictor, keys[:, r : r + 1], queries[:, r : r + 1], 128),
+                           together[:, r : r + 1]) for r in range(16))
