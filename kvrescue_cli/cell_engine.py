@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrescue_cli import memory_plan as planner
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.loader import LoadedModel
@@ -87,7 +88,9 @@ def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], vl
 def build_cell(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], vllm: VllmEngines | None = None,
                parts: CellParts = CellParts()) -> CellEngine:
     """The runners, scorer and policy tokenizer of one cell, on `models` (`load_roles`) and the engines of the roles
-    on vLLM (`--engine vllm`); with `--tp K` every rank takes rank 0's scores."""
+    on vLLM (`--engine vllm`); with `--tp K` every rank takes rank 0's scores. Turns this process's batch
+    invariance on or off (`--deterministic`)."""
+    invariance.enable(options.deterministic)
     role = "base" if METHODS[cell.method].base else "helper"
     tokenizer, eos_ids = vllm.tokenizers[role] if options.on_vllm(role, cell.method) else \
         (models[role].tokenizer, models[role].eos_ids)

@@ -326,6 +326,9 @@ def run(
                               "or AMX; else float32), float32, float16 or bfloat16; the resolved one is in config.json"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="on a GPU, run the evicted base's decode step as CUDA graphs"),
+    deterministic: bool = typer.Option(False, "--deterministic", help="batch-invariant kernels: each problem's "
+                                       "traces do not depend on --batch, the workers or a resume (slower on CPU: "
+                                       "docs/reproducibility.md)"),
     batch: Optional[str] = typer.Option(None, help="problems in flight per worker, or auto: the most whose memory plan "
                                         "fits the device with headroom (default: auto on GPU, 64 on a Ray cluster, 4 on CPU)"),
     plan: bool = typer.Option(False, "--plan", help="print each device's memory plan (from config.json files, no "
@@ -401,6 +404,7 @@ def run(
         overwrite=overwrite, prompt=prompt, grader=grader,
         also_grade=tuple(g for g in _comma_list(also_grade, str, "--also-grade") if g != grader) if also_grade else (),
         devices=device_list, ray_address=ray_address, shard=parse_shard(shard), cuda_graphs=cuda_graphs, tp=tp,
+        deterministic=deterministic,
         engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
         device_memory=None if device_memory is None else parse_bytes(device_memory, "--device-memory"),
         buffer=buffer, prm_format=prm_format, prm_recipe=prm_recipe,

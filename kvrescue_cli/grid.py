@@ -76,6 +76,7 @@ class GridOptions:
     dtype: str = "float32"
     shard: tuple[int, int] | None = None  # (i, k): every k-th problem from the i-th
     cuda_graphs: bool = True  # the evicted base's decode step as CUDA graphs (on a GPU)
+    deterministic: bool = False  # batch-invariant kernels (engine/invariance.py, docs/reproducibility.md)
     tp: int = 1  # devices per group: every model is sharded over a group's K devices (rank_group.py)
     engine: str = "native"  # vllm: the full-context roles on vLLM (vllm_roles), the rest on this engine
     vllm_memory: float = 0.4  # with engine vllm: vLLM's share of the device (of RAM on a CPU)
@@ -160,6 +161,9 @@ class GridOptions:
         if self.engine == "vllm" and (len(self.devices) > 1 or self.ray_address is not None):
             raise InputError(f"--engine vllm runs in this process on one device, not on --devices "
                              f"{','.join(self.devices)}{' or a Ray cluster' if self.ray_address else ''}")
+        if self.deterministic and (self.engine == "vllm" or any(d.split(":")[0] != "cpu" for d in self.devices)):
+            raise InputError("--deterministic: batch-invariant kernels exist on CPU devices with --engine native only "
+                             "(vLLM's CPU attention has none; docs/reproducibility.md)")
         if not 0 < self.vllm_memory < 1:
             raise InputError(f"--vllm-memory {self.vllm_memory}: expected a share of the device between 0 and 1")
         if self.prompt not in PROMPT_STYLES:

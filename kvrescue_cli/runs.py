@@ -52,6 +52,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             "random_stream": STREAM_VERSION,
             **({"grader": options.grader} if options.grader != "qwen" else {}),  # absent: the Qwen grader
             **({"prompt": options.prompt} if options.prompt != "math" else {}),  # absent: the paper's prompt
+            **({"deterministic": True} if options.deterministic else {}),  # absent: batch-dependent kernels
             **_engine(options, cell),
         },
     )

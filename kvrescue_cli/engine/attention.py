@@ -7,6 +7,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.shapes import CHUNK_TOKENS, FLASH_BLOCK, SCORE_BYTES
 
 try:
@@ -69,7 +70,10 @@ def _grouped(q: torch.Tensor, mask: torch.Tensor, kv_heads: int) -> tuple[torch.
 def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (Hq a multiple of Hkv), key l visible to query t of
     row r where visible[r, t, l] (bool; every query must see a key). Returns [R, Hq, T, D], in whatever layout
-    the kernel chose (CUDA's memory-efficient kernel lays [R, Hkv, gT, D] out as [R, gT, Hkv, D]: a copy then)."""
+    the kernel chose (CUDA's memory-efficient kernel lays [R, Hkv, gT, D] out as [R, gT, Hkv, D]: a copy then).
+    With batch invariance on (L whole KEY_GRANULE blocks), each query token as a decode step."""
+    if invariance.active(q):
+        return invariance.attend_tokens(q, k, v, visibility_bias(visible, q.dtype))[0]
     qg, mask = _grouped(q, visible, k.shape[1])
     return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(q.shape)
 
@@ -82,7 +86,10 @@ def visibility_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend_masked` on CPU tensors, the mask given as `visibility_bias` [R, T or 1, L] in q's dtype, with the
-    log-sum-exp [R, Hq, T] (fp32) of each query's scaled scores: SDPA's CPU flash kernel, which computes it anyway."""
+    log-sum-exp [R, Hq, T] (fp32) of each query's scaled scores: SDPA's CPU flash kernel, which computes it anyway.
+    With batch invariance on (L whole KEY_GRANULE blocks), each query token as a decode step."""
+    if invariance.active(q):
+        return invariance.attend_tokens(q, k, v, bias)
     qg, grouped = _grouped(q, bias, k.shape[1])
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, attn_mask=grouped)
     return out.reshape(q.shape), lse.reshape(q.shape[:3])
@@ -108,7 +115,8 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
     """The host half of `paged_keys`: where S sequences' keys lie, from host arrays (table [S, W] of block ids,
     cached [S]); for the torch path also the blocks it reads: the chunks of whole blocks of each sequence (owner
     and index of every chunk, and its blocks), or on a CPU, when it costs at most `rows_padding` times the chunks'
-    reads, every sequence's blocks padded to the longest's. Send the arrays to the device (`transfer.upload_all`)
+    reads, every sequence's blocks padded to the longest's (with batch invariance on, always, to whole
+    KEY_GRANULE blocks: block ids past a table's end are 0). Send the arrays to the device (`transfer.upload_all`)
     and build the keys there with `paged_keys`: nothing waits for the device."""
     layout = {"table": table, "cached": cached}
     block_size = k_pool.shape[1]
@@ -117,6 +125,11 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
     per_chunk = max(1, CHUNK_TOKENS // block_size)
     n_chunks = -(-(cached + queries * causal) // (per_chunk * block_size))
     width = int((-(-(cached + queries * causal) // block_size)).max())
+    if invariance.active(k_pool):
+        width = invariance.padded_keys(width * block_size) // block_size
+        whole = np.zeros((table.shape[0], width), table.dtype)
+        whole[:, : min(width, table.shape[1])] = table[:, :width]
+        return {**layout, "blocks": whole.ravel()}
     if k_pool.device.type == "cpu" and len(cached) * width <= rows_padding * n_chunks.sum() * per_chunk:
         return {**layout, "blocks": table[:, :width].ravel()}
     width = -(-table.shape[1] // per_chunk) * per_chunk

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.attention import attend_masked, padded_visibility
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.evict import (
@@ -30,7 +31,7 @@ class _BoundedForward:
     slots: torch.Tensor | slice  # [R] pool slots of the rows, or a slice when they are consecutive
     kv_lengths: torch.Tensor     # [R] physical entries before this forward
     new_lengths: torch.Tensor    # [R]
-    length: int                  # max physical length after the append
+    length: int                  # keys attended: the max physical length after the append (whole blocks: `invariance`)
     write_slots: torch.Tensor    # [N] slot of each valid new token
     write_pos: torch.Tensor      # [N] its physical index
     valid: torch.Tensor          # [N] its flat index (row * T + t) among the forward's padded tokens
@@ -219,6 +220,8 @@ class BoundedCache(KVCache):
         slots, physical, logical = self.row_slot[rows], self.row_physical[rows], self.row_logical[rows]
         new = np.asarray(n_new, np.int64)
         need = int((physical + new).max())
+        if invariance.active(self.k):  # every row reads whole KEY_GRANULE blocks, whatever the others hold
+            need = invariance.padded_keys(need)
         if need > self.capacity:  # just enough, rounded up to 64
             self._grow(capacity=-(-need // 64) * 64)
         t = np.arange(int(new.max()))

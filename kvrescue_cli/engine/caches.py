@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.attention import (FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys,
                                            ROWS_PADDING, paged_layout, use_flash)
 from kvrescue_cli.engine.transfer import upload_all
@@ -273,7 +274,8 @@ class FullCache(KVCache):
         self.table[rows_np[which], n_blocks[which] + _ranks(grow)] = new
         self.n_blocks[rows_np] += grow
         self.lengths[rows_np] += n_np
-        groups = self._shared_prefixes(rows_np, lengths) if self.cascade_from is not None else None
+        cascade = self.cascade_from is not None and not invariance.active(self.k)  # a group depends on the batch
+        groups = self._shared_prefixes(rows_np, lengths) if cascade else None
         if groups is not None and (groups.shared * bs * (groups.sizes - 1)).sum() < (self.cascade_from or 0):
             groups = None  # too little re-reading saved to pay for the extra pass
         host = self._forward_arrays(rows_np, lengths, n_np, groups)

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.tp import Shard
 from kvrescue_cli.engine.transfer import upload
@@ -30,7 +31,12 @@ GEMV_ROWS = 32
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias); for a bf16 x on a CPU with up to GEMV_ROWS rows, as (weight @ xT)T (torch.mv for one),
-    made contiguous (a transposed result would send the attention that follows to SDPA's slow math kernel)."""
+    made contiguous (a transposed result would send the attention that follows to SDPA's slow math kernel). With
+    batch invariance on, in the row chunks of `invariance.linear_rows`."""
+    return invariance.linear_rows(x, weight, bias, _linear)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or rows > GEMV_ROWS:
         return F.linear(x, weight, bias)
@@ -46,6 +52,14 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class HeadLinear(nn.Linear):
+    """nn.Linear of a replicated head (PRM, value head): F.linear, in `invariance.linear_rows`' chunks when batch
+    invariance is on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariance.linear_rows(x, self.weight, self.bias, F.linear)
 
 
 class RMSNorm(nn.Module):
@@ -258,7 +272,7 @@ class ProcessRewardModel(Transformer):
     """Qwen2ForProcessRewardModel: decoder + score head Linear(H,H) -> ReLU -> Linear(H,2)."""
 
     def __init__(self, args: ModelArgs, shard: Shard = Shard()) -> None:
-        score = nn.Sequential(nn.Linear(args.dim, args.dim), nn.ReLU(), nn.Linear(args.dim, 2))  # replicated
+        score = nn.Sequential(HeadLinear(args.dim, args.dim), nn.ReLU(), HeadLinear(args.dim, 2))  # replicated
         super().__init__(args, score, shard)
 
 
@@ -266,7 +280,7 @@ class ValueHeadModel(Transformer):
     """A decoder with a value head `v_head.summary`: Linear(H, 1) (Skywork's PRM, TRL's AutoModelForCausalLMWithValueHead)."""
 
     def __init__(self, args: ModelArgs, shard: Shard = Shard()) -> None:
-        super().__init__(args, nn.Linear(args.dim, 1), shard)  # replicated
+        super().__init__(args, HeadLinear(args.dim, 1), shard)  # replicated
 
 
 def hf_to_engine_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:

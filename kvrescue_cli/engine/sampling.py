@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kvrescue_cli.engine.invariance as invariance
+
 STREAM_VERSION = 2
 _MASK64 = (1 << 64) - 1
 _MASK32 = 0xFFFFFFFF
@@ -81,12 +83,12 @@ def uniforms(keys: torch.Tensor, counters: torch.Tensor, stages: torch.Tensor | 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary entropy (nats) of softmax(logits) over the last dimension, in fp32: with z = logits - max,
     H = log S - sum(e^z z) / S where S = sum(e^z), one exp per logit and no log of each probability (a -inf
-    logit, clamped to the lowest float, adds 0)."""
+    logit, clamped to the lowest float, adds 0). Its sums are `invariance.row_sum`s."""
     z = logits.float() - logits.amax(-1, keepdim=True).float()
     z.clamp_(min=torch.finfo(torch.float32).min)
     e = z.exp()
-    total = e.sum(-1)
-    return total.log() - (e * z).sum(-1) / total
+    total = invariance.row_sum(e)
+    return total.log() - invariance.row_sum(e * z) / total
 
 
 def as_keys(keys: Sequence[Sequence[int] | int], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""Batch invariance on a CPU (`--deterministic`, docs/reproducibility.md): every row's result of a forward is the
+same whatever other rows share the forward, its padded length and its row count.
+
+Measured on oneDNN/MKL (tests/test_batch_invariance.py probes every op): a bf16 matrix product gives each row
+the same result from 1 to 32 rows and another from 33 on; an fp32 one another for one row than for two, and
+from two on one that changes with the shape and the thread count (at 576 x 576 on two threads, from 4 rows).
+SDPA's CPU flash kernel reduces keys in blocks of KEY_GRANULE (one block of all keys below it) and queries in
+blocks whose size follows their count; torch splits a lone row's sum over threads. So with the mode on, linears
+run in row chunks that keep one kernel, keys are padded to whole KEY_GRANULE blocks, each query token attends as
+a decode step does (its heads sharing a KV head as one block), and long sums go in fixed partial sums. The mode
+is a process-wide switch, set where a cell's engine is built.
+"""
+
+import torch
+
+KEY_GRANULE = 512  # SDPA's CPU flash kernel's key block (kv_split_size)
+# Rows per chunk of a CPU linear, and the fewest rows a chunk is padded to, per dtype (see the module docstring).
+LINEAR_ROWS = {torch.bfloat16: (32, 1), torch.float32: (8, 8)}
+SUM_CHUNK = 4096  # elements per partial sum of `row_sum`
+
+_on = [False]
+
+
+def enable(on: bool) -> None:
+    """Turn batch invariance on or off for this process."""
+    _on[0] = on
+
+
+def active(x: torch.Tensor) -> bool:
+    """Whether the mode governs an op on `x`: it is on, and x is on a CPU."""
+    return _on[0] and x.device.type == "cpu"
+
+
+def padded_keys(length: int) -> int:
+    """Keys an attention reads for `length` visible ones: whole KEY_GRANULE blocks."""
+    return -(-length // KEY_GRANULE) * KEY_GRANULE
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel) -> torch.Tensor:
+    """kernel(x, weight, bias) for x [..., in]; with the mode on, over x's rows in chunks of LINEAR_ROWS (a short
+    last chunk padded to the fewest rows), so that every row goes through the same kernel whatever the row count."""
+    if not active(x):
+        return kernel(x, weight, bias)
+    chunk, fewest = LINEAR_ROWS.get(x.dtype, (1, 1))
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    parts = []
+    for start in range(0, rows, chunk):
+        part = flat[start : start + chunk]
+        n = part.shape[0]
+        if n < fewest:
+            part = torch.cat([part, part.new_zeros(fewest - n, part.shape[1])])
+        parts.append(kernel(part, weight, bias)[:n])
+    return torch.cat(parts).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (L whole KEY_GRANULE blocks), bias [R, T or 1, L]
+    (0 visible, -inf not), each query token as a decode step: its g = Hq / Hkv heads of KV head j one query block
+    of SDPA's CPU flash kernel; one kernel call per token (all rows) or per row (all its tokens, its keys shared,
+    not copied), whichever is fewer. Returns out [R, Hq, T, D] and the log-sum-exp [R, Hq, T] (fp32)."""
+    R, Hq, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    bias = bias.expand(R, T, L)
+    if T <= R:
+        parts = [flash(q[:, :, t].reshape(R, Hkv, g, D), k, v, attn_mask=bias[:, t, None, None].expand(R, 1, g, L))
+                 for t in range(T)]
+        return (torch.stack([out.reshape(R, Hq, D) for out, _ in parts], 2),
+                torch.stack([lse.reshape(R, Hq) for _, lse in parts], 2))
+    outs, lses = [], []
+    for r in range(R):
+        queries = q[r].reshape(Hkv, g, T, D).permute(2, 0, 1, 3)  # [T, Hkv, g, D]
+        mask = bias[r][:, None, None, :].expand(T, 1, g, L)
+        out, lse = flash(queries, k[r : r + 1].expand(T, -1, -1, -1), v[r : r + 1].expand(T, -1, -1, -1),
+                         attn_mask=mask)
+        outs.append(out.permute(1, 2, 0, 3).reshape(Hq, T, D))
+        lses.append(lse.permute(1, 2, 0).reshape(Hq, T))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(-1); with the mode on, in partial sums of SUM_CHUNK elements (zero padded) then their sum, so that no
+    row's sum is split among threads when the rows are few (torch parallelises a lone row's sum over its
+    elements, several rows' over the rows)."""
+    if not active(x):
+        return x.sum(-1)
+    pad = -x.shape[-1] % SUM_CHUNK
+    x = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    return x.reshape(*x.shape[:-1], -1, SUM_CHUNK).sum(-1).sum(-1)

@@ -1,0 +1,275 @@
+"""Batch invariance (`--deterministic`, engine/invariance.py): the per-op probe (each op of a forward as the engine
+calls it, a row alone and inside batches of other rows, at the padded lengths the engine produces) and the runs
+whose traces must not depend on --batch, the workers or a resume."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrescue_cli.engine import invariance
+from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.evict import EVICTORS, keep_positions
+from kvrescue_cli.engine.loader import load_model
+from kvrescue_cli.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
+from kvrescue_cli.engine.prm import PRMScorer
+from kvrescue_cli.engine.runner import Runner
+from kvrescue_cli.engine.sampling import SamplingParams, entropy, sample
+from kvrescue_cli.engine.scoring import HelperLoglik
+from kvrescue_cli.errors import InputError
+from kvrescue_cli.grid import grid_options
+from kvrescue_cli.search import SearchSettings
+from kvrescue_cli.smollm import smollm2_folder
+from tests.helpers import KVRESCUE, kvrescue, ok, read_folder, tiny_problems, traces_of
+from tests.test_workers import comparable, wait_for_traces
+
+H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
+SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 8192)]  # its linears (in, out), the head cut to 8192 rows
+BATCHES = (2, 3, 8, 31, 32, 33, 48, 64)
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+@pytest.fixture
+def invariant():
+    invariance.enable(True)
+    yield
+    invariance.enable(False)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def alone_and_batched(op, x: torch.Tensor, batches=BATCHES) -> list[int]:
+    """The batch sizes at which op's rows of x[:M] differ from op of each row alone."""
+    alone = torch.cat([op(x[i : i + 1]) for i in range(max(batches))])
+    return [m for m in batches if not torch.equal(op(x[:m]), alone[:m])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_a_linears_rows_do_not_depend_on_the_row_count(invariant, threads, dtype, shape):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(shape[1], shape[0]).to(dtype) * 0.05, torch.randn(shape[1]).to(dtype)
+    x = torch.randn(max(BATCHES), shape[0]).to(dtype)
+    assert alone_and_batched(lambda rows: linear(rows, weight, bias), x) == []
+    # a prefill's rows: [R, T, dim] of any padded T
+    assert torch.equal(linear(x.view(8, 8, -1), weight, bias).view(64, -1), linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_rope_sampling_and_entropy_are_per_row(invariant, threads, dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    x = torch.randn(64, 576).to(dtype)
+    assert alone_and_batched(norm, x) == []
+    cos, sin = rope_cos_sin(torch.arange(64)[:, None] * 37, D, 1e5, dtype)
+    heads = torch.randn(64, H, 1, D).to(dtype)
+    rotated = apply_rope(heads, cos, sin)
+    assert all(torch.equal(apply_rope(heads[i : i + 1], cos[i : i + 1], sin[i : i + 1]), rotated[i : i + 1])
+               for i in range(64))
+    logits = torch.randn(64, 49152).to(dtype) * 4
+    assert alone_and_batched(entropy, logits) == []
+    keys, counters = torch.arange(64) * 7919, torch.arange(64) % 5
+    tokens = sample(logits, keys, counters, SamplingParams())[0]
+    assert all(sample(logits[i : i + 1], keys[i : i + 1], counters[i : i + 1])[0] == tokens[i] for i in range(64))
+
+
+LENGTHS = (40, 300, 600)  # cached keys of the other rows: below, at and past the kernel's 512-key block
+
+
+def probe_cache(cache, dtype, forks: int) -> list[tuple]:
+    """(lengths, new tokens) at which row 0's attention output differs from its output alone: row 0 holds 100
+    cached tokens and appends T; the others (`forks` siblings forked from it, or rows of LENGTHS) append up to 40."""
+    torch.manual_seed(1)
+    rand = lambda *s: torch.randn(*s).to(dtype)  # noqa: E731
+
+    def prefill(rows, n):
+        cache.begin(rows, [n] * len(rows))
+        cache.attend(0, rand(len(rows), H, n, D), rand(len(rows), HKV, n, D), rand(len(rows), HKV, n, D))
+        cache.end()
+
+    root = cache.create()
+    prefill([root], 100)
+    others = []
+    for n in LENGTHS:
+        others.append(cache.create())
+        prefill([others[-1]], n)
+    q0, k0, v0 = rand(1, H, 40, D), rand(1, HKV, 40, D), rand(1, HKV, 40, D)
+
+    def row0(companions, t, t_max):
+        rows = cache.fork(root, 1) + cache.fork_each(companions, 1)
+        news = [t] + [t_max] * len(companions)
+        cache.begin(rows, news)
+        q, k, v = rand(len(rows), H, t_max, D), rand(len(rows), HKV, t_max, D), rand(len(rows), HKV, t_max, D)
+        q[0, :, :t], k[0, :, :t], v[0, :, :t] = q0[..., :t, :], k0[..., :t, :], v0[..., :t, :]
+        out = cache.attend(0, q, k, v)[0, :, :t].clone()
+        cache.end()
+        cache.release(rows)
+        return out
+
+    bad = []
+    for t in (1, 5):
+        alone = row0([], t, t)
+        for companions in ([root] * forks, others[:1], others[1:2], others):
+            for t_max in {t, 7, 40}:
+                if not torch.equal(row0(companions, t, t_max), alone):
+                    bad.append((len(companions), t, t_max))
+    return bad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_bounded_caches_rows_attend_alike_in_any_batch(invariant, dtype):
+    cache = BoundedCache(1, H, HKV, D, budget=2048, rows=16, dtype=dtype)
+    assert probe_cache(cache, dtype, forks=3) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cascade_from", [0, None], ids=["cascade", "no-cascade"])
+def test_a_full_caches_rows_attend_alike_in_any_batch(invariant, dtype, cascade_from):
+    cache = FullCache(1, HKV, D, 512, max_rows=32, max_row_tokens=1024, cascade_from=cascade_from, dtype=dtype)
+    assert probe_cache(cache, dtype, forks=3) == []
+
+
+# An 8-problem kvrescue grid in bf16: enough candidates that a batch's rows pass 32, prompts of unequal lengths.
+RUN = ["--method", "kvrescue", "--n", "4", "--max-step-tokens", "12", "--max-steps", "4", "--context-cap", "320",
+       "--budget", "16", "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--dtype", "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory) -> Path:
+    return tiny_problems(tmp_path_factory.mktemp("data") / "tiny.jsonl",
+                         [(a, b) for a, b in zip(range(1, 9), (7, 123456, 42, 9, 1000003, 5, 77, 31))])
+
+
+@pytest.fixture(scope="module")
+def models(qwen2_dir, llama_dir, prm_dir) -> list[str]:
+    return ["--base", str(qwen2_dir), "--helper", str(llama_dir), "--prm", str(prm_dir)]
+
+
+def run_traces(problems: Path, models: list[str], out: Path, *args: str) -> list[dict]:
+    ok(kvrescue("run", "--bench", str(problems), *models, *RUN, "--out", str(out), *args))
+    return comparable(traces_of(out))
+
+
+@pytest.fixture(scope="module")
+def batch_1(eight, models, tmp_path_factory) -> list[dict]:
+    return run_traces(eight, models, tmp_path_factory.mktemp("b1"), "--deterministic", "--batch", "1")
+
+
+@pytest.mark.parametrize("batch", ["3", "8"])
+def test_batch_1_3_and_8_write_the_same_traces(eight, models, batch_1, batch, tmp_path):
+    assert run_traces(eight, models, tmp_path, "--deterministic", "--batch", batch) == batch_1
+    config, _, _ = read_folder(tmp_path, "kvrescue")
+    assert config["config"]["settings"]["deterministic"] is True
+
+
+def test_two_ray_actors_write_the_traces_of_one_device(eight, models, batch_1, tmp_path):
+    done = subprocess.run([KVRESCUE, "run", "--bench", str(eight), *models, *RUN, "--out", str(tmp_path),
+                           "--deterministic", "--batch", "3", "--devices", "cpu,cpu"], capture_output=True, timeout=900)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert comparable(traces_of(tmp_path)) == batch_1
+
+
+def test_a_run_killed_twice_and_resumed_writes_the_traces_of_an_uninterrupted_one(eight, models, batch_1, tmp_path):
+    command = [KVRESCUE, "run", "--bench", str(eight), *models, *RUN, "--out", str(tmp_path), "--deterministic",
+               "--batch", "3"]
+    for lines in (1, 3):
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for_traces(tmp_path, process, lines)
+        process.kill()  # SIGKILL
+        process.wait()
+    ok(kvrescue(*command[1:]))
+    assert comparable(traces_of(tmp_path)) == batch_1
+
+
+@pytest.mark.parametrize("where", [{"devices": ("cuda:0",)}, {"engine": "vllm"}], ids=["cuda", "vllm"])
+def test_deterministic_off_a_cpu_or_on_vllm_is_refused(where, tmp_path):
+    options = grid_options({"base": "b", "helper": "h", "prm": "p"}, SearchSettings(batch=4), tmp_path, benches=["tiny"],
+                           methods=["kvrescue"], budgets=[16], ns=[2], seeds=[0], evictor="rkv", deterministic=True,
+                           **where)
+    with pytest.raises(InputError, match=r"^--deterministic: batch-invariant kernels exist on CPU devices with "
+                                         r"--engine native only \(vLLM's CPU attention has none"):
+        options.check()
+
+
+def test_two_threads_write_the_traces_of_one(eight, models, batch_1, tmp_path):
+    """What one device's process computes on its threads (two here) and what each of two actors computes on its
+    one thread agree: no op splits a row's reduction by the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert run_traces(eight, models, tmp_path, "--deterministic", "--batch", "8") == batch_1
+    finally:
+        torch.set_num_threads(before)
+
+
+STEPS = ["Let x = 3 + 4 = 7.\n\n", "So the answer is x = 8, since 3 + 4 + 1 = 8 and nothing else.\n\n", "Hmm.\n\n",
+         "We add them: 123456 + 7 = 123463, which we box.\n\n"]
+
+
+def scores_alone_and_together(make_scorer, tokenizer) -> tuple[list[float], list[float]]:
+    """Problem 0's candidates scored alone, and among three other problems' candidates (other lengths)."""
+    prompts = [tokenizer.encode(f"problem {k} " * (1 + 40 * k)) for k in range(4)]
+    problems = ["What is 3 + 4? Let x be the answer.", "What is 123456 + 7?" * 9, "1 + 1?", "Add 5 and 6." * 3]
+
+    def scores(keys):
+        scorer = make_scorer()
+        for key in keys:
+            scorer.open(key, problems[key], prompts[key])
+            scorer.commit(key, STEPS[key], tokenizer.encode(STEPS[key]))
+        requests = [(key, step, tokenizer.encode(step)) for key in keys for step in STEPS]
+        return scorer.score(requests)[: len(STEPS)]
+
+    return scores([0]), scores([0, 1, 2, 3])
+
+
+def test_prm_scores_do_not_depend_on_the_other_problems_candidates(invariant, prm_dir):
+    prm = load_model(prm_dir, "bfloat16")
+    alone, together = scores_alone_and_together(lambda: PRMScorer(prm, max_problems=4, max_candidates=16),
+                                                prm.tokenizer)
+    assert alone == together
+
+
+def test_helper_loglik_scores_do_not_depend_on_the_other_problems_candidates(invariant, llama_dir):
+    helper = load_model(llama_dir, "bfloat16")
+    make = lambda: HelperLoglik(Runner(helper, FullCache.for_model(helper.net, 4096, max_rows=64)))  # noqa: E731
+    alone, together = scores_alone_and_together(make, helper.tokenizer)
+    assert alone == together
+
+
+def test_in_fp32_too_batch_1_and_8_write_the_same_traces(eight, models, tmp_path):
+    one, eight_rows = (run_traces(eight, models, tmp_path / batch, "--deterministic", "--batch", batch, "--dtype",
+                                  "float32") for batch in ("1", "8"))
+    assert one == eight_rows
+    assert read_folder(tmp_path / "8", "kvrescue")[0]["config"]["settings"]["dtype"] == "float32"
+
+
+@pytest.mark.slow
+def test_smollm2_in_bf16_writes_the_same_traces_at_batch_1_and_8(eight, tmp_path):
+    """The real model, as a new user runs it (without --deterministic, 0 of these 8 problems agree)."""
+    model = str(smollm2_folder())
+    args = ["--method", "kvrescue", "--n", "2", "--max-step-tokens", "24", "--max-steps", "2", "--context-cap", "512",
+            "--budget", "64", "--dtype", "bfloat16", "--base", model, "--helper", model, "--prm", "helper-loglik",
+            "--deterministic"]
+    for batch in ("1", "8"):
+        ok(kvrescue("run", "--bench", str(eight), *args, "--batch", batch, "--out", str(tmp_path / batch)))
+    assert comparable(traces_of(tmp_path / "1")) == comparable(traces_of(tmp_path / "8"))
+
+
+@pytest.mark.parametrize("evictor", sorted(EVICTORS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_rows_kept_positions_do_not_depend_on_the_rows_compressed_with_it(invariant, threads, evictor, dtype):
+    """`BoundedCache.compress` scores rows of equal length together: keys [layers, rows, Hkv, L, D] and the
+    observation window's queries [layers, rows, Hq, W, D]."""
+    torch.manual_seed(2)
+    keys, queries = torch.randn(2, 16, HKV, 256, D).to(dtype), torch.randn(2, 16, H, 8, D).to(dtype)
+    together = keep_positions(evictor, keys, queries, 128)
+    assert all(torch.equal(keep_positions(evictor, keys[:, r : r + 1], queries[:, r : r + 1], 128),
+                           together[:, r : r + 1]) for r in range(16))
