@@ -1,7 +1,7 @@
 """Batch invariance on a CPU (`--deterministic`, docs/reproducibility.md): every row's result of a forward is the
 same whatever other rows share the forward, its padded length and its row count.
 
-Measured on oneDNN/MKL (tests/test_batch_invariance.py probes every op): a bf16 matrix product gives each row
+Measured on oneDNN/MKL (tests/engine/test_invariance.py probes every op): a bf16 matrix product gives each row
 the same result from 1 to 32 rows and another from 33 on; an fp32 one another for one row than for two, and
 from two on one that changes with the shape and the thread count (at 576 x 576 on two threads, from 4 rows).
 SDPA's CPU flash kernel reduces keys in blocks of KEY_GRANULE (one block of all keys below it) and queries in
