@@ -11,7 +11,7 @@ import torch
 from kvrescue_cli.engine import invariance
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
-from kvrescue_cli.engine.evict import EVICTORS, keep_positions
+from kvrescue_cli.engine.evict import EVICTORS, keep_positions, received_attention
 from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
 from kvrescue_cli.engine.prm import PRMScorer
@@ -270,6 +270,28 @@ def test_a_rows_kept_positions_do_not_depend_on_the_rows_compressed_with_it(inva
     observation window's queries [layers, rows, Hq, W, D]."""
     torch.manual_seed(2)
     keys, queries = torch.randn(2, 16, HKV, 256, D).to(dtype), torch.randn(2, 16, H, 8, D).to(dtype)
-    together = keep_positions(evictor, keys, queries, 128)
-    assert all(torch.equal(keep_positions(evictor, keys[:, r : r + 1], queries[:, r : r + 1], 128),
+    received = torch.rand(2, 16, HKV, 256) if EVICTORS[evictor].accumulates else None  # h2o's accumulator
+    together = keep_positions(evictor, keys, queries, 128, received)
+    assert all(torch.equal(keep_positions(evictor, keys[:, r : r + 1], queries[:, r : r + 1], 128,
+                                          None if received is None else received[:, r : r + 1]),
                            together[:, r : r + 1]) for r in range(16))
+
+
+@pytest.mark.parametrize("new_tokens", [1, 5], ids=["decode", "append"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_h2os_received_attention_of_a_row_does_not_depend_on_its_batch(invariant, threads, dtype, new_tokens):
+    """`evict.received_attention` as the bounded cache calls it: a row's keys padded to whole KEY_GRANULE blocks of
+    its own length alone, of the batch's longest among other rows (lengths below, at and past a block)."""
+    torch.manual_seed(3)
+    lengths = torch.tensor([300, 40, 512, 600, 1000, 77, 513, 200])
+    width = invariance.padded_keys(int(lengths.max()))
+    q = torch.randn(len(lengths), H, new_tokens, D).to(dtype)
+    keys = torch.randn(len(lengths), HKV, width, D).to(dtype)
+    first_new = (lengths - new_tokens)[:, None, None]
+    visible = torch.arange(width)[None, None, :] <= first_new + torch.arange(new_tokens)[None, :, None]
+    together = received_attention(q, keys, visible)
+    for r, length in enumerate(lengths.tolist()):
+        own = invariance.padded_keys(length)
+        alone = received_attention(q[r : r + 1], keys[r : r + 1, :, :own], visible[r : r + 1, :, :own])
+        assert torch.equal(together[r : r + 1, :, :own], alone), (r, length)
+        assert not together[r, :, own:].any()
