@@ -186,6 +186,15 @@ class WorkQueue:
         return not self.pending and not any(self.held.values())
 
 
+def cpu_threads(groups: list[tuple[str, ...]]) -> int:
+    """Compute threads of an actor on a CPU group: `OMP_NUM_THREADS` where this process's environment sets it (as
+    every process of an in-process run computes), else an equal share of this machine's cores."""
+    named = os.environ.get("OMP_NUM_THREADS", "")
+    if named.isdigit() and int(named) > 0:
+        return int(named)
+    return max(1, (os.cpu_count() or 1) // max(sum(is_cpu(g[0]) for g in groups), 1))
+
+
 # -- the actor --------------------------------------------------------------------------------------
 class GroupWorker:
     """A Ray actor: one device group's models, and a thread decoding the problems the driver hands out."""
@@ -323,12 +332,10 @@ class RayWorkers:
         import ray
 
         devices = self.groups[group]
-        cpu_groups = sum(is_cpu(g[0]) for g in self.groups)
-        threads = max(1, (os.cpu_count() or 1) // max(cpu_groups, 1))
         actor = ray.remote(GroupWorker).options(
             **self.resources[group], max_restarts=0,
             max_concurrency=2,  # `begin` runs while `exchange` waits
-        ).remote(self.options, devices, threads, device_shares(self.groups, group), self.deaths[group] > 0)
+        ).remote(self.options, devices, cpu_threads(self.groups), device_shares(self.groups, group), self.deaths[group] > 0)
         worker = _Worker(self.started, group, devices, actor)
         worker.call = actor.exchange.remote([])
         self.workers.append(worker)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up .venv and the browser for the `kvrescue view` test (both idempotent), run the whole test suite but the
-# vLLM tests (pyproject's addopts leave out the `vllm` marker), then set up .venv-vllm (scripts/setup_vllm.sh)
-# and run the vLLM tests there (`-m vllm`). Extra arguments go to both pytest runs. Each run spreads its test files
-# over $KVRESCUE_TEST_WORKERS processes (pytest-xdist, default 2; 0 runs them in pytest's own process), a file's
-# tests in one process so that its module fixtures (checkpoints, engines, Ray clusters) are built once.
+# Set up .venv and the browser for the `kvrescue view` test (both idempotent), then run two parts at once: the
+# whole test suite but the vLLM tests in .venv (pyproject's addopts leave out the `vllm` marker), and, after
+# setting up .venv-vllm (scripts/setup_vllm.sh), the vLLM tests there (`-m vllm`), whose output is shown once the
+# first part ends (each part leaves the machine's cores idle for much of its time: waits on subprocesses, Ray,
+# vLLM's engine starts). Extra arguments go to both pytest runs. Each run spreads its test files over
+# $KVRESCUE_TEST_WORKERS processes (pytest-xdist, default 2; 0 runs them in pytest's own process), a file's tests
+# in one process so that its module fixtures (checkpoints, engines, Ray clusters) are built once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,10 +18,16 @@ pytest_in() {
     return "$status"
 }
 workers=(-n "${KVRESCUE_TEST_WORKERS:-2}" --dist loadfile)
+vllm_log=$(mktemp "${TMPDIR:-/tmp}/kvrescue-vllm-tests.XXXXXX")
+trap 'rm -f "$vllm_log"' EXIT
+(bash scripts/setup_vllm.sh && pytest_in .venv-vllm/bin/python -m pytest -q -m vllm "${workers[@]}" "$@") \
+    >"$vllm_log" 2>&1 &
+vllm_part=$!
 status=0
 pytest_in .venv/bin/python -m pytest -q "${workers[@]}" "$@" || status=$?
-bash scripts/setup_vllm.sh
 vllm_status=0
-pytest_in .venv-vllm/bin/python -m pytest -q -m vllm "${workers[@]}" "$@" || vllm_status=$?
+wait "$vllm_part" || vllm_status=$?
+echo "--- the vLLM tests (.venv-vllm, pytest -m vllm) ---"
+cat "$vllm_log"
 [ "$status" -ne 0 ] || status=$vllm_status
 exit "$status"

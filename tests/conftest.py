@@ -10,6 +10,9 @@ from pathlib import Path
 # core held by another process makes each small matrix product take milliseconds instead of microseconds (a
 # 64-wide linear layer: 5.6 ms on two threads, 0.02 ms on one, on 2 busy cores; docs/benchmarks.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# vLLM's CPU workers pin themselves to the first core by default (VLLM_CPU_OMP_THREADS_BIND=auto keeps the other for
+# the caller): the engines of two test processes would then share that core while the other idles.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

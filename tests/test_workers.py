@@ -76,6 +76,15 @@ def test_groups_and_what_their_actors_ask_ray_for():
         device_groups(("cuda:0", "cuda:1", "cuda:2"), 2)
 
 
+def test_an_actor_on_cpus_computes_on_the_threads_omp_num_threads_names_else_its_share_of_the_cores(monkeypatch):
+    from kvrescue_cli.workers import cpu_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    for named, one_group, two_groups in (("1", 1, 1), ("3", 3, 3), ("", 8, 4), ("0", 8, 4), ("x", 8, 4)):
+        monkeypatch.setenv("OMP_NUM_THREADS", named)
+        assert (cpu_threads([("cpu",)]), cpu_threads([("cpu",), ("cpu",), ("cuda:0",)])) == (one_group, two_groups)
+
+
 @pytest.fixture(scope="module")
 def problems(tmp_path_factory) -> Path:
     return tiny_problems(tmp_path_factory.mktemp("data") / "tiny.jsonl", PAIRS[:4])
