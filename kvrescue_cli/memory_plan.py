@@ -28,8 +28,9 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError
 from kvrescue_cli.scorers import HELPER_LOGLIK, PRM
-from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, COMPRESS_BYTES, FLASH_BLOCK, LOGITS_BYTES,
-                                 OBSERVATION_WINDOW, PRM_WINDOW, SCORE_BYTES, BUFFER, local_args, shard_degree)
+from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, FLASH_BLOCK, LOGITS_BYTES, OBSERVATION_WINDOW,
+                                 PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, compress_chunk, local_args,
+                                 shard_degree)
 
 GIB = 2**30
 PROMPT_TOKENS = 512  # the longest prompt planned for (MATH-500's chat prompts stay below 400 tokens)
@@ -178,11 +179,12 @@ def forward_bytes(a: ModelArgs, b: int, rows: int, tokens: int, keys: Keys, head
 
 
 def compress_bytes(a: ModelArgs, b: int, rows: int, length: int) -> int:
-    """Peak temporaries of compressing `rows` bounded rows of `length` entries (R-KV's similarity of every pair of
-    keys, per layer and KV head, fp32), in chunks of rows as `BoundedCache.compress` takes them."""
+    """Peak temporaries of compressing `rows` bounded rows of `length` entries (R-KV's similarity of up to
+    SIMILARITY_ROWS keys against all, per layer and KV head, fp32), in chunks of rows as `BoundedCache.compress`
+    takes them."""
     per_row = a.n_layers * a.n_kv_heads
-    chunk = min(rows, max(1, COMPRESS_BYTES // (3 * FP32 * per_row * length * length)))
-    return chunk * per_row * (9 * length * length + length * a.head_dim * (b + 2 * FP32))
+    chunk = min(rows, compress_chunk(a.n_layers, a.n_kv_heads, length))
+    return chunk * per_row * (9 * min(length, SIMILARITY_ROWS) * length + length * a.head_dim * (b + 2 * FP32))
 
 
 def sample_bytes(rows: int, vocab: int) -> int:

@@ -14,6 +14,7 @@ MAX_CONTEXT = 4096  # and tokens of its context (the prompt and the committed st
 BUFFER = 128  # w: entries the bounded cache appends past the budget B before a compression (B' = B + w)
 OBSERVATION_WINDOW = 8  # evictors' window alpha: the last 8 positions, always kept (their queries are kept too)
 COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched compression (all layers, some rows)
+SIMILARITY_ROWS = 1024  # rows of R-KV's key-similarity matrix scored at once (a long row's L x L in slices)
 PRM_WINDOW = 4096  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)
 FLASH_BLOCK = 256  # flash-attn's paged KV cache takes blocks of a multiple of 256 tokens
 CHUNK_TOKENS = 128  # keys per unit of work of the torch paged path (whole blocks)
@@ -21,6 +22,12 @@ CHUNK_TOKENS = 128  # keys per unit of work of the torch paged path (whole block
 CASCADE_FROM = 1024
 SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longer query sets are sliced
 LOGITS_BYTES = 1 << 28  # bound on the fp32 logits helper-loglik's log-likelihoods hold at once
+
+
+def compress_chunk(layers: int, kv_heads: int, length: int) -> int:
+    """Rows of `length` entries one batched compression scores at once within COMPRESS_BYTES: each holds, per layer
+    and KV head, fp32 similarities of up to SIMILARITY_ROWS keys against all `length` and their temporaries."""
+    return max(1, COMPRESS_BYTES // (3 * 4 * layers * kv_heads * min(length, SIMILARITY_ROWS) * length))
 
 
 def shard_degree(heads: int, kv_heads: int, width: int, k: int, *, exact_heads: bool = False) -> int:

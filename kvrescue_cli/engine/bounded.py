@@ -22,7 +22,7 @@ from kvrescue_cli.engine.evict import (
     EVICTORS, MIN_BUDGET, Evictor, evictor_named, gather_positions, keep_positions, received_attention,
 )
 from kvrescue_cli.engine.transfer import upload, upload_all
-from kvrescue_cli.shapes import BUFFER, COMPRESS_BYTES, OBSERVATION_WINDOW
+from kvrescue_cli.shapes import BUFFER, OBSERVATION_WINDOW, compress_chunk
 
 
 @dataclass
@@ -297,7 +297,7 @@ class BoundedCache(KVCache):
         lengths = self.row_physical[rows]
         for length in np.unique(lengths).tolist():
             group = rows[lengths == length]
-            chunk = max(1, COMPRESS_BYTES // (3 * 4 * n_layers * h_kv * length * length))  # fp32 similarity + temporaries
+            chunk = compress_chunk(n_layers, h_kv, length)
             for start in range(0, len(group), chunk):
                 part = group[start:start + chunk]
                 slots = upload(self.row_slot[part], self.k.device)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvrescue_cli.shapes import OBSERVATION_WINDOW, SCORE_BYTES  # OBSERVATION_WINDOW: the last 8 positions, always kept
+from kvrescue_cli.shapes import OBSERVATION_WINDOW, SCORE_BYTES, SIMILARITY_ROWS  # OBSERVATION_WINDOW: the last 8 positions, always kept
 MIN_BUDGET = 2 * OBSERVATION_WINDOW  # the smallest budget B any evictor accepts
 
 
@@ -55,17 +55,21 @@ def redundancy(keys: Tensor, *, threshold: float = 0.5) -> Tensor:
     S[i, 0] is zeroed instead, so position 0 (usually BOS, the attention sink) collects no
     similarity from keys without near-duplicates and looks slightly less redundant.
     r_j = mean over rows i of S[i, j], then softmax over j (over all L positions, as in the
-    reference; the caller drops the window positions afterwards).
+    reference; the caller drops the window positions afterwards). S is computed SIMILARITY_ROWS rows at a
+    time (their column sums added in order), so a long row's scoring holds SIMILARITY_ROWS x L, not L x L.
     """
     k = keys.float()
     k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
-    sim = k @ k.transpose(-1, -2)
-    sim.diagonal(dim1=-2, dim2=-1).zero_()
-    length = sim.shape[-1]
-    pos = torch.arange(length, device=sim.device, dtype=torch.int32)
-    last_similar = torch.where(sim > threshold, pos, 0).amax(dim=-1, keepdim=True)
-    sim.scatter_(-1, last_similar.long(), 0.0)
-    return sim.mean(dim=-2).softmax(dim=-1)
+    length = k.shape[-2]
+    pos = torch.arange(length, device=k.device, dtype=torch.int32)
+    total = None
+    for start in range(0, length, SIMILARITY_ROWS):
+        sim = k[..., start : start + SIMILARITY_ROWS, :] @ k.transpose(-1, -2)  # rows i of S, all columns j
+        sim.diagonal(offset=start, dim1=-2, dim2=-1).zero_()
+        last_similar = torch.where(sim > threshold, pos, 0).amax(dim=-1, keepdim=True)
+        sim.scatter_(-1, last_similar.long(), 0.0)
+        total = sim.sum(dim=-2) if total is None else total.add_(sim.sum(dim=-2))
+    return (total / length).softmax(dim=-1)
 
 
 def received_attention(q: Tensor, keys: Tensor, visible: Tensor, real: Tensor | None = None) -> Tensor:

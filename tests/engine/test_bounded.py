@@ -499,3 +499,27 @@ def test_fork_each_equals_a_fork_of_each_row(net, bounded):
         if not bounded:
             assert cache.blocks_in_use() == 0  # every reference the fork took is dropped again
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+def test_a_long_appended_row_is_compressed_within_the_plans_slices_of_its_similarity():
+    """A row that reaches B' by a 5,000-token append (a long prompt, a long helper step) is compressed holding R-KV's
+    similarity SIMILARITY_ROWS keys at a time: the measured peak is within the planner's figure and below one whole
+    L x L similarity per layer and KV head (the old scoring's least)."""
+    from kvrescue_cli.memory_plan import compress_bytes
+    from kvrescue_cli.model_config import ModelArgs
+    from tests.tensor_bytes import TensorBytes
+
+    layers, heads, kv_heads, dim, length = 2, 4, 2, 16, 5000
+    cache = BoundedCache(layers, heads, kv_heads, dim, budget=64, max_append=length, rows=1)
+    row = cache.create()
+    torch.manual_seed(6)
+    cache.begin([row], [length])
+    for layer in range(layers):
+        cache.attend(layer, torch.randn(1, heads, length, dim), torch.randn(1, kv_heads, length, dim),
+                     torch.randn(1, kv_heads, length, dim))
+    with TensorBytes() as measured:
+        cache.end()
+    assert cache.physical_length(row) == 64
+    args = ModelArgs(vocab_size=8, dim=heads * dim, intermediate_size=8, n_layers=layers, n_heads=heads,
+                     n_kv_heads=kv_heads, head_dim=dim)
+    assert measured.peak <= compress_bytes(args, 4, 1, length) < 4 * layers * kv_heads * length * length

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from kvrescue_cli.engine.evict import (
-    EVICTORS, H2O, RKV, TOVA, SnapKV, Streaming, gather_positions, importance, keep_positions, received_attention,
-    redundancy,
+    EVICTORS, H2O, RKV, TOVA, SnapKV, Streaming, gather_positions, importance, keep_positions, keep_top,
+    received_attention, redundancy,
 )
+from kvrescue_cli.shapes import OBSERVATION_WINDOW, SIMILARITY_ROWS
 from tests.oracles import rkv_keep, snapkv_keep, streaming_keep, streaming_scores
 
 
@@ -367,3 +368,28 @@ def test_evictor_specs_name_typed_parameters_or_a_one_line_error():
                           ("tova:lam=1", "of one of tova's parameters (none)"), ("streaming:sinks=-1", "sinks=-1")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_evictor(spec)
+
+
+def one_shot_redundancy(keys: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+    """R-KV's redundancy from the whole L x L similarity at once (the reference code's form, in keys' precision)."""
+    k = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = k @ k.transpose(-1, -2)
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    pos = torch.arange(sim.shape[-1])
+    last_similar = torch.where(sim > threshold, pos, 0).amax(dim=-1, keepdim=True)
+    sim.scatter_(-1, last_similar, 0.0)
+    return sim.mean(dim=-2).softmax(dim=-1)
+
+
+def test_a_long_rows_redundancy_is_scored_in_slices_of_rows_as_a_whole():
+    """Up to SIMILARITY_ROWS keys: bitwise the one-shot similarity's; past it (three slices, near-duplicates across
+    slices) the same within float64's view of fp32 rounding, and R-KV keeps the same positions."""
+    torch.manual_seed(5)
+    short = torch.randn(2, 2, SIMILARITY_ROWS, 16)
+    assert torch.equal(redundancy(short), one_shot_redundancy(short))
+    long = torch.randn(1, 2, 2 * SIMILARITY_ROWS + 300, 16)
+    long[..., 2 * SIMILARITY_ROWS + 7, :] = long[..., 3, :] * 1.01  # a near-duplicate two slices apart
+    torch.testing.assert_close(redundancy(long).double(), one_shot_redundancy(long.double()), rtol=1e-5, atol=0)
+    queries = torch.randn(1, 4, OBSERVATION_WINDOW, 16)
+    whole = 0.1 * importance(long, queries) - 0.9 * one_shot_redundancy(long)[..., :-OBSERVATION_WINDOW]
+    assert torch.equal(keep_positions("rkv", long, queries, 256), keep_top(whole, 256))
