@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv (idempotent), then the main job on its embedded CPU default: KV-Rescue with SmolLM2-135M as base and
-# helper at a budget B = 16 on GSM8K's first problem (the evicted base loops there and the detector stops it) and on
-# examples/easy.jsonl (two one-line sums, written for this demo, where SmolLM2 can be right), then the HTML explorer
+# helper at a budget B = 16 on GSM8K's first problem (where the evicted base has looped and been stopped, depending on
+# the tokens this machine draws) and on examples/easy.jsonl (two one-line sums, written for this demo, where SmolLM2
+# can be right), then the HTML explorer
 # and the report with its plain-words summary (--explain). The caps (2 steps of at most 192 tokens, 1,024 tokens of
 # context) bound every problem's time. One thread: a 135M model's small matmuls gain little from a second one, and on
 # shared cores two threads waiting for each other at every op ran ~10x slower (docs/benchmarks.md).
