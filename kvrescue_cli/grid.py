@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrescue_cli.data import ProblemSet
-from kvrescue_cli.devices import CPU, GPU
+from kvrescue_cli.devices import CPU, GPU, is_cpu
 from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
 from kvrescue_cli.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, Evictor, make_evictor, parse_evictor
 from kvrescue_cli.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES, PRMRecipe, get_recipe
@@ -161,7 +161,7 @@ class GridOptions:
         if self.engine == "vllm" and (len(self.devices) > 1 or self.ray_address is not None):
             raise InputError(f"--engine vllm runs in this process on one device, not on --devices "
                              f"{','.join(self.devices)}{' or a Ray cluster' if self.ray_address else ''}")
-        if self.deterministic and (self.engine == "vllm" or any(d.split(":")[0] != "cpu" for d in self.devices)):
+        if self.deterministic and (self.engine == "vllm" or not all(map(is_cpu, self.devices))):
             raise InputError("--deterministic: batch-invariant kernels exist on CPU devices with --engine native only "
                              "(vLLM's CPU attention has none; docs/reproducibility.md)")
         if not 0 < self.vllm_memory < 1:

@@ -27,6 +27,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
     spec = METHODS[cell.method]
     roles = roles_needed([cell.method], options.scorer)
     s = options.settings
+    evictor_params = options.policy_params() if options.evicts(cell.method) else None  # None: the defaults
     return RunConfig(
         bench=cell.problems.name if cell.problems.grading_bench != GENERIC else cell.problems.source,
         method=cell.method,
@@ -41,8 +42,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             "temperature": s.sampling.temperature, "top_p": s.sampling.top_p, "top_k": s.sampling.top_k,
             "detector": vars(s.detector) if spec.detector else None,
             "buffer": options.buffer if options.evicts(cell.method) else None,
-            **({"evictor_params": options.policy_params()} if options.evicts(cell.method) and options.policy_params()
-               else {}),  # absent: the evictor's defaults
+            **({"evictor_params": evictor_params} if evictor_params else {}),  # absent: the evictor's defaults
             "prm_format": options.prm_format if options.scorer == PRM and options.prm_recipe == "qwen-math" else None,
             **({"prm_recipe": options.prm_recipe} if options.scorer == PRM and options.prm_recipe != "qwen-math"
                else {}),  # absent: Qwen2.5-Math-PRM's, in `prm_format`
