@@ -29,7 +29,7 @@ from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError
 from kvrescue_cli.scorers import HELPER_LOGLIK, PRM
 from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, FLASH_BLOCK, LOGITS_BYTES, OBSERVATION_WINDOW,
-                                 PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, compress_chunk, local_args,
+                                 PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, compress_slice, local_args,
                                  shard_degree)
 
 GIB = 2**30
@@ -180,11 +180,10 @@ def forward_bytes(a: ModelArgs, b: int, rows: int, tokens: int, keys: Keys, head
 
 def compress_bytes(a: ModelArgs, b: int, rows: int, length: int) -> int:
     """Peak temporaries of compressing `rows` bounded rows of `length` entries (R-KV's similarity of up to
-    SIMILARITY_ROWS keys against all, per layer and KV head, fp32), in chunks of rows as `BoundedCache.compress`
-    takes them."""
-    per_row = a.n_layers * a.n_kv_heads
-    chunk = min(rows, compress_chunk(a.n_layers, a.n_kv_heads, length))
-    return chunk * per_row * (9 * min(length, SIMILARITY_ROWS) * length + length * a.head_dim * (b + 2 * FP32))
+    SIMILARITY_ROWS keys against all, per layer and KV head, fp32), in the slices `BoundedCache.compress` takes."""
+    cut = compress_slice(a.n_layers, a.n_kv_heads, length)
+    units = min(rows, cut.rows) * cut.layers * cut.kv_heads
+    return units * (9 * min(length, SIMILARITY_ROWS) * length + length * a.head_dim * (b + 2 * FP32))
 
 
 def sample_bytes(rows: int, vocab: int) -> int:

@@ -4,7 +4,7 @@ and what one rank of a tensor-parallel group holds (engine/tp.py)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kvrescue_cli.model_config import ModelArgs
 
@@ -13,7 +13,7 @@ MAX_STEPS = 1024  # steps of one problem,
 MAX_CONTEXT = 4096  # and tokens of its context (the prompt and the committed steps)
 BUFFER = 128  # w: entries the bounded cache appends past the budget B before a compression (B' = B + w)
 OBSERVATION_WINDOW = 8  # evictors' window alpha: the last 8 positions, always kept (their queries are kept too)
-COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one batched compression (all layers, some rows)
+COMPRESS_BYTES = 1 << 30  # bound on the fp32 scoring memory of one compression call (`compress_slice`)
 SIMILARITY_ROWS = 1024  # rows of R-KV's key-similarity matrix scored at once (a long row's L x L in slices)
 PRM_WINDOW = 4096  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)
 FLASH_BLOCK = 256  # flash-attn's paged KV cache takes blocks of a multiple of 256 tokens
@@ -24,10 +24,26 @@ SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longe
 LOGITS_BYTES = 1 << 28  # bound on the fp32 logits helper-loglik's log-likelihoods hold at once
 
 
-def compress_chunk(layers: int, kv_heads: int, length: int) -> int:
-    """Rows of `length` entries one batched compression scores at once within COMPRESS_BYTES: each holds, per layer
-    and KV head, fp32 similarities of up to SIMILARITY_ROWS keys against all `length` and their temporaries."""
-    return max(1, COMPRESS_BYTES // (3 * 4 * layers * kv_heads * min(length, SIMILARITY_ROWS) * length))
+@dataclass(frozen=True)
+class CompressSlice:
+    """How much of a batch of bounded rows one compression call scores: rows, layers and KV heads."""
+
+    rows: int
+    layers: int
+    kv_heads: int
+
+
+def compress_slice(layers: int, kv_heads: int, length: int) -> CompressSlice:
+    """The slice of rows of `length` entries one compression scores at once within COMPRESS_BYTES. Each (row, layer,
+    KV head) holds fp32 similarities of up to SIMILARITY_ROWS keys against all `length` and their temporaries; rows
+    are taken whole (all layers and KV heads) while one fits, a longer row some layers at a time, and a row so long
+    that one layer does not fit (a 32k-token prompt on a 7B) some KV heads of one layer at a time."""
+    units = max(1, COMPRESS_BYTES // (3 * 4 * min(length, SIMILARITY_ROWS) * length))
+    if units >= layers * kv_heads:
+        return CompressSlice(units // (layers * kv_heads), layers, kv_heads)
+    if units >= kv_heads:
+        return CompressSlice(1, units // kv_heads, kv_heads)
+    return CompressSlice(1, 1, units)
 
 
 def shard_degree(heads: int, kv_heads: int, width: int, k: int, *, exact_heads: bool = False) -> int:

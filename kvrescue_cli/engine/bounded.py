@@ -22,7 +22,7 @@ from kvrescue_cli.engine.evict import (
     EVICTORS, MIN_BUDGET, Evictor, evictor_named, gather_positions, keep_positions, received_attention,
 )
 from kvrescue_cli.engine.transfer import upload, upload_all
-from kvrescue_cli.shapes import BUFFER, OBSERVATION_WINDOW, compress_chunk
+from kvrescue_cli.shapes import BUFFER, OBSERVATION_WINDOW, compress_slice
 
 
 @dataclass
@@ -290,22 +290,32 @@ class BoundedCache(KVCache):
         self.compress(rows[self.row_physical[rows] >= self.trigger])
 
     def compress(self, rows: Sequence[int]) -> None:
-        """Compress each row to `budget` entries per layer and KV head. Rows of equal length are scored
-        together, all layers in one call, in chunks of rows whose scoring fits in COMPRESS_BYTES."""
+        """Compress each row to `budget` entries per layer and KV head. Rows of equal length are scored together,
+        all layers in one call, as many rows at once as `compress_slice` lets fit in COMPRESS_BYTES; a row longer
+        than that (a long prompt or step) some layers, or some KV heads of a layer, at a time. Each (layer, KV head)
+        is scored on its own entries and queries alone, so the slicing changes no kept position."""
         rows = np.asarray(rows, np.int64)
         n_layers, _, h_kv, _, _ = self.k.shape
+        group = self.q.shape[2] // h_kv  # query heads per KV head
         lengths = self.row_physical[rows]
         for length in np.unique(lengths).tolist():
-            group = rows[lengths == length]
-            chunk = compress_chunk(n_layers, h_kv, length)
-            for start in range(0, len(group), chunk):
-                part = group[start:start + chunk]
+            equal = rows[lengths == length]
+            cut = compress_slice(n_layers, h_kv, length)
+            for start in range(0, len(equal), cut.rows):
+                part = equal[start:start + cut.rows]
                 slots = upload(self.row_slot[part], self.k.device)
-                keys = self.k[:, slots, :, :length]
-                received = None if self.received is None else self.received[:, slots, :, :length]
-                kept = keep_positions(self.evictor, keys, self.q[:, slots], self.budget, received)
-                self.k[:, slots, :, : self.budget] = gather_positions(keys, kept)
-                self.v[:, slots, :, : self.budget] = gather_positions(self.v[:, slots, :, :length], kept)
-                if received is not None:
-                    self.received[:, slots, :, : self.budget] = received.gather(-1, kept)
+                for layer in range(0, n_layers, cut.layers):
+                    for head in range(0, h_kv, cut.kv_heads):
+                        layers, heads = slice(layer, layer + cut.layers), slice(head, head + cut.kv_heads)
+                        self._compress(slots, length, layers, heads, slice(head * group, (head + cut.kv_heads) * group))
                 self.row_physical[part] = self.budget
+
+    def _compress(self, slots: torch.Tensor, length: int, layers: slice, heads: slice, queries: slice) -> None:
+        """Keep `budget` of the first `length` entries of these slots' layers and KV heads (their query heads)."""
+        keys = self.k[layers, slots, heads, :length]
+        received = None if self.received is None else self.received[layers, slots, heads, :length]
+        kept = keep_positions(self.evictor, keys, self.q[layers, slots, queries], self.budget, received)
+        self.k[layers, slots, heads, : self.budget] = gather_positions(keys, kept)
+        self.v[layers, slots, heads, : self.budget] = gather_positions(self.v[layers, slots, heads, :length], kept)
+        if received is not None:
+            self.received[layers, slots, heads, : self.budget] = received.gather(-1, kept)

@@ -11,7 +11,8 @@ import torch
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.graphs import StaticDecode
-from kvrescue_cli.engine.evict import gather_positions
+from kvrescue_cli.engine.evict import gather_positions, keep_positions
+from kvrescue_cli.shapes import OBSERVATION_WINDOW
 from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from tests.conftest import TINY
@@ -523,3 +524,60 @@ def test_a_long_appended_row_is_compressed_within_the_plans_slices_of_its_simila
     args = ModelArgs(vocab_size=8, dim=heads * dim, intermediate_size=8, n_layers=layers, n_heads=heads,
                      n_kv_heads=kv_heads, head_dim=dim)
     assert measured.peak <= compress_bytes(args, 4, 1, length) < 4 * layers * kv_heads * length * length
+
+
+@pytest.mark.parametrize("units, cut", [(None, (3, 2, 2)), (8, (2, 2, 2)), (2, (1, 1, 2)), (1, (1, 1, 1))])
+def test_rows_too_long_for_one_call_are_compressed_by_layers_then_kv_heads_keeping_what_one_call_keeps(
+        monkeypatch, units, cut):
+    """Rows whose scoring exceeds COMPRESS_BYTES (a 32k-token prompt on a 7B: 12 GiB per layer) are compressed in
+    slices of `compress_slice`: fewer rows, then one row's layers, then one layer's KV heads at a time. Bounds of
+    `units` (row, layer, KV head) similarities take each slicing at a small length; each keeps exactly the
+    positions scoring every row, layer and KV head in one call keeps, and peaks within the planner's figure."""
+    import kvrescue_cli.shapes as shapes
+    from kvrescue_cli.memory_plan import compress_bytes
+    from kvrescue_cli.model_config import ModelArgs
+    from tests.tensor_bytes import TensorBytes
+
+    layers, heads, kv_heads, dim, length, budget = 2, 4, 2, 16, 600, 64
+    if units is not None:
+        monkeypatch.setattr(shapes, "COMPRESS_BYTES", units * 3 * 4 * length * length)
+    taken = shapes.compress_slice(layers, kv_heads, length)
+    assert (min(taken.rows, 3), taken.layers, taken.kv_heads) == cut
+    cache = BoundedCache(layers, heads, kv_heads, dim, budget=budget, max_append=length, rows=3)
+    rows = [cache.create() for _ in range(3)]
+    torch.manual_seed(7)
+    keys, values = torch.randn(2, layers, 3, kv_heads, length, dim).unbind()
+    window = torch.randn(layers, 3, heads, OBSERVATION_WINDOW, dim)
+    for i, row in enumerate(rows):  # the pools as a 600-token append leaves them
+        slot = cache.slot(row)
+        cache.k[:, slot, :, :length], cache.v[:, slot, :, :length] = keys[:, i], values[:, i]
+        cache.q[:, slot] = window[:, i]
+        cache.row_physical[row] = length
+    kept = keep_positions("rkv", keys, window, budget)  # every row, layer and KV head in one call
+    with TensorBytes() as measured:
+        cache.compress(rows)
+    for i, row in enumerate(rows):
+        slot = cache.slot(row)
+        assert cache.physical_length(row) == budget
+        torch.testing.assert_close(cache.k[:, slot, :, :budget], gather_positions(keys, kept)[:, i], rtol=0, atol=0)
+        torch.testing.assert_close(cache.v[:, slot, :, :budget], gather_positions(values, kept)[:, i], rtol=0, atol=0)
+    args = ModelArgs(vocab_size=8, dim=heads * dim, intermediate_size=8, n_layers=layers, n_heads=heads,
+                     n_kv_heads=kv_heads, head_dim=dim)
+    assert measured.peak <= compress_bytes(args, 4, 3, length)
+
+
+def test_a_32k_prompt_on_a_7b_base_is_compressed_two_kv_heads_at_a_time():
+    """At R1-Distill-Qwen-7B's shapes (Qwen2.5-Math-7B's: 28 layers, 4 KV heads) a 32,768-token append's
+    compression is planned at two (layer, KV head) similarities at once, under 1 GiB; scoring the row whole
+    held 112 of them, 36 GiB."""
+    from kvrescue_cli.memory_plan import compress_bytes
+    from kvrescue_cli.model_config import ModelArgs
+    from kvrescue_cli.paper_shapes import QWEN25_MATH_7B as shape
+    from kvrescue_cli.shapes import compress_slice
+
+    layers, kv_heads = shape["num_hidden_layers"], shape["num_key_value_heads"]
+    assert tuple(vars(compress_slice(layers, kv_heads, 32768)).values()) == (1, 1, 2)
+    args = ModelArgs(vocab_size=shape["vocab_size"], dim=shape["hidden_size"],
+                     intermediate_size=shape["intermediate_size"], n_layers=layers,
+                     n_heads=shape["num_attention_heads"], n_kv_heads=kv_heads, head_dim=128)
+    assert compress_bytes(args, 2, 8, 32768) < 2**30
