@@ -161,9 +161,9 @@ class GridOptions:
         if self.engine == "vllm" and (len(self.devices) > 1 or self.ray_address is not None):
             raise InputError(f"--engine vllm runs in this process on one device, not on --devices "
                              f"{','.join(self.devices)}{' or a Ray cluster' if self.ray_address else ''}")
-        if self.deterministic and (self.engine == "vllm" or not all(map(is_cpu, self.devices))):
-            raise InputError("--deterministic: batch-invariant kernels exist on CPU devices with --engine native only "
-                             "(vLLM's CPU attention has none; docs/reproducibility.md)")
+        if self.deterministic and self.engine == "vllm" and any(map(is_cpu, self.devices)):
+            raise InputError("--deterministic with --engine vllm needs a GPU: vLLM's batch-invariant mode "
+                             "(VLLM_BATCH_INVARIANT) has no CPU attention backend (docs/reproducibility.md)")
         if not 0 < self.vllm_memory < 1:
             raise InputError(f"--vllm-memory {self.vllm_memory}: expected a share of the device between 0 and 1")
         if self.prompt not in PROMPT_STYLES:

@@ -36,7 +36,8 @@ class InProcessGroup:
             self.ranks = RankGroup(options, group) if len(group) > 1 else None
             self.models = load_roles(options, device)
             if options.engine == "vllm":
-                self.vllm = VllmEngines(vllm_specs(options), options.dtype, options.prm_input_recipe(), shares)
+                self.vllm = VllmEngines(vllm_specs(options), options.dtype, options.prm_input_recipe(), shares,
+                                        batch_invariant=options.deterministic)
                 check_policy_tokenizers({**{role: m.tokenizer for role, m in self.models.items()},
                                          **{role: t for role, (t, _) in self.vllm.tokenizers.items()}})
         except BaseException:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.cost import Architecture
 from kvrescue_cli.devices import is_cpu, is_gpu
 from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
@@ -48,6 +49,8 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     loaded: dict[str, LoadedModel] = {}
     by_name: dict[str, LoadedModel] = {}
     use_device(device)
+    if options.deterministic and is_gpu(device):
+        invariance.prepare_cuda(device)  # before this process's first matrix product
     for role in sorted(options.native_roles()):
         name = options.models[role]
         if is_cpu(device):

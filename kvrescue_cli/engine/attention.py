@@ -178,6 +178,7 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         out, lse = flash_attn_with_kvcache(
             q.transpose(1, 2), k_pool, v_pool, cache_seqlens=(keys.cached + q.shape[2] * keys.causal).int(),
             block_table=keys.table.int(), causal=keys.causal, return_softmax_lse=True,
+            num_splits=invariance.flash_splits(),
         )
         return out.transpose(1, 2), lse
     S, Hq, T, D = q.shape

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.attention import attend_padded, flash_attn_with_kvcache, use_flash
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.model import Transformer
@@ -48,7 +49,8 @@ class _StaticView:
             self.cache.receive(layer, self.slots, q, kp[self.slots, :, : self.span], visible, self.lengths)
         if use_flash(q):
             out = flash_attn_with_kvcache(q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-                                          cache_seqlens=(self.lengths + 1).int(), cache_batch_idx=self.slots.int())
+                                          cache_seqlens=(self.lengths + 1).int(), cache_batch_idx=self.slots.int(),
+                                          num_splits=invariance.flash_splits())
             return out.transpose(1, 2)
         keys, values = kp[self.slots, :, : self.span], vp[self.slots, :, : self.span]
         return attend_padded(q, keys, values, self.lengths, torch.ones_like(self.lengths))

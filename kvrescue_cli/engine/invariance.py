@@ -1,5 +1,5 @@
-"""Batch invariance on a CPU (`--deterministic`, docs/reproducibility.md): every row's result of a forward is the
-same whatever other rows share the forward, its padded length and its row count.
+"""Batch invariance (`--deterministic`, docs/reproducibility.md): every row's result of a forward is the same
+whatever other rows share the forward, its padded length and its row count.
 
 Measured on oneDNN/MKL (tests/engine/test_invariance.py probes every op): a bf16 matrix product gives each row
 the same result from 1 to 32 rows and another from 33 on; an fp32 one another for one row than for two, and
@@ -9,9 +9,19 @@ blocks whose size follows their count; torch splits a lone row's sum over thread
 run in row chunks that keep one kernel, keys are padded to whole KEY_GRANULE blocks, each query token attends as
 a decode step does (its heads sharing a KV head as one block), and long sums go in fixed partial sums. The mode
 is a process-wide switch, set where a cell's engine is built.
+
+On CUDA (not testable on this project's CPUs; docs/reproducibility.md says what holds there) the mode takes the
+batch-invariant choices that exist: flash-attn's decode with one KV split (`flash_splits`: its split-KV heuristic
+follows the batch), and cuBLAS without split-K, by the workspace settings vLLM's batch-invariant mode uses on
+Hopper and Blackwell (`prepare_cuda`, before the process's first matrix product); Ampere's cuBLAS has no such
+setting, so the mode is refused there.
 """
 
+import os
+
 import torch
+
+from kvrescue_cli.errors import InputError
 
 KEY_GRANULE = 512  # SDPA's CPU flash kernel's key block (kv_split_size)
 # Rows per chunk of a CPU linear, and the fewest rows a chunk is padded to, per dtype (see the module docstring).
@@ -24,6 +34,33 @@ _on = [False]
 def enable(on: bool) -> None:
     """Turn batch invariance on or off for this process."""
     _on[0] = on
+
+
+# vLLM's model_executor/determinism/batch_invariant.py: on SM90 and SM100 split-K, cuBLAS's only source of batch
+# variance, is off with these workspace settings (read once, at the process's first cuBLAS call).
+CUBLAS_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
+CUDA_CAPABILITY = (9, 0)  # the oldest GPUs whose cuBLAS the settings make batch-invariant (Hopper)
+
+
+def prepare_cuda(device: str) -> None:
+    """Set up this process for the mode on a CUDA `device`, before any matrix product runs: cuBLAS without
+    split-K (CUBLAS_ENV) and without reduced-precision or TF32 reductions, cuBLASLt preferred. A one-line error on
+    a GPU older than CUDA_CAPABILITY."""
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < CUDA_CAPABILITY:
+        raise InputError(f"--deterministic on {device} (compute capability {capability[0]}.{capability[1]}): "
+                         "cuBLAS has no batch-invariant setting before Hopper (9.0); run without it, or on a CPU")
+    os.environ.update(CUBLAS_ENV)
+    matmul = torch.backends.cuda.matmul
+    # (reduced-precision reduction, its split-K): neither, as vLLM sets them; fp32 products in IEEE fp32, not TF32
+    matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = (False, False)
+    matmul.fp32_precision = "ieee"
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+
+
+def flash_splits() -> int:
+    """flash-attn's `num_splits`: one KV split with the mode on, else 0 (its heuristic, which follows the batch)."""
+    return 1 if _on[0] else 0
 
 
 def active(x: torch.Tensor) -> bool:

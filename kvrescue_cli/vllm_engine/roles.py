@@ -3,6 +3,7 @@ they name the same model; the PRM's runs vLLM's pooling runner), started once an
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,8 @@ from kvrescue_cli.vllm_engine import require_vllm
 from kvrescue_cli.vllm_engine.llm import start_llm
 from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer, pooling_args
 from kvrescue_cli.vllm_engine.steps import SteppedEngine, VllmRunner
+
+BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's switch: batch-invariant kernels and reductions on its GPU workers
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,13 @@ def engine_specs(models: dict[str, str], context_cap: int) -> list[EngineSpec]:
 class VllmEngines:
     """The started engines: a `VllmRunner` per cell for the base/helper roles, a `VLLMPRMScorer` for the PRM."""
 
-    def __init__(self, specs: list[EngineSpec], dtype: str, recipe: PRMRecipe, memory: list[dict[str, Any]]) -> None:
+    def __init__(self, specs: list[EngineSpec], dtype: str, recipe: PRMRecipe, memory: list[dict[str, Any]],
+                 batch_invariant: bool = False) -> None:
         """`memory`: each engine's share of the device as `start_llm` takes it (device_plan.vllm_memory), in
-        `specs` order; `recipe`: the PRM's input recipe (engine/prm_recipes)."""
+        `specs` order; `recipe`: the PRM's input recipe (engine/prm_recipes); `batch_invariant`: vLLM's
+        batch-invariant mode (`--deterministic`)."""
+        if batch_invariant:
+            os.environ[BATCH_INVARIANT] = "1"  # read by vLLM's envs.py in this process and its engine cores
         self.version = require_vllm().__version__
         self.recipe = recipe
         self.engines: list[SteppedEngine | Any] = []

@@ -125,11 +125,13 @@ def test_cascade_with_a_prefix_longer_than_one_chunk_and_many_groups() -> None:
         attention.SCORE_BYTES = saved
 
 
-def reference_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, return_softmax_lse):
+def reference_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, return_softmax_lse,
+                                      num_splits=0):
     """flash_attn_with_kvcache's documented semantics in plain torch, paged: q [B, Sq, Hq, D], caches [blocks,
     block_size, Hkv, D]; row b's keys are the first cache_seqlens[b] entries of its blocks block_table[b];
     query head h uses KV head h // g; causal aligns the queries to the end of the keys (query i sees keys
-    j <= i + seqlen_k - Sq). Returns out [B, Sq, Hq, D] and the softmax log-sum-exp [B, Hq, Sq]."""
+    j <= i + seqlen_k - Sq). Returns out [B, Sq, Hq, D] and the softmax log-sum-exp [B, Hq, Sq]. `num_splits`
+    (how many blocks share a row's keys: 0 its heuristic) changes no value, only the summation order."""
     assert return_softmax_lse and block_table.dtype == cache_seqlens.dtype == torch.int32
     outs, lses = [], []
     g = q.shape[2] // k_cache.shape[2]

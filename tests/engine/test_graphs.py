@@ -51,7 +51,7 @@ def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_r
     assert max(static.physical_length(r) for r in rows["static"]) < static.trigger
 
 
-def reference_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, cache_batch_idx):
+def reference_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, num_splits=0):
     """flash-attn's documented semantics, in plain torch: q [B, 1, Hq, D], caches [slots, S, Hkv, D], row b
     attends over the first cache_seqlens[b] entries of slot cache_batch_idx[b]; query head h uses KV head h // g."""
     out = []

@@ -2,6 +2,7 @@
 calls it, a row alone and inside batches of other rows, at the padded lengths the engine produces) and the runs
 whose traces must not depend on --batch, the workers or a resume."""
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -189,14 +190,92 @@ def test_a_run_killed_twice_and_resumed_writes_the_traces_of_an_uninterrupted_on
     assert comparable(traces_of(tmp_path)) == batch_1
 
 
-@pytest.mark.parametrize("where", [{"devices": ("cuda:0",)}, {"engine": "vllm"}], ids=["cuda", "vllm"])
-def test_deterministic_off_a_cpu_or_on_vllm_is_refused(where, tmp_path):
-    options = grid_options({"base": "b", "helper": "h", "prm": "p"}, SearchSettings(batch=4), tmp_path, benches=["tiny"],
-                           methods=["kvrescue"], budgets=[16], ns=[2], seeds=[0], evictor="rkv", deterministic=True,
-                           **where)
-    with pytest.raises(InputError, match=r"^--deterministic: batch-invariant kernels exist on CPU devices with "
-                                         r"--engine native only \(vLLM's CPU attention has none"):
-        options.check()
+def deterministic_options(tmp_path, **where):
+    return grid_options({"base": "b", "helper": "h", "prm": "p"}, SearchSettings(batch=4), tmp_path, benches=["tiny"],
+                        methods=["kvrescue"], budgets=[16], ns=[2], seeds=[0], evictor="rkv", deterministic=True,
+                        **where)
+
+
+def test_deterministic_on_vllm_on_a_cpu_is_refused(tmp_path):
+    with pytest.raises(InputError, match=r"^--deterministic with --engine vllm needs a GPU: vLLM's batch-invariant "
+                                         r"mode \(VLLM_BATCH_INVARIANT\) has no CPU attention backend"):
+        deterministic_options(tmp_path, engine="vllm").check()
+
+
+@pytest.mark.parametrize("engine", ["native", "vllm"])
+def test_deterministic_on_a_gpu_is_taken(engine, tmp_path):
+    deterministic_options(tmp_path, devices=("cuda:0",), engine=engine).check()
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_every_flash_attn_call_takes_one_kv_split_with_the_mode_on(on, monkeypatch, qwen2_dir):
+    """flash-attn's split-KV decode picks its number of splits from the batch (`num_splits=0`); with the mode on,
+    every call (the paged caches' and the bounded cache's static decode step's) takes one. Checked through the
+    plain-torch stand-ins of tests/engine/test_attention.py and test_graphs.py."""
+    from kvrescue_cli.engine import attention, graphs
+    from kvrescue_cli.engine.graphs import StaticDecode
+    from tests.engine import test_attention, test_graphs
+
+    splits = {"paged": [], "static": []}
+
+    def recording(kind, kernel):
+        return lambda *args, **kwargs: splits[kind].append(kwargs["num_splits"]) or kernel(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache",
+                        recording("paged", test_attention.reference_flash_attn_with_kvcache))
+    monkeypatch.setattr(attention, "use_flash", lambda x: True)
+    monkeypatch.setattr(attention, "FLASH_BLOCK", test_attention.BLOCK)
+    monkeypatch.setattr(graphs, "flash_attn_with_kvcache", recording("static", test_graphs.reference_flash_attn_with_kvcache))
+    monkeypatch.setattr(graphs, "use_flash", lambda q: True)
+    invariance.enable(on)
+    try:
+        generator = torch.Generator().manual_seed(3)
+        for paged in test_attention.make_caches():  # a ragged prefill, then a decode step of forks
+            parent, other = paged.create(), paged.create()
+            test_attention.forward([paged], [parent, other], [9, 4], test_attention.HKV, generator)
+            test_attention.forward([paged], paged.fork(parent, 3) + [other], [1] * 4, test_attention.HKV, generator)
+        net = load_model(qwen2_dir).net
+        cache = BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=2)
+        rows = [cache.create() for _ in range(2)]
+        net.prefill(torch.randint(0, net.args.vocab_size, (2, 20)), cache, rows, [20, 12])
+        StaticDecode(net, cache, graphs=False)(rows, [1, 2])
+    finally:
+        invariance.enable(False)
+    assert splits["paged"] and splits["static"]
+    assert set(splits["paged"]) == set(splits["static"]) == {1 if on else 0}
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
+def test_on_cuda_the_mode_turns_cublas_split_k_off_and_refuses_gpus_before_hopper(capability, monkeypatch):
+    """`prepare_cuda`: cuBLAS's workspace settings without split-K (vLLM's on Hopper and Blackwell), no
+    reduced-precision reduction, IEEE fp32 products, cuBLASLt; on an Ampere GPU a one-line refusal, nothing set."""
+    matmul = torch.backends.cuda.matmul
+    names = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction", "fp32_precision")
+    saved = {name: getattr(matmul, name) for name in names}
+    try:
+        prepared(capability, monkeypatch, matmul)
+    finally:
+        for name, value in saved.items():
+            setattr(matmul, name, value)
+
+
+def prepared(capability, monkeypatch, matmul):
+    for name in invariance.CUBLAS_ENV:
+        monkeypatch.delenv(name, raising=False)
+    blas = []
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", blas.append)  # a CPU build has no cuBLASLt
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if capability < (9, 0):
+        with pytest.raises(InputError, match=r"^--deterministic on cuda:1 \(compute capability 8\.0\): cuBLAS has no "
+                                             r"batch-invariant setting before Hopper"):
+            invariance.prepare_cuda("cuda:1")
+        assert not blas and not any(name in os.environ for name in invariance.CUBLAS_ENV)
+        return
+    invariance.prepare_cuda("cuda:1")
+    assert {name: os.environ[name] for name in invariance.CUBLAS_ENV} == {
+        "CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
+    assert not matmul.allow_bf16_reduced_precision_reduction and not matmul.allow_bf16_reduced_precision_reduction_split_k
+    assert not matmul.allow_fp16_reduced_precision_reduction and matmul.fp32_precision == "ieee" and blas == ["cublaslt"]
 
 
 def test_two_threads_write_the_traces_of_one(eight, models, batch_1, tmp_path):

@@ -130,3 +130,15 @@ def test_an_lm_head_recipe_on_vllm_scores_as_prm_scorer(name, folder, request) -
     assert truncated == [(0, 0)] * 3 and got_tokens == want_tokens
     block = engines.prm.llm_engine.vllm_config.cache_config.block_size
     assert max(out.num_cached_tokens for out in llm.outputs) >= block
+
+
+def test_deterministic_engines_start_in_vllms_batch_invariant_mode(monkeypatch):
+    """`--deterministic` with `--engine vllm` (a GPU's: grid.py refuses a CPU's) sets VLLM_BATCH_INVARIANT before
+    any engine starts, which vLLM's envs.py reads in this process and its engine cores inherit."""
+    import vllm.envs
+
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    VllmEngines([], "float32", get_recipe("qwen-math"), [])
+    assert not vllm.envs.VLLM_BATCH_INVARIANT
+    VllmEngines([], "float32", get_recipe("qwen-math"), [], batch_invariant=True)
+    assert vllm.envs.VLLM_BATCH_INVARIANT
