@@ -46,6 +46,12 @@ def full_tokens(s: SearchSettings, n: int) -> int:
     return planner.full_cache_tokens(s.batch, n, s.max_step_tokens, s.context_cap)
 
 
+def full_rows(s: SearchSettings, n: int) -> dict[str, int]:
+    """Row limits of a full-context cache for a cell of N candidates: its rows (2N + 2 per problem), and its longest
+    row, a context just under the cap and a whole step past it (a 32k cap takes 32k-token rows)."""
+    return dict(max_rows=s.batch * (2 * n + 2), max_row_tokens=s.context_cap + s.max_step_tokens)
+
+
 def loglik_tokens(s: SearchSettings, n: int) -> int:
     """Token room of the helper-loglik scorer's cache."""
     return planner.loglik_cache_tokens(s.batch, n, s.max_step_tokens, s.context_cap)
@@ -63,11 +69,11 @@ def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], v
         cache = (BoundedCache.for_model(base.net, cell.budget, options.policy(), buffer=options.buffer,
                                         max_append=s.max_step_tokens, rows=s.batch * (cell.n + 1))
                  if options.evicts(cell.method)
-                 else full.for_model(base.net, full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2)))
+                 else full.for_model(base.net, full_tokens(s, cell.n), **full_rows(s, cell.n)))
         runners["base"] = Runner(base, cache, cuda_graphs=options.cuda_graphs)
     if spec.helper and "helper" not in runners:
         helper = models["helper"]
-        cache = full.for_model(helper.net, full_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
+        cache = full.for_model(helper.net, full_tokens(s, cell.n), **full_rows(s, cell.n))
         runners["helper"] = Runner(helper, cache)
     return runners
 
@@ -81,7 +87,7 @@ def _scorer(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], vl
         return PRMScorer(models["prm"], max_problems=s.batch, max_candidates=s.batch * 2 * cell.n,
                          max_step_tokens=s.max_step_tokens, recipe=options.prm_input_recipe())
     helper = models["helper"]
-    cache = full.for_model(helper.net, loglik_tokens(s, cell.n), max_rows=s.batch * (2 * cell.n + 2))
+    cache = full.for_model(helper.net, loglik_tokens(s, cell.n), **full_rows(s, cell.n))
     return HelperLoglik(Runner(helper, cache))
 
 

@@ -95,7 +95,7 @@ def _config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast, **shape) -
         num_key_value_heads=shape["num_kv_heads"],
         initializer_range=shape["init_std"],
         rope_theta=shape["rope_theta"],
-        max_position_embeddings=8192,
+        max_position_embeddings=shape["max_positions"],
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
@@ -134,6 +134,7 @@ def write_random_checkpoint(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     sliding_window: int = 4096,
+    max_positions: int = 8192,
 ) -> Path:
     """Write a random `qwen2` (q/k/v bias, untied), `qwen3` (q/k norms, `head_dim` default twice hidden / heads,
     tied), `llama` (tied embeddings) or PRM checkpoint.
@@ -153,7 +154,7 @@ def write_random_checkpoint(
     config = _config(
         arch, vocab_size, tok, hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, init_std=init_std, rope_theta=rope_theta, head_dim=head_dim,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, max_positions=max_positions,
     )
     torch.manual_seed(seed)
     with torch.device(device):
