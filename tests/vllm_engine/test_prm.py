@@ -134,10 +134,11 @@ def test_an_lm_head_recipe_on_vllm_scores_as_prm_scorer(name, folder, request) -
 
 def test_deterministic_engines_start_in_vllms_batch_invariant_mode(monkeypatch):
     """`--deterministic` with `--engine vllm` (a GPU's: grid.py refuses a CPU's) sets VLLM_BATCH_INVARIANT before
-    any engine starts, which vLLM's envs.py reads in this process and its engine cores inherit."""
+    any engine starts, which vLLM's envs.py reads in this process and its engine cores inherit (on a CPU their
+    workers then fail: the variable must not outlive the test)."""
     import vllm.envs
 
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")  # unset again after the test, before any later engine starts
     VllmEngines([], "float32", get_recipe("qwen-math"), [])
     assert not vllm.envs.VLLM_BATCH_INVARIANT
     VllmEngines([], "float32", get_recipe("qwen-math"), [], batch_invariant=True)
