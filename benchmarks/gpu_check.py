@@ -33,6 +33,8 @@ downloaded). Sections, in this order:
 - `devices` (two or more GPUs; else a skip record): `kvrescue run`'s in-process executor given the last visible GPU
   loads small random checkpoints and decodes a kvrescue cell there: every parameter on that GPU, no other GPU gains
   allocated bytes.
+- `invariance`: whether `--deterministic` makes 8 problems' traces the same at `--batch 1` and `--batch 8` on this
+  device (and how many agree without it), each run a fresh `kvrescue run` process (`gpu_check_invariance`).
 - `problems`: problems/min of bon and kvrescue with and without CUDA graphs, and full (which never
   uses them), through `kvrescue run`'s decode code, N = 8, B = 64, random 7B/1.5B/PRM-7B-shaped
   models, synthetic steps, after one warm-up problem.
@@ -49,7 +51,7 @@ JSON, so a killed check keeps what it measured; a table of every result ends the
 
 Each section is a module beside this entry point: gpu_check_setup (plans, shapes, random models), gpu_check_record
 (deadlines, the report, one line per result), gpu_check_logits, gpu_check_numerics, gpu_check_decode (roofline,
-attention, decode), gpu_check_vllm, gpu_check_memory, gpu_check_devices and gpu_check_problems.
+attention, decode), gpu_check_vllm, gpu_check_memory, gpu_check_devices, gpu_check_invariance and gpu_check_problems.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # the sections' modules beside this script, also when it is imported
 from gpu_check_decode import attention_section, copy_bandwidth, decode_section
 from gpu_check_devices import devices_section
+from gpu_check_invariance import invariance_section
 from gpu_check_logits import check_logits
 from gpu_check_memory import memory_section
 from gpu_check_numerics import numerics_section
@@ -83,7 +86,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--skip", default="",
                         help="comma list of sections to leave out: logits,numerics,attention,decode,vllm,memory,"
-                             "devices,problems,tp")
+                             "devices,invariance,problems,tp")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="seconds from the start within which every measurement starts and ends (see the top)")
     parser.add_argument("--vllm-child", type=Path, default=None, metavar="OUT",
@@ -120,6 +123,8 @@ def main() -> None:
         memory_section(check, device, dtype, args.tiny, plan)
     if "devices" not in skip:
         devices_section(check, device, plan)
+    if "invariance" not in skip:
+        invariance_section(check, device, dtype, args.tiny)
     if "problems" not in skip:
         problems_section(check, device, dtype, args.tiny, plan)
     if "tp" not in skip and device.startswith("cuda") and torch.cuda.device_count() >= 2:

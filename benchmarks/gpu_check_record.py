@@ -131,6 +131,8 @@ def describe(section: str, r: dict) -> str:
         what = f"memory left by a {r['method']} cell ({r['shape']})"
     elif section == "devices":
         what = f"models and caches of --devices {r['device']}"
+    elif section == "invariance":
+        what = f"traces at --batch {'/'.join(map(str, r['batches']))}{' --deterministic' if r['deterministic'] else ''}"
     elif section == "attention":
         what = f"full-cache attention ctx={r['context']} problems={r['problems']}"
     elif section == "vllm":
@@ -158,6 +160,8 @@ def describe(section: str, r: dict) -> str:
         return f"{what}: ok={r['ok']} {r['bytes_left']} bytes left of {r['problems']} problems{fake}"
     if section == "devices":
         return f"{what}: ok={r['ok']} on {r['models_on']}, bytes gained {r['bytes_gained']}"
+    if section == "invariance":
+        return f"{what}: {r['agree']} of {r['problems']} problems agree" + (f", ok={r['ok']}" if r["ok"] is not None else "")
     if section == "attention":
         return f"{what}: " + ", ".join(f"{v} skipped" if "skipped" in r[v] else
                                        f"{v} {r[v]['step_ms']:.1f} ms/step {r[v]['kv_bytes_read'] / 1e9:.2f} GB"
@@ -176,7 +180,7 @@ def describe(section: str, r: dict) -> str:
 def table(report: dict) -> str:
     """Every result, one line each, grouped by section."""
     lines = ["", f"gpu_check on {report['device']} ({report['dtype']}), {report.get('elapsed_s', 0):.0f} s:"]
-    for section in ("roofline", "logits", "numerics", "attention", "decode", "vllm", "memory", "devices", "problems", "tp"):
+    for section in ("roofline", "logits", "numerics", "attention", "decode", "vllm", "memory", "devices", "invariance", "problems", "tp"):
         found = report.get(section)
         if found is None:
             continue

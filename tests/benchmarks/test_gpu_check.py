@@ -49,6 +49,8 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
         assert d["roofline_tokens_per_s"] == pytest.approx(d["rows"] * bandwidth / d["step_bytes"])
         assert d["of_roofline"] == pytest.approx(d["tokens_per_s"] / d["roofline_tokens_per_s"])
     assert all(d["skipped"] == "CUDA graphs need a GPU" for d in report["decode"] if d["cuda_graphs"])
+    (invariance,) = report["invariance"]  # two `kvrescue run --deterministic` processes, at --batch 1 and 4
+    assert invariance["deterministic"] and invariance["ok"] and invariance["agree"] == invariance["problems"] == 4
     runs = {(p["method"], p["cuda_graphs"]): p for p in report["problems"] if not p.get("warm_up")}
     assert set(runs) == {("bon", True), ("bon", False), ("full", False), ("kvrescue", False), ("kvrescue", True)}
     assert runs[("bon", True)]["skipped"] == runs[("kvrescue", True)]["skipped"] == "CUDA graphs need a GPU"
@@ -82,10 +84,12 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     # one flushed progress line per measurement, then the table repeats every one of them
     progress = [line for line in lines if line.startswith("[")]
     assert len(progress) == (2 + len(report["numerics"]) + len(report["attention"]) + len(report["decode"])
-                             + len(report["vllm"]) + len(report["memory"]) + len(report["devices"]) + len(report["problems"]))
+                             + len(report["vllm"]) + len(report["memory"]) + len(report["devices"])
+                             + len(report["invariance"]) + len(report["problems"]))
     table = lines[len(progress):]
     assert sum(" tok/s " in line for line in table) == len(measured)
     assert any("full graphs=off: 4 problems" in line for line in table)
+    assert "traces at --batch 1/4 --deterministic: 4 of 4 problems agree, ok=True" in "\n".join(table)
     assert sum("engine vs vLLM" in line and "skipped (gpu_check's vllm section needs vLLM" in line
                for line in table) == 4
 
@@ -94,7 +98,7 @@ def test_budget_bounds_every_section(tmp_path):
     report, lines = gpu_check(tmp_path, "--budget-s", "0")
     records = [report["roofline"], report["logits"], *report["decode"], *report["problems"]]
     assert len(records) == 2 + 20 + 6
-    records += [*report["numerics"], *report["memory"]]
+    records += [*report["numerics"], *report["memory"], *report["invariance"]]
     reasons = {r["skipped"].split(":")[0] for r in records}
     assert reasons == {"not started", "CUDA graphs need a GPU"}
     assert all(r["of_roofline"] is None for r in report["decode"] if "of_roofline" in r)
