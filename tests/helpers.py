@@ -11,6 +11,9 @@ from pathlib import Path
 import orjson
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
+# How long a test waits for a subprocess run's first trace or for it to end: generous, as it only bounds a failure
+# (on a 2-core AVX2 machine with the suite's other processes, a TP group's first trace took over 300 s).
+RUN_WAIT_S = 900
 KVRESCUE = str(Path(sys.executable).parent / "kvrescue")  # the console script installed beside this python
 # (a, b) of the tiny problem files: "What is a + b? Let x be the answer.", answer a + b
 PAIRS = ((1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1))

@@ -14,7 +14,7 @@ import pytest
 from kvrescue_cli.data import Problem
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.workers import WorkQueue, resolve_devices
-from tests.helpers import KVRESCUE, PAIRS, kvrescue, small_cell, small_grid, tiny_problems, traces_of
+from tests.helpers import KVRESCUE, PAIRS, RUN_WAIT_S, kvrescue, small_cell, small_grid, tiny_problems, traces_of
 
 MANY = 20  # problems of `many_problems`
 # `--batch 1`: each problem decodes alone, so its traces do not depend on which problems a worker happens to
@@ -166,7 +166,7 @@ def actor_pids(root: int) -> list[int]:
 
 
 def wait_for_traces(out: Path, process: subprocess.Popen, lines: int) -> bytes:
-    deadline = time.time() + 300
+    deadline = time.time() + RUN_WAIT_S
     while time.time() < deadline and process.poll() is None:
         found = list(out.glob("tiny/*/traces.jsonl"))
         if found and found[0].read_bytes().count(b"\n") >= lines:
@@ -184,7 +184,7 @@ def test_two_actors_on_two_nodes_survive_a_sigkill_and_give_the_in_process_trace
     victims = actor_pids(os.getpid())
     assert len(victims) == 2
     os.kill(victims[0], signal.SIGKILL)
-    out, err = process.communicate(timeout=600)
+    out, err = process.communicate(timeout=RUN_WAIT_S)
     assert process.returncode == 0, err.decode()[-3000:]
     err = err.decode()
     assert f"pid {victims[0]}) died (The actor is dead" in err and "last problem given:" in err, err[-3000:]
@@ -207,13 +207,13 @@ def test_a_lost_node_costs_only_its_actor_and_the_others_finish_the_run(problems
     process = subprocess.Popen(command(problems, models, tmp_path, "--devices", "cpu,cpu,cpu", "--ray-address",
                                        cluster.address, "--max-steps", "20"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
+    deadline = time.time() + RUN_WAIT_S
     while not list(tmp_path.glob("tiny/kvrescue-*/config.json")) and process.poll() is None and time.time() < deadline:
         time.sleep(0.05)  # config.json is written once every actor is ready, as the cell starts
     executor = orjson.loads(next(tmp_path.glob("tiny/kvrescue-*/config.json")).read_bytes())["environment"]["executor"]
     (lost,) = [worker for worker in executor["workers"] if worker["node_id"] == doomed.node_id]
     cluster.remove_node(doomed, allow_graceful=False)  # its actor's replacement finds no free CPU
-    _, err = process.communicate(timeout=600)
+    _, err = process.communicate(timeout=RUN_WAIT_S)
     assert process.returncode == 0, err.decode()[-3000:]
     assert f"({lost['node_id'][:8]}), pid {lost['pid']}) died (" in err.decode(), err.decode()[-3000:]
     assert sorted(t["idx"] for t in traces_of(tmp_path)) == list(range(4))  # every problem exactly once
@@ -224,7 +224,7 @@ def test_ctrl_c_stops_every_actor_and_the_private_ray_instance_and_the_run_resum
                                                                                    tmp_path):
     process = subprocess.Popen(command(many_problems, models, tmp_path, "--devices", "cpu,cpu"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.time() + 300  # both actors up (Ray renames an actor's process once it exists), then a trace
+    deadline = time.time() + RUN_WAIT_S  # both actors up (Ray renames an actor's process once it exists), then a trace
     while time.time() < deadline and process.poll() is None and len(actor_pids(process.pid)) < 2:
         time.sleep(0.05)
     assert len(actor_pids(process.pid)) == 2, process.poll()

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from kvrescue_cli.engine.loader import resolve_dtype
-from tests.helpers import KVRESCUE, kvrescue, kvrescue_run, read_folder, small_grid
+from tests.helpers import KVRESCUE, RUN_WAIT_S, kvrescue, kvrescue_run, read_folder, small_grid
 
 METHODS = ("kvrescue", "interleave", "bon", "full", "helper")
 SMALL = ["--max-step-tokens", "12", "--max-steps", "12", "--context-cap", "320", "--budget", "16",
@@ -210,7 +210,7 @@ def test_killed_run_resumes_with_one_line_per_problem(problems, qwen2_dir, llama
     args = [KVRESCUE, "run", "--bench", str(problems), "--method", "kvrescue", "--n", "2", "--base", str(qwen2_dir),
             "--helper", str(llama_dir), "--prm", str(prm_dir), "--out", str(tmp_path), *SMALL]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
+    deadline = time.time() + RUN_WAIT_S
     traces = None
     while time.time() < deadline and process.poll() is None:
         found = list(tmp_path.glob("tiny/*/traces.jsonl"))

@@ -126,7 +126,7 @@ def test_tp_without_a_process_group_is_a_load_error(checkpoints):
 
 
 # -- whole runs: `--devices cpu,cpu --tp 2` is one group of two ranks ------------------------------------
-from tests.helpers import ROOT, kvrescue, small_cell, small_grid, sums, traces_of  # noqa: E402
+from tests.helpers import ROOT, RUN_WAIT_S, kvrescue, small_cell, small_grid, sums, traces_of  # noqa: E402
 from tests.test_workers import command, comparable, descendants, models, problems  # noqa: E402,F401
 
 METHODS = ["--method", "kvrescue,bon,full", "--dtype", "float32"]  # exact up to float rounding in fp32
@@ -176,14 +176,14 @@ def test_a_killed_rank_fails_its_group_which_is_restarted(one_device, problems, 
     process = subprocess.Popen(command(more, models, out, "--devices", "cpu,cpu", "--tp", "2", "--dtype", "float32",
                                        "--ray-address", cluster.address, "--batch", "1"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
+    deadline = time.time() + RUN_WAIT_S
     while not any(path.read_bytes() for path in out.glob("tiny/*/traces.jsonl")):
         assert time.time() < deadline and process.poll() is None, "no trace written"
         time.sleep(0.05)
     (follower,) = [pid for pid in descendants(os.getpid())
                    if b"kvrescue_cli.rank_follower" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     os.kill(follower, signal.SIGKILL)
-    _, err = process.communicate(timeout=600)
+    _, err = process.communicate(timeout=RUN_WAIT_S)
     err = err.decode()
     assert process.returncode == 0, err[-3000:]
     assert "died" in err and "starting a new worker for its group" in err, err[-3000:]
