@@ -2,11 +2,10 @@
 this device? On a GPU its kernel settings (flash-attn with one KV split, cuBLAS without split-K) are untested until
 this runs (docs/reproducibility.md). `kvrescue run`, a fresh process per run (cuBLAS reads its workspace settings
 at a process's first product), decodes 8 problems of kvrescue on a random Qwen2 checkpoint written for the section
-at `--batch 1` and `--batch 8`, without and then with `--deterministic` (with `--tiny` only with it), in the
-check's dtype; each record counts
-the problems whose traces (committed steps, every candidate's text, the output) agree (with `--tiny`: 4 problems,
-`--batch 1` and `--batch 4`). On a GPU older than
-Hopper, `--deterministic` is refused and its record says so."""
+at `--batch 1` and `--batch 8`, without and then with `--deterministic`, in the check's dtype; each record counts
+the problems whose traces (committed steps, every candidate's text, the output) agree. With `--tiny`: 4 problems at
+`--batch 1` and `--batch 4`, with `--deterministic` only. On a GPU older than Hopper, `--deterministic` is refused
+and its record says so."""
 
 from __future__ import annotations
 
@@ -32,9 +31,9 @@ RUN = ["--method", "kvrescue", "--n", "2", "--budget", "16", "--max-steps", "2",
 def run_traces(model: Path, problems: Path, out: Path, device: str, dtype: str, batch: int, deterministic: bool,
                timeout_s: float) -> list[tuple]:
     """Each problem's trace, as compared (idx, steps, candidates' texts, output), of one `kvrescue run`."""
-    command = [sys.executable, "-c", "from kvrescue_cli.cli import app; app()", "run", "--base", str(model),
-               "--helper", str(model), "--bench", str(problems), *RUN, "--devices", device, "--dtype", dtype,
-               "--batch", str(batch), "--out", str(out), *(["--deterministic"] if deterministic else [])]
+    command = [sys.executable, "-c", "import sys; from kvrescue_cli.cli import app; sys.argv[0] = 'kvrescue'; app()",
+               "run", "--base", str(model), "--helper", str(model), "--bench", str(problems), *RUN, "--devices", device,
+               "--dtype", dtype, "--batch", str(batch), "--out", str(out), *(["--deterministic"] if deterministic else [])]
     done = subprocess.run(command, capture_output=True, timeout=max(timeout_s, 1.0))
     if done.returncode != 0:
         raise RuntimeError(done.stderr.decode().strip().splitlines()[-1])

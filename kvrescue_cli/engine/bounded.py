@@ -296,7 +296,6 @@ class BoundedCache(KVCache):
         is scored on its own entries and queries alone, so the slicing changes no kept position."""
         rows = np.asarray(rows, np.int64)
         n_layers, _, h_kv, _, _ = self.k.shape
-        group = self.q.shape[2] // h_kv  # query heads per KV head
         lengths = self.row_physical[rows]
         for length in np.unique(lengths).tolist():
             equal = rows[lengths == length]
@@ -307,11 +306,14 @@ class BoundedCache(KVCache):
                 for layer in range(0, n_layers, cut.layers):
                     for head in range(0, h_kv, cut.kv_heads):
                         layers, heads = slice(layer, layer + cut.layers), slice(head, head + cut.kv_heads)
-                        self._compress(slots, length, layers, heads, slice(head * group, (head + cut.kv_heads) * group))
+                        self._compress(slots, length, layers, heads)
                 self.row_physical[part] = self.budget
 
-    def _compress(self, slots: torch.Tensor, length: int, layers: slice, heads: slice, queries: slice) -> None:
-        """Keep `budget` of the first `length` entries of these slots' layers and KV heads (their query heads)."""
+    def _compress(self, slots: torch.Tensor, length: int, layers: slice, heads: slice) -> None:
+        """Keep `budget` of the first `length` entries of these slots' layers and KV heads (scored with the queries
+        of their query heads)."""
+        group = self.q.shape[2] // self.k.shape[2]  # query heads per KV head
+        queries = slice(heads.start * group, heads.stop * group)
         keys = self.k[layers, slots, heads, :length]
         received = None if self.received is None else self.received[layers, slots, heads, :length]
         kept = keep_positions(self.evictor, keys, self.q[layers, slots, queries], self.budget, received)

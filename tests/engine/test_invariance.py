@@ -245,21 +245,22 @@ def test_every_flash_attn_call_takes_one_kv_split_with_the_mode_on(on, monkeypat
     assert set(splits["paged"]) == set(splits["static"]) == {1 if on else 0}
 
 
-@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
-def test_on_cuda_the_mode_turns_cublas_split_k_off_and_refuses_gpus_before_hopper(capability, monkeypatch):
-    """`prepare_cuda`: cuBLAS's workspace settings without split-K (vLLM's on Hopper and Blackwell), no
-    reduced-precision reduction, IEEE fp32 products, cuBLASLt; on an Ampere GPU a one-line refusal, nothing set."""
+@pytest.fixture
+def matmul():
+    """torch.backends.cuda.matmul, its reduction settings restored afterwards (monkeypatch cannot: they are read
+    through the module's __getattr__)."""
     matmul = torch.backends.cuda.matmul
     names = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction", "fp32_precision")
     saved = {name: getattr(matmul, name) for name in names}
-    try:
-        prepared(capability, monkeypatch, matmul)
-    finally:
-        for name, value in saved.items():
-            setattr(matmul, name, value)
+    yield matmul
+    for name, value in saved.items():
+        setattr(matmul, name, value)
 
 
-def prepared(capability, monkeypatch, matmul):
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
+def test_on_cuda_the_mode_turns_cublas_split_k_off_and_refuses_gpus_before_hopper(capability, monkeypatch, matmul):
+    """`prepare_cuda`: cuBLAS's workspace settings without split-K (vLLM's on Hopper and Blackwell), no
+    reduced-precision reduction, IEEE fp32 products, cuBLASLt; on an Ampere GPU a one-line refusal, nothing set."""
     for name in invariance.CUBLAS_ENV:
         monkeypatch.delenv(name, raising=False)
     blas = []
@@ -334,7 +335,7 @@ def test_in_fp32_too_batch_1_and_8_write_the_same_traces(eight, models, tmp_path
 def test_smollm2_as_a_new_user_runs_it_writes_the_same_traces_at_batch_1_and_4(tmp_path):
     """The real model, as a new user runs it, on 4 of the 8 problems, one step each, in the dtype `--dtype auto`
     takes on this CPU: bf16 where it has native bf16 matmuls, else fp32. Without --deterministic the two batches'
-    traces differ in both (in bf16 0 of 4 agree)."""
+    traces differ in both (checked in fp32; in bf16 with two steps, 0 of 4 agreed)."""
     model = str(smollm2_folder())
     four = tiny_problems(tmp_path / "tiny.jsonl", [(a, b) for a, b in zip(range(1, 5), (7, 123456, 42, 9))])
     args = ["--method", "kvrescue", "--n", "2", "--max-step-tokens", "24", "--max-steps", "1", "--context-cap", "512",
