@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/attention_bench.py                 # CPU: 1 of 28 layers
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/attention_bench.py --end-to-end    # + `full` runs, N = 8
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/attention_bench.py --deterministic --dtype bfloat16 \
+        --contexts 256,512,1024,2048 --problems 1,8 --step 32                        # batch-invariant kernels
     python benchmarks/attention_bench.py --device cuda --layers 28                   # a GPU (gpu_check calls it)
 
 Attention: the helper's shape (Qwen2.5-Math-1.5B: 28 layers, 12 query / 2 KV heads, head dim 128), a
@@ -12,8 +14,9 @@ the cache; no model). On the CPU only `--layers` layers are held (default 1: the
 - gather: the former `FullCache.attend` (every row's blocks copied into a tensor padded to the longest
   row, then masked SDPA; `tests/gather_reference.py`);
 - paged: `FullCache(cascade_from=None)`: each row's own blocks through the block table;
-- cascade: `FullCache(cascade_from=0)`: each problem's shared prefix read once for its N candidates,
-  merged by lse (by default the cache cascades only from CASCADE_FROM shared tokens re-read).
+- cascade: `FullCache(cascade_from=0, group_cascade_from=0)`: each problem's shared prefix read once for its N
+  candidates, merged by lse (by default the cache cascades only from CASCADE_FROM shared tokens re-read, with
+  `--deterministic` a problem from GROUP_CASCADE_FROM of its own).
 KV bytes read per step (all 28 layers) are counted from the blocks each variant addresses: gather the
 padded [rows, longest row] table, paged and cascade each sequence's blocks (a shared prefix once per
 group). flash-attn reads them in place; the torch paths copy what they read (in chunks of
@@ -47,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.gather_reference: the former path, kept as test code
 
 from kvrescue_cli.cell_engine import CellParts  # noqa: E402
+from kvrescue_cli.engine import invariance  # noqa: E402
 from kvrescue_cli.engine.caches import FullCache, block_size_for  # noqa: E402
 from kvrescue_cli.engine.sampling import SamplingParams  # noqa: E402
 from kvrescue_cli.grid import grid_options  # noqa: E402
@@ -73,8 +77,8 @@ def filled_cache(cascade_from: int | None, problems: int, n: int, context: int, 
     kv_heads, dim = HELPER["kv_heads"], HELPER["head_dim"]
     blocks = problems * (-(-context // bs) + n * (-(-step // bs) + 3))
     cache = FullCache(layers, kv_heads, dim, blocks, max_rows=problems * (n + 1),
-                      max_row_tokens=context + step + 2 * bs, block_size=bs, cascade_from=cascade_from, dtype=dtype,
-                      device=device)
+                      max_row_tokens=context + step + 2 * bs, block_size=bs, cascade_from=cascade_from,
+                      group_cascade_from=0, dtype=dtype, device=device)
     generator = torch.Generator(device).manual_seed(0)
 
     def fill(rows: list[int], tokens: int) -> None:
@@ -212,14 +216,18 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=64, help="tokens each candidate holds of its current step")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-gib", type=float, default=2.0)
+    parser.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on a GPU")
+    parser.add_argument("--deterministic", action="store_true", help="batch-invariant kernels (engine/invariance.py)")
     parser.add_argument("--end-to-end", action="store_true")
     parser.add_argument("--problems-e2e", type=int, default=2)
     parser.add_argument("--synthetic-steps", default="32:16", help="LEN:COUNT of the end-to-end runs' steps")
     args = parser.parse_args()
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.float32 if args.device == "cpu" else torch.bfloat16
+    invariance.enable(args.deterministic)
     layers = args.layers or (1 if args.device == "cpu" else HELPER["layers"])
     table = Table(title=f"attention_bench: helper shape, {layers} of 28 layers held, N = {args.n}, "
-                        f"{torch.get_num_threads()} threads, {args.device} {str(dtype).removeprefix('torch.')}")
+                        f"{torch.get_num_threads()} threads, {args.device} {str(dtype).removeprefix('torch.')}"
+                        + (", --deterministic" if args.deterministic else ""))
     for column in ("context", "problems", "variant", "ms/layer", "begin ms", "step ms (28 layers)", "KV GB/step",
                    "x gather"):
         table.add_column(column, justify="right")

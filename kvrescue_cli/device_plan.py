@@ -19,10 +19,11 @@ from kvrescue_cli.vllm_engine.shares import engine_shares
 
 
 def device_kind(options: GridOptions, device: str) -> planner.DeviceKind:
-    """How the engine computes on `device` for the planner: its kernels follow the device, dtype and flash-attn."""
+    """How the engine computes on `device` for the planner: its kernels follow the device, dtype, flash-attn and
+    --deterministic."""
     cuda, size = is_gpu(device), dtype_bytes(options.dtype)
     flash = cuda and size == 2 and importlib.util.find_spec("flash_attn") is not None
-    return planner.DeviceKind(cuda, size, flash, options.cuda_graphs, options.tp)
+    return planner.DeviceKind(cuda, size, flash, options.cuda_graphs, options.tp, options.deterministic)
 
 
 def memory_plan(options: GridOptions, device: str = "cuda:0", batch: int | None = None) -> planner.DevicePlan | None:

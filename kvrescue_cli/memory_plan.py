@@ -28,9 +28,9 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError
 from kvrescue_cli.scorers import HELPER_LOGLIK, PRM
-from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, FLASH_BLOCK, LOGITS_BYTES, OBSERVATION_WINDOW,
-                                 PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, compress_slice, local_args,
-                                 shard_degree)
+from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, FLASH_BLOCK, GROUP_CASCADE_FROM, LOGITS_BYTES,
+                                 OBSERVATION_WINDOW, PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, compress_slice,
+                                 local_args, shard_degree)
 
 GIB = 2**30
 PROMPT_TOKENS = 512  # the longest prompt planned for (MATH-500's chat prompts stay below 400 tokens)
@@ -68,6 +68,7 @@ class DeviceKind:
     flash: bool = False  # flash-attn serves the full caches (and the static decode step)
     cuda_graphs: bool = False  # the evicted base's decode step is captured
     tp: int = 1
+    invariant: bool = False  # --deterministic: each group of candidates cascades by its own prefix
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class Keys:
     path: str  # masked (the bounded cache: SDPA over the gathered rows), rows (the full cache's CPU path: whole rows
     # padded to the longest), chunks (its torch path on a GPU) or flash
     keys: int  # cached + new keys of the longest row
-    groups: int = 0  # the rows are candidates forked from this many committed rows (cascade attention's groups)
+    groups: int = 0  # the rows are candidates forked from this many committed rows, read through cascade attention
     shared: int = 0  # tokens of each group's shared prefix
 
 
@@ -138,8 +139,7 @@ def attention_bytes(a: ModelArgs, b: int, rows: int, tokens: int, k: Keys, cuda:
                                         + rows * hq * (2 * OBSERVATION_WINDOW + tokens) * hd * b)  # the query ring
     if k.path == "flash":
         return 0, out
-    group = rows // max(k.groups, 1)
-    cascade = k.groups and k.groups * (group - 1) * k.shared >= CASCADE_FROM
+    cascade = k.groups > 0
     own = k.keys - k.shared + FULL_BLOCK if cascade else k.keys  # a row's keys past the shared blocks
     if k.path == "rows":
         held = rows * tokens * own * b  # the visibility bias
@@ -154,6 +154,14 @@ def attention_bytes(a: ModelArgs, b: int, rows: int, tokens: int, k: Keys, cuda:
         shared = 2 * k.groups * hkv * k.shared * hd * b + 2 * out
         kernel = max(kernel, 2 * out + shared + 3 * rows * hq * tokens * hd * FP32)
     return held, kernel
+
+
+def cascade_shared(groups: int, group: int, invariant: bool) -> int:
+    """The fewest shared tokens from which a forward of `groups` groups of `group` candidates each reads their shared
+    prefixes through cascade attention (engine/caches.py's `FullCache._cascading`): re-read CASCADE_FROM times
+    over the forward, or with `invariant` (--deterministic) GROUP_CASCADE_FROM times by each group alone."""
+    re_read = GROUP_CASCADE_FROM if invariant else -(-CASCADE_FROM // groups)
+    return -(-re_read // (group - 1))
 
 
 def forward_bytes(a: ModelArgs, b: int, rows: int, tokens: int, keys: Keys, head: str, vocab: int,
@@ -254,12 +262,14 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
 
     def forked(r: _Role, rows: int, tokens: int, path: str, keys: int, block: int, head: str = "last") -> int:
         """A forward of candidates forked from `s.batch` committed rows, at its longest context (cascading over
-        their shared prefix) or the longest that does not cascade."""
+        their shared prefix from `cascade_shared` tokens) or the longest that does not cascade."""
         group = rows // s.batch
-        longest = fwd(r, rows, tokens, Keys(path, keys, s.batch, keys - tokens), head)
         if group < 2:
-            return longest
-        below = (-(-CASCADE_FROM // (s.batch * (group - 1))) - 1) // block * block  # shared tokens that do not
+            return fwd(r, rows, tokens, Keys(path, keys), head)
+        start = cascade_shared(s.batch, group, dev.invariant)
+        longest = fwd(r, rows, tokens, Keys(path, keys, s.batch, keys - tokens) if keys - tokens >= start
+                      else Keys(path, keys), head)
+        below = (start - 1) // block * block  # shared tokens that do not cascade
         return max(longest, fwd(r, rows, tokens, Keys(path, min(keys, blocks(below + tokens, block))), head))
 
     loaded: set[str] = set()

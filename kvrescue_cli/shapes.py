@@ -18,8 +18,10 @@ SIMILARITY_ROWS = 1024  # rows of R-KV's key-similarity matrix scored at once (a
 PRM_WINDOW = 4096  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)
 FLASH_BLOCK = 256  # flash-attn's paged KV cache takes blocks of a multiple of 256 tokens
 CHUNK_TOKENS = 128  # keys per unit of work of the torch paged path (whole blocks)
-# Cascade when a forward's rows would otherwise re-read at least this many shared tokens (engine/caches.py says why).
+# Cascade when a forward's rows would otherwise re-read at least this many shared tokens (engine/caches.py says why);
+# with batch invariance on, a group of rows cascades when it alone would re-read GROUP_CASCADE_FROM.
 CASCADE_FROM = 1024
+GROUP_CASCADE_FROM = 3584
 SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longer query sets are sliced
 LOGITS_BYTES = 1 << 28  # bound on the fp32 logits helper-loglik's log-likelihoods hold at once
 

@@ -255,3 +255,27 @@ def test_cost_and_run_plan_alike(tmp_path):
     plan = device_plan.memory_plan(options, "cuda:0")
     assert cost["device_bytes"] == plan.total
     assert {m["role"]: m["kv_bytes"] for m in cost["devices"]} == {role: plan.bytes(role, "kv") for role in plan.roles}
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "deterministic"])
+def test_the_plan_cascades_where_the_full_cache_does(invariant):
+    """The planner's `cascade_shared` against `FullCache`'s choice for forwards of `batch` problems' n candidates
+    over `shared` cached tokens each (whole blocks), without and with --deterministic's per-problem rule."""
+    import torch
+
+    from kvrescue_cli.engine import invariance
+    from kvrescue_cli.engine.caches import FullCache
+
+    invariance.enable(invariant)
+    try:
+        for batch, n, shared in [(1, 8, 144), (1, 8, 160), (8, 8, 16), (8, 8, 32), (2, 4, 512), (1, 8, 512),
+                                 (1, 8, 496), (1, 2, 3584), (1, 2, 3568), (4, 3, 1792), (4, 3, 1776)]:
+            cache = FullCache(1, 1, 8, 8192, max_rows=80, max_row_tokens=4096, block_size=16)
+            parents = [cache.create() for _ in range(batch)]
+            cache.begin(parents, [shared] * batch)
+            cache.end()
+            cache.begin([c for p in parents for c in cache.fork(p, n)], [1] * batch * n)
+            planned = shared >= memory_plan.cascade_shared(batch, n, invariant)
+            assert (cache.fwd.shared is not None) == planned, (batch, n, shared)
+    finally:
+        invariance.enable(False)

@@ -15,7 +15,7 @@ import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.attention import (FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys,
                                            ROWS_PADDING, paged_layout, use_flash)
 from kvrescue_cli.engine.transfer import upload_all
-from kvrescue_cli.shapes import CASCADE_FROM
+from kvrescue_cli.shapes import CASCADE_FROM, GROUP_CASCADE_FROM
 
 
 class KVCache(ABC):
@@ -74,6 +74,11 @@ class KVCache(ABC):
 # (attention_bench, helper shape, N = 8, both passes in SDPA's CPU flash kernel: cascade 0.7x the paged time at
 # a 64-token prefix, i.e. 448 re-read per problem, 1.2x at 128 with one problem, 0.93x at 64 with 8 problems,
 # 1.4x at 128). On a GPU the extra kernels' fixed cost is what matters; gpu_check's attention section measures it.
+# With batch invariance on, whether a row cascades must not depend on the rows beside it, so each group decides
+# from its own rows: from GROUP_CASCADE_FROM (shapes.py) re-read, N = 8 over a 512-token prefix. On a CPU, whose
+# invariant attention reads whole 512-key blocks (a cascading row reads one block more), cascade ran at 1.0x the
+# paged speed there with 1 problem and 1.2x with 8; 0.6x and 1.0x at 256 tokens; 2.3x and 2.7x at 1,024
+# (attention_bench --deterministic, docs/benchmarks.md).
 
 
 TORCH_BLOCK = 16  # tokens per block of a full cache on the torch attention path
@@ -109,6 +114,12 @@ class _Groups:
     sizes: np.ndarray   # [G] rows per group
     shared: np.ndarray  # [G] full blocks all rows of the group hold in common
 
+    def select(self, keep: np.ndarray) -> "_Groups | None":
+        """The groups where `keep` [G] (None: none)."""
+        if not keep.any():
+            return None
+        return _Groups(self.rows[np.repeat(keep, self.sizes)], self.sizes[keep], self.shared[keep])
+
 
 @dataclass
 class _PagedForward:
@@ -135,7 +146,8 @@ class FullCache(KVCache):
     blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
     attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
     another, and the two results are merged exactly by their log-sum-exp. `cascade_from`: the shared tokens
-    a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never).
+    a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never); with
+    batch invariance on, each group cascades alone when its rows would re-read `group_cascade_from`.
     `rows_padding`: on a CPU, rows are read whole, padded to the longest, when that reads at most this many times
     the blocks of the chunks (0: always in chunks; inf: always whole).
     """
@@ -151,6 +163,7 @@ class FullCache(KVCache):
         max_row_tokens: int = 8192,
         block_size: int = 16,
         cascade_from: int | None = CASCADE_FROM,
+        group_cascade_from: int = GROUP_CASCADE_FROM,
         rows_padding: float = ROWS_PADDING,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
@@ -158,6 +171,7 @@ class FullCache(KVCache):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.cascade_from = cascade_from
+        self.group_cascade_from = group_cascade_from
         self.rows_padding = rows_padding
         self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -274,10 +288,7 @@ class FullCache(KVCache):
         self.table[rows_np[which], n_blocks[which] + _ranks(grow)] = new
         self.n_blocks[rows_np] += grow
         self.lengths[rows_np] += n_np
-        cascade = self.cascade_from is not None and not invariance.active(self.k)  # a group depends on the batch
-        groups = self._shared_prefixes(rows_np, lengths) if cascade else None
-        if groups is not None and (groups.shared * bs * (groups.sizes - 1)).sum() < (self.cascade_from or 0):
-            groups = None  # too little re-reading saved to pay for the extra pass
+        groups = self._cascading(rows_np, lengths)
         host = self._forward_arrays(rows_np, lengths, n_np, groups)
         host["cow_src"], host["cow_dst"] = cow_src, cow_dst
         dev = upload_all(host, self.k.device)  # the forward's one copy; nothing here waits for the device
@@ -343,6 +354,19 @@ class FullCache(KVCache):
             host["grouped_rows"] = groups.rows
             host["grouped_slots"] = group * n + member
         return host
+
+    def _cascading(self, rows: np.ndarray, lengths: np.ndarray) -> _Groups | None:
+        """The groups of the forward's rows (`_shared_prefixes`) that read their shared blocks in a pass of their
+        own: all of them when together they would otherwise re-read `cascade_from` shared tokens, or with batch
+        invariance on, each one whose own rows would (`group_cascade_from`), so that what a row computes depends on
+        its siblings alone (a problem's candidates), never on the other rows of the forward."""
+        groups = None if self.cascade_from is None else self._shared_prefixes(rows, lengths)
+        if groups is None:
+            return None
+        re_read = groups.shared * self.block_size * (groups.sizes - 1)
+        if invariance.on():
+            return groups.select(re_read >= self.group_cascade_from)
+        return groups if re_read.sum() >= self.cascade_from else None
 
     def _shared_prefixes(self, rows: np.ndarray, lengths: np.ndarray) -> _Groups | None:
         """Groups of the forward's rows (indices into `rows`) holding the same first block, in the order of their

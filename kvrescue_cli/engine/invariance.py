@@ -58,14 +58,19 @@ def prepare_cuda(device: str) -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt")
 
 
+def on() -> bool:
+    """Whether the mode is on in this process (on any device)."""
+    return _on[0]
+
+
 def flash_splits() -> int:
     """flash-attn's `num_splits`: one KV split with the mode on, else 0 (its heuristic, which follows the batch)."""
-    return 1 if _on[0] else 0
+    return 1 if on() else 0
 
 
 def active(x: torch.Tensor) -> bool:
     """Whether the mode governs an op on `x`: it is on, and x is on a CPU."""
-    return _on[0] and x.device.type == "cpu"
+    return on() and x.device.type == "cpu"
 
 
 def padded_keys(length: int) -> int:

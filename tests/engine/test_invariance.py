@@ -20,6 +20,7 @@ from kvrescue_cli.engine.runner import Runner
 from kvrescue_cli.engine.sampling import SamplingParams, entropy, sample
 from kvrescue_cli.engine.scoring import HelperLoglik
 from kvrescue_cli.errors import InputError
+from kvrescue_cli.fake_cuda import FakeCuda
 from kvrescue_cli.grid import grid_options
 from kvrescue_cli.search import SearchSettings
 from kvrescue_cli.smollm import smollm2_folder
@@ -136,6 +137,75 @@ def test_a_bounded_caches_rows_attend_alike_in_any_batch(invariant, dtype):
 def test_a_full_caches_rows_attend_alike_in_any_batch(invariant, dtype, cascade_from):
     cache = FullCache(1, HKV, D, 512, max_rows=32, max_row_tokens=1024, cascade_from=cascade_from, dtype=dtype)
     assert probe_cache(cache, dtype, forks=3) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_problems_candidates_cascade_by_their_own_prefix_and_attend_alike_beside_any_rows(invariant, dtype):
+    """With the mode on (any device), a problem's candidates (forks of its committed row) read their shared prefix in
+    a pass of their own exactly when they alone would re-read `group_cascade_from` of it, and attend alike whatever
+    rows share the forward. Problem A: 4 candidates over 592 shared tokens (1,776 re-read) cascade; problem B: 2
+    over 288 (288 re-read) do not, alone or beside A (whose re-reading, summed with B's, the rule off the mode
+    counts for the whole forward)."""
+    torch.manual_seed(2)
+    rand = lambda *s: torch.randn(*s).to(dtype)  # noqa: E731
+    cache = FullCache(1, HKV, D, 1024, max_rows=64, max_row_tokens=1024, group_cascade_from=1024, dtype=dtype)
+    roots = {}
+    for name, n in (("A", 600), ("B", 300), ("lone", 200)):
+        roots[name] = cache.create()
+        cache.begin([roots[name]], [n])
+        cache.attend(0, rand(1, H, n, D), rand(1, HKV, n, D), rand(1, HKV, n, D))
+        cache.end()
+    forks = {"A": 4, "B": 2, "lone": 1}
+    queries = {name: rand(forks[name], H, 40, D) for name in forks}
+    keys = {name: (rand(forks[name], HKV, 40, D), rand(forks[name], HKV, 40, D)) for name in forks}
+
+    def forward(names: list[str], t: int, t_max: int) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """Each problem's outputs (its first t new tokens) and the problems whose rows cascaded."""
+        rows = [row for name in names for row in cache.fork(roots[name], forks[name])]
+        owner = [name for name in names for _ in range(forks[name])]
+        cache.begin(rows, [t if name == names[0] else t_max for name in owner])
+        q = torch.cat([queries[name][..., :t_max, :] for name in names])
+        k, v = (torch.cat([keys[name][i][..., :t_max, :] for name in names]) for i in (0, 1))
+        shared = cache.fwd.shared
+        cascaded = set() if shared is None else {owner[i] for i in shared.rows.tolist()}
+        out = cache.attend(0, q, k, v)
+        cache.end()
+        cache.release(rows)
+        first = [i for i, name in enumerate(owner) if name == names[0]]
+        return {names[0]: out[first, :, :t].clone()}, cascaded
+
+    for t in (1, 5):
+        alone, cascaded = forward(["A"], t, t)
+        assert cascaded == {"A"}
+        for others in (["B"], ["lone"], ["B", "lone"]):
+            for t_max in {t, 7, 40}:
+                beside, cascaded = forward(["A", *others], t, t_max)
+                assert cascaded == {"A"} and torch.equal(beside["A"], alone["A"]), (others, t, t_max)
+        b_alone, cascaded = forward(["B"], t, t)
+        assert cascaded == set()
+        b_beside, cascaded = forward(["B", "A"], t, 7)
+        assert cascaded == {"A"} and torch.equal(b_beside["B"], b_alone["B"])
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_on_a_gpu_too_the_mode_cascades_each_problem_by_its_own_prefix(on):
+    """On a CUDA device (emulated: FakeCuda, no values, the decisions are the host's) the groups that cascade: with the
+    mode on, A's candidates alone (B's re-read 288 < 1,024); off it, both, the forward's 2,064 re-read tokens passing
+    CASCADE_FROM together."""
+    invariance.enable(on)
+    try:
+        with FakeCuda():
+            cache = FullCache(1, HKV, D, 1024, max_rows=64, max_row_tokens=1024, block_size=16,
+                              group_cascade_from=1024, dtype=torch.bfloat16, device="cuda:0")
+            roots = []
+            for n in (600, 300):
+                roots.append(cache.create())
+                cache.begin(roots[-1:], [n])
+                cache.end()
+            cache.begin(cache.fork(roots[0], 4) + cache.fork(roots[1], 2), [1] * 6)
+            assert tuple(cache.fwd.shared.members.shape) == ((1, 4) if on else (2, 4))
+    finally:
+        invariance.enable(False)
 
 
 # An 8-problem kvrescue grid in bf16: enough candidates that a batch's rows pass 32, prompts of unequal lengths.
