@@ -24,7 +24,7 @@ from kvrescue_cli.fake_cuda import FakeCuda
 from kvrescue_cli.grid import grid_options
 from kvrescue_cli.search import SearchSettings
 from kvrescue_cli.smollm import smollm2_folder
-from tests.helpers import KVRESCUE, kvrescue, ok, read_folder, tiny_problems, traces_of
+from tests.helpers import KVRESCUE, kvrescue, ok, read_folder, tiny_problems, traces_of, write_jsonl
 from tests.test_workers import comparable, wait_for_traces
 
 H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
@@ -239,6 +239,28 @@ def test_batch_1_3_and_8_write_the_same_traces(eight, models, batch_1, batch, tm
     assert run_traces(eight, models, tmp_path, "--deterministic", "--batch", batch) == batch_1
     config, _, _ = read_folder(tmp_path, "kvrescue")
     assert config["config"]["settings"]["deterministic"] is True
+
+
+def test_problems_whose_candidates_cascade_write_the_same_traces_at_batch_1_and_4(models, tmp_path, monkeypatch):
+    """N = 8, prompts of about 700 tokens, whose candidates re-read more than GROUP_CASCADE_FROM shared tokens and
+    cascade (seen by a spy on the caches' choice), beside prompts of about 300, whose candidates do not (though with
+    another problem's they would pass it): the traces are the same at --batch 1 and 4."""
+    (tmp_path / "long").mkdir()
+    problems = write_jsonl(tmp_path / "long" / "tiny.jsonl", ({"question": f"What is {a} + {b}? " + "Let x be the answer. " * k,
+                                                      "answer": str(a + b)} for a, b, k in
+                                                     [(3, 4, 110), (12, 30, 45), (7, 7, 50), (1, 99, 120)]))
+    cascaded = []
+    choose = FullCache._cascading
+
+    def spy(cache, rows, lengths):
+        groups = choose(cache, rows, lengths)
+        cascaded.append(groups is not None)
+        return groups
+
+    monkeypatch.setattr(FullCache, "_cascading", spy)
+    args = ["--n", "8", "--context-cap", "1024", "--deterministic"]
+    runs = [run_traces(problems, models, tmp_path / batch, *args, "--batch", batch) for batch in ("1", "4")]
+    assert any(cascaded) and runs[0] == runs[1]
 
 
 def test_two_ray_actors_write_the_traces_of_one_device(eight, models, batch_1, tmp_path):
