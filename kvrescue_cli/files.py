@@ -95,10 +95,27 @@ class OutputFolder:
              purpose: str = "an output folder") -> OutputFolder:
         """`root` (created with its parents when missing), then each folder name of `below` in turn, created
         when missing and opened without following a link; `purpose` names the folder in errors."""
-        root = Path(root)
+        folder = cls._walk(Path(root), below, error, purpose, create=True)
+        assert folder is not None
+        return folder
+
+    @classmethod
+    def existing(cls, root: Path | str, below: Iterable[str] = (), *, error: type[Exception] = InputError,
+                 purpose: str = "an output folder") -> OutputFolder | None:
+        """The folder `open` opens, if it is there: nothing is created, and None when `root` or a folder of
+        `below` is missing (a link or anything else it could not open is the same error as `open`'s)."""
+        return cls._walk(Path(root), below, error, purpose, create=False)
+
+    @classmethod
+    def _walk(cls, root: Path, below: Iterable[str], error: type[Exception], purpose: str,
+              create: bool) -> OutputFolder | None:
+        missing = () if create else FileNotFoundError  # what, not creating, means "not there": None
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            if create:
+                root.mkdir(parents=True, exist_ok=True)
             fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except missing:
+            return None
         except OSError as e:
             raise _refused(root, f"cannot use as {purpose} ({e.strerror})", error) from None
         path = root
@@ -108,9 +125,13 @@ class OutputFolder:
                 raise _refused(path, f"{name!r} is not a folder name", error)
             path = path / name
             try:
-                with suppress(FileExistsError):
-                    os.mkdir(name, 0o777, dir_fd=fd)
+                if create:
+                    with suppress(FileExistsError):
+                        os.mkdir(name, 0o777, dir_fd=fd)
                 child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except missing:
+                os.close(fd)
+                return None
             except OSError as e:
                 os.close(fd)
                 raise _refused(path, _why_not(e, "folder"), error) from None

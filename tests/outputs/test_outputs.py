@@ -237,6 +237,38 @@ def test_a_changed_problem_is_refused_on_resume(tmp_path):
     RunFolder.open(tmp_path, config(), problems={0: problem_checksum(recorded.problem, recorded.gt)}).close()
 
 
+def test_done_in_finds_what_open_would_and_writes_nothing(tmp_path):
+    """`RunFolder.done_in` (what `kvrescue run` reads to tell whether a cell has a problem left) finds the problems
+    `open` finds done and refuses what it refuses in the same words, writing nothing: a missing folder is not made,
+    a torn last line is neither warned about nor cut; with `overwrite` nothing is done."""
+    root = tmp_path / "runs"
+    path = run_dir(root, config())
+    assert RunFolder.done_in(path, config(), root=root) == set() and not root.exists()
+    problems = {i: problem_checksum(f"problem {i}", trace(i).gt) for i in range(3)}
+    with RunFolder.open(path, config(), root=root, problems=problems) as rf:
+        rf.append(trace(0))
+        rf.append(trace(1))
+    files = lambda: {f.name: f.read_bytes() for f in path.iterdir()}  # noqa: E731
+    before = files()
+
+    def refusal(read, cfg: RunConfig, changed: dict[int, str]) -> str:
+        with pytest.raises(RunFolderError) as e:
+            read(path, cfg, root=root, problems={**problems, **changed})
+        return str(e.value)
+
+    cases = [(config(seed=1), {}), (config(), {1: problem_checksum("problem 1", "2")})]
+    said = [refusal(RunFolder.done_in, cfg, changed) for cfg, changed in cases]
+    assert "different configuration (seed: 0 -> 1)" in said[0] and "problem 1 (0-based" in said[1]
+    assert said == [refusal(RunFolder.open, cfg, changed) for cfg, changed in cases] and files() == before
+    with (path / "traces.jsonl").open("ab") as f:
+        f.write(orjson.dumps(trace(2))[:57])
+    before = files()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert RunFolder.done_in(path, config(), root=root, problems=problems) == {0, 1}
+    assert RunFolder.done_in(path, config(), root=root, overwrite=True) == set() and files() == before
+
+
 def test_environment_records_the_host_and_the_code_s_git_commit_from_any_folder(tmp_path, monkeypatch):
     import kvrescue_cli
 
