@@ -395,8 +395,8 @@ class RunFolder:
 
 def _stored(folder: OutputFolder, config: RunConfig) -> tuple[dict[str, Any], dict[str, str], Any, bytes]:
     """What `folder` holds for `config`: config.json's `run` and `problems` (`checked_record`) and `environment`,
-    and the bytes of traces.jsonl. A different configuration, or traces without config.json, is a one-line `RunFolderError` asking
-    for --overwrite."""
+    and the bytes of traces.jsonl. A different configuration, or traces without config.json, is a one-line
+    `RunFolderError` asking for --overwrite."""
     path, run, checksums, recorded = folder.path, {}, {}, None
     if folder.has(CONFIG):
         stored = parse_json(folder.read(CONFIG, CONFIG_LIMIT), path / CONFIG)
