@@ -246,9 +246,9 @@ def test_problems_whose_candidates_cascade_write_the_same_traces_at_batch_1_and_
     cascade (seen by a spy on the caches' choice), beside prompts of about 300, whose candidates do not (though with
     another problem's they would pass it): the traces are the same at --batch 1 and 4."""
     (tmp_path / "long").mkdir()
-    problems = write_jsonl(tmp_path / "long" / "tiny.jsonl", ({"question": f"What is {a} + {b}? " + "Let x be the answer. " * k,
-                                                      "answer": str(a + b)} for a, b, k in
-                                                     [(3, 4, 110), (12, 30, 45), (7, 7, 50), (1, 99, 120)]))
+    rows = [{"question": f"What is {a} + {b}? " + "Let x be the answer. " * k, "answer": str(a + b)}
+            for a, b, k in [(3, 4, 110), (12, 30, 45), (7, 7, 50), (1, 99, 120)]]
+    problems = write_jsonl(tmp_path / "long" / "tiny.jsonl", rows)
     cascaded = []
     choose = FullCache._cascading
 
