@@ -73,13 +73,13 @@ def _checksums(cell: Cell) -> dict[int, str]:
     return {p.idx: problem_checksum(p.problem, p.gt) for p in cell.problems.problems}
 
 
-def has_work(options: GridOptions, cells: list[Cell]) -> bool:
-    """Whether some cell has a problem left to decode, each cell's run folder read as `run_cell` opens it but
-    nothing written (`RunFolder.done_in`): every cell is read, so a folder `run_cell` would refuse (another
-    configuration, a changed problem) is its one-line error here, before any model is loaded."""
+def has_work(options: GridOptions, cells: list[Cell], configs: list[RunConfig]) -> bool:
+    """Whether some cell has a problem left to decode, each cell's run folder (its `configs` entry) read as
+    `run_cell` opens it but nothing written (`RunFolder.done_in`): every cell is read, so a folder `run_cell` would
+    refuse (another configuration, a changed problem) is its one-line error here, before any model is loaded."""
     work = False
-    for cell in cells:  # all of them, not up to the first with work
-        config, checksums = cell_config(options, cell), _checksums(cell)
+    for cell, config in zip(cells, configs):  # all of them, not up to the first with work
+        checksums = _checksums(cell)
         done = RunFolder.done_in(run_dir(options.out, config), config, root=options.out, overwrite=options.overwrite,
                                  problems=checksums)
         work = work or bool(checksums.keys() - done)
@@ -87,10 +87,10 @@ def has_work(options: GridOptions, cells: list[Cell]) -> bool:
 
 
 def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGroup | workers.RayWorkers | None,
-             progress: Progress) -> Summary:
+             progress: Progress, config: RunConfig | None = None) -> Summary:
     """Decode the cell's missing problems into its run folder on `executor` (this process, or Ray actors; None
-    where `has_work` found none) and return its summary."""
-    config = cell_config(options, cell)
+    where `has_work` found none) and return its summary. `config`: the cell's `cell_config`, when known."""
+    config = cell_config(options, cell) if config is None else config
     problems = cell.problems.problems
     for note in same_cell_elsewhere(run_dir(options.out, config), config):
         progress.console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
@@ -159,13 +159,18 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
     """Every cell of the grid, models loaded once; cells already complete are only summarised, and a grid of
     complete cells loads no model and starts no vLLM engine or Ray actor."""
     options, cells = prepare_grid(options)
-    if not has_work(options, cells):
-        return [(cell_config(options, cell), run_cell(options, cell, None, progress)) for cell in cells]
+    configs = [cell_config(options, cell) for cell in cells]  # each reads its models' revisions: once
+
+    def run_all(executor: in_process.InProcessGroup | workers.RayWorkers | None) -> list[tuple[RunConfig, Summary]]:
+        return [(config, run_cell(options, cell, executor, progress, config)) for cell, config in zip(cells, configs)]
+
+    if not has_work(options, cells, configs):
+        return run_all(None)
     groups = device_groups(options.devices, options.tp)
     if len(groups) == 1 and options.ray_address is None:
         executor = in_process.InProcessGroup(options, groups[0])
         try:
-            return [(cell_config(options, cell), run_cell(options, cell, executor, progress)) for cell in cells]
+            return run_all(executor)
         finally:
             executor.close()
 
@@ -174,4 +179,4 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
 
     with workers.RayWorkers(options, say) as actors:
         actors.start()
-        return [(cell_config(options, cell), run_cell(options, cell, actors, progress)) for cell in cells]
+        return run_all(actors)
