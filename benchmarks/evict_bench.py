@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,2048,4096", help="contexts reported in the table")
     ap.add_argument("--extra-contexts", default="256,1024,1536,3072", help="more uncompressed points for the crossover")
     ap.add_argument("--budgets", default="64,512")
-    ap.add_argument("--evictors", default="rkv,snapkv,tova,h2o,streaming",
+    ap.add_argument("--evictors", default=",".join(EVICTORS),
                     help="evictors whose compression cost per token is compared with rkv's")
     ap.add_argument("--rounds", type=int, default=4, help="round-robin passes over the lengths")
     ap.add_argument("--steps", type=int, default=2, help="timed decodes per length and round")

@@ -19,7 +19,7 @@ from tests.prm_cards import CARDS
 
 MODELS = lambda q, p: ["--base", str(q), "--prm", str(p), "--device", "cpu"]  # noqa: E731
 BUDGET = 16
-EVICTING = ("rkv", "snapkv", "streaming", "tova", "h2o")
+EVICTING = ("rkv", "snapkv", "streaming", "tova", "h2o", "knorm", "keydiff", "random")
 B_PRIME = BUDGET + 128
 # 12 synthetic steps of 48 tokens: a ~57-token prompt grows to ~632 cached tokens, over four times B' - B past B'
 SYNTHETIC = ["--synthetic-steps", "48:12", "--max-step-tokens", "48", "--context-cap", "1024"]

@@ -165,8 +165,10 @@ def test_physical_length_is_bounded(net, budget, buffer):
     assert cache.length(row) == 3 * sum(appends)
 
 
-@pytest.mark.parametrize("policy", ["rkv", "snapkv", "streaming"])
+@pytest.mark.parametrize("policy", ["rkv", "snapkv", "streaming", "knorm", "keydiff", "random"])
 def test_compression_keeps_what_the_policy_selects(net, policy):
+    """What the cache keeps, against the oracles (rkv, snapkv, streaming) or the policy's own choice on the same entries
+    (the query-free presses and the random draw, whose choices tests/engine/test_evict.py checks)."""
     budget = 16
     cache = BoundedCache.for_model(net, budget=budget, evictor=policy)
     seen = []  # (lengths, keys, values, windows before; keys, values after) of each compression
@@ -196,8 +198,10 @@ def test_compression_keeps_what_the_policy_selects(net, policy):
                     kept = rkv_keep(keys, window, budget)
                 elif policy == "snapkv":
                     kept = snapkv_keep(keys, window, budget)
-                else:
+                elif policy == "streaming":
                     kept = streaming_keep(length, budget).expand(keys.shape[0], -1)
+                else:
+                    kept = keep_positions(policy, keys, window, budget)
                 assert torch.equal(k_after[layer, i], gather_positions(keys, kept))
                 assert torch.equal(v_after[layer, i], gather_positions(v[layer, i, :, :length], kept))
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvrescue_cli.engine.evict import (
-    EVICTORS, H2O, RKV, TOVA, SnapKV, Streaming, gather_positions, importance, keep_positions, keep_top,
-    received_attention, redundancy,
+    EVICTORS, H2O, RKV, TOVA, KeyDiff, KNorm, Random, SnapKV, Streaming, gather_positions, importance, keep_positions,
+    keep_top, received_attention, redundancy,
 )
 from kvrescue_cli.shapes import OBSERVATION_WINDOW, SIMILARITY_ROWS
 from tests.oracles import rkv_keep, snapkv_keep, streaming_keep, streaming_scores
@@ -253,7 +253,8 @@ def test_bad_budgets_are_refused():
     assert rkv_keep(keys, queries, 20).tolist() == [list(range(20))]  # a budget of the whole length keeps all
     with pytest.raises(ValueError):
         streaming_keep(20, 20)
-    with pytest.raises(ValueError, match=r"^policy 'none' does not compress; choose one of \('rkv', 'snapkv', 'streaming', 'tova', 'h2o'\)$"):
+    names = "'rkv', 'snapkv', 'streaming', 'tova', 'h2o', 'knorm', 'keydiff', 'random'"
+    with pytest.raises(ValueError, match=rf"^policy 'none' does not compress; choose one of \({names}\)$"):
         keep_positions("none", keys, queries, 16)
 
 
@@ -348,8 +349,8 @@ def test_h2o_keeps_the_heaviest_received_and_the_window():
 def test_policies_are_frozen_dataclasses_of_their_parameters():
     assert {name: e.params() for name, e in EVICTORS.items()} == {
         "rkv": {"lam": 0.1, "kernel": 7, "threshold": 0.5}, "snapkv": {"kernel": 7}, "streaming": {"sinks": 4},
-        "tova": {}, "h2o": {}}
-    assert [e.accumulates for e in EVICTORS.values()] == [False, False, False, False, True]
+        "tova": {}, "h2o": {}, "knorm": {}, "keydiff": {}, "random": {"seed": 0}}
+    assert [e.name for e in EVICTORS.values() if e.accumulates] == ["h2o"]
     with pytest.raises(AttributeError):
         EVICTORS["rkv"].lam = 0.5
     keys, queries = random_inputs(2, 2, 40, 8, seed=3)
@@ -365,7 +366,8 @@ def test_evictor_specs_name_typed_parameters_or_a_one_line_error():
     assert make_evictor("streaming", {"sinks": 2}) == Streaming(sinks=2)
     for spec, message in [("h3o:x=1", "unknown evictor 'h3o'"), ("rkv:kernel=4", "kernel=4: the max-pool kernel"),
                           ("snapkv:kernel=2.5", "kernel must be int, not '2.5'"), ("rkv:lam", "'lam' is not FIELD=VALUE"),
-                          ("tova:lam=1", "of one of tova's parameters (none)"), ("streaming:sinks=-1", "sinks=-1")]:
+                          ("tova:lam=1", "of one of tova's parameters (none)"), ("streaming:sinks=-1", "sinks=-1"),
+                          ("random:seed=-1", "seed=-1: need 0 <= seed < 2**63")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_evictor(spec)
 
@@ -393,3 +395,95 @@ def test_a_long_rows_redundancy_is_scored_in_slices_of_rows_as_a_whole():
     queries = torch.randn(1, 4, OBSERVATION_WINDOW, 16)
     whole = 0.1 * importance(long, queries) - 0.9 * one_shot_redundancy(long)[..., :-OBSERVATION_WINDOW]
     assert torch.equal(keep_positions("rkv", long, queries, 256), keep_top(whole, 256))
+
+
+# -- the query-free presses and the random baseline ------------------------------------------------------
+def loop_norms(keys: list, h: int) -> list[float]:
+    """Each past key's L2 norm for KV head h."""
+    return [math.sqrt(sum(x * x for x in keys[h][j])) for j in range(len(keys[h]) - 8)]
+
+
+def loop_keydiff(keys: list, h: int) -> list[float]:
+    """kvpress's KeyDiffPress written out: minus each past key's cosine similarity with the mean of the head's unit
+    keys (all cached keys, the window's too)."""
+    units = [[x / max(math.sqrt(sum(y * y for y in k)), 1e-12) for x in k] for k in keys[h]]
+    anchor = [sum(u[i] for u in units) / len(units) for i in range(len(units[0]))]
+    a_norm = math.sqrt(sum(x * x for x in anchor))
+    return [-sum(x * y for x, y in zip(k, anchor)) / (math.sqrt(sum(x * x for x in k)) * a_norm)
+            for k in keys[h][:-8]]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_knorm_keeps_the_smallest_keys_as_the_paper_and_kvpress_do(shape):
+    h_kv, group, length, d, budget, shared = shape
+    keys, queries = random_inputs(h_kv, group, length, d, seed=length, shared=shared)
+    k = keys.double().tolist()
+    expected = torch.tensor([loop_keep([-n for n in loop_norms(k, h)], length, budget) for h in range(h_kv)])
+    assert torch.equal(keep_positions("knorm", keys, queries, budget), expected)
+    assert torch.equal(keep_positions("knorm", keys, queries.flip(-2) * 3, budget), expected)  # query-free
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_keydiff_matches_a_transcription_of_kvpress(shape):
+    h_kv, group, length, d, budget, shared = shape
+    keys, queries = random_inputs(h_kv, group, length, d, seed=length + 1, shared=shared)
+    k = keys.double().tolist()
+    scores = torch.tensor([loop_keydiff(k, h) for h in range(h_kv)], dtype=torch.float64)
+    assert torch.allclose(KeyDiff().score(keys, queries).double(), scores, atol=1e-5)
+    expected = torch.tensor([loop_keep(scores[h].tolist(), length, budget) for h in range(h_kv)])
+    assert torch.equal(keep_positions("keydiff", keys, queries, budget), expected)
+
+
+U64 = (1 << 64) - 1
+
+
+def splitmix64_finaliser(z: int) -> int:
+    """SplitMix64's output function (Steele, Lea and Flood 2014; Vigna's splitmix64.c), on Python integers."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & U64
+    return z ^ (z >> 31)
+
+
+def loop_random(keys: torch.Tensor, seed: int) -> list[list[float]]:
+    """The random press's scores per KV head, position by position on Python integers: the head's keys' fp32 bits
+    (as signed 32-bit integers) plus their flat index << 32, each mixed, summed modulo 2^64; that XOR the mixed
+    seed, mixed; plus the position, mixed; its top 53 bits over 2^53."""
+    h_kv, length, d = keys.shape
+    bits = keys.float().view(torch.int32).tolist()
+    out = []
+    for h in range(h_kv):
+        fingerprint = sum(splitmix64_finaliser(((bits[h][j][i]) + ((j * d + i) << 32)) & U64)
+                          for j in range(length) for i in range(d)) & U64
+        base = splitmix64_finaliser(fingerprint ^ splitmix64_finaliser(seed))
+        out.append([(splitmix64_finaliser((base + p) & U64) >> 11) / 2**53 for p in range(length - 8)])
+    return out
+
+
+def test_the_random_press_hashes_as_its_transcription_with_splitmix64s_published_output():
+    from kvrescue_cli.engine.evict import _mix
+
+    golden = 0x9E3779B97F4A7C15  # splitmix64 seeded 0: its first state, whose output is 0xE220A8397B1DCDAF
+    assert splitmix64_finaliser(golden) == 0xE220A8397B1DCDAF
+    assert _mix(torch.tensor(golden - (1 << 64))).item() & U64 == 0xE220A8397B1DCDAF
+    keys, queries = random_inputs(2, 2, 30, 4, seed=5)
+    for seed in (0, 7, 2**62 + 3):
+        assert Random(seed=seed).score(keys, queries).tolist() == loop_random(keys, seed)
+
+
+def test_the_random_press_draws_uniformly_per_row_and_reproducibly():
+    length, budget = 72, 24  # 64 past positions, 16 kept from them
+    gen = torch.Generator().manual_seed(0)
+    keys, queries = torch.randn(2000, 2, length, 8, generator=gen), torch.randn(2000, 2, 8, 8, generator=gen)
+    kept = keep_positions("random", keys, queries, budget)
+    assert torch.equal(kept, keep_positions("random", keys, queries, budget))  # reproducible
+    assert all(torch.equal(keep_positions("random", keys[r : r + 1], queries[r : r + 1], budget), kept[r : r + 1])
+               for r in (0, 1, 1999))  # a row draws alone as it does among others
+    counts = torch.zeros(length - 8).index_add_(0, kept[..., :-8].flatten(), torch.ones(kept[..., :-8].numel()))
+    expected = 2000 * 2 * 16 / 64  # each past position is kept with probability 16/64
+    assert (counts - expected).abs().max() < 5 * math.sqrt(expected * (1 - 16 / 64))  # no position favoured
+    assert not torch.equal(kept[0, 0], kept[0, 1]) and not torch.equal(kept[0], kept[1])  # heads and rows draw anew
+    other = keep_positions(Random(seed=1), keys, queries, budget)
+    assert (other != kept).any(dim=-1).float().mean() > 0.99  # another seed, another draw
+    step = keys.clone()
+    step[..., -1, :] += 1  # the same row one token later: a new draw
+    assert (keep_positions("random", step, queries, budget) != kept).any(dim=-1).all()
