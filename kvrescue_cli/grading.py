@@ -16,10 +16,10 @@ from kvrescue_cli.jsonl import require_field
 from kvrescue_cli.outputs import Trace
 from kvrescue_cli.outputs.decoded import trace_of
 from kvrescue_cli.prompts import THINK_CLOSE
-from kvrescue_cli.reasons import UNDECODED
+from kvrescue_cli.reasons import EOS, UNDECODED
 
 if TYPE_CHECKING:
-    from kvrescue_cli.search import Finished
+    from kvrescue_cli.search import CandidateState, Finished
 
 GRADING_BENCHES = (*BENCHES, GENERIC)
 GradeFn = Callable[..., GradeResult]  # grader.grade's signature: (answer, gt, bench, grader=...)
@@ -44,6 +44,17 @@ def answer_part(output: str) -> tuple[str, str]:
     Qwen's evaluations of reasoning models read it ("after_think"), else the whole output ("output")."""
     _, close, tail = output.rpartition(THINK_CLOSE)
     return (tail, "after_think") if close else (output, "output")
+
+
+def voters(finished: Finished) -> list[tuple[int, CandidateState, str]]:
+    """The last step's candidates that end a solution, as (index, candidate, solution text): the committed one and
+    every other that ended with EOS, each solution the committed steps before the last plus its own text. Their
+    answers and PRM scores make the report's PRM-weighted vote."""
+    state = finished.state
+    if not state.history or not state.steps:
+        return []
+    before = "".join(step.text for step in state.steps[:-1])
+    return [(i, c, before + c.text) for i, c in enumerate(state.history[-1]) if c.committed or c.finish == EOS]
 
 
 def check_bench(bench: str) -> None:
@@ -166,8 +177,11 @@ class Grading:
         verdict = self.grade(answer, problem.gt, self.bench, grader=self.grader)
         others = {name: self.grade(answer, problem.gt, self.bench, grader=name) for name in self.also}
         graders = {name: {"pred": v.pred, "correct": v.correct, "timed_out": v.timed_out} for name, v in others.items()}
+        votes = {i: verdict if c.committed else self.grade(answer_part(solution)[0], problem.gt, self.bench,
+                                                            grader=self.grader)
+                 for i, c, solution in voters(finished)}
         return (trace_of(finished, problem, verdict.gt, verdict.pred, verdict.correct, verdict.timed_out, graders,
-                         where), sum(finished.state.generated.values()))
+                         where, votes), sum(finished.state.generated.values()))
 
     def emit_graded(self, wait: bool = False) -> None:
         """Emit the traces graded so far (`wait`: all of them, once graded)."""

@@ -109,3 +109,23 @@ def test_the_grader_is_part_of_a_runs_identity_and_qwen_keeps_old_folders():
     assert "grader" not in qwen.settings and verify.settings["grader"] == "math-verify"
     assert qwen.digest() != verify.digest()
     assert config(also_grade=("math-verify",)).digest() == qwen.digest()  # a second verdict is not identity
+
+
+def test_the_last_steps_solutions_are_graded_for_the_prm_weighted_vote():
+    """The committed candidate and every other of the last step that ended with EOS record their answer and verdict
+    (each read from the steps before plus its own text); candidates that ended otherwise, and earlier steps', do not."""
+    from kvrescue_cli.data import Problem
+    from tests.test_search import run_all, steps_of
+
+    script = steps_of(3, overrides={10: (1, "eos"), 11: (1, "eos"), 12: (2, "step")})  # step 1: "10", "11", "12 1"
+    finished, _, _ = run_all("bon", script, {10: 0.3, 11: 0.9, 12: 0.5}, [(0, "problem", [5, 6, 7])], n=3)
+    traces = []
+    grading_ = grading.Grading("gsm8k", lambda trace, tokens: traces.append(trace))
+    grading_.submit(finished[0], Problem(0, "problem", "110", {}))
+    grading_.emit_graded(wait=True)
+    (trace,) = traces
+    assert trace.output == "0 1 111" and trace.pred == "111" and not trace.correct  # 11 committed, scored 0.9
+    last = trace.candidates[-1]
+    assert [(c.committed, c.pred, c.correct) for c in last] == [(False, "110", True), (True, "111", False),
+                                                                  (False, None, None)]
+    assert all(c.pred is None and c.correct is None for c in trace.candidates[0])

@@ -43,6 +43,10 @@ traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each prob
         committed   bool: this candidate became the step (exactly one per step).
         text        str | null: the text it decoded (up to where the detector stopped it); null for the
                     committed candidate (its text is the step's) and in traces written before it was recorded.
+        pred        str | null: for a voter (the last step's committed candidate and every other of it that
+                    ended with "eos"), the answer of its solution (the steps before plus its text),
+                    normalised by the grader; null for the others and in older traces.
+        correct     bool | null: that answer's verdict (the report's PRM-weighted vote); null likewise.
     output          str: the committed text (all steps joined).
     pred            str: the grader's extracted, normalised prediction.
     correct         bool: the grader's verdict (false for skipped problems and grader timeouts).

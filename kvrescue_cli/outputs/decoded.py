@@ -8,14 +8,17 @@ from typing import TYPE_CHECKING
 from kvrescue_cli.outputs.records import Candidate, Tokens, Trace
 
 if TYPE_CHECKING:
+    from grader import GradeResult
     from kvrescue_cli.data import Problem
     from kvrescue_cli.search import Finished
 
 
 def trace_of(finished: Finished, problem: Problem, gt_norm: str, pred: str, correct: bool, timed_out: bool,
-             graders: dict[str, dict] | None = None, answer_from: str = "output") -> Trace:
+             graders: dict[str, dict] | None = None, answer_from: str = "output",
+             votes: dict[int, GradeResult] | None = None) -> Trace:
     """The traces.jsonl record of one decoded problem (`graders`: the other graders' verdicts; `answer_from`: where
-    the answer was read, `grading.answer_part`)."""
+    the answer was read, `grading.answer_part`; `votes`: the verdicts of the last step's voters by index,
+    `grading.voters`)."""
     state = finished.state
     candidates = []
     for cands in state.history:
@@ -27,6 +30,8 @@ def trace_of(finished: Finished, problem: Problem, gt_norm: str, pred: str, corr
             )
             for c in cands
         ])
+    for i, verdict in (votes or {}).items():
+        candidates[-1][i].pred, candidates[-1][i].correct = verdict.pred, verdict.correct
     tokens = Tokens(base=state.generated["base"], base_prefill=state.prefilled["base"],
                     helper=state.generated["helper"], helper_prefill=state.prefilled["helper"],
                     prm=finished.scorer_tokens)

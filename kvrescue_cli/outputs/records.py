@@ -46,6 +46,8 @@ class Candidate:
     fired_at: int | None = None
     committed: bool = False
     text: str | None = None  # what it decoded (up to where the detector stopped it); null for the committed one
+    pred: str | None = None  # a voter's (`grading.voters`) answer, normalised by the grader; else null
+    correct: bool | None = None  # that answer's verdict; else null
 
 
 @dataclass
