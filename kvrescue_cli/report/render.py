@@ -46,7 +46,7 @@ def fmt(value: Any, kind: str) -> str:
     if kind == "ratio":
         return f"{value:.3f}"
     if kind == "rel":
-        return f"{100 * value:+.1f}%"
+        return f"{100 * value:+.1f}"
     return str(value)
 
 
