@@ -578,3 +578,37 @@ def test_accuracy_axes_stay_within_0_and_100_percent(tmp_path, monkeypatch):
         (fig,) = drawn
         low, high = fig.axes[0].get_ylim()
         assert 0.0 <= low < high <= 100.0 and high - low >= 10.0
+
+
+def test_accuracy_is_table_5s_boxed_and_correct_and_recovery_uses_it(tmp_path):
+    """bon's correct answers carry no \\boxed (the grader read "the answer is"): Table 5 counts none of them."""
+    write_run(tmp_path, "full", correct=set(range(8)))
+    bon = write_run(tmp_path, "bon", correct=set(range(6)))
+    write_run(tmp_path, "kvrescue", correct=set(range(7)))
+    lines = (bon / "traces.jsonl").read_bytes().splitlines()
+    unboxed = [orjson.loads(line) | ({"output": "The answer is 1"} if i < 4 else {}) for i, line in enumerate(lines)]
+    (bon / "traces.jsonl").write_bytes(b"".join(orjson.dumps(t) + b"\n" for t in unboxed))
+    data = report_json(tmp_path)
+    paper = {k[0]: v for k, v in rows_by(table(data, "accuracy"), "method").items()}
+    grader = {k[0]: v for k, v in rows_by(table(data, "accuracy_grader"), "method").items()}
+    assert paper["bon"]["math500"]["mean"] == pytest.approx(0.2) and grader["bon"]["math500"]["mean"] == pytest.approx(0.6)
+    assert "is_correct ∧ \\boxed (Table 5)" in table(data, "accuracy")["title"]
+    (rec,) = data["recovery"]
+    assert rec["recovery"] == pytest.approx((0.7 - 0.2) / (0.8 - 0.2))      # the grader's would give 0.5
+
+
+def test_throughput_is_problems_per_minute_after_the_first_finished_with_ratios(tmp_path):
+    write_run(tmp_path, "full", problems=10)        # make_trace: problem i runs [100 + i, 101 + i]
+    write_run(tmp_path, "bon", problems=4)
+    write_run(tmp_path, "kvrescue", problems=7)
+    rows = {k[0]: v for k, v in rows_by(table(report_json(tmp_path), "throughput"), "method").items()}
+    # after the first finish at 101: 9, 3 and 6 problems in 9, 3 and 6 s
+    assert rows["full"]["problems/min"]["mean"] == pytest.approx(60.0)
+    assert rows["kvrescue"]["× full"] == pytest.approx(1.0) and rows["kvrescue"]["× bon"] == pytest.approx(1.0)
+    assert rows["full"]["× full"] is None and rows["bon"]["× bon"] is None
+
+
+def test_json_names_the_unit_of_every_column(runs_root):
+    t = table(report_json(runs_root), "accuracy")
+    assert t["units"] == [None, None, None, "fraction", "fraction"]
+    assert table(report_json(runs_root), "cost")["units"][-1] == "relative change, fraction"
