@@ -25,8 +25,8 @@ to tell finished runs from running or interrupted ones). Conventions:
 
 from kvrescue_cli.report.load import FolderNote, ReportError, Run, load_runs
 from kvrescue_cli.report.numbers import QUANTILES, Table
-from kvrescue_cli.report.render import fmt, plot, plot_image, print_rich, to_csv, to_json, to_latex, to_markdown
+from kvrescue_cli.report.render import fmt, header, plot, plot_image, print_rich, to_csv, to_json, to_latex, to_markdown
 from kvrescue_cli.report.tables import build_tables, shown
 
-__all__ = ["QUANTILES", "FolderNote", "ReportError", "Run", "Table", "build_tables", "fmt", "load_runs", "plot",
+__all__ = ["QUANTILES", "FolderNote", "ReportError", "Run", "Table", "build_tables", "fmt", "header", "load_runs", "plot",
            "plot_image", "print_rich", "shown", "to_csv", "to_json", "to_latex", "to_markdown"]
