@@ -97,7 +97,7 @@ def seeds_table(rows: list[Row], setup: str, ks: Sequence[int]) -> Table:
     rows = [r for r in rows if len(r.runs) >= 2 and not r.runs[0].config.synthetic]
     most = max((len(r.runs) for r in rows), default=0)
     ks = [k for k in ks if k <= most]
-    t = Table("seeds", f"Over seeds: avg@n, pass@k, maj@k — {setup}",
+    t = Table("seeds", f"Over seeds, by the grader's verdicts: avg@n, pass@k, maj@k — {setup}",
               ["bench", "method", "N", "budget", "seeds", "problems", "avg@n",
                *[f"pass@{k}" for k in ks], *[f"maj@{k}" for k in ks]],
               ["text", "text", "int", "int", "int", "int", "pct", *["pct"] * (2 * len(ks))], keys=4)
