@@ -17,11 +17,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from kvrescue_cli.config_file import read_grid_file
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.files import kind, write_file_atomic
+from kvrescue_cli.printable import printable
 from kvrescue_cli.scorers import HELPER_LOGLIK
 from kvrescue_cli.shapes import BUFFER, MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 
@@ -151,7 +153,7 @@ def regrade(runs: list[Path], grader: str, workers: int, timeout: float, out: Pa
 
     records, tallies, notes = regrade_runs(runs, grader, workers, timeout)
     for note in notes:
-        console.print(f"  {note}", highlight=False, soft_wrap=True)
+        console.print(f"  {printable(note)}", highlight=False, soft_wrap=True, markup=False)
     write_jsonl_atomically(records, out)
     table = Table(title=f"grade --runs: {grader} against the recorded verdicts")
     for column in ("folder", "recorded", "problems", "recorded acc", f"{grader} acc", "both", "only recorded",
@@ -160,7 +162,8 @@ def regrade(runs: list[Path], grader: str, workers: int, timeout: float, out: Pa
     for t in tallies:
         n = len(t.pairs)
         acc = lambda i: f"{100 * sum(p[i] for p in t.pairs) / n:.1f}%" if n else "n/a"  # noqa: E731
-        table.add_row(t.folder, t.recorded, str(n), acc(0), acc(1), *map(str, agreement(t.pairs)))
+        table.add_row(Text(printable(t.folder)), Text(printable(t.recorded)), str(n), acc(0), acc(1),
+                      *map(str, agreement(t.pairs)))
     console.print(table)
 
 
@@ -546,7 +549,8 @@ def summary_table(results) -> Table:
 @one_line_errors
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="run folders, or folders above them (e.g. runs/)"),
-    format: str = typer.Option("table", "--format", help="table (rich, stderr), md, csv or json (stdout)"),
+    format: str = typer.Option("table", "--format", help="table (rich, stderr), md, latex (booktabs), csv (one tidy "
+                               "long-format table) or json (stdout)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write accuracy vs budget (Figure 5) to this PNG"),
     k: str = typer.Option("1,4,8", "--k", help=K_HELP),
     explain: bool = typer.Option(False, "--explain", help="then, in words, what each run did: steps committed by "
@@ -555,8 +559,8 @@ def report(
     """The paper's tables (accuracy, recovery, cost, ablation, helper share, oracle, calibration) from run folders."""
     from kvrescue_cli import report as rep
 
-    if format not in ("table", "md", "csv", "json"):
-        raise InputError(f"unknown --format '{format}': use table, md, csv or json")
+    if format not in ("table", "md", "latex", "csv", "json"):
+        raise InputError(f"unknown --format '{format}': use table, md, latex, csv or json")
     if plot is not None:
         plot = png_path(plot, "--plot")
     ks = _ks(k)
@@ -567,11 +571,11 @@ def report(
     elif format == "json":
         sys.stdout.buffer.write(rep.to_json(tables, runs, notes))
     else:
-        sys.stdout.write(rep.to_markdown(tables) if format == "md" else rep.to_csv(tables))
+        sys.stdout.write({"md": rep.to_markdown, "latex": rep.to_latex, "csv": rep.to_csv}[format](tables))
     if format == "csv":  # CSV has no place for the notes: stderr, as the table format prints them
         for table in tables:
             for note in table.notes:
-                console.print(f"{table.name}: {note}", highlight=False, soft_wrap=True, markup=False)
+                console.print(f"{table.name}: {printable(note)}", highlight=False, soft_wrap=True, markup=False)
     if plot is not None:
         console.print(f"wrote {rep.plot(runs, plot)}", highlight=False)
     if explain:

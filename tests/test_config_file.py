@@ -36,32 +36,66 @@ def cells(options: GridOptions) -> set[tuple]:
     return {(c.problems.name, c.method, c.budget, c.n, c.seed) for c in options.cells(sets)}
 
 
-def paper_cells(benches: list[str], methods: list[str], budgets: list[int], seeds: list[int]) -> set[tuple]:
-    return {(b, m, budget if m in ("bon", "interleave", "kvrescue") else None, 8, s)
-            for b in benches for m in methods for budget in budgets for s in seeds}
+def paper_cells(benches: list[str], methods: list[str], budgets: list[int], seeds: list[int],
+                ns: tuple[int, ...] = (8,)) -> set[tuple]:
+    return {(b, m, budget if m in ("bon", "interleave", "kvrescue") else None, n, s)
+            for b in benches for m in methods for budget in budgets for s in seeds for n in ns}
 
 
-def test_paper_7b_is_table_5s_grid(monkeypatch):
-    options = grid_of(monkeypatch, "--config", str(EXAMPLES / "paper-7b.toml"), "--devices", "cpu")
-    assert options.models == {"base": "Qwen/Qwen2.5-Math-7B-Instruct", "helper": "Qwen/Qwen2.5-Math-1.5B-Instruct",
+MAIN_GRID_BUDGETS = [64, 128, 256, 512]
+ONE_SEED_BENCHES = ["math500", "gsm8k", "olympiadbench"]
+FIVE_SEED_BENCHES = ["aime24", "amc23"]
+
+
+def main_results(methods: list[str], ns: tuple[int, ...]) -> set[tuple]:
+    """Table 5's grid: one seed on MATH500, GSM8K and OlympiadBench, five on AIME24 and AMC23."""
+    return (paper_cells(ONE_SEED_BENCHES, methods, MAIN_GRID_BUDGETS, [0], ns)
+            | paper_cells(FIVE_SEED_BENCHES, methods, MAIN_GRID_BUDGETS, FIVE_SEEDS, ns))
+
+
+@pytest.mark.parametrize("name, base, tp", [("paper-7b.toml", "Qwen/Qwen2.5-Math-7B-Instruct", 1),
+                                            ("paper-72b-tp8.toml", "Qwen/Qwen2.5-Math-72B-Instruct", 8)])
+def test_the_main_results_files_are_table_5s_grid(monkeypatch, name, base, tp):
+    # the 72B file names 8 GPUs; on this machine the command line gives the CPU instead (and overrides the file)
+    options = grid_of(monkeypatch, "--config", str(EXAMPLES / name), "--devices", "cpu")
+    assert options.models == {"base": base, "helper": "Qwen/Qwen2.5-Math-1.5B-Instruct",
                               "prm": "Qwen/Qwen2.5-Math-PRM-7B"}
-    assert options.scorer == "prm" and options.evictor == "rkv" and options.out == Path("runs/paper-7b")
-    budgets = [64, 128, 256, 512]
-    assert cells(options) == (paper_cells(["math500", "gsm8k", "olympiadbench"], PAPER_METHODS, budgets, [0])
-                              | paper_cells(["aime24", "amc23"], PAPER_METHODS, budgets, FIVE_SEEDS))
-    assert len(cells(options)) == 3 * (2 + 2 * 4) + 2 * 5 * (2 + 2 * 4)
+    assert options.scorer == "prm" and options.evictor == "rkv" and options.tp == tp
+    assert cells(options) == main_results(PAPER_METHODS, (1, 8))          # full and helper references, N 1 and 8
+    assert len(cells(options)) == 2 * (3 * (2 + 2 * 4) + 2 * 5 * (2 + 2 * 4))
 
 
-def test_paper_72b_is_table_3s_setting(monkeypatch):
-    # the file names 8 GPUs; on this machine the command line gives the CPU instead (and overrides the file)
-    options = grid_of(monkeypatch, "--config", str(EXAMPLES / "paper-72b-tp8.toml"), "--devices", "cpu")
-    assert options.tp == 8 and options.models["base"] == "Qwen/Qwen2.5-Math-72B-Instruct"
-    assert cells(options) == (paper_cells(["math500", "gsm8k", "olympiadbench"], ["full", "bon", "kvrescue"], [64], [0])
-                              | paper_cells(["aime24", "amc23"], ["full", "bon", "kvrescue"], [64], FIVE_SEEDS))
+def test_the_72b_file_names_eight_gpus():
     command = typer.main.get_command(app).commands["run"]
     kinds = _run_option_kinds(typer.Context(command))
     assert read_grid_file(EXAMPLES / "paper-72b-tp8.toml", *kinds).options["devices"] == \
         ",".join(f"cuda:{i}" for i in range(8))
+
+
+def test_the_ablation_file_is_table_2s_grid(monkeypatch):
+    options = grid_of(monkeypatch, "--config", str(EXAMPLES / "paper-ablation.toml"), "--devices", "cpu")
+    assert options.models["base"] == "Qwen/Qwen2.5-Math-7B-Instruct" and options.evictor == "rkv"
+    assert cells(options) == paper_cells(["math500"], ["full", "bon", "interleave", "kvrescue"], [64], [0])
+
+
+@pytest.mark.parametrize("batch", [8, 64])
+def test_the_throughput_files_are_table_3s_setting(monkeypatch, batch):
+    options = grid_of(monkeypatch, "--config", str(EXAMPLES / f"paper-throughput-batch{batch}.toml"),
+                      "--devices", "cpu")
+    assert options.tp == 8 and options.models["base"] == "Qwen/Qwen2.5-Math-72B-Instruct"
+    assert options.settings.batch == batch and options.out == Path(f"runs/paper-throughput-batch{batch}")
+    assert cells(options) == paper_cells(["math500"], ["full", "bon", "kvrescue"], [64], [0])
+
+
+def test_the_snapkv_file_is_figure_10s_grid(monkeypatch):
+    options = grid_of(monkeypatch, "--config", str(EXAMPLES / "paper-snapkv.toml"), "--devices", "cpu")
+    assert options.evictor == "snapkv" and options.models["base"] == "Qwen/Qwen2.5-Math-7B-Instruct"
+    assert cells(options) == main_results(["full", "bon", "kvrescue"], (8,))
+
+
+def test_the_n_sweep_file_is_figure_1bs_grid(monkeypatch):
+    options = grid_of(monkeypatch, "--config", str(EXAMPLES / "paper-n-sweep.toml"), "--devices", "cpu")
+    assert cells(options) == paper_cells(["math500"], ["full", "bon", "kvrescue"], [64], [0], (1, 2, 4, 8, 16))
 
 
 def write(tmp_path: Path, text: str) -> Path:

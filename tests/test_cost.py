@@ -59,8 +59,9 @@ def test_estimate_by_hand():
     assert c.base_evicted_attention_flops == 4 * 28 * 28 * 128 * 192
     assert c.crossover_context == pytest.approx(3.9 * 192)
     helper = 2 * 1_543_714_304 + 4 * 28 * 12 * 128 * 4096
-    base = 2 * 7_615_616_512 + 4 * 28 * 28 * 128 * 192
+    base = 2 * 7_615_616_512 + (1 + 2.9) * 4 * 28 * 28 * 128 * 192     # Eq. 15: (1 + alpha) x the evicted attention
     assert c.rho == pytest.approx(helper / base)
+    assert round(100 * c.rho, 1) == 24.4      # the paper's figure (7B, B = 64); without (1 + alpha): 24.8
     assert c.rho_dense == pytest.approx(1_543_714_304 / 7_615_616_512)
     short = estimate(arch(QWEN_MATH_7B), arch(QWEN_MATH_1_5B), budget=64, context=100)
     assert short.base_evicted_kv_bytes == short.base_full_kv_bytes    # context below B': nothing evicted

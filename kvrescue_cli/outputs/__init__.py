@@ -80,10 +80,10 @@ from kvrescue_cli.outputs.folder import (
 from kvrescue_cli.outputs.records import (
     SOURCES, Candidate, ModelRef, RunConfig, Step, Tokens, Trace,
 )
-from kvrescue_cli.outputs.summary import DEGENERATE_STEPS, Summary, busy_seconds, summarize
+from kvrescue_cli.outputs.summary import DEGENERATE_STEPS, Summary, boxed, busy_seconds, summarize
 
 __all__ = [
-    "CONFIG", "DEGENERATE_STEPS", "FORMAT", "LOCK", "SOURCES", "SUMMARY", "TRACES", "Candidate", "ModelRef", "RunConfig", "RunFolder", "RunFolderError", "Step", "Summary",
+    "CONFIG", "DEGENERATE_STEPS", "FORMAT", "LOCK", "SOURCES", "SUMMARY", "TRACES", "Candidate", "ModelRef", "RunConfig", "RunFolder", "RunFolderError", "Step", "Summary", "boxed",
     "Tokens", "TornTraceWarning", "Trace", "busy_seconds", "checked_record", "environment", "installed_version",
     "read_json",
     "read_traces", "run_dir", "same_cell_elsewhere", "summarize", "write_atomic", "write_json_atomic",

@@ -28,6 +28,8 @@ class Summary:
     complete: bool           # problems >= total
     correct: int
     accuracy: float | None   # correct / problems (skipped count as wrong); null for synthetic runs
+    boxed_correct: int       # correct and the output holds a \boxed answer (`boxed`)
+    boxed_accuracy: float | None  # boxed_correct / problems: the paper's Table 5 metric, "is_correct ∧ \boxed"
     skipped: int
     failed: int              # problems given up on after killing two workers (counted as wrong)
     timeouts: int            # grader timeouts (counted as incorrect)
@@ -40,11 +42,14 @@ class Summary:
     prm_tokens: float | None
     helper_step_share: float | None       # helper-sourced committed steps / committed steps
     early_exit_rate: float | None         # base candidates stopped by the detector / base candidates
-    degeneration_rate: float | None       # incorrect decoded problems with >= 256 steps / incorrect
+    degenerate: int                       # incorrect decoded problems with >= 256 committed steps
+    degeneration_rate: float | None       # degenerate / problems: how Table 2's numbers count
+    degeneration_rate_incorrect: float | None  # degenerate / incorrect decoded problems: Table 2's caption
     stops: dict[str, int]                 # count per stop reason
     wall_s: float                         # union of the problems' [started_at, finished_at] spans
     mean_problem_wall_s: float | None
     throughput_per_min: float | None      # problems / wall_s * 60
+    steady_throughput_per_min: float | None  # after the first problem finished (`steady_throughput`)
     peak_base_rows: int
     prm_truncations: int
 
@@ -57,10 +62,21 @@ def _ratio(num: int, den: int) -> float | None:
     return num / den if den else None
 
 
-def busy_seconds(traces: list[Trace]) -> float:
-    """Length of the union of the problems' [started_at, finished_at] spans (excludes gaps between
-    interrupted sessions, and model loading)."""
-    spans = sorted((t.timings["started_at"], t.timings["finished_at"]) for t in traces)
+def boxed(trace: Trace) -> bool:
+    """Whether the text the grader read (after `</think>` when it read there, cut at end-of-text markers) holds a
+    `\\boxed`: the condition of the paper's "is_correct ∧ \\boxed" (Table 5); the grader itself also takes "the
+    answer is" and the last number. Derived from `output`, so folders of every version read the same."""
+    from grader.extract import cut_at_stop_words
+    from kvrescue_cli.grading import answer_part  # here: grading imports outputs
+
+    return "\\boxed" in cut_at_stop_words(answer_part(trace.output)[0])
+
+
+def busy_seconds(traces: list[Trace], since: float = -math.inf) -> float:
+    """Length of the union of the problems' [started_at, finished_at] spans, each cut to start at `since`
+    (excludes gaps between interrupted sessions, and model loading)."""
+    spans = sorted((max(t.timings["started_at"], since), t.timings["finished_at"]) for t in traces
+                   if t.timings["finished_at"] > since)
     total, end = 0.0, -math.inf
     for a, b in spans:
         if b <= end:
@@ -70,6 +86,15 @@ def busy_seconds(traces: list[Trace]) -> float:
     return total
 
 
+def steady_throughput(traces: list[Trace]) -> float | None:
+    """Problems per minute once the first problem has finished (the paper's Table 3 measures the steady state):
+    the problems finished after it over the busy time after it; None with fewer than two finish times."""
+    first = min((t.timings["finished_at"] for t in traces), default=None)
+    wall = busy_seconds(traces, first) if first is not None else 0.0
+    later = sum(t.timings["finished_at"] > first for t in traces) if first is not None else 0
+    return later * 60 / wall if wall > 0 else None
+
+
 def summarize(traces: list[Trace], config: RunConfig, total: int | None = None) -> Summary:
     """All summary numbers, from the traces alone (the report uses this too)."""
     decoded = [t for t in traces if t.stop not in UNDECODED]
@@ -77,6 +102,8 @@ def summarize(traces: list[Trace], config: RunConfig, total: int | None = None) 
     steps = [s for t in decoded for s in t.steps]
     base_cands = [c for t in decoded for cs in t.candidates for c in cs if c.source == "base"]
     wrong = [t for t in decoded if not t.correct]
+    degenerate = sum(t.n_steps >= DEGENERATE_STEPS for t in wrong)
+    boxed_correct = sum(t.correct and boxed(t) for t in traces)
     wall = busy_seconds(traces)
     stops = {s: sum(t.stop == s for t in traces) for s in STOPS}
     return Summary(
@@ -85,6 +112,8 @@ def summarize(traces: list[Trace], config: RunConfig, total: int | None = None) 
         problems=len(traces), total=total, complete=total is not None and len(traces) >= total,
         correct=correct,
         accuracy=None if config.synthetic else _ratio(correct, len(traces)),
+        boxed_correct=boxed_correct,
+        boxed_accuracy=None if config.synthetic else _ratio(boxed_correct, len(traces)),
         skipped=stops[SKIPPED], failed=stops[FAILED], timeouts=sum(t.timed_out for t in traces),
         mean_steps=_mean([t.n_steps for t in decoded]),
         mean_output_tokens=_mean([sum(s.tokens for s in t.steps) for t in decoded]),
@@ -95,11 +124,14 @@ def summarize(traces: list[Trace], config: RunConfig, total: int | None = None) 
         prm_tokens=_mean([t.tokens.prm for t in decoded]),
         helper_step_share=_ratio(sum(s.source == "helper" for s in steps), len(steps)),
         early_exit_rate=_ratio(sum(c.finish in DETECTOR_FINISHES for c in base_cands), len(base_cands)),
-        degeneration_rate=_ratio(sum(t.n_steps >= DEGENERATE_STEPS for t in wrong), len(wrong)),
+        degenerate=degenerate,
+        degeneration_rate=_ratio(degenerate, len(traces)),
+        degeneration_rate_incorrect=_ratio(degenerate, len(wrong)),
         stops=stops,
         wall_s=wall,
         mean_problem_wall_s=_mean([t.timings["wall_s"] for t in decoded]),
         throughput_per_min=len(traces) * 60 / wall if wall > 0 else None,
+        steady_throughput_per_min=steady_throughput(traces),
         peak_base_rows=max((t.peak_base_rows for t in traces), default=0),
         prm_truncations=sum(t.prm_truncations for t in traces),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from kvrescue_cli.outputs import Trace
+from kvrescue_cli.printable import printable
 from kvrescue_cli.reasons import DETECTOR_FINISHES, UNDECODED
 from kvrescue_cli.report.load import Run
 from kvrescue_cli.report.tables import shown
@@ -13,8 +14,8 @@ from kvrescue_cli.shapes import BUFFER
 
 
 def explain(runs: list[Run]) -> list[str]:
-    """A few lines per run, in folder order."""
-    return [line for run in sorted(runs, key=lambda r: str(r.path)) for line in explain_run(run)]
+    """A few lines per run, in folder order, safe to print (`printable`)."""
+    return [printable(line) for run in sorted(runs, key=lambda r: str(r.path)) for line in explain_run(run)]
 
 
 def counted(n: int, noun: str) -> str:

@@ -8,15 +8,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrescue_cli.detect import DetectorConfig
+from kvrescue_cli.outputs import Trace, boxed
 from kvrescue_cli.report.load import Run, RowKey
 
 METHOD_ORDER = ("full", "helper", "bon", "interleave", "kvrescue")
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+PAPER_ACCURACY = "boxed_accuracy"  # Table 5's "is_correct ∧ \boxed": the accuracy recovery and the oracle use
+
+
+def paper_correct(trace: Trace) -> bool:
+    """A problem as Table 5 counts it: graded correct and its output holds a `\\boxed` (`outputs.boxed`)."""
+    return bool(trace.correct) and boxed(trace)
 
 
 @dataclass
 class Stat:
-    """A number averaged over seeds."""
+    """A number averaged over seeds, with the population standard deviation (n, not n - 1, in the denominator: the
+    paper's ± in Table 5)."""
 
     mean: float | None
     std: float | None
@@ -29,7 +37,7 @@ class Stat:
         if not vals:
             return cls(None, None, 0, partial)
         mean = sum(vals) / len(vals)
-        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else None
+        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals)) if len(vals) > 1 else None
         return cls(mean, std, len(vals), partial)
 
     def json(self) -> dict[str, Any]:
@@ -53,12 +61,14 @@ class Row:
 
 @dataclass
 class Table:
-    """One output table: raw values, their column kinds, and notes (n/a reasons, markers)."""
+    """One output table: raw values, their column kinds, and notes (n/a reasons, markers). Its first `keys` columns
+    name a row (the long CSV's row keys); the others are its values."""
 
     name: str
     title: str
     columns: list[str]
-    kinds: list[str]   # per column: text, int, pct, num, ratio, rel
+    kinds: list[str]   # per column: text, int, pct (a fraction), num, ratio, rel (a relative change)
+    keys: int = 0
     rows: list[list[Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -120,9 +130,28 @@ def recovery(rows: list[Row]) -> list[dict[str, Any]]:
             rec["reason"] = f"no {' or '.join(missing)} run for {k.bench} at N={k.n}" + \
                 ("" if missing == ["full"] else f", B={k.budget}")
         else:
-            rec["recovery"], rec["reason"] = _share(row.stat("accuracy").mean, bon.stat("accuracy").mean,
-                                                    full.stat("accuracy").mean)
+            rec["recovery"], rec["reason"] = _share(*(r.stat(PAPER_ACCURACY).mean for r in (row, bon, full)))
         out.append(rec)
+    return out
+
+
+def recovery_means(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The paper's average recovery (its "87% at B = 64"): per evictor and budget, the mean over the settings
+    (benches, base models, N) that have one, for all base models together (`base` None) and for each."""
+    out = []
+    groups: dict[tuple[str, int | None], list[dict[str, Any]]] = defaultdict(list)
+    for rec in recs:
+        groups[(rec["evictor"], rec["budget"])].append(rec)
+    for (evictor, budget), group in sorted(groups.items(), key=lambda kv: (kv[0][0], budget_rank(kv[0][1]))):
+        bases = sorted({r["base"] or "" for r in group})
+        for base in [None, *bases] if len(bases) > 1 else [None]:
+            mine = [r for r in group if base is None or (r["base"] or "") == base]
+            known = [r for r in mine if r["recovery"] is not None]
+            out.append({"evictor": evictor, "budget": budget, "base": base, "settings": len(known), "of": len(mine),
+                        "benches": len({r["bench"] for r in known}), "ns": sorted({r["n"] for r in known}),
+                        "bases": len({r["base"] for r in known}),
+                        "mean": sum(r["recovery"] for r in known) / len(known) if known else None,
+                        "in_progress": any(r["in_progress"] for r in mine)})
     return out
 
 
@@ -145,8 +174,8 @@ def oracle(rows: list[Row]) -> list[dict[str, Any]]:
                 continue
             accs = []
             for b, h in pairs:
-                bc = {t.idx: t.correct for t in b.traces}
-                hc = {t.idx: t.correct for t in h.traces}
+                bc = {t.idx: paper_correct(t) for t in b.traces}
+                hc = {t.idx: paper_correct(t) for t in h.traces}
                 common = bc.keys() & hc.keys()
                 if common:
                     accs.append((sum(bc[i] for i in common) / len(common), sum(hc[i] for i in common) / len(common),
@@ -163,7 +192,7 @@ def oracle(rows: list[Row]) -> list[dict[str, Any]]:
             elif bon.runs[0].config.synthetic:
                 rec["reason"] = "synthetic run (no accuracy)"
             else:
-                rec["full"] = full.stat("accuracy").mean
+                rec["full"] = full.stat(PAPER_ACCURACY).mean
                 rec["recovered"], rec["reason"] = _share(rec["oracle"], rec["bon"], rec["full"])
             out.append(rec)
     return out

@@ -1,4 +1,10 @@
-"""The report as text: rich tables, markdown, CSV, JSON, and the accuracy-vs-budget plot."""
+"""The report as text: rich tables, markdown, LaTeX, CSV, JSON, and the accuracy-vs-budget plot.
+
+Units: one per format, named where the numbers are. Tables, markdown, LaTeX and CSV give shares and relative changes
+in percent (their headers, or the CSV's `unit` column, say `%`); JSON gives them as fractions (each table's `units`).
+Every text taken from run folders is printed through `printable` (no terminal escapes); CSV text cells also through
+`csv_text` (no spreadsheet formulas).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import Any
 import orjson
 
 from kvrescue_cli.files import write_file_atomic
+from kvrescue_cli.printable import csv_text, printable
 from kvrescue_cli.report.load import FolderNote, ReportError, Run
 from kvrescue_cli.report.numbers import Stat, Table, method_rank, group_rows, oracle, recovery
 from kvrescue_cli.report.tables import row_label, setup_title
@@ -30,6 +37,8 @@ def fmt(value: Any, kind: str) -> str:
         return text + ("*" if value.partial else "")
     if value is None:
         return "n/a" if kind != "int" else "—"
+    if kind == "text":
+        return printable(str(value))
     if kind == "pct":
         return f"{100 * value:.1f}"
     if kind == "num":
@@ -37,8 +46,17 @@ def fmt(value: Any, kind: str) -> str:
     if kind == "ratio":
         return f"{value:.3f}"
     if kind == "rel":
-        return f"{100 * value:+.1f}%"
+        return f"{100 * value:+.1f}"
     return str(value)
+
+
+PERCENT_KINDS = ("pct", "rel")
+JSON_UNITS = {"pct": "fraction", "rel": "relative change, fraction"}
+
+
+def header(column: str, kind: str) -> str:
+    """A column's header in the text formats: its unit named where its numbers are in percent."""
+    return f"{column} (%)" if kind in PERCENT_KINDS else column
 
 
 def _plain(value: Any) -> Any:
@@ -46,10 +64,12 @@ def _plain(value: Any) -> Any:
 
 
 def to_json(tables: list[Table], runs: list[Run], notes: list[FolderNote]) -> bytes:
-    """The whole report as JSON: tables with raw values (fractions, not percent), recovery, oracle."""
+    """The whole report as JSON: tables with raw values (fractions, not percent: each table's `units` says which
+    columns), recovery, oracle."""
     by_setup = group_rows(runs)
     data = {
         "tables": [{"name": t.name, "title": t.title, "columns": t.columns,
+                    "units": [JSON_UNITS.get(k) for k in t.kinds],
                     "rows": [[_plain(v) for v in row] for row in t.rows], "notes": t.notes} for t in tables],
         "recovery": [rec for rows in by_setup.values() for rec in recovery(rows)],
         "oracle": [rec for rows in by_setup.values() for rec in oracle(rows)],
@@ -61,59 +81,90 @@ def to_json(tables: list[Table], runs: list[Run], notes: list[FolderNote]) -> by
 def to_markdown(tables: list[Table]) -> str:
     out = []
     for t in tables:
-        out.append(f"### {t.title}\n")
-        out.append("| " + " | ".join(t.columns) + " |")
+        out.append(f"### {_md(t.title)}\n")
+        out.append("| " + " | ".join(_md(header(c, k)) for c, k in zip(t.columns, t.kinds)) + " |")
         out.append("|" + "|".join("---" if k == "text" else "---:" for k in t.kinds) + "|")
         for row in t.rows:
-            out.append("| " + " | ".join(fmt(v, k).replace("|", "\\|") for v, k in zip(row, t.kinds)) + " |")
-        out += [""] + [f"- {n}" for n in t.notes] + ([""] if t.notes else [])
+            out.append("| " + " | ".join(_md(fmt(v, k)) for v, k in zip(row, t.kinds)) + " |")
+        out += [""] + [f"- {_md(n)}" for n in t.notes] + ([""] if t.notes else [])
     return "\n".join(out) + "\n"
 
 
-def to_csv(tables: list[Table]) -> str:
-    """One CSV block per table: a `# name: title` line, the header, the rows (percent as in the tables),
-    then a blank line. Stats are split into <column> and <column>_std."""
-    buf = io.StringIO()
+def _md(text: str) -> str:
+    return printable(text).replace("|", "\\|")
+
+
+LATEX_SPECIALS = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "±": r"$\pm$",
+                  "∧": r"$\wedge$", "Δ": r"$\Delta$", "×": r"$\times$", "—": "---"}
+
+
+def _tex(text: str) -> str:
+    return "".join(LATEX_SPECIALS.get(ch, ch) for ch in printable(text))
+
+
+def to_latex(tables: list[Table]) -> str:
+    """One booktabs `table` per report table (needs `\\usepackage{booktabs}`); notes as `%` comments after it."""
+    out = []
     for t in tables:
-        buf.write(f"# {t.name}: {t.title}\n")
-        w = csv.writer(buf, lineterminator="\n")
-        stat_cols = {i for i, _ in enumerate(t.columns) if any(isinstance(r[i], Stat) for r in t.rows)}
-        header = []
-        for i, c in enumerate(t.columns):
-            header += [c, f"{c}_std", f"{c}_seeds"] if i in stat_cols else [c]
-        w.writerow(header)
-        for row in t.rows:
-            cells = []
-            for i, (v, k) in enumerate(zip(row, t.kinds)):
-                if i in stat_cols:
-                    s = v if isinstance(v, Stat) else Stat(None, None, 0)
-                    cells += [_csv_num(s.mean, k), _csv_num(s.std, k), s.seeds]
-                else:
-                    cells.append(_csv_num(v, k) if k != "text" else v)
-            w.writerow(cells)
-        buf.write("\n")
+        align = "".join("l" if k == "text" else "r" for k in t.kinds)
+        out += ["\\begin{table}[t]", "\\centering", f"\\caption{{{_tex(t.title)}}}",
+                f"\\begin{{tabular}}{{{align}}}", "\\toprule",
+                " & ".join(_tex(header(c, k)) for c, k in zip(t.columns, t.kinds)) + " \\\\", "\\midrule"]
+        out += [" & ".join(_tex(fmt(v, k)) for v, k in zip(row, t.kinds)) + " \\\\" for row in t.rows]
+        out += ["\\bottomrule", "\\end{tabular}", "\\end{table}"]
+        out += [f"% {printable(n)}" for n in t.notes] + [""]
+    return "\n".join(out)
+
+
+CSV_COLUMNS = ("table", "row", "metric", "value", "std", "seeds", "unit", "text")
+
+
+def to_csv(tables: list[Table]) -> str:
+    """One tidy CSV (long format, `pandas.read_csv` loads it): a line per table row and value column, with the
+    row's keys in columns of their own (the union over tables, empty where a table has no such key), the value
+    (percent where `unit` is `%`), and for a mean over seeds its std and seed count; a value that is text (a run's
+    status) is in `text`, so that `value` stays numeric. Notes go to stderr."""
+    keys = list(dict.fromkeys(c for t in tables for c in t.columns[:t.keys]))
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow([*CSV_COLUMNS[:2], *keys, *CSV_COLUMNS[2:]])
+    for t in tables:
+        for i, row in enumerate(t.rows):
+            named = dict(zip(t.columns[:t.keys], row[:t.keys]))
+            key_cells = [_csv_cell(named.get(k), "text" if isinstance(named.get(k), str) else "int") for k in keys]
+            for column, kind, value in zip(t.columns[t.keys:], t.kinds[t.keys:], row[t.keys:]):
+                stat = value if isinstance(value, Stat) else None
+                text = isinstance(value, str)
+                cells = ([_csv_cell(stat.mean, kind), _csv_cell(stat.std, kind), stat.seeds] if stat
+                         else ["" if text else _csv_cell(value, kind), "", ""])
+                w.writerow([t.name, i, *key_cells, csv_text(column), *cells, "%" if kind in PERCENT_KINDS else "",
+                            _csv_cell(value, "text") if text else ""])
     return buf.getvalue()
 
 
-def _csv_num(v: Any, kind: str) -> Any:
+def _csv_cell(v: Any, kind: str) -> Any:
     if v is None:
         return ""
-    return round(100 * v, 4) if kind in ("pct", "rel") else v
+    if kind == "text" or isinstance(v, str):
+        return csv_text(str(v))
+    return round(100 * v, 4) if kind in PERCENT_KINDS else v
 
 
 def print_rich(tables: list[Table], console: Any) -> None:
-    """Rich tables (to the given console, normally stderr)."""
+    """Rich tables (to the given console); every text is plain text, never rich markup."""
     from rich.table import Table as RichTable
+    from rich.text import Text
 
     for t in tables:
-        rt = RichTable(title=t.title, title_justify="left")
+        rt = RichTable(title=Text(printable(t.title)), title_justify="left")
         for c, k in zip(t.columns, t.kinds):
-            rt.add_column(c, justify="left" if k == "text" else "right", overflow="fold")
+            rt.add_column(Text(printable(header(c, k))), justify="left" if k == "text" else "right", overflow="fold")
         for row in t.rows:
-            rt.add_row(*(fmt(v, k) for v, k in zip(row, t.kinds)))
+            rt.add_row(*(Text(fmt(v, k)) for v, k in zip(row, t.kinds)))
         console.print(rt)
         for n in t.notes:
-            console.print(f"  {n}", highlight=False, soft_wrap=True)
+            console.print(f"  {printable(n)}", highlight=False, soft_wrap=True, markup=False)
 
 
 MIN_ACCURACY_SPAN = 10.0  # percentage points: an axis over equal accuracies still reads as a scale

@@ -47,7 +47,7 @@ def tables_html(tables: list[rep.Table]) -> str:
     """The report's tables as HTML; every cell is `report.fmt` of the value, escaped."""
     out = []
     for t in tables:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in t.columns)
+        head = "".join(f"<th>{html.escape(rep.header(c, k))}</th>" for c, k in zip(t.columns, t.kinds))
         body = "".join(
             "<tr>" + "".join(f'<td class="{"text" if k == "text" else "num"}">{html.escape(rep.fmt(v, k))}</td>'
                              for v, k in zip(row, t.kinds)) + "</tr>"

@@ -121,7 +121,7 @@ def test_report_csv_sends_its_notes_to_stderr(two_runs: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "broken" not in done.stdout and "not valid JSON" not in done.stdout
     assert "broken" in done.stderr and "not valid JSON" in done.stderr
-    assert "# runs:" in done.stdout and "Traceback" not in done.stderr
+    assert done.stdout.startswith("table,row,") and "\nruns," in done.stdout and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize(("target", "message"), [

@@ -242,3 +242,16 @@ def test_a_candidate_cut_to_the_window_with_no_step_left_to_drop_is_a_truncation
     scorer.score([(0, long, [])])  # nothing to drop: the candidate keeps its last window - prompt tokens
     assert scorer.dropped_steps(0) == 0
     assert scorer.close(0) == (window, 1)
+
+
+@pytest.mark.parametrize("recipe", ["paper", "model-card"])
+def test_a_candidate_cut_to_the_window_keeps_its_tail_ending_where_the_score_is_read(prm, recipe) -> None:
+    inputs = PRMScorer(prm, recipe=FORMATS[recipe]).inputs
+    prompt = len(inputs.open(0, PROBLEMS[0]).prompt)
+    long = "Step 2: Dividing both sides by 3 gives x = 5, and 3 * 5 + 5 = 20.\n\n"
+    (whole,) = inputs.step_ids([long])
+    keep = len(whole) // 2
+    cutting = type(inputs)(prm.tokenizer, FORMATS[recipe], window=prompt + keep)
+    cutting.open(0, PROBLEMS[0])
+    (cut,) = cutting.candidates([(0, long, [])])
+    assert cut == whole[-keep:] and cut[-1] == whole[-1] and cut != whole[:keep]

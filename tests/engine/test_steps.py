@@ -148,6 +148,23 @@ def test_vectorised_detector_matches_the_per_token_reference(qwen2_dir) -> None:
         _agrees_with_the_oracle(m.tokenizer, r, config)
 
 
+def test_the_entropy_mean_before_the_window_fills_is_over_the_tokens_seen(qwen2_dir) -> None:
+    """With --ent-min-tokens 3 below --ent-window 12, the mean at token 3 is over 3 entropies, not 12: a threshold
+    just under every token's entropy fires at token 3 on the decode loop (dividing by the window: about token 12)."""
+    m = load_model(qwen2_dir)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    prompts = [m.tokenizer.encode("Step 1: Let x be")] * 4
+    quiet = DetectorConfig(tau_ent=float("inf"), ent_window=12, min_tokens=3, tau_cmp=float("-inf"))
+    seen, _, _ = _run(m, prompts, screened=[True] * 4, params=params, max_step_tokens=16, detector=quiet)
+    lowest = min(h for r in seen for h in r.entropies[:12])
+    config = DetectorConfig(tau_ent=lowest - 1e-3, ent_window=12, min_tokens=3, tau_cmp=float("-inf"))
+    res, _, _ = _run(m, prompts, screened=[True] * 4, params=params, max_step_tokens=16, detector=config)
+    assert [(r.finish, r.fired_at) for r in res] == [("entropy", 3)] * 4
+    for r, first in zip(res, seen):
+        assert r.max_mean_entropy == pytest.approx(sum(first.entropies[:3]) / 3, abs=1e-9)
+        _agrees_with_the_oracle(m.tokenizer, r, config)
+
+
 # -- the detector's precedence and eligibility edges, on the decode loop (a one-character token repeated: the
 # text holds n characters after n tokens, and every token has the same entropy) ----------------------------------
 K = 8  # min_tokens: the first token the entropy test applies to

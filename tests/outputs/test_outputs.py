@@ -19,6 +19,7 @@ import orjson
 import pytest
 
 from kvrescue_cli.outputs import (
+    boxed,
     Candidate, ModelRef, RunConfig, RunFolder, RunFolderError, Step, Tokens, Trace,
     TornTraceWarning, busy_seconds, environment, problem_checksum, read_traces, run_dir, same_cell_elsewhere,
     installed_version, summarize, write_atomic, write_json_atomic,
@@ -416,7 +417,9 @@ def test_summary_numbers_by_hand():
     assert s.helper_step_share == pytest.approx((1 + 3) / (2 + 300 + 3 + 256))
     base_cands = 2 * (2 + 300 + 3 + 256)
     assert s.early_exit_rate == pytest.approx((1 + 3) / base_cands)
-    assert s.degeneration_rate == pytest.approx(1 / 2)    # of the 2 incorrect decoded problems
+    assert s.degenerate == 1
+    assert s.degeneration_rate == pytest.approx(1 / 5)    # over all 5 problems: how Table 2's numbers count
+    assert s.degeneration_rate_incorrect == pytest.approx(1 / 2)    # of the 2 incorrect decoded: Table 2's caption
     assert s.base_tokens == pytest.approx(20 * (2 + 300 + 3 + 256) / 4)
     assert s.mean_output_tokens == pytest.approx(10 * (2 + 300 + 3 + 256) / 4)
     # spans [0,10] [5,15] [40,60] [70,75] [100,100] -> union 15 + 20 + 5 = 40 s
@@ -452,6 +455,41 @@ def test_summary_identifies_its_run_and_averages_every_count_over_decoded_proble
     assert s.wall_s == pytest.approx(0.3) and s.throughput_per_min == pytest.approx(800)
     empty = summarize([], cfg)
     assert (empty.peak_base_rows, empty.prm_truncations, empty.total, empty.complete) == (0, 0, None, False)
+
+
+def test_degeneration_rate_counts_over_all_problems_as_table_2s_numbers_do():
+    """Table 2 prints 0.2% at 82.2% accuracy: 1 of 500 problems (1 of its 89 incorrect would be 1.1%)."""
+    traces = [trace(i, "b" * (300 if i == 0 else 2), correct=i >= 89) for i in range(500)]
+    s = summarize(traces, config())
+    assert s.accuracy == pytest.approx(0.822)
+    assert round(100 * s.degeneration_rate, 1) == 0.2
+    assert round(100 * s.degeneration_rate_incorrect, 1) == 1.1
+
+
+def test_boxed_accuracy_counts_a_correct_answer_only_when_the_output_has_a_boxed():
+    """Table 5's "is_correct ∧ \\boxed": the grader also credits "the answer is" and the last number."""
+    outputs = ["so \\boxed{1}", "The answer is 1", "1", "\\boxed{1}<|im_end|>", "<|im_end|>\\boxed{1}",
+               "<think>\\boxed{1}</think> the answer is 1", "<think>x</think> \\boxed{1}"]
+    traces = [trace(i) for i in range(len(outputs))]
+    for t, output in zip(traces, outputs):
+        t.output = output
+    assert [boxed(t) for t in traces] == [True, False, False, True, False, False, True]
+    s = summarize(traces, config())
+    assert (s.correct, s.boxed_correct) == (7, 3)
+    assert s.accuracy == pytest.approx(1.0) and s.boxed_accuracy == pytest.approx(3 / 7)
+    traces[0].correct = False      # boxed but wrong: not counted
+    assert summarize(traces, config()).boxed_correct == 2
+    assert summarize(traces, config(synthetic=True)).boxed_accuracy is None
+
+
+def test_steady_throughput_starts_when_the_first_problem_finishes():
+    # loading ends at 0; a batch of two starts at 0 and finishes at 10 and 12; the next two run [10, 14], [12, 16]
+    traces = [trace(0, started=0, wall=10), trace(1, started=0, wall=12), trace(2, started=10, wall=4),
+              trace(3, started=12, wall=4)]
+    s = summarize(traces, config())
+    assert s.throughput_per_min == pytest.approx(4 * 60 / 16)
+    assert s.steady_throughput_per_min == pytest.approx(3 * 60 / 6)     # 3 problems finished in [10, 16]
+    assert summarize(traces[:1], config()).steady_throughput_per_min is None
 
 
 def test_busy_seconds_is_the_union_of_the_spans():

@@ -42,7 +42,8 @@ def make_trace(idx: int, correct: bool, sources: str, ent: float = 1.0) -> Trace
                       10 if exit_ else None),
             Candidate("helper", 0.9 if src == "helper" else 0.0, 10, "step", committed=src == "helper"),
         ])
-    return Trace(idx, f"p{idx}", "1", "1", steps, cands, "", "1" if correct else "0", correct, False, "eos", None,
+    output = "\\boxed{1}" if correct else "\\boxed{0}"
+    return Trace(idx, f"p{idx}", "1", "1", steps, cands, output, "1" if correct else "0", correct, False, "eos", None,
                  Tokens(base=20 * len(sources), helper=10 * len(sources)), len(sources),
                  {"wall_s": 1.0, "started_at": 100.0 + idx, "finished_at": 101.0 + idx}, 100, 0)
 
@@ -114,9 +115,10 @@ def rows_by(t: dict, *cols: str) -> dict:
     return {tuple(r[i] for i in idx): dict(zip(t["columns"], r)) for r in t["rows"]}
 
 
-def sample_std(*xs: float) -> float:
+def population_std(*xs: float) -> float:
+    """The paper's ± (Table 5): n, not n - 1, in the denominator."""
     m = sum(xs) / len(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
 
 
 def test_accuracy_grid_mean_std_over_seeds(runs_root):
@@ -124,10 +126,10 @@ def test_accuracy_grid_mean_std_over_seeds(runs_root):
     assert t["columns"] == ["method", "N", "budget", "gsm8k", "math500"]
     rows = rows_by(t, "method", "N", "budget")
     full = rows[("full", 8, None)]["math500"]
-    assert full["mean"] == pytest.approx(0.75) and full["std"] == pytest.approx(sample_std(0.8, 0.7))
+    assert full["mean"] == pytest.approx(0.75) and full["std"] == pytest.approx(population_std(0.8, 0.7))
     assert full["seeds"] == 2 and rows[("full", 8, None)]["gsm8k"] is None
     bon = rows[("bon", 8, 64)]["math500"]
-    assert bon["mean"] == pytest.approx(0.45) and bon["std"] == pytest.approx(sample_std(0.4, 0.5))
+    assert bon["mean"] == pytest.approx(0.45) and bon["std"] == pytest.approx(population_std(0.4, 0.5))
     kv = rows[("kvrescue", 8, 64)]
     assert kv["math500"]["mean"] == pytest.approx(0.65) and kv["gsm8k"]["mean"] == pytest.approx(0.9)
     assert kv["gsm8k"]["std"] is None and kv["gsm8k"]["seeds"] == 1
@@ -148,8 +150,10 @@ def test_recovery_per_setting_average_per_budget_and_na_reasons(runs_root):
     rows = rows_by(t, "N", "budget")
     assert rows[(8, 64)]["math500"] == pytest.approx(2 / 3) and rows[(8, 64)]["gsm8k"] is None
     assert rows[(8, 64)]["mean"] == pytest.approx(2 / 3)
-    assert "average recovery at B=64: 66.7% over 1 setting" in t["notes"]
-    assert "average recovery at B=128: 80.0% over 1 setting" in t["notes"]
+    means = rows_by(table(data, "recovery_mean"), "evictor", "budget", "base")
+    assert means[("rkv", 64, "all")]["recovery"] == pytest.approx(2 / 3)
+    assert means[("rkv", 64, "all")]["settings"] == "1/3"     # gsm8k and N=2 have no recovery
+    assert means[("rkv", 128, "all")]["recovery"] == pytest.approx(0.8)
     assert "n/a gsm8k, N=8, B=64: no full run for gsm8k at N=8" in t["notes"]
 
 
@@ -170,12 +174,15 @@ def test_a_synthetic_full_run_gives_no_recovery(tmp_path):
     assert (rec["recovery"], rec["reason"]) == (None, "synthetic run (no accuracy)")
 
 
-def test_three_seeds_sample_standard_deviation(tmp_path):
+def test_three_seeds_population_standard_deviation(tmp_path):
     for seed, correct in enumerate((2, 4, 9)):
         write_run(tmp_path, "bon", seed=seed, correct=set(range(correct)))
-    (cell,) = [row[-1] for row in table(report_json(tmp_path), "accuracy")["rows"]]
-    assert cell == {"mean": pytest.approx(0.5), "std": pytest.approx(sample_std(0.2, 0.4, 0.9)), "seeds": 3,
+    data = report_json(tmp_path)
+    (cell,) = [row[-1] for row in table(data, "accuracy")["rows"]]
+    # 0.2, 0.4, 0.9: population std 0.2944 (the sample one, n - 1, would be 0.3606)
+    assert cell == {"mean": pytest.approx(0.5), "std": pytest.approx(0.29439, abs=1e-5), "seeds": 3,
                     "in_progress": False}
+    assert "population std" in table(data, "accuracy")["title"]
 
 
 def test_recovery_pairs_the_bon_and_full_runs_of_the_same_evictor_and_base_model(tmp_path):
@@ -235,9 +242,13 @@ def test_decode_cost_and_ablation(runs_root):
     assert kv["steps"]["mean"] == pytest.approx(2.5) and kv["helper tokens"]["mean"] == pytest.approx(25)
     assert kv["Δ base tokens vs bon"] == pytest.approx((50 - 20 * (s0 + s1) / 2) / (20 * (s0 + s1) / 2))
     assert cost[("math500", "kvrescue", 8, 128)]["Δ base tokens vs bon"] == pytest.approx(0.0)
+    assert cost[("math500", "full", 8, None)]["base tokens"]["mean"] == pytest.approx(40)    # Table 1's full-KV row
     abl = rows_by(table(data, "ablation"), "bench", "method", "N", "budget")
-    assert abl[("math500", "bon", 8, 64)]["degeneration"]["mean"] == pytest.approx((4 / 6 + 1 / 5) / 2)
+    # Table 2's numbers count over all 10 problems (4 and 1 degenerate); its caption's reading, over the incorrect
+    assert abl[("math500", "bon", 8, 64)]["degeneration"]["mean"] == pytest.approx((4 / 10 + 1 / 10) / 2)
+    assert abl[("math500", "bon", 8, 64)]["degeneration of incorrect"]["mean"] == pytest.approx((4 / 6 + 1 / 5) / 2)
     assert abl[("math500", "kvrescue", 8, 64)]["degeneration"]["mean"] == pytest.approx(0.0)
+    assert abl[("math500", "full", 8, None)]["accuracy"]["mean"] == pytest.approx(0.75)       # Table 2's full-KV row
     # early exit: 1 of the 2 base candidates of each problem's first step when it is a base step
     assert abl[("math500", "kvrescue", 8, 64)]["early exit"]["mean"] == pytest.approx(((10 / 40) + 10 / 60) / 2)
     assert abl[("math500", "bon", 8, 128)]["early exit"]["mean"] == pytest.approx(1 / 8)
@@ -249,7 +260,7 @@ def test_helper_share_by_budget_and_n(runs_root):
     assert t["columns"] == ["bench", "method", "budget", "N=2", "N=8"]
     rows = rows_by(t, "bench", "method", "budget")
     assert rows[("math500", "kvrescue", 64)]["N=8"]["mean"] == pytest.approx((1 / 2 + 2 / 3) / 2)
-    assert rows[("math500", "kvrescue", 64)]["N=8"]["std"] == pytest.approx(sample_std(1 / 2, 2 / 3))
+    assert rows[("math500", "kvrescue", 64)]["N=8"]["std"] == pytest.approx(population_std(1 / 2, 2 / 3))
     assert rows[("math500", "kvrescue", 64)]["N=2"]["mean"] == pytest.approx(1.0)
     assert rows[("math500", "kvrescue", 128)]["N=8"]["mean"] == pytest.approx(0.25)
     assert rows[("math500", "kvrescue", 128)]["N=2"] is None
@@ -288,24 +299,43 @@ def test_markdown_csv_and_table_formats(runs_root):
     runner = CliRunner()
     md = runner.invoke(app, ["report", str(runs_root), "--format", "md"])
     assert md.exit_code == 0
-    assert "| method | N | budget | gsm8k | math500 |" in md.stdout
-    assert "| full | 8 | — | n/a | 75.0 ± 7.1 |" in md.stdout
+    assert "| method | N | budget | gsm8k (%) | math500 (%) |" in md.stdout
+    assert "| full | 8 | — | n/a | 75.0 ± 5.0 |" in md.stdout
     assert "| interleave | 8 | 64 | n/a | 40.0* |" in md.stdout
     for block in md.stdout.split("### ")[1:]:
         lines = [l for l in block.splitlines() if l.startswith("|") and "\\|" not in l]
         assert len({l.count("|") for l in lines}) == 1      # rectangular
-    out = runner.invoke(app, ["report", str(runs_root), "--format", "csv"])
-    assert out.exit_code == 0
-    blocks = {b.splitlines()[0].split(":")[0][2:]: list(csv.DictReader(io.StringIO("\n".join(b.splitlines()[1:]))))
-              for b in out.stdout.strip().split("\n\n")}
-    assert {"runs", "accuracy", "recovery", "cost", "ablation", "helper_share", "oracle", "calibration"} <= set(blocks)
-    full = next(r for r in blocks["accuracy"] if r["method"] == "full" and r["N"] == "8")
-    assert float(full["math500"]) == pytest.approx(75.0) and float(full["math500_std"]) == pytest.approx(7.0711, abs=1e-3)
-    assert full["math500_seeds"] == "2" and full["gsm8k"] == ""
     rich = runner.invoke(app, ["report", str(runs_root)], env={"COLUMNS": "250"})
     assert rich.exit_code == 0 and rich.stdout == ""
-    assert "Recovery" in rich.stderr and "average recovery at B=64: 66.7%" in rich.stderr
+    assert "Recovery" in rich.stderr and "math500 (%)" in rich.stderr
     assert "* no summary.json: running or interrupted" in rich.stderr
+
+
+def test_csv_is_one_tidy_long_table_in_percent(runs_root):
+    import pandas as pd
+
+    out = CliRunner().invoke(app, ["report", str(runs_root), "--format", "csv"])
+    assert out.exit_code == 0
+    frame = pd.read_csv(io.StringIO(out.stdout))
+    assert {"table", "row", "bench", "method", "N", "budget", "metric", "value", "std", "seeds", "unit"} <= set(frame)
+    assert {"runs", "accuracy", "recovery", "recovery_mean", "cost", "token_change", "ablation", "helper_share",
+            "oracle", "calibration", "throughput"} <= set(frame["table"])
+    full = frame[(frame.table == "accuracy") & (frame.method == "full") & (frame.N == 8) & (frame.metric == "math500")]
+    assert len(full) == 1 and full.value.item() == pytest.approx(75.0) and full["std"].item() == pytest.approx(5.0)
+    assert full.seeds.item() == 2 and full.unit.item() == "%"
+    mean = frame[(frame.table == "recovery_mean") & (frame.budget == 64) & (frame.metric == "recovery")]
+    assert mean.value.item() == pytest.approx(100 * 2 / 3, abs=1e-3)
+    steps = frame[(frame.table == "cost") & (frame.metric == "steps")]
+    assert steps.unit.isna().all()                            # counts have no unit; percentages say "%"
+
+
+def test_latex_is_booktabs_with_units_in_the_headers(runs_root):
+    out = CliRunner().invoke(app, ["report", str(runs_root), "--format", "latex"])
+    assert out.exit_code == 0
+    assert out.stdout.count("\\begin{tabular}") == out.stdout.count("\\bottomrule") >= 10
+    assert "method & N & budget & gsm8k (\\%) & math500 (\\%) \\\\" in out.stdout
+    assert "full & 8 & --- & n/a & 75.0 $\\pm$ 5.0 \\\\" in out.stdout
+    assert "\\toprule" in out.stdout and "\\midrule" in out.stdout
 
 
 def test_plot_draws_the_accuracies(runs_root, tmp_path, monkeypatch):
@@ -335,7 +365,7 @@ def test_plot_draws_the_accuracies(runs_root, tmp_path, monkeypatch):
     }
     bars = {c.get_label(): c.lines[2][0].get_segments() for c in fig.axes[1].containers}
     (low, high), _ = [(seg[0][1], seg[1][1]) for seg in bars["bon N=8"]]  # seed std at B=64, one seed at B=128
-    assert (high - low) / 2 == pytest.approx(100 * sample_std(0.4, 0.5))
+    assert (high - low) / 2 == pytest.approx(100 * population_std(0.4, 0.5))
 
 
 def test_subprocess_cli_json(runs_root):
@@ -548,3 +578,37 @@ def test_accuracy_axes_stay_within_0_and_100_percent(tmp_path, monkeypatch):
         (fig,) = drawn
         low, high = fig.axes[0].get_ylim()
         assert 0.0 <= low < high <= 100.0 and high - low >= 10.0
+
+
+def test_accuracy_is_table_5s_boxed_and_correct_and_recovery_uses_it(tmp_path):
+    """bon's correct answers carry no \\boxed (the grader read "the answer is"): Table 5 counts none of them."""
+    write_run(tmp_path, "full", correct=set(range(8)))
+    bon = write_run(tmp_path, "bon", correct=set(range(6)))
+    write_run(tmp_path, "kvrescue", correct=set(range(7)))
+    lines = (bon / "traces.jsonl").read_bytes().splitlines()
+    unboxed = [orjson.loads(line) | ({"output": "The answer is 1"} if i < 4 else {}) for i, line in enumerate(lines)]
+    (bon / "traces.jsonl").write_bytes(b"".join(orjson.dumps(t) + b"\n" for t in unboxed))
+    data = report_json(tmp_path)
+    paper = {k[0]: v for k, v in rows_by(table(data, "accuracy"), "method").items()}
+    grader = {k[0]: v for k, v in rows_by(table(data, "accuracy_grader"), "method").items()}
+    assert paper["bon"]["math500"]["mean"] == pytest.approx(0.2) and grader["bon"]["math500"]["mean"] == pytest.approx(0.6)
+    assert "is_correct ∧ \\boxed (Table 5)" in table(data, "accuracy")["title"]
+    (rec,) = data["recovery"]
+    assert rec["recovery"] == pytest.approx((0.7 - 0.2) / (0.8 - 0.2))      # the grader's would give 0.5
+
+
+def test_throughput_is_problems_per_minute_after_the_first_finished_with_ratios(tmp_path):
+    write_run(tmp_path, "full", problems=10)        # make_trace: problem i runs [100 + i, 101 + i]
+    write_run(tmp_path, "bon", problems=4)
+    write_run(tmp_path, "kvrescue", problems=7)
+    rows = {k[0]: v for k, v in rows_by(table(report_json(tmp_path), "throughput"), "method").items()}
+    # after the first finish at 101: 9, 3 and 6 problems in 9, 3 and 6 s
+    assert rows["full"]["problems/min"]["mean"] == pytest.approx(60.0)
+    assert rows["kvrescue"]["× full"] == pytest.approx(1.0) and rows["kvrescue"]["× bon"] == pytest.approx(1.0)
+    assert rows["full"]["× full"] is None and rows["bon"]["× bon"] is None
+
+
+def test_json_names_the_unit_of_every_column(runs_root):
+    t = table(report_json(runs_root), "accuracy")
+    assert t["units"] == [None, None, None, "fraction", "fraction"]
+    assert table(report_json(runs_root), "cost")["units"][-1] == "relative change, fraction"

@@ -63,12 +63,13 @@ def _trace(idx: int, pred: str, correct: bool) -> Trace:
                  "eos", None, Tokens(base=10), 1, {"wall_s": 1.0, "started_at": 100.0, "finished_at": 101.0}, 20, 0)
 
 
-def _write_seeds(root: Path, votes: dict[int, list[tuple[str, bool]]], seeds: int) -> None:
-    """One finished bon run per seed; problem i only in the seeds that `votes[i]` has a vote of."""
+def _write_seeds(root: Path, votes: dict[int, list[tuple[str, bool]]], seeds: int | list[int]) -> None:
+    """One finished bon run per seed (0 to `seeds` - 1, or those listed); problem i only in the seeds that `votes[i]`
+    has a vote of (its k-th vote is the k-th seed's)."""
     models = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
-    for seed in range(seeds):
+    for k, seed in enumerate(range(seeds) if isinstance(seeds, int) else seeds):
         cfg = RunConfig("math500", "bon", 64, 8, "rkv", seed, models, "prm", False, {"temperature": 0.8})
-        mine = {idx: per_seed[seed] for idx, per_seed in votes.items() if seed < len(per_seed)}
+        mine = {idx: per_seed[k] for idx, per_seed in votes.items() if k < len(per_seed)}
         with RunFolder.open(run_dir(root, cfg), cfg, total=len(mine)) as rf:
             for idx, vote in mine.items():
                 rf.append(_trace(idx, *vote))
@@ -97,7 +98,7 @@ def test_report_json_gives_avg_pass_and_maj_by_hand(seeds_root):
     cells = dict(zip(table["columns"], row))
     assert cells["bench"] == "math500" and cells["method"] == "bon" and cells["seeds"] == 3 and cells["problems"] == 4
     mean = sum(SEED_ACCURACY) / 3
-    std = math.sqrt(sum((a - mean) ** 2 for a in SEED_ACCURACY) / 2)
+    std = math.sqrt(sum((a - mean) ** 2 for a in SEED_ACCURACY) / 3)  # population std, as the paper
     assert cells["avg@n"]["mean"] == pytest.approx(mean) and cells["avg@n"]["std"] == pytest.approx(std)
     for name, value in EXPECTED.items():
         assert cells[name] == pytest.approx(value), name
@@ -132,3 +133,24 @@ def test_a_single_seed_has_no_seed_table(tmp_path):
 def test_bad_k_is_a_one_line_error(seeds_root, k):
     done = CliRunner().invoke(app, ["report", str(seeds_root), "--k", k])
     assert done.exit_code == 2 and "--k" in done.output and len(done.output.strip().splitlines()) == 1
+
+
+def _maj2(*roots: Path) -> float:
+    done = CliRunner().invoke(app, ["report", *map(str, roots), "--format", "json", "--k", "2"])
+    assert done.exit_code == 0, done.output
+    table = _seeds_table(orjson.loads(done.stdout)["tables"])
+    return dict(zip(table["columns"], table["rows"][0]))["maj@2"]
+
+
+def test_a_maj_at_k_tie_goes_to_the_lowest_seed_whatever_order_the_folders_come_in(tmp_path):
+    """Seeds 2 and 10 tie 1-1: seed 2's answer wins, though its folder (`...-s2-...`) sorts after `...-s10-...`,
+    and though the roots are given highest seed first."""
+    _write_seeds(tmp_path / "one", {0: [("1", True), ("0", False)]}, [2, 10])
+    folders = sorted(p.name for p in (tmp_path / "one" / "math500").iterdir())
+    assert folders[0].startswith("bon-rkv-b64-n8-s10-")             # the folders' own order puts seed 10 first
+    assert _maj2(tmp_path / "one") == 1.0
+    _write_seeds(tmp_path / "low", {0: [("1", True)]}, [2])
+    _write_seeds(tmp_path / "high", {0: [("0", False)]}, [10])
+    assert _maj2(tmp_path / "high", tmp_path / "low") == 1.0
+    _write_seeds(tmp_path / "flipped", {0: [("0", False), ("1", True)]}, [2, 10])   # seed 2 wrong: the tie is lost
+    assert _maj2(tmp_path / "flipped") == 0.0
