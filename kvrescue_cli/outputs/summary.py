@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvrescue_cli.outputs.records import RunConfig, Trace
 from kvrescue_cli.reasons import DETECTOR_FINISHES, FAILED, SKIPPED, STOPS, UNDECODED
+from kvrescue_cli.scorers import HELPER_LOGLIK
 
 DEGENERATE_STEPS = 256
 
@@ -30,6 +31,8 @@ class Summary:
     accuracy: float | None   # correct / problems (skipped count as wrong); null for synthetic runs
     boxed_correct: int       # correct and the output holds a \boxed answer (`boxed`)
     boxed_accuracy: float | None  # boxed_correct / problems: the paper's Table 5 metric, "is_correct ∧ \boxed"
+    vote_correct: int | None      # problems the PRM-weighted vote of the last step's solutions gets right (`vote`)
+    vote_accuracy: float | None   # vote_correct / problems; null for synthetic runs and traces without voters
     skipped: int
     failed: int              # problems given up on after killing two workers (counted as wrong)
     timeouts: int            # grader timeouts (counted as incorrect)
@@ -72,6 +75,23 @@ def boxed(trace: Trace) -> bool:
     return "\\boxed" in cut_at_stop_words(answer_part(trace.output)[0])
 
 
+def vote(trace: Trace, scorer: str) -> bool | None:
+    """The verdict of the PRM-weighted vote over the last step's solutions (the voters `grading.voters` grades):
+    search-and-learn's `compute_weighted_pred`, answers grouped (here by the grader's normalised answer), each
+    group's scores summed (a PRM's probabilities; the helper-loglik scorer's mean log-probabilities as exp), the
+    first group of the largest sum winning. None where the trace records no voter (older traces, undecoded)."""
+    voters = [c for c in trace.candidates[-1] if c.pred is not None] if trace.candidates else []
+    if not voters:
+        return None
+    weight = math.exp if scorer == HELPER_LOGLIK else float
+    sums: dict[str, float] = {}
+    verdicts: dict[str, bool] = {}
+    for c in voters:
+        sums[c.pred] = sums.get(c.pred, 0.0) + (weight(c.score) if c.score is not None else 0.0)
+        verdicts.setdefault(c.pred, bool(c.correct))
+    return verdicts[max(sums, key=sums.__getitem__)]
+
+
 def busy_seconds(traces: list[Trace], since: float = -math.inf) -> float:
     """Length of the union of the problems' [started_at, finished_at] spans, each cut to start at `since`
     (excludes gaps between interrupted sessions, and model loading)."""
@@ -104,6 +124,8 @@ def summarize(traces: list[Trace], config: RunConfig, total: int | None = None) 
     wrong = [t for t in decoded if not t.correct]
     degenerate = sum(t.n_steps >= DEGENERATE_STEPS for t in wrong)
     boxed_correct = sum(t.correct and boxed(t) for t in traces)
+    votes = [vote(t, config.scorer) if t.stop not in UNDECODED else False for t in traces]
+    vote_correct = None if config.synthetic or None in votes or not traces else sum(votes)
     wall = busy_seconds(traces)
     stops = {s: sum(t.stop == s for t in traces) for s in STOPS}
     return Summary(
@@ -114,6 +136,8 @@ def summarize(traces: list[Trace], config: RunConfig, total: int | None = None) 
         accuracy=None if config.synthetic else _ratio(correct, len(traces)),
         boxed_correct=boxed_correct,
         boxed_accuracy=None if config.synthetic else _ratio(boxed_correct, len(traces)),
+        vote_correct=vote_correct,
+        vote_accuracy=None if vote_correct is None else _ratio(vote_correct, len(traces)),
         skipped=stops[SKIPPED], failed=stops[FAILED], timeouts=sum(t.timed_out for t in traces),
         mean_steps=_mean([t.n_steps for t in decoded]),
         mean_output_tokens=_mean([sum(s.tokens for s in t.steps) for t in decoded]),

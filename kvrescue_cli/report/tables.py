@@ -39,7 +39,7 @@ def build_tables(runs: list[Run], notes: list[FolderNote], ks: Sequence[int] = D
     for setup, rows in group_rows(runs).items():
         title = setup_title(setup)
         tables += [accuracy_table(rows, title), accuracy_table(rows, title, grader=True),
-                   seeds_table(rows, title, ks), graders_table(rows, title),
+                   vote_table(rows, title), seeds_table(rows, title, ks), graders_table(rows, title),
                    recovery_table(rows, title), recovery_mean_table(rows, title),
                    cost_table(rows, title), token_change_table(rows, title),
                    ablation_table(rows, title), throughput_table(rows, title), helper_share_table(rows, title),
@@ -89,6 +89,21 @@ def accuracy_table(rows: list[Row], setup: str, grader: bool = False) -> Table:
         t.notes.append("* includes runs still in progress")
     if any(r.runs[0].config.synthetic for r in rows):
         t.notes.append("synthetic runs (random checkpoints) report no accuracy")
+    return t
+
+
+def vote_table(rows: list[Row], setup: str) -> Table:
+    """The PRM-weighted vote over the last step's solutions beside pass@1 (both by the grader's verdicts), for the
+    configurations whose traces record the voters' answers."""
+    t = Table("vote", f"PRM-weighted vote over the last step's solutions vs pass@1, by the grader's verdicts, mean ± "
+              f"population std over seeds — {setup}", ["bench", "method", "N", "budget", "pass@1", "PRM vote"],
+              ["text", "text", "int", "int", "pct", "pct"], keys=4)
+    for row in rows:
+        if row.stat("vote_accuracy").mean is not None:
+            t.rows.append([row.key.bench, *row_label(row, rows), row.key.n, row.key.budget, row.stat("accuracy"),
+                           row.stat("vote_accuracy")])
+    t.notes.append("voters: the committed candidate of the last step and every other that ended with EOS, each "
+                   "weighted by its score (search-and-learn's compute_weighted_pred)")
     return t
 
 

@@ -612,3 +612,41 @@ def test_json_names_the_unit_of_every_column(runs_root):
     t = table(report_json(runs_root), "accuracy")
     assert t["units"] == [None, None, None, "fraction", "fraction"]
     assert table(report_json(runs_root), "cost")["units"][-1] == "relative change, fraction"
+
+
+def voted(trace: Trace, voters: list[tuple[str, float, bool]]) -> Trace:
+    """`trace` whose last step's candidates are these voters (pred, score, correct), the first one committed."""
+    trace.candidates[-1] = [Candidate("base", score, 10, "eos", committed=i == 0, text=None if i == 0 else "t",
+                                      pred=pred, correct=correct)
+                            for i, (pred, score, correct) in enumerate(voters)]
+    trace.candidates[-1].append(Candidate("helper", 0.99, 10, "step", text="t"))  # no solution: no vote
+    return trace
+
+
+def test_the_prm_weighted_vote_sums_each_answers_scores_as_search_and_learn_does(tmp_path):
+    from kvrescue_cli.outputs.summary import summarize, vote
+    from kvrescue_cli.report.tables import build_tables, vote_table
+
+    wrong_committed = voted(make_trace(0, False, "bh"), [("5", 0.5, False), ("4", 0.3, True), ("4", 0.3, True)])
+    assert vote(wrong_committed, "prm") is True  # 0.6 for "4" beats 0.5 for "5"; the 0.99 step is no solution
+    tie = voted(make_trace(1, True, "bh"), [("1", 0.5, True), ("2", 0.25, False), ("2", 0.25, False)])
+    assert vote(tie, "prm") is True  # equal sums: the first group, in candidate order
+    logliks = [("5", -0.3, False), ("4", -0.5, True), ("4", -0.5, True)]
+    assert vote(voted(make_trace(2, False, "bh"), logliks), "helper-loglik") is True  # exp: 1.21 for "4" vs 0.74
+    assert vote(voted(make_trace(2, False, "bh"), logliks), "prm") is False  # as plain sums: -0.3 beats -1.0
+    assert vote(make_trace(3, True, "bh"), "prm") is None  # a trace from before voters were recorded
+
+    cfg = RunConfig("math500", "bon", 64, 8, "rkv", 0, {"base": MODELS["base"], "prm": MODELS["prm"]}, "prm", False,
+                    {"temperature": 0.8, "detector": None})
+    summary = summarize([wrong_committed, tie], cfg)
+    assert (summary.accuracy, summary.vote_correct, summary.vote_accuracy) == (0.5, 2, 1.0)
+    assert summarize([wrong_committed, make_trace(3, True, "bh")], cfg).vote_accuracy is None
+    path = run_dir(tmp_path, cfg)
+    with RunFolder.open(path, cfg, total=2) as rf:
+        for t in (wrong_committed, tie):
+            rf.append(t)
+        rf.write_summary()
+    (table,) = [t for t in build_tables(*load_runs([tmp_path])) if t.name == "vote"]
+    assert [[cell.mean if hasattr(cell, "mean") else cell for cell in row] for row in table.rows] == [
+        ["math500", "bon", 8, 64, 0.5, 1.0]]
+    assert vote_table([], "x").rows == []
