@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvrescue_cli import hub
 from kvrescue_cli.config_file import read_grid_file
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.errors import InputError
@@ -295,6 +296,27 @@ def _preset(ctx: typer.Context, value: Optional[str]) -> Optional[str]:
     return value
 
 
+REVISION_HELP = ("the {}'s Hub revision: a branch, tag or commit (default: its main branch); recorded in "
+                 "config.json")
+
+
+def _revisions(models: dict[str, str], given: dict[str, str | None]) -> dict[str, str]:
+    """--base-revision and the others, by role: each for a Hub id, one revision per Hub id."""
+    from kvrescue_cli.model_config import is_hub_id
+
+    revisions = {role: revision for role, revision in given.items() if revision is not None}
+    for role, revision in revisions.items():
+        model = models[role]
+        if Path(model).expanduser().exists() or not is_hub_id(model):
+            raise InputError(f"--{role}-revision {revision}: the {role} {model} is no Hub id (a local model has "
+                             "no revisions)")
+        other = next((r for o, r in revisions.items() if models[o] == model and r != revision), None)
+        if other is not None:
+            raise InputError(f"--{role}-revision {revision}: {model} is given revision {other} too; one revision "
+                             "per model")
+    return revisions
+
+
 def _synthetic(value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -328,6 +350,9 @@ def run(
                                    "scored at the last one), for the qwen-math recipe; README, PRM recipes"),
     prm_recipe: str = typer.Option("auto", help="the PRM's recipe: qwen-math, rlhflow, math-shepherd, skywork, or "
                                    "auto (from the checkpoint's head weights, else its name)"),
+    base_revision: Optional[str] = typer.Option(None, help=REVISION_HELP.format("base")),
+    helper_revision: Optional[str] = typer.Option(None, help=REVISION_HELP.format("helper")),
+    prm_revision: Optional[str] = typer.Option(None, help=REVISION_HELP.format("PRM")),
     preset: Optional[str] = typer.Option(None, is_eager=True, callback=_preset, help=PRESET_HELP),
     limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
     out: Path = typer.Option(Path("runs"), "--out", "-o", help="root folder of run folders"),
@@ -440,7 +465,9 @@ def run(
         engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
         device_memory=None if device_memory is None else parse_bytes(device_memory, "--device-memory"),
         buffer=buffer, prm_format=prm_format, prm_recipe=prm_recipe,
+        revisions=_revisions(models, {"base": base_revision, "helper": helper_revision, "prm": prm_revision}),
     )
+    hub.pin(options.hub_revisions())
     if auto or plan:
         options = sized_batch(options, auto)
     if plan:

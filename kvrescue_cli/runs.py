@@ -30,6 +30,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
     roles = roles_needed([cell.method], options.scorer)
     s = options.settings
     evictor_params = options.policy_params() if options.evicts(cell.method) else None  # None: the defaults
+    revisions = {role: options.revisions[role] for role in sorted(roles) if role in options.revisions}
     return RunConfig(
         bench=cell.problems.name if cell.problems.grading_bench != GENERIC else cell.problems.source,
         method=cell.method,
@@ -45,6 +46,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             "detector": vars(s.detector) if spec.detector else None,
             "buffer": options.buffer if options.evicts(cell.method) else None,
             **({"evictor_params": evictor_params} if evictor_params else {}),  # absent: the evictor's defaults
+            **({"revisions": revisions} if revisions else {}),  # absent: each Hub model's main branch
             "prm_format": options.prm_format if options.scorer == PRM and options.prm_recipe == "qwen-math" else None,
             **({"prm_recipe": options.prm_recipe} if options.scorer == PRM and options.prm_recipe != "qwen-math"
                else {}),  # absent: Qwen2.5-Math-PRM's, in `prm_format`

@@ -82,3 +82,40 @@ def test_an_out_inside_a_run_folder_is_refused_in_one_line(first_run, qwen2_dir,
         assert done.returncode == 2 and not (folder / "sub").exists()
         (line,) = done.stderr.decode().splitlines()
         assert f"run folder {folder}" in line and f"e.g. {out}" in line
+
+
+def hub_cache(root, model: str, folder, refs: dict[str, str]):
+    """A Hugging Face cache under `root` holding `model` at each ref (name -> commit), every snapshot a copy of
+    `folder`."""
+    import shutil
+
+    repo = root / f"models--{model.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    for ref, commit in refs.items():
+        (repo / "refs" / ref).write_text(commit)
+        snapshot = repo / "snapshots" / commit
+        if not snapshot.exists():
+            shutil.copytree(folder, snapshot)
+    return root
+
+
+def test_a_hub_revision_is_loaded_and_recorded_only_when_given(monkeypatch, problems, qwen2_dir, prm_dir, tmp_path):
+    """--base-revision v1 loads the base at the commit v1 names (from the local cache, offline) and records it;
+    without it the folder is the one of main, with no `revisions` key (folders made before keep their hash)."""
+    import huggingface_hub.constants
+
+    v1, main = "1" * 40, "2" * 40
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache(tmp_path / "hf", "kvtest/tiny",
+                                                                                   qwen2_dir, {"v1": v1, "main": main})))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    common = ["--bench", str(problems), "--limit", "1", "--base", "kvtest/tiny", "--prm", str(prm_dir), *SMALL]
+    ok(kvrescue_run(*common, "--base-revision", "v1", "--out", str(tmp_path / "v1")))
+    ok(kvrescue_run(*common, "--out", str(tmp_path / "main")))
+    (pinned,) = (tmp_path / "v1").glob("tiny/*/config.json")
+    (default,) = (tmp_path / "main").glob("tiny/*/config.json")
+    pinned, default = (orjson.loads(p.read_bytes())["config"] for p in (pinned, default))
+    assert pinned["models"]["base"]["revision"] == v1 and pinned["settings"]["revisions"] == {"base": "v1"}
+    assert default["models"]["base"]["revision"] == main and "revisions" not in default["settings"]
+    done = kvrescue_run(*common, "--prm-revision", "v1", "--out", str(tmp_path / "x"))
+    assert done.returncode == 2 and "--prm-revision v1: the prm" in done.stderr.decode()
+    assert "no Hub id" in done.stderr.decode()
