@@ -1,6 +1,6 @@
 """The `kvrescue` command line: thin Typer commands over the package's modules.
 
-Machine-readable results go to stdout or files; tables, progress and errors go to stderr.
+A command's product (JSONL, report, bench, cost) goes to stdout or files; progress, logs and errors to stderr.
 """
 
 from __future__ import annotations
@@ -31,8 +31,14 @@ if TYPE_CHECKING:
 
 app = typer.Typer(help="KV-Rescue batch evaluation", no_args_is_help=True, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
-# Logs and pipes get the whole table rather than 80 truncated columns.
-console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+console = Console(stderr=True)  # progress, logs, errors
+stdout = Console()  # the product of report, bench and cost
+
+
+def fit_consoles() -> None:
+    """A terminal's width, or $COLUMNS; logs and pipes without $COLUMNS get whole tables (200 columns)."""
+    for each in (console, stdout):
+        each.width = None if each.file.isatty() or "COLUMNS" in os.environ else 200
 
 
 def fail(err: InputError) -> NoReturn:
@@ -71,6 +77,7 @@ def main(
                                  help="print the version and exit"),
 ) -> None:
     """kvrescue: evicted-KV reasoning with a full-context helper and a PRM."""
+    fit_consoles()
 
 
 def check_output_file(out: Path | None, option: str) -> None:
@@ -146,6 +153,8 @@ def grade(
     check_bench(bench)
     rows = read_jsonl(source)
     name = "<stdin>" if source == "-" else source
+    if not rows:
+        raise InputError("no records to grade (an empty input)", path=name)
     graded, tally = grade_records(rows, source=name, bench=bench, output_field=output_field,
                                   gt_field=gt_field, workers=workers, timeout=timeout, grader=grader)
     write_jsonl_atomically(graded, out)
@@ -181,22 +190,34 @@ def regrade(runs: list[Path], grader: str, workers: int, timeout: float, out: Pa
 @one_line_errors
 def bench(
     data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl files (else $KVRESCUE_DATA_DIR, else the bundled copies)"),
+    format: str = typer.Option("table", "--format", help="table (rich) or json; on stdout"),
 ) -> None:
     """List the benchmarks, their sizes and where each is read from (provenance: kvrescue_cli/benchmarks/SOURCES.md)."""
     from kvrescue_cli.data import BENCHES, bench_file, load_problems, source_of
     from kvrescue_cli.data import data_dir as resolve_data_dir
+    from kvrescue_cli.jsonl import dumps_line
 
+    if format not in ("table", "json"):
+        raise InputError(f"unknown --format '{format}': use table or json")
     folder = resolve_data_dir(data_dir)
-    table = Table(title="benchmarks")
-    for column in ("bench", "problems", "problem field", "licence", "source"):
-        table.add_column(column)
+    rows = []
     for name, spec in BENCHES.items():
         path = bench_file(name, folder)
-        size = str(spec.size) if path is None else "missing"
+        size = spec.size if path is None else None  # None: missing
         if path is not None and path.is_file():
-            size = str(len(load_problems(name, folder=folder).problems))
-        table.add_row(name, size, spec.problem_field, spec.licence, source_of(name, folder))
-    console.print(table)
+            size = len(load_problems(name, folder=folder).problems)
+        rows.append({"bench": name, "problems": size, "problem_field": spec.problem_field, "licence": spec.licence,
+                     "source": source_of(name, folder)})
+    if format == "json":
+        sys.stdout.buffer.write(dumps_line(rows))
+        return
+    table = Table(title="benchmarks")
+    for column in ("bench", "problems", "problem field", "licence", "source"):
+        table.add_column(column, justify="right" if column == "problems" else "left",
+                         overflow="fold" if column == "source" else "ellipsis")
+    for row in rows:
+        table.add_row(*(("missing" if v is None else str(v)) for v in row.values()))
+    stdout.print(table)
 
 
 DEFAULT_MODELS = {
@@ -418,6 +439,7 @@ def run(
 
     from kvrescue_cli.progress import LogLines
 
+    from kvrescue_cli.dtypes import NAMES
     from kvrescue_cli.engine.loader import resolve_dtype
     from kvrescue_cli.engine.sampling import SamplingParams
     from kvrescue_cli.grid import DEFAULT_BATCH, grid_options, parse_shard
@@ -462,7 +484,7 @@ def run(
         also_grade=tuple(g for g in _comma_list(also_grade, str, "--also-grade") if g != grader) if also_grade else (),
         devices=device_list, ray_address=ray_address, shard=parse_shard(shard), cuda_graphs=cuda_graphs, tp=tp,
         deterministic=deterministic,
-        engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
+        engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(NAMES.get(dtype, dtype), device_list[0]),
         device_memory=None if device_memory is None else parse_bytes(device_memory, "--device-memory"),
         buffer=buffer, prm_format=prm_format, prm_recipe=prm_recipe,
         revisions=_revisions(models, {"base": base_revision, "helper": helper_revision, "prm": prm_revision}),
@@ -496,19 +518,20 @@ def refuse_out_in_a_run_folder(out: Path) -> None:
                              f"the root above it (e.g. {folder.parent.parent}), where every run gets its own folder")
 
 
-BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_bytes(value: str, option: str) -> int:
-    """'80GiB', '40 GB', '1e9' -> bytes; a one-line error for anything else."""
+    """'80GiB', '40 GB', '1e9B' -> bytes; a one-line error for anything else (a bare number too: 80 bytes or
+    80 GiB?)."""
     text = value.strip().upper()
     number = text.rstrip("KMGTIB ")
     unit = text[len(number):].strip()
     try:
         size = float(number) * BYTE_UNITS[unit]
     except (KeyError, ValueError):
-        raise InputError(f"{option} {value!r}: expected a size such as 80GiB, 40GB or 1e9 (bytes)") from None
+        raise InputError(f"{option} {value!r}: expected a size with its unit, such as 80GiB, 40GB or 1e9B") from None
     if not size >= 1:
         raise InputError(f"{option} {value!r}: need a positive size")
     return int(size)
@@ -614,11 +637,11 @@ def summary_table(results) -> Table:
 @one_line_errors
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="run folders, or folders above them (e.g. runs/)"),
-    format: str = typer.Option("table", "--format", help="table (rich, stderr), md, csv or json (stdout)"),
+    format: str = typer.Option("table", "--format", help="table (rich), md, csv or json; on stdout"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write accuracy vs budget (Figure 5) to this PNG"),
     k: str = typer.Option("1,4,8", "--k", help=K_HELP),
     explain: bool = typer.Option(False, "--explain", help="then, in words, what each run did: steps committed by "
-                                 "each model, the base cache against B, the detector's stops (stderr)"),
+                                 "each model, the base cache against B, the detector's stops"),
 ) -> None:
     """The paper's tables (accuracy, recovery, cost, ablation, helper share, oracle, calibration) from run folders."""
     from kvrescue_cli import report as rep
@@ -630,8 +653,10 @@ def report(
     ks = _ks(k)
     runs, notes = rep.load_runs(run_dirs)
     tables = rep.build_tables(runs, notes, ks)
+    if plot is not None:  # first: a plot that cannot be written stops the command before any table
+        console.print(f"wrote {rep.plot(runs, plot)}", highlight=False)
     if format == "table":
-        rep.print_rich(tables, console)
+        rep.print_rich(tables, stdout)
     elif format == "json":
         sys.stdout.buffer.write(rep.to_json(tables, runs, notes))
     else:
@@ -640,13 +665,11 @@ def report(
         for table in tables:
             for note in table.notes:
                 console.print(f"{table.name}: {note}", highlight=False, soft_wrap=True, markup=False)
-    if plot is not None:
-        console.print(f"wrote {rep.plot(runs, plot)}", highlight=False)
     if explain:
         from kvrescue_cli.report.explain import explain as explain_runs
 
         for line in explain_runs(runs):
-            console.print(line, highlight=False, soft_wrap=True, markup=False)
+            stdout.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 @app.command()
@@ -682,7 +705,7 @@ def cost(
     alpha: float = typer.Option(2.9, min=0.0, help="eviction overhead in units of B' attention (paper: 2.9)"),
     tp: int = typer.Option(1, "--tp", min=1, max=1 << 10, help="devices each model is sharded over (per-device plan)"),
     batch: int = typer.Option(1, min=1, max=1 << 20, help="problems decoded at once (per-device plan)"),
-    format: str = typer.Option("table", "--format", help="table (rich, stderr) or json (stdout)"),
+    format: str = typer.Option("table", "--format", help="table (rich) or json; on stdout"),
 ) -> None:
     """KV memory and decode FLOPs of the evicted base and the full helper (the paper's Appendix D), and what
     each device allocates under --tp for `batch` problems of KV-Rescue at once (the planner `run` uses; bf16, on a
@@ -705,4 +728,4 @@ def cost(
     table.add_column("value", justify="right")
     for name, value in cost_rows(result) + plan_rows(plan, tp):
         table.add_row(name, value)
-    console.print(table)
+    stdout.print(table)

@@ -303,9 +303,9 @@ def test_markdown_csv_and_table_formats(runs_root):
     assert float(full["math500"]) == pytest.approx(75.0) and float(full["math500_std"]) == pytest.approx(7.0711, abs=1e-3)
     assert full["math500_seeds"] == "2" and full["gsm8k"] == ""
     rich = runner.invoke(app, ["report", str(runs_root)], env={"COLUMNS": "250"})
-    assert rich.exit_code == 0 and rich.stdout == ""
-    assert "Recovery" in rich.stderr and "average recovery at B=64: 66.7%" in rich.stderr
-    assert "* no summary.json: running or interrupted" in rich.stderr
+    assert rich.exit_code == 0 and rich.stderr == ""  # the product on stdout (`kvrescue report runs > report.txt`)
+    assert "Recovery" in rich.stdout and "average recovery at B=64: 66.7%" in rich.stdout
+    assert "* no summary.json: running or interrupted" in rich.stdout
 
 
 def test_plot_draws_the_accuracies(runs_root, tmp_path, monkeypatch):
