@@ -178,7 +178,7 @@ def regrade(runs: list[Path], grader: str, workers: int, timeout: float, out: Pa
     table = Table(title=f"grade --runs: {grader} against the recorded verdicts")
     for column in ("folder", "recorded", "problems", "recorded acc", f"{grader} acc", "both", "only recorded",
                    f"only {grader}", "neither"):
-        table.add_column(column, justify="left" if column in ("folder", "recorded") else "right")
+        table.add_column(column, justify="left" if column in ("folder", "recorded") else "right", overflow="fold")
     for t in tallies:
         n = len(t.pairs)
         acc = lambda i: f"{100 * sum(p[i] for p in t.pairs) / n:.1f}%" if n else "n/a"  # noqa: E731
@@ -353,7 +353,7 @@ def run(
     ctx: typer.Context,
     config: Optional[Path] = typer.Option(None, "--config", is_eager=True, callback=_grid_file,
                                           help="a TOML grid file: run options by long name (lists for the axes; "
-                                          "[[grid]] tables for more grids); the command line overrides it"),
+                                          "\\[\\[grid]] tables for more grids); the command line overrides it"),
     bench: str = typer.Option("math500", help="benchmarks (comma list) or a path to any JSONL"),
     method: str = typer.Option("kvrescue", help="kvrescue, interleave, bon, full, helper (comma list)"),
     budget: str = typer.Option("64", help="KV budgets B (comma list)"),
@@ -429,7 +429,11 @@ def run(
     also_grade: Optional[str] = typer.Option(None, help="other graders (comma list) whose verdicts the traces record "
                                              "too, for kvrescue report's cross-grader table"),
 ) -> None:
-    """Run KV-Rescue and its baselines over a grid; one run folder per configuration."""
+    """Run KV-Rescue and its baselines over a grid; one run folder per configuration.
+
+    A step ends at \\n\\n (in the decoded text), at EOS or after --max-step-tokens tokens;
+    a problem at EOS, after --max-steps steps or at --context-cap tokens of context.
+    """
     if engine == "vllm":
         from kvrescue_cli.vllm_engine import require_vllm
 
@@ -518,6 +522,46 @@ def refuse_out_in_a_run_folder(out: Path) -> None:
                              f"the root above it (e.g. {folder.parent.parent}), where every run gets its own folder")
 
 
+# `kvrescue run --help` in panels, as lm-eval and vLLM group theirs; every option has one (tests/cli/test_help.py)
+RUN_PANELS = {
+    "Grid": ("config", "bench", "method", "budget", "n", "seed", "limit", "out", "overwrite", "preset", "data_dir",
+             "problem_field", "answer_field"),
+    "Models": ("base", "helper", "prm", "base_revision", "helper_revision", "prm_revision", "prm_format",
+               "prm_recipe", "prompt", "dtype"),
+    "Sampling and steps": ("temperature", "top_p", "top_k", "max_step_tokens", "max_steps", "context_cap",
+                           "synthetic_steps"),
+    "Eviction and detector": ("evictor", "buffer", "tau_ent", "tau_cmp", "ent_window", "ent_min_tokens",
+                              "cmp_chars"),
+    "Devices and memory": ("devices", "tp", "batch", "plan", "device_memory", "cuda_graphs", "deterministic",
+                           "engine", "vllm_memory", "ray_address", "shard"),
+    "Grading": ("grader", "also_grade"),
+}
+RUN_HELP = {  # options whose lines in `run`'s signature give no help
+    "temperature": "sampling temperature (0: greedy)",
+    "top_p": "nucleus sampling: only the most likely tokens whose probabilities sum to p (1: all)",
+    "top_k": "sample among the k most likely tokens (0: all)",
+    "max_step_tokens": "tokens per step at most (a step also ends at \\n\\n or EOS)",
+    "max_steps": "steps per problem at most",
+    "context_cap": "tokens of context per problem at most: the prompt and every step",
+}
+
+
+def _document_run() -> None:
+    """`run`'s options into `RUN_PANELS`, with `RUN_HELP`, and the default models shown."""
+    options = {name: p.default for name, p in inspect.signature(run).parameters.items() if name != "ctx"}
+    for panel, names in RUN_PANELS.items():
+        for name in names:
+            options[name].rich_help_panel = panel
+    for name, text in RUN_HELP.items():
+        options[name].help = text
+    for role, model in DEFAULT_MODELS.items():
+        options[role].show_default = f"{model}; {HELPER_LOGLIK} and SmolLM2 with --preset cpu-demo" if role == "prm" \
+            else f"{model}; SmolLM2 with --preset cpu-demo"
+
+
+_document_run()
+
+
 BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -570,16 +614,20 @@ def sized_batch(options, auto: bool):
 def print_plan(options) -> bool:
     """`run --plan`: each device's weights, KV, buffers and activation peak for the grid's largest cell, the device
     each rank computes on, and whether it fits (its free memory, or --device-memory, less the headroom)."""
+    from rich import box
+
     from kvrescue_cli import device_plan, memory_plan
     from kvrescue_cli.grid import device_groups
     from kvrescue_cli.workers import device_shares
 
     groups = device_groups(options.devices, options.tp)
     table = Table(title=f"kvrescue run --plan: batch {options.settings.batch}"
-                  + (" (auto)" if options.batch_auto else "") + f", --tp {options.tp}")
-    for column in ("device", "worker, rank", "role", "weights", "KV", "buffers", "activation peak", "total", "memory"):
-        table.add_column(column, justify="left" if column in ("device", "worker, rank", "role") else "right")
-    fits, notes = True, []
+                  + (" (auto)" if options.batch_auto else "") + f", --tp {options.tp}", box=box.SIMPLE_HEAD)
+    for column in ("device\n(worker,\nrank)", "role", "weights", "KV", "buffers", "activ.\npeak", "total"):
+        # at 80 columns the numbers stay whole and the device wraps; each device's memory on a line of its own
+        table.add_column(column, justify="left" if column in ("device\n(worker,\nrank)", "role") else "right",
+                         no_wrap=column != "device\n(worker,\nrank)")
+    fits, notes, rooms = True, [], []
     for g, group in enumerate(groups):
         shares = device_shares(groups, g)
         for rank, device in enumerate(group):  # rank r of a group computes on its r-th device
@@ -589,19 +637,22 @@ def print_plan(options) -> bool:
             room = device_plan.device_room(options, device, shares)
             usable = room - memory_plan.headroom(room)
             for i, role in enumerate(plan.roles):
-                table.add_row(device if i == 0 else "", f"{g}, {rank}" if i == 0 else "", role,
+                table.add_row(f"{device} ({g}, {rank})" if i == 0 else "", role,
                               *(memory_plan.gib(plan.bytes(role, kind)) for kind in
-                                ("weights", "kv", "buffers", "activations")), "", "")
+                                ("weights", "kv", "buffers", "activations")), "")
             ok = plan.total <= usable
             fits &= ok
-            table.add_row("", "", "[bold]all[/]", "", "", "", memory_plan.gib(plan.peak_moment.bytes),
-                          memory_plan.gib(plan.total), f"{memory_plan.gib(usable)} usable "
-                          + ("[green]fits[/]" if ok else "[red]does not fit[/]"), end_section=True)
+            table.add_row("", "[bold]all[/]", "", "", "", memory_plan.gib(plan.peak_moment.bytes),
+                          memory_plan.gib(plan.total), end_section=True)
+            rooms.append(f"{device} ({g}, {rank}): {memory_plan.gib(plan.total)} of {memory_plan.gib(usable)} usable "
+                         + ("[green]fits[/]" if ok else "[red]does not fit[/]"))
             if not ok:
                 notes.append(f"{device}: needs {memory_plan.gib(plan.total)} but {memory_plan.gib(usable)} is usable "
                              f"({memory_plan.gib(room)} less {memory_plan.gib(memory_plan.headroom(room))} of headroom)"
                              f"; its peak is the {plan.peak_moment.role} {plan.peak_moment.what}")
     console.print(table)
+    for line in rooms:
+        console.print(line, highlight=False)
     for note in notes:
         console.print(f"[red]does not fit:[/] {escape(note)}", highlight=False, soft_wrap=True)
     return fits
@@ -618,18 +669,22 @@ def num(x: float | None) -> str:
 
 
 def summary_table(results) -> Table:
-    """One row per cell: the figures `kvrescue run` ends with."""
-    table = Table(title="kvrescue run")
-    for column in ("bench", "method", "B", "N", "seed", "scorer", "acc", "steps", "base tok", "helper tok",
-                   "helper share", "early exit", "problems/min"):
-        table.add_column(column, justify="right" if column not in ("bench", "method", "scorer") else "left")
+    """One row per cell: the figures `kvrescue run` ends with. Readable at 80 columns: the cell's name wraps, the
+    numbers never do."""
+    from rich import box
 
+    from kvrescue_cli.runs import cell_label
+
+    table = Table(title="kvrescue run", box=box.SIMPLE_HEAD)
+    table.add_column("cell", overflow="fold")
+    for column in ("acc", "steps", "base\ntokens", "helper\ntokens", "helper\nshare", "early\nexit",
+                   "problems\n/min"):
+        table.add_column(column, justify="right", no_wrap=True)
     for config, s in results:
-        method = config.method + (" (synthetic)" if config.synthetic else "")
-        table.add_row(config.bench_name(), method, str(config.budget or "-"), str(config.n), str(config.seed),
-                      config.scorer, pct(s.accuracy), num(s.mean_steps), num(s.base_tokens),
-                      num(s.helper_tokens), pct(s.helper_step_share), pct(s.early_exit_rate),
-                      num(s.throughput_per_min))
+        name = cell_label(config) + ("" if config.scorer == "prm" else f" {config.scorer}") \
+            + (" (synthetic)" if config.synthetic else "")
+        table.add_row(name, pct(s.accuracy), num(s.mean_steps), num(s.base_tokens), num(s.helper_tokens),
+                      pct(s.helper_step_share), pct(s.early_exit_rate), num(s.throughput_per_min))
     return table
 
 
@@ -724,8 +779,8 @@ def cost(
         sys.stdout.buffer.write(cost_json(result, plan_json(plan, tp)))
         return
     table = Table(title=f"cost: base {base}, helper {helper}, B={budget}, L={context}, N={n}")
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
+    table.add_column("quantity", overflow="fold")
+    table.add_column("value", justify="right", no_wrap=True)
     for name, value in cost_rows(result) + plan_rows(plan, tp):
         table.add_row(name, value)
     stdout.print(table)

@@ -108,7 +108,7 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
                                  "run?); run the same command again")
         done = len(problems) - len(pending)
         rate, live = CellRate(len(problems), done), False
-        task = progress.add_task(_cell_label(config), total=len(problems), completed=done, accuracy="",
+        task = progress.add_task(cell_label(config), total=len(problems), completed=done, accuracy="",
                                  **rate.fields())
 
         def record(trace: Trace, tokens: int) -> None:
@@ -140,7 +140,8 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
     return summary
 
 
-def _cell_label(config: RunConfig) -> str:
+def cell_label(config: RunConfig) -> str:
+    """A cell as the progress and `kvrescue run`'s table name it: bench, method, B, N and seed."""
     budget = "" if config.budget is None else f" B={config.budget}"
     return f"{config.bench_name()} {config.method}{budget} N={config.n} seed={config.seed}"
 
@@ -175,7 +176,7 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
 
     say(f"{len(cells)} cell{'s' * (len(cells) != 1)}, each in its run folder under {options.out}:")
     for config in configs:
-        say(f"  {_cell_label(config)}: {run_dir(options.out, config).relative_to(options.out)}")
+        say(f"  {cell_label(config)}: {run_dir(options.out, config).relative_to(options.out)}")
     if not has_work(options, cells, configs):
         return run_all(None)
     groups = device_groups(options.devices, options.tp)
