@@ -174,10 +174,11 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
     def say(message: str) -> None:
         progress.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
+    work = has_work(options, cells, configs)  # a folder it refuses is the one line said
     say(f"{len(cells)} cell{'s' * (len(cells) != 1)}, each in its run folder under {options.out}:")
     for config in configs:
         say(f"  {cell_label(config)}: {run_dir(options.out, config).relative_to(options.out)}")
-    if not has_work(options, cells, configs):
+    if not work:
         return run_all(None)
     groups = device_groups(options.devices, options.tp)
     if len(groups) == 1 and options.ray_address is None:
