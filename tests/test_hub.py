@@ -5,6 +5,8 @@ reads HF_ENDPOINT and HF_HUB_OFFLINE when it is imported."""
 import socket
 import subprocess
 import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import orjson
@@ -39,6 +41,51 @@ class DroppingHub:
 
     def close(self) -> None:
         self.server.close()
+
+
+class ServingHub:
+    """A Hub on loopback serving `config.json` of each model in `configs` at one commit, counting every request
+    (method and path); anything else is a 404."""
+
+    COMMIT = "c0ffee" * 6 + "c0ff"
+
+    def __init__(self, configs: dict[str, dict]) -> None:
+        files = {f"/{model}/resolve/main/config.json": orjson.dumps(cfg) for model, cfg in configs.items()}
+        self.requests: Counter[tuple[str, str]] = Counter()
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def answer(self, body: bool) -> None:
+                hub.requests[self.command, self.path] += 1
+                data = files.get(self.path)
+                self.send_response(404 if data is None else 200)
+                if data is not None:
+                    self.send_header("X-Repo-Commit", hub.COMMIT)
+                    self.send_header("ETag", f'"{hash(data) & 0xFFFFFFFF:08x}"')
+                self.send_header("Content-Length", str(len(data or b"")))
+                self.end_headers()
+                if body and data:
+                    self.wfile.write(data)
+
+            def do_HEAD(self) -> None:
+                self.answer(False)
+
+            def do_GET(self) -> None:
+                self.answer(True)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 @pytest.fixture
@@ -87,3 +134,27 @@ def test_the_shipped_config_files_are_whole_hub_configs():
     for path in files:
         model = path.stem.replace("--", "/")
         Architecture.from_config(model, orjson.loads(path.read_bytes()))
+
+
+def test_each_model_s_config_is_fetched_once_per_command(tmp_path):
+    """The paper's three models on a Hub that serves their config.json: `run --plan`, then `cost` (the cache then
+    holds them), each asks for each model's config.json once."""
+    from kvrescue_cli.cli import DEFAULT_MODELS
+    from kvrescue_cli.paper_shapes import PAPER_MODELS
+
+    configs = {DEFAULT_MODELS[role]: {**shape, "model_type": "qwen2", "torch_dtype": "bfloat16", "architectures":
+                                      ["Qwen2ForProcessRewardModel" if role == "prm" else "Qwen2ForCausalLM"]}
+               for role, shape in PAPER_MODELS.items()}
+    stub = ServingHub(configs)
+    try:
+        for args in (["run", "--plan", "--device-memory", "80GB", "--devices", "cuda:0"],
+                     ["cost", "--prm", DEFAULT_MODELS["prm"]]):
+            stub.requests.clear()
+            done = kvrescue(args, stub, tmp_path)
+            assert done.returncode == 0, done.stderr.decode()
+            for model in configs:
+                path = f"/{model}/resolve/main/config.json"  # one look (HEAD), a download unless cached (GET)
+                fetched = {k: n for k, n in stub.requests.items() if k[1].startswith(f"/{model}/")}
+                assert fetched.pop(("HEAD", path)) == 1 and fetched.pop(("GET", path), 0) <= 1 and not fetched
+    finally:
+        stub.close()
