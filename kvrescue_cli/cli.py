@@ -64,6 +64,7 @@ GRADER_HELP = "qwen (the Qwen2.5-Math grader logic, the paper's) or math-verify 
 
 
 def _print_version(value: bool) -> None:
+    """--version: the installed package's version, then exit."""
     if value:
         from importlib.metadata import version
 
@@ -441,12 +442,11 @@ def run(
         require_vllm()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from kvrescue_cli.progress import LogLines
-
     from kvrescue_cli.dtypes import NAMES
     from kvrescue_cli.engine.loader import resolve_dtype
     from kvrescue_cli.engine.sampling import SamplingParams
     from kvrescue_cli.grid import DEFAULT_BATCH, grid_options, parse_shard
+    from kvrescue_cli.progress import LogLines
     from kvrescue_cli.runs import run_grid
     from kvrescue_cli.search import SearchSettings
     from kvrescue_cli.devices import is_gpu, kind_of
@@ -498,8 +498,8 @@ def run(
         options = sized_batch(options, auto)
     if plan:
         raise typer.Exit(0 if print_plan(options) else 1)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TextColumn("{task.fields[eta]}"))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[accuracy]}"),
+               TextColumn("{task.fields[speed]}"), TextColumn("{task.fields[eta]}"))
     try:
         with Progress(*columns, console=console) if console.is_terminal else LogLines(console) as progress:
             results = run_grid(options, progress)
@@ -567,8 +567,7 @@ BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def parse_bytes(value: str, option: str) -> int:
-    """'80GiB', '40 GB', '1e9B' -> bytes; a one-line error for anything else (a bare number too: 80 bytes or
-    80 GiB?)."""
+    """'80GiB', '40 GB', '1e9B' -> bytes; a one-line error for anything else, a bare number too (bytes? GiB?)."""
     text = value.strip().upper()
     number = text.rstrip("KMGTIB ")
     unit = text[len(number):].strip()

@@ -105,8 +105,8 @@ def test_a_hub_revision_is_loaded_and_recorded_only_when_given(monkeypatch, prob
     import huggingface_hub.constants
 
     v1, main = "1" * 40, "2" * 40
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache(tmp_path / "hf", "kvtest/tiny",
-                                                                                   qwen2_dir, {"v1": v1, "main": main})))
+    cache = hub_cache(tmp_path / "hf", "kvtest/tiny", qwen2_dir, {"v1": v1, "main": main})
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     common = ["--bench", str(problems), "--limit", "1", "--base", "kvtest/tiny", "--prm", str(prm_dir), *SMALL]
     ok(kvrescue_run(*common, "--base-revision", "v1", "--out", str(tmp_path / "v1")))
