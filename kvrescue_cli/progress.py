@@ -16,24 +16,36 @@ from rich.console import Console
 LOG_EVERY_S = 30.0  # a plain line at most this often while a cell decodes (and one when it starts and ends)
 
 
-def rate(count: float, elapsed: float, unit: str) -> str:
+def rate(count: int, elapsed: float, unit: str) -> str:
     """`count` per second over `elapsed`, as seconds per unit below one a second (never a bare `0.0`)."""
+    if count == 0:
+        return f"0 {unit}s in {elapsed:.0f} s"
     per_s = count / max(elapsed, 1e-9)
-    if per_s >= 1 or count == 0:
-        return f"{per_s:.1f} {unit}/s"
-    return f"{elapsed / count:.1f} s/{unit}"
+    return f"{per_s:.1f} {unit}/s" if per_s >= 1 else f"{elapsed / count:.1f} s/{unit}"
 
 
 class CellRate:
-    """One cell's speed and ETA from what this invocation decoded: problems finished, steps and tokens generated."""
+    """One cell's speed and ETA from what this invocation decoded: problems finished, steps and tokens generated
+    (the larger of the finished problems' sums and the controller's running totals, which include problems in
+    flight but may lag the last one finished)."""
 
     def __init__(self, total: int, done: int) -> None:
         self.started, self.total, self.done_before, self.done = time.monotonic(), total, done, done
-        self.steps = self.tokens = 0
+        self.finished_steps = self.finished_tokens = self.live_steps = self.live_tokens = 0
+
+    def finished(self, steps: int, tokens: int) -> None:
+        """A problem is done: its committed steps and generated tokens."""
+        self.done += 1
+        self.finished_steps, self.finished_tokens = self.finished_steps + steps, self.finished_tokens + tokens
+
+    def in_flight(self, steps: int, tokens: int) -> None:
+        """The controller's running totals."""
+        self.live_steps, self.live_tokens = steps, tokens
 
     def fields(self) -> dict[str, str]:
         """The `speed` and `eta` texts the bar and the log lines show."""
         elapsed = time.monotonic() - self.started
+        steps, tokens = max(self.finished_steps, self.live_steps), max(self.finished_tokens, self.live_tokens)
         finished = self.done - self.done_before
         left = self.total - self.done
         if not left:
@@ -42,7 +54,7 @@ class CellRate:
             eta = f"eta {timedelta(seconds=round(elapsed / finished * left))}"
         else:
             eta = "eta after the first problem"
-        return {"speed": f"{rate(self.steps, elapsed, 'step')} {rate(self.tokens, elapsed, 'tok')}", "eta": eta}
+        return {"speed": f"{rate(steps, elapsed, 'step')} {rate(tokens, elapsed, 'tok')}", "eta": eta}
 
 
 class LogLines:
@@ -68,7 +80,7 @@ class LogLines:
     def update(self, task: int, advance: int = 0, **fields: str) -> None:
         state = self.tasks[task]
         state.update(fields, completed=state["completed"] + advance)
-        if state["completed"] >= state["total"] or time.monotonic() - state["said"] >= self.every_s:
+        if (advance and state["completed"] >= state["total"]) or time.monotonic() - state["said"] >= self.every_s:
             self._say(task)
 
     def _say(self, task: int) -> None:

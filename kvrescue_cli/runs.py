@@ -106,24 +106,19 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
         if pending and executor is None:
             raise RunFolderError(f"{folder.path}: its traces changed since this run read them (another kvrescue "
                                  "run?); run the same command again")
-        done = len(problems) - len(pending)
-        rate, live = CellRate(len(problems), done), False
-        task = progress.add_task(cell_label(config), total=len(problems), completed=done, accuracy="",
+        rate = CellRate(len(problems), len(problems) - len(pending))
+        task = progress.add_task(cell_label(config), total=len(problems), completed=rate.done, accuracy="",
                                  **rate.fields())
 
         def record(trace: Trace, tokens: int) -> None:
             folder.append(trace)
-            rate.done += 1
-            if not live:  # in-flight totals are newer
-                rate.steps, rate.tokens = rate.steps + trace.n_steps, rate.tokens + tokens
+            rate.finished(trace.n_steps, tokens)
             accuracy = run_accuracy(config, folder.traces)
             progress.update(task, advance=1, accuracy=f"acc {'n/a' if accuracy is None else f'{100 * accuracy:.1f}%'}",
                             **rate.fields())
 
         def in_flight(totals: DecodeProgress) -> None:
-            nonlocal live
-            live = True
-            rate.steps, rate.tokens = totals.committed_steps, totals.generated_tokens
+            rate.in_flight(totals.committed_steps, totals.generated_tokens)
             progress.update(task, **rate.fields())
 
         try:

@@ -7,7 +7,7 @@ from kvrescue_cli.progress import CellRate, rate
 def test_a_slow_rate_is_seconds_per_unit_never_zero():
     assert rate(30, 10.0, "step") == "3.0 step/s"
     assert rate(1, 40.0, "step") == "40.0 s/step"  # what read 0.0 steps/s
-    assert rate(0, 40.0, "tok") == "0.0 tok/s"
+    assert rate(0, 40.0, "step") == "0 steps in 40 s"
 
 
 def test_the_eta_comes_from_the_problems_this_invocation_finished(monkeypatch):
@@ -16,9 +16,11 @@ def test_the_eta_comes_from_the_problems_this_invocation_finished(monkeypatch):
     cell = CellRate(total=10, done=4)  # four were done by an earlier run: they say nothing of this one's speed
     assert cell.fields()["eta"] == "eta after the first problem"
     now[0] += 600.0  # ten minutes for the first problem of this invocation
-    cell.done, cell.steps, cell.tokens = 5, 6, 1200
+    cell.in_flight(steps=6, tokens=1100)
+    cell.finished(steps=5, tokens=1200)  # the running totals lag the problem just finished: the larger counts
     assert cell.fields() == {"speed": "100.0 s/step 2.0 tok/s", "eta": "eta 0:50:00"}
-    cell.done = 10
+    for _ in range(5):
+        cell.finished(steps=1, tokens=1)
     assert cell.fields()["eta"] == "done"
 
 
@@ -35,6 +37,7 @@ def test_log_lines_come_when_a_cell_starts_every_so_often_and_when_it_ends(monke
     now[0] = 31.0
     lines.update(task, advance=1, accuracy="acc 100.0%")
     lines.update(task, advance=2, eta="done")  # the last problem: at once
+    lines.update(task, speed="2.0 step/s")  # running totals after the end: nothing
     said = [line.split(" ", 1)[1] for line in console.export_text().splitlines()]
     assert said == ["tiny bon B=16 N=2 seed=0: 0/3 problems, 0.0 step/s",
                     "tiny bon B=16 N=2 seed=0: 1/3 problems, acc 100.0%, 1.0 step/s",

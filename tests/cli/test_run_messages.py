@@ -34,8 +34,9 @@ def test_a_log_file_shows_the_cells_the_loading_and_progress_lines(first_run):
     for seed in (0, 1):  # a plain line when the cell starts and when its last problem is done
         label = f"tiny bon B=16 N=2 seed={seed}"
         assert re.search(rf"^\d\d:\d\d:\d\d {label}: 0/3 problems, .*eta after the first problem$", stderr, re.M)
-        assert re.search(rf"^\d\d:\d\d:\d\d {label}: 3/3 problems, acc \d+\.\d%, \d+\.\d (steps?/s|s/step) "
+        assert re.search(rf"^\d\d:\d\d:\d\d {label}: 3/3 problems, acc \d+\.\d%, \d+\.\d (step/s|s/step) "
                          rf"\d+\.\d (tok/s|s/tok), done$", stderr, re.M)
+        assert stderr.count(f"{label}: 3/3 problems") == 1
     assert "\x1b[" not in stderr  # no live bar, no terminal codes
 
 
