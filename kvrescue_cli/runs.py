@@ -129,9 +129,9 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
                 folder.write_summary()
             raise
         summary = folder.write_summary()
-    say = progress.console.print
-    say(f"{folder.path}: {'complete, summarised' if not pending else f'{len(pending)} problems decoded'}",
-        markup=False, highlight=False, soft_wrap=True)
+    decoded = f"{len(pending)} problem{'s' * (len(pending) != 1)} decoded"
+    progress.console.print(f"{folder.path}: {decoded if pending else 'complete, summarised'}", markup=False,
+                           highlight=False, soft_wrap=True)
     return summary
 
 
