@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -53,21 +51,19 @@ def unreachable() -> str | None:
 
 @functools.cache
 def _probe() -> str | None:
-    """One HEAD request to the Hub's endpoint: any HTTP answer means it is reachable (proxies as the environment
-    sets them); else why not."""
-    from huggingface_hub import constants
+    """One HEAD request to the Hub's endpoint through the Hub client's own session (its proxies and certificates),
+    without retries: any HTTP answer means it is reachable; else why not."""
+    from huggingface_hub import constants, get_session
 
     try:
-        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=PROBE_TIMEOUT_S)
-    except urllib.error.HTTPError:
-        return None
-    except (OSError, ValueError) as e:
-        reason = getattr(e, "reason", None) or e
+        get_session().head(constants.ENDPOINT, timeout=PROBE_TIMEOUT_S)
+    except Exception as e:  # the client's network stack raises many kinds (refused, reset, DNS, TLS, timeouts)
+        reason = _first_line(e)
         # The rest of this process and the processes it starts (Ray workers, vLLM's engines) stay off the Hub: the
         # client then reads its cache at once instead of retrying (its own requests, such as its registry of
         # agent harnesses, included).
         global _dropped
-        _dropped = f"{constants.ENDPOINT} did not answer: {' '.join(str(reason).split()) or type(e).__name__}"
+        _dropped = f"{constants.ENDPOINT} did not answer: {reason}"
         constants.HF_HUB_OFFLINE = True
         os.environ["HF_HUB_OFFLINE"] = "1"
         return _dropped
@@ -95,4 +91,4 @@ def config_file(model: str) -> tuple[bytes, str | None]:
 
 
 def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return " ".join(str(e).split()) or type(e).__name__
