@@ -17,9 +17,10 @@ LOG_EVERY_S = 30.0  # a plain line at most this often while a cell decodes (and 
 
 
 def rate(count: int, elapsed: float, unit: str) -> str:
-    """`count` per second over `elapsed`, as seconds per unit below one a second (never a bare `0.0`)."""
+    """`count` per second over `elapsed`, as seconds per unit below one a second; `-` before the first (never a
+    `0.0` that reads as stuck)."""
     if count == 0:
-        return f"0 {unit}s in {elapsed:.0f} s"
+        return f"- {unit}/s"
     per_s = count / max(elapsed, 1e-9)
     return f"{per_s:.1f} {unit}/s" if per_s >= 1 else f"{elapsed / count:.1f} s/{unit}"
 

@@ -7,7 +7,7 @@ from kvrescue_cli.progress import CellRate, rate
 def test_a_slow_rate_is_seconds_per_unit_never_zero():
     assert rate(30, 10.0, "step") == "3.0 step/s"
     assert rate(1, 40.0, "step") == "40.0 s/step"  # what read 0.0 steps/s
-    assert rate(0, 40.0, "step") == "0 steps in 40 s"
+    assert rate(0, 40.0, "step") == "- step/s"
 
 
 def test_the_eta_comes_from_the_problems_this_invocation_finished(monkeypatch):
