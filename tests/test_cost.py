@@ -95,7 +95,7 @@ def test_missing_or_bad_configs_are_one_line_errors(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["cost", "--base", "nobody/no-such-model-kvrescue", "--helper", str(tmp_path)])
     assert result.exit_code != 0
     assert ("nobody/no-such-model-kvrescue: config.json is not in the local Hugging Face cache and the Hub can't be "
-            "reached (HF_HUB_OFFLINE is set)") in " ".join(result.stderr.split())
+            "reached") in " ".join(result.stderr.split())
     assert "Traceback" not in result.output and result.stderr.count("\n") == 1
 
 
