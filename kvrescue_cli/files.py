@@ -154,13 +154,14 @@ class OutputFolder:
                            "here", self.error)
         return st is not None
 
-    def open_file(self, name: str, flags: int, mode: int = 0o666) -> int:
+    def open_file(self, name: str, flags: int, mode: int = 0o666, shown: str | None = None) -> int:
         """A descriptor of the regular file `name` opened with `flags` (os.O_*) without following a link;
-        a link, a special file or a file with other names (hard links) is `self.error`."""
+        a link, a special file or a file with other names (hard links) is `self.error`, naming `shown` (the file
+        the user named, where `name` is a temporary file beside it) or `name`."""
         try:
             fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=self.fd)
         except OSError as e:
-            raise _refused(self.path / name, _why_not(e, "file"), self.error) from None
+            raise _refused(self.path / (shown or name), _why_not(e, "file"), self.error) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
             os.close(fd)
@@ -189,7 +190,7 @@ class OutputFolder:
         old = self._lstat(name) if self.has(name) else None
         tmp = f".{name}.{secrets.token_hex(8)}.tmp"
         try:
-            fd = self.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            fd = self.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, shown=name)
             try:
                 with os.fdopen(fd, "wb") as f:
                     if old is not None:  # a new file keeps 0666 less the umask

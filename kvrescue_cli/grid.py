@@ -90,6 +90,11 @@ class GridOptions:
     prm_format: str = "paper"  # the qwen-math recipe's input format (engine/prm_recipes/qwen_math.py)
     prm_recipe: str = "qwen-math"  # the PRM's recipe (engine/prm_recipes; `auto` resolved by `resolve_prm_recipe`)
     evictor_params: dict[str, Any] = field(default_factory=dict)  # --evictor NAME:FIELD=VALUE,...: the fields given
+    revisions: dict[str, str] = field(default_factory=dict)  # --base-revision and the others: a role's Hub revision
+
+    def hub_revisions(self) -> dict[str, str]:
+        """{Hub id: revision} of the grid's roles given a revision (`hub.pin`)."""
+        return {self.models[role]: revision for role, revision in self.revisions.items() if role in self.models}
 
     def policy(self) -> Evictor:
         """The evictor with its parameters (`--evictor NAME:FIELD=VALUE,...`; the others its defaults)."""

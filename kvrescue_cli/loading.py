@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 import kvrescue_cli.engine.invariance as invariance
+from kvrescue_cli import hub
 from kvrescue_cli.cost import Architecture
 from kvrescue_cli.devices import is_cpu, is_gpu
 from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
@@ -48,6 +49,7 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
     """Every model the grid runs on this engine, loaded once on `device`; base and helper must share a tokenizer."""
     loaded: dict[str, LoadedModel] = {}
     by_name: dict[str, LoadedModel] = {}
+    hub.pin(options.hub_revisions())  # this process may be a Ray worker or a --tp rank
     use_device(device)
     if options.deterministic and is_gpu(device):
         invariance.prepare_cuda(device)  # before this process's first matrix product

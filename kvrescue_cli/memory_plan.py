@@ -451,5 +451,6 @@ def refuse_what_does_not_fit(plan: DevicePlan | None, free: int, device: str, be
         left = "left beside vLLM's share" if beside_vllm else "free"
         raise InputError(f"batch {plan.batch} needs {gib(plan.total)} on {device} ({summary(plan)}) but "
                          f"{gib(free)} is {left} ({gib(room)} after {gib(headroom(free))} of headroom); "
-                         f"lower --batch (or --batch auto) or --n{''.join(', ' + h for h in hints)}, "
+                         f"{'lower --batch (or --batch auto) or ' if plan.batch > 1 else 'lower '}"
+                         f"--n{''.join(', ' + h for h in hints)}, "
                          "or use larger devices")

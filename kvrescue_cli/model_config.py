@@ -5,7 +5,6 @@ No torch here, so `kvrescue cost` stays quick.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import struct
@@ -15,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from kvrescue_cli import hub
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.files import CONFIG_LIMIT, open_regular, read_regular
 
@@ -149,20 +149,20 @@ def load_config(model: str) -> dict[str, Any]:
     if not is_hub_id(model):
         raise ModelConfigError(f"{model}: no such folder or config.json, and not a Hub id (owner/name)")
     try:
-        from huggingface_hub import hf_hub_download
-        return orjson.loads(Path(hf_hub_download(model, "config.json")).read_bytes())
-    except Exception as e:  # the Hub client raises many kinds (offline, 404, gated, timeouts)
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelConfigError(f"{model}: could not fetch config.json from the Hugging Face Hub ({reason}); "
-                               "pass a local model folder or config.json instead") from None
+        data = hub.config_file(model)[0]
+    except hub.HubError as e:
+        raise ModelConfigError(f"{model}: {e}; pass a local model folder or config.json instead") from None
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise ModelConfigError(f"{model}: its config.json is not valid JSON ({e})") from None
 
 
-@functools.cache
 def model_revision(model: str) -> str | None:
     """The revision recorded in config.json (DESIGN section 8), None when it can't be known.
 
-    A Hub id: the commit its files resolve to (from the local Hugging Face cache when offline). A local
-    folder: `sha256:` + the hash of its config.json and weight index (model.safetensors.index.json and every
+    A Hub id: the commit its files resolve to (from the local Hugging Face cache when offline; `hub.config_file`). A
+    local folder: `sha256:` + the hash of its config.json and weight index (model.safetensors.index.json and every
     safetensors file's name, size and header: tensor names, dtypes, shapes and offsets; every PyTorch weight
     file's name, size and last MiB: its zip directory, each tensor's CRC-32 in it). A GGUF file:
     `sha256:` + the hash of its size and first MiB (metadata and tensor index).
@@ -176,9 +176,8 @@ def model_revision(model: str) -> str | None:
     if not is_hub_id(model):
         return None
     try:
-        from huggingface_hub import hf_hub_download
-        return Path(hf_hub_download(model, "config.json")).parent.name
-    except Exception:  # offline and not cached, gated, missing: the loader reports it
+        return hub.config_file(model)[1]
+    except hub.HubError:  # offline and not cached, gated, missing: the loader reports it
         return None
 
 

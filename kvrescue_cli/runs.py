@@ -19,6 +19,8 @@ from kvrescue_cli.scorers import PRM
 from kvrescue_cli.outputs import (
     ModelRef, RunConfig, RunFolder, RunFolderError, Summary, Trace, problem_checksum, run_dir, same_cell_elsewhere,
 )
+from kvrescue_cli.outputs.summary import run_accuracy
+from kvrescue_cli.progress import CellRate
 from kvrescue_cli.search import DecodeProgress
 
 
@@ -28,6 +30,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
     roles = roles_needed([cell.method], options.scorer)
     s = options.settings
     evictor_params = options.policy_params() if options.evicts(cell.method) else None  # None: the defaults
+    revisions = {role: options.revisions[role] for role in sorted(roles) if role in options.revisions}
     return RunConfig(
         bench=cell.problems.name if cell.problems.grading_bench != GENERIC else cell.problems.source,
         method=cell.method,
@@ -43,6 +46,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             "detector": vars(s.detector) if spec.detector else None,
             "buffer": options.buffer if options.evicts(cell.method) else None,
             **({"evictor_params": evictor_params} if evictor_params else {}),  # absent: the evictor's defaults
+            **({"revisions": revisions} if revisions else {}),  # absent: each Hub model's main branch
             "prm_format": options.prm_format if options.scorer == PRM and options.prm_recipe == "qwen-math" else None,
             **({"prm_recipe": options.prm_recipe} if options.scorer == PRM and options.prm_recipe != "qwen-math"
                else {}),  # absent: Qwen2.5-Math-PRM's, in `prm_format`
@@ -102,26 +106,20 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
         if pending and executor is None:
             raise RunFolderError(f"{folder.path}: its traces changed since this run read them (another kvrescue "
                                  "run?); run the same command again")
-        task = progress.add_task(_cell_label(config), total=len(problems), completed=len(problems) - len(pending),
-                                 accuracy="", speed="")
-        started, steps, generated, live = time.time(), 0, 0, False
-
-        def show_speed(steps: int, tokens: int) -> str:
-            elapsed = max(time.time() - started, 1e-9)
-            return f"{steps / elapsed:.1f} steps/s {tokens / elapsed:.0f} tok/s"
+        rate = CellRate(len(problems), len(problems) - len(pending))
+        task = progress.add_task(cell_label(config), total=len(problems), completed=rate.done, accuracy="",
+                                 **rate.fields())
 
         def record(trace: Trace, tokens: int) -> None:
-            nonlocal steps, generated
             folder.append(trace)
-            steps, generated = steps + trace.n_steps, generated + tokens
-            accuracy = sum(t.correct for t in folder.traces) / len(folder.traces)
-            speed = {} if live else {"speed": show_speed(steps, generated)}  # in-flight totals are newer
-            progress.update(task, advance=1, accuracy=f"acc {100 * accuracy:.1f}%", **speed)
+            rate.finished(trace.n_steps, tokens)
+            accuracy = run_accuracy(config, folder.traces)
+            progress.update(task, advance=1, accuracy=f"acc {'n/a' if accuracy is None else f'{100 * accuracy:.1f}%'}",
+                            **rate.fields())
 
         def in_flight(totals: DecodeProgress) -> None:
-            nonlocal live
-            live = True
-            progress.update(task, speed=show_speed(totals.committed_steps, totals.generated_tokens))
+            rate.in_flight(totals.committed_steps, totals.generated_tokens)
+            progress.update(task, **rate.fields())
 
         try:
             if executor is not None:
@@ -131,10 +129,14 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
                 folder.write_summary()
             raise
         summary = folder.write_summary()
+    decoded = f"{len(pending)} problem{'s' * (len(pending) != 1)} decoded"
+    progress.console.print(f"{folder.path}: {decoded if pending else 'complete, summarised'}", markup=False,
+                           highlight=False, soft_wrap=True)
     return summary
 
 
-def _cell_label(config: RunConfig) -> str:
+def cell_label(config: RunConfig) -> str:
+    """A cell as the progress and `kvrescue run`'s table name it: bench, method, B, N and seed."""
     budget = "" if config.budget is None else f" B={config.budget}"
     return f"{config.bench_name()} {config.method}{budget} N={config.n} seed={config.seed}"
 
@@ -164,18 +166,26 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
     def run_all(executor: in_process.InProcessGroup | workers.RayWorkers | None) -> list[tuple[RunConfig, Summary]]:
         return [(config, run_cell(options, cell, executor, progress, config)) for cell, config in zip(cells, configs)]
 
-    if not has_work(options, cells, configs):
+    def say(message: str) -> None:
+        progress.console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    work = has_work(options, cells, configs)  # a folder it refuses is the one line said
+    say(f"{len(cells)} cell{'s' * (len(cells) != 1)}, each in its run folder under {options.out}:")
+    for config in configs:
+        say(f"  {cell_label(config)}: {run_dir(options.out, config).relative_to(options.out)}")
+    if not work:
         return run_all(None)
     groups = device_groups(options.devices, options.tp)
     if len(groups) == 1 and options.ray_address is None:
+        roles = ", ".join(f"{role} {options.models[role]}" for role in sorted(options.native_roles()))
+        say(f"loading {roles} on {','.join(groups[0])}")
+        started = time.monotonic()
         executor = in_process.InProcessGroup(options, groups[0])
+        say(f"models loaded in {time.monotonic() - started:.1f} s")
         try:
             return run_all(executor)
         finally:
             executor.close()
-
-    def say(message: str) -> None:
-        progress.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     with workers.RayWorkers(options, say) as actors:
         actors.start()

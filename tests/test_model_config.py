@@ -7,6 +7,7 @@ import struct
 import huggingface_hub.constants
 import orjson
 
+from kvrescue_cli import hub
 from kvrescue_cli.model_config import model_revision
 
 
@@ -26,7 +27,6 @@ def test_a_local_folder_is_identified_by_its_config_and_weight_index(qwen2_dir, 
     assert revision == expected_folder_revision(copy) == model_revision(str(qwen2_dir))
     config = orjson.loads((copy / "config.json").read_bytes())
     (copy / "config.json").write_bytes(orjson.dumps({**config, "rope_theta": 1.0}))
-    model_revision.cache_clear()
     assert model_revision(str(copy)) not in (revision, None)
 
 
@@ -46,7 +46,7 @@ def test_a_hub_id_is_its_commit_from_the_local_cache_when_offline(tmp_path, monk
     (repo / "snapshots" / commit / "config.json").write_text("{}")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    model_revision.cache_clear()
+    hub.config_file.cache_clear()
     assert model_revision("someone/tiny-model") == commit
     assert model_revision("someone/not-cached") is None  # unknown offline: null, the loader says why
 

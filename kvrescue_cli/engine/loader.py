@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
+from kvrescue_cli import hub
 from kvrescue_cli.devices import is_gpu
 from kvrescue_cli.dtypes import NAMES
 from kvrescue_cli.engine.model import (
@@ -150,10 +151,11 @@ def _hub_download(repo_id: str) -> Path:
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     files = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
+    where = {"revision": hub.revision_of(repo_id), "local_files_only": hub.unreachable() is not None}
     try:
-        folder = Path(snapshot_download(repo_id, allow_patterns=files))
+        folder = Path(snapshot_download(repo_id, allow_patterns=files, **where))
         if not any(folder.glob("*.safetensors")):  # an older repo: its PyTorch weight files instead
-            folder = Path(snapshot_download(repo_id, allow_patterns=files + [BIN_WEIGHTS]))
+            folder = Path(snapshot_download(repo_id, allow_patterns=files + [BIN_WEIGHTS], **where))
         return folder
     except GatedRepoError:
         raise ModelLoadError(f"model {repo_id!r}: gated on the Hugging Face Hub; accept its terms and log in (hf auth login)") from None
@@ -161,8 +163,9 @@ def _hub_download(repo_id: str) -> Path:
         raise ModelLoadError(f"model {repo_id!r}: not found on the Hugging Face Hub (or private without a token)") from None
     except LocalEntryNotFoundError:
         raise ModelLoadError(
-            f"model {repo_id!r}: not in the local Hugging Face cache and the Hub is unreachable from this machine; "
-            "download it where there is network access and pass the folder"
+            f"model {repo_id!r}: not in the local Hugging Face cache and the Hub can't be reached "
+            f"({hub.unreachable() or 'the download stopped'}); download it where there is network access and pass "
+            "the folder"
         ) from None
     except Exception as e:  # network stacks raise many types; keep the message to one line
         raise ModelLoadError(f"model {repo_id!r}: download from the Hugging Face Hub failed: {type(e).__name__}: {e}".splitlines()[0]) from None

@@ -65,6 +65,12 @@ def _ratio(num: int, den: int) -> float | None:
     return num / den if den else None
 
 
+def run_accuracy(config: RunConfig, traces: list[Trace]) -> float | None:
+    """correct / problems (skipped count as wrong); None for synthetic runs (their outputs are no answers), as the
+    summary and the progress line both show it."""
+    return None if config.synthetic else _ratio(sum(t.correct for t in traces), len(traces))
+
+
 def boxed(trace: Trace) -> bool:
     """Whether the text the grader read (after `</think>` when it read there, cut at end-of-text markers) holds a
     `\\boxed`: the condition of the paper's "is_correct ∧ \\boxed" (Table 5); the grader itself also takes "the
@@ -133,7 +139,7 @@ def summarize(traces: list[Trace], config: RunConfig, total: int | None = None) 
         evictor=config.evictor, seed=config.seed, scorer=config.scorer, synthetic=config.synthetic,
         problems=len(traces), total=total, complete=total is not None and len(traces) >= total,
         correct=correct,
-        accuracy=None if config.synthetic else _ratio(correct, len(traces)),
+        accuracy=run_accuracy(config, traces),
         boxed_correct=boxed_correct,
         boxed_accuracy=None if config.synthetic else _ratio(boxed_correct, len(traces)),
         vote_correct=vote_correct,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+from kvrescue_cli import hub
 from kvrescue_cli.vllm_engine import require_vllm
 
 
@@ -41,5 +42,6 @@ def start_llm(
         engine_args["gpu_memory_utilization"] = memory
     if kv_cache_bytes is not None:
         engine_args["kv_cache_memory_bytes"] = kv_cache_bytes
+    engine_args.setdefault("revision", hub.revision_of(str(model)))  # --base-revision and the others
     return vllm.LLM(model=str(model), dtype=dtype, max_model_len=max_model_len, runner=runner, seed=seed,
                     **engine_args)

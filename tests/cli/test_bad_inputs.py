@@ -123,9 +123,11 @@ def test_damaged_model_folder_is_a_one_line_load_error(damage: str, message: str
 def test_damaged_model_folder_through_run(qwen2_dir: Path, tmp_path: Path) -> None:
     folder = _broken_copy(qwen2_dir, tmp_path / "broken", "truncated_weights")
     write_jsonl(tmp_path / "p.jsonl", {"question": "1+1?", "answer": "2"})
-    line = one_line_error("run", "--bench", "p.jsonl", "--base", str(folder), "--helper", str(folder), "--prm",
-                          "helper-loglik", "--method", "bon", "--device", "cpu", "--out", "out", cwd=tmp_path)
-    assert "model.safetensors is not a readable safetensors file" in line
+    done = kvrescue("run", "--bench", "p.jsonl", "--base", str(folder), "--helper", str(folder), "--prm",
+                    "helper-loglik", "--method", "bon", "--device", "cpu", "--out", "out", cwd=tmp_path)
+    *said, line = done.stderr.decode().strip().splitlines()  # the run's cells and "loading ...", then the error
+    assert done.returncode == 2 and said[-1].startswith("loading base") and not any("error" in s for s in said)
+    assert line.startswith("error: ") and "model.safetensors is not a readable safetensors file" in line
 
 
 def test_unknown_dtype_is_a_load_error(qwen2_dir: Path) -> None:

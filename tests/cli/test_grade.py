@@ -79,7 +79,7 @@ def bench_table(*args: str) -> list[list[str]]:
     env = {k: v for k, v in os.environ.items() if k != "KVRESCUE_DATA_DIR"} | {"COLUMNS": "400"}
     done = kvrescue("bench", *args, env=env)
     assert done.returncode == 0, done.stderr.decode()
-    return [[c.strip() for c in line.split("│")[1:-1]] for line in done.stderr.decode().splitlines() if line.startswith("│")]
+    return [[c.strip() for c in line.split("│")[1:-1]] for line in done.stdout.decode().splitlines() if line.startswith("│")]
 
 
 SIZES = {"math500": 500, "gsm8k": 1319, "aime24": 30, "amc23": 40, "olympiadbench": 675}

@@ -203,13 +203,16 @@ def test_comma_lists_run_every_cell_and_full_and_helper_once_across_budgets(grid
 
 def test_the_final_table_has_one_row_per_cell_with_its_numbers(grid):
     out, stderr, _ = grid
-    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in stderr.decode().splitlines() if line.startswith("│")]
+    table = re.split(r"kvrescue run *\n", stderr.decode())[-1]  # after the progress lines, 250 columns wide
+    rows = [re.split(r"\s{2,}", line.strip()) for line in table.splitlines() if "seed=" in line]
     assert len(rows) == 32
     found = folders(out)
-    for bench, method, budget, n, seed, scorer, acc, steps, base, helper, share, exits, rate in rows:
-        evictor, b = ("rkv", budget) if method == "bon" else ("none", "full")
-        s = summary(found[f"{bench}/{method}-{evictor}-b{b}-n{n}-s{seed}"])
-        assert scorer == "prm" and acc == pct(s["accuracy"]) and rate == num(s["throughput_per_min"])
+    for cell, acc, steps, base, helper, share, exits, rate in rows:
+        bench, method, *named = cell.split()  # a PRM-scored cell's name: bench, method, [B=..] N=.. seed=..
+        axes = dict(part.split("=") for part in named)
+        evictor, b = ("rkv", axes["B"]) if method == "bon" else ("none", "full")
+        s = summary(found[f"{bench}/{method}-{evictor}-b{b}-n{axes['N']}-s{axes['seed']}"])
+        assert acc == pct(s["accuracy"]) and rate == num(s["throughput_per_min"])
         assert (steps, base, helper) == tuple(num(s[k]) for k in ("mean_steps", "base_tokens", "helper_tokens"))
         assert (share, exits) == (pct(s["helper_step_share"]), pct(s["early_exit_rate"]))
 

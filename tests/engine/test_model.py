@@ -127,8 +127,9 @@ def test_a_hub_repo_s_pytorch_weight_files_are_fetched_only_where_it_has_no_safe
     from kvrescue_cli.engine.loader import model_folder
 
     asked = []
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, allow_patterns: asked.append(allow_patterns)
-                        or str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no probe of the Hub
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, allow_patterns, **where:
+                        asked.append(allow_patterns) or str(tmp_path))
     assert model_folder("Skywork/Skywork-o1-Open-PRM-Qwen-2.5-1.5B") == tmp_path
     assert len(asked) == 2 and "*.safetensors" in asked[0] and asked[1] == asked[0] + ["pytorch_model*.bin"]
     (tmp_path / "model.safetensors").write_bytes(b"")

@@ -74,7 +74,7 @@ def test_report_explain_prints_after_the_tables(tmp_path):
     write(tmp_path, "kvrescue", 16, [trace(0, True, 70, 48, [Candidate("base", None, 40, "entropy", 7.4, 0.6, 36)])])
     done = CliRunner().invoke(app, ["report", str(tmp_path), "--explain"])
     assert done.exit_code == 0, done.output
-    tail = done.stderr[done.stderr.index("Run folders"):].replace("\n", " ")
+    tail = done.stdout[done.stdout.index("Run folders"):].replace("\n", " ")
     assert "detector: stopped 1 of 4 base candidates (1 entropy); the first: problem 0, step 1, at token 36 " \
            "(mean entropy 7.40 > 7.0)" in tail
-    assert "detector: stopped" not in CliRunner().invoke(app, ["report", str(tmp_path)]).stderr
+    assert "detector: stopped" not in CliRunner().invoke(app, ["report", str(tmp_path)]).stdout
