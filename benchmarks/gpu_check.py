@@ -75,8 +75,22 @@ from gpu_check_problems import problems_section
 from gpu_check_record import Check, interrupted_at, table  # noqa: F401 (interrupted_at: tests/benchmarks/test_gpu_check.py)
 from gpu_check_setup import FULL, SMALL
 from gpu_check_vllm import vllm_child, vllm_section
+from kvrescue_cli.devices import is_gpu
 from kvrescue_cli.engine.graphs import flash_attn_with_kvcache
+from kvrescue_cli.loading import indexed_gpu, use_device
 from kvrescue_cli.outputs import installed_version
+
+
+def chosen_device(requested: str | None, tiny: bool) -> str:
+    """The device checked: `--device` (default: cuda when available, else cpu), `cuda` read as the current GPU
+    (`cuda:N`), made this process's current device as `kvrescue run` makes it (its allocator settings too), so that
+    graphs, streams and every default-device call are on GPU N, not 0."""
+    device = "cpu" if tiny else requested or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not is_gpu(device):
+        return device
+    device = indexed_gpu(device)
+    use_device(device)
+    return device
 
 
 def main() -> None:
@@ -93,10 +107,8 @@ def main() -> None:
                         help="only measure the vllm section, appending its records to OUT as JSON lines (the section "
                              "runs so in a child process, which ends at its share of the budget)")
     args = parser.parse_args()
-    device = "cpu" if args.tiny else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = chosen_device(args.device, args.tiny)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)  # cuda:N: graphs, streams and every default-device call on GPU N, not 0
     plan = SMALL if args.tiny else FULL
     if args.vllm_child is not None:
         vllm_child(args.vllm_child, device, dtype, args.tiny, plan)

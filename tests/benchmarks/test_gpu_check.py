@@ -3,6 +3,7 @@ its roofline arithmetic is right, and its time budget bounds every section."""
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -10,7 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch.cuda._utils import _get_device_index
 
+from kvrescue_cli.cuda_allocator import VARIABLES
 from tests.helpers import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -138,3 +142,19 @@ def test_the_deadline_holds_in_a_job_that_ignores_sigint():
     finally:
         signal.signal(signal.SIGINT, previous)
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_the_default_device_cuda_is_made_current_by_its_index(monkeypatch):
+    """`gpu_check.py --out gpu_check.json` on a GPU: `--device` defaults to `cuda`, which `torch.cuda.set_device`
+    refuses without an index (faked here with PyTorch's own validation); the check reads it as the current GPU."""
+    module = load_gpu_check()
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: made_current.append(_get_device_index(device)))
+    for variable in VARIABLES:
+        monkeypatch.setenv(variable, "")  # the allocator's settings are set for the check, and undone after the test
+    assert module.chosen_device(None, tiny=False) == "cuda:3" and made_current == [3]
+    assert module.chosen_device("cuda:1", tiny=False) == "cuda:1" and made_current == [3, 1]
+    assert module.chosen_device(None, tiny=True) == "cpu" and made_current == [3, 1]
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
