@@ -119,7 +119,6 @@ class RecordLines(Check):
 def describe(section: str, r: dict) -> str:
     """One line for one result."""
     if section == "tp":
-        from tp_check import describe as describe_tp  # benchmarks/, next to this script
         return describe_tp(r)
     if section == "roofline":
         what = "copy bandwidth"
@@ -175,6 +174,17 @@ def describe(section: str, r: dict) -> str:
         return f"{what}: {r['tokens_per_s']:.1f} tok/s{share}"
     cut = f", {r['problems']} finished before the cut" if r["cut"] else ""
     return f"{what}: {r['problems']} problems in {r['seconds']:.1f} s = {r['problems_per_min']:.2f}/min{cut}"
+
+
+def describe_tp(r: dict) -> str:
+    """One line for tp_check's result (gpu_check's `tp` section)."""
+    if "skipped" in r:
+        return f"tp=2 vs 1: skipped ({r['skipped'][:200]})"
+    rates = ", ".join(f"graphs {'on' if g == 'graphs' else 'off'}: {r['tp2'][g]:.1f} vs {r['tp1'][g]:.1f} tok/s "
+                      f"(x{r['tp2'][g] / r['tp1'][g]:.2f})" for g in ("graphs", "eager")
+                      if isinstance(r["tp2"].get(g), float) and isinstance(r["tp1"].get(g), float))
+    return (f"tp=2 vs 1 ({r['shape']}): logits max|d|={r['logits']['max_abs']:.2e} "
+            f"top1={r['logits']['top1_agreement']:.3f}; decode {rates}")
 
 
 def table(report: dict) -> str:
