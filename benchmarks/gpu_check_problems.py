@@ -13,6 +13,9 @@ from gpu_check_record import Check, interrupted_at
 from gpu_check_setup import PARAMS, PROBLEM_RUNS, QWEN25_MATH_7B, QWEN25_MATH_15B, QWEN25_MATH_PRM_7B, TINY, random_loaded
 from kvrescue_cli.data import Problem, ProblemSet
 from kvrescue_cli.cell_engine import build_cell
+from kvrescue_cli.cost import Architecture
+from kvrescue_cli.device_plan import device_kind
+from kvrescue_cli.memory_plan import plan_grid
 from kvrescue_cli.decoding import decode
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.grid import Cell, GridOptions, grid_options
@@ -21,6 +24,7 @@ from kvrescue_cli.random_checkpoints import build_tokenizer
 from kvrescue_cli.search import SearchSettings
 
 ROLES = ("base", "helper", "prm")
+PRM_ARCHITECTURE = "Qwen2ForProcessRewardModel"  # what marks a config as a PRM's for the planner
 
 
 def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems: ProblemSet, method: str,
@@ -36,12 +40,22 @@ def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems
                               "cut": cut(), "cut_after_s": time.perf_counter() - start if cut() else None}
     if not finished:
         return {**result, "skipped": f"no problem finished in {time.perf_counter() - start:.0f} s"}
+    result["planned_bytes"] = planned_bytes(options, models, method)
     seconds = finished[-1][1] - start
     traces = [t for t, _ in finished]
     return {**result, "seconds": seconds, "problems_per_min": len(finished) * 60 / seconds,
             "base_tokens_per_problem": sum(t.tokens.base for t in traces) / len(traces),
             "helper_tokens_per_problem": sum(t.tokens.helper for t in traces) / len(traces),
             "peak_base_rows": max(t.peak_base_rows for t in traces)}
+
+
+def planned_bytes(options: GridOptions, models: dict[str, LoadedModel], method: str) -> int:
+    """What `kvrescue run --plan` gives one cell of `method` on these models: its device's total bytes."""
+    archs = {role: Architecture.from_config(role, {**m.config, "torch_dtype": options.dtype,
+                                                   **({"architectures": [PRM_ARCHITECTURE]} if role == "prm" else {})})
+             for role, m in models.items()}
+    device = options.devices[0]
+    return plan_grid(replace(options, methods=[method]), device_kind(options, device), models=archs).total
 
 
 def synthetic_grid(plan: dict, device: str, dtype: torch.dtype, problems: int) -> tuple[GridOptions, ProblemSet]:

@@ -76,11 +76,17 @@ class Check:
             self.add(section, {**record, "skipped": skip})
             return
         result: dict = {}
+        gpu = torch.cuda.is_available()
         try:
+            if gpu:
+                torch.cuda.reset_peak_memory_stats()
             with interrupted_at(self.deadline(1.0) if interrupt else None) as cut:
                 result = fn()
             if cut() and not result:
                 result = {"skipped": f"interrupted at the end of the {self.budget_s:.0f} s budget"}
+            if gpu and "skipped" not in result and "peak_allocated_bytes" not in result:
+                result.update(peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(),
+                                    result.get("planned_bytes")))
         except Exception as err:  # noqa: BLE001 - one failed measurement must not cost the others
             traceback.print_exc()
             result = {"skipped": f"failed: {type(err).__name__}: {err}"[:300]}
@@ -105,6 +111,28 @@ class Check:
         print(f"[{self.report['elapsed_s']:6.1f} s] {section}: {describe(section, record)}", flush=True)
 
 
+def peaks(allocated: int, reserved: int, planned: int | None) -> dict:
+    """A measurement's peak allocated and reserved bytes on the GPU, and each over the memory plan's bytes where the
+    measurement has a plan (its cell's `kvrescue run --plan` total): the figures that calibrate the plan and its
+    headroom (issue 41: the plan should come within 10% of the peak allocated, its headroom bound the reserved)."""
+    over = {"allocated_over_plan": allocated / planned, "reserved_over_plan": reserved / planned} if planned else {}
+    return {"peak_allocated_bytes": allocated, "peak_reserved_bytes": reserved, **over}
+
+
+def memory_note(r: dict) -> str:
+    """The peaks and the plan of a result, where it has them ("" otherwise)."""
+    gib = 2**30
+    parts = []
+    if "peak_allocated_bytes" in r:
+        parts.append(f"peak {r['peak_allocated_bytes'] / gib:.2f} GiB allocated, {r['peak_reserved_bytes'] / gib:.2f} "
+                     "GiB reserved")
+    if r.get("planned_bytes"):
+        ratios = (f" (allocated x{r['allocated_over_plan']:.2f}, reserved x{r['reserved_over_plan']:.2f} of it)"
+                  if "allocated_over_plan" in r else "")
+        parts.append(f"plan {r['planned_bytes'] / gib:.2f} GiB{ratios}")
+    return f" [{'; '.join(parts)}]" if parts else ""
+
+
 class RecordLines(Check):
     """The vllm child's records: each appended to `out` as one JSON line as it ends (no budget: its parent ends it)."""
 
@@ -117,7 +145,12 @@ class RecordLines(Check):
 
 
 def describe(section: str, r: dict) -> str:
-    """One line for one result."""
+    """One line for one result, with its memory peaks and plan where it has them."""
+    return describe_result(section, r) + ("" if "skipped" in r else memory_note(r))
+
+
+def describe_result(section: str, r: dict) -> str:
+    """One line for one result's own figures."""
     if section == "tp":
         return describe_tp(r)
     if section == "roofline":
@@ -127,7 +160,7 @@ def describe(section: str, r: dict) -> str:
     elif section == "numerics":
         what = f"{r['path']} attention {r['shape']} {r['dtype']}"
     elif section == "memory":
-        what = f"memory left by a {r['method']} cell ({r['shape']})"
+        what = f"memory left by {r['method']} cells ({r['shape']})"
     elif section == "devices":
         what = f"models and caches of --devices {r['device']}"
     elif section == "invariance":
@@ -156,7 +189,11 @@ def describe(section: str, r: dict) -> str:
         return f"{what}: ok={r['ok']} max|d|={c['max_abs']:.2e} top1={c['top1_agreement']:.3f}"
     if section == "memory":
         fake = " (fake CUDA)" if r["fake_cuda"] else ""
-        return f"{what}: ok={r['ok']} {r['bytes_left']} bytes left of {r['problems']} problems{fake}"
+        mib = 2**20
+        workspace = (f", {r['workspace_bytes'] / mib:.1f} MiB left by the first and not grown by the second: a one-time "
+                     "workspace" if r["workspace_bytes"] else "")
+        return (f"{what}: ok={r['ok']} {r['growth_bytes']} bytes grown by the second of {r['cells']} cells "
+                f"({r['problems']} problems){workspace}{fake}")
     if section == "devices":
         return f"{what}: ok={r['ok']} on {r['models_on']}, bytes gained {r['bytes_gained']}"
     if section == "invariance":

@@ -81,9 +81,10 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     assert set(numerics) == {"paged", "cascade", "static"} and all(r["ok"] for r in numerics.values()), numerics
     assert numerics["static"]["compressions"] >= 1 and not numerics["static"]["cuda_graphs"]
     # a finished cell's bytes, the collector off, on fake CUDA here (ok once no cycle keeps a cell's caches)
-    (memory,) = report["memory"]
-    assert memory["fake_cuda"] and memory["problems"] == 2 and memory["bytes_before"] > 0
-    assert memory["ok"] and memory["bytes_left"] == 0  # a finished cell frees everything by reference counting
+    (memory,) = report["memory"]  # two cells, one after the other
+    assert memory["fake_cuda"] and memory["problems"] == 4 and memory["bytes_before"] > 0
+    assert memory["ok"] and memory["growth_bytes"] == memory["workspace_bytes"] == 0  # freed by reference counting
+    assert memory["bytes_after_first"] == memory["bytes_after_second"] == memory["bytes_before"]
     assert report["devices"] == [{"device": None, "skipped": "needs two or more visible GPUs"}]
     # one flushed progress line per measurement, then the table repeats every one of them
     progress = [line for line in lines if line.startswith("[")]
@@ -158,3 +159,35 @@ def test_the_default_device_cuda_is_made_current_by_its_index(monkeypatch):
     assert module.chosen_device("cuda:1", tiny=False) == "cuda:1" and made_current == [3, 1]
     assert module.chosen_device(None, tiny=True) == "cpu" and made_current == [3, 1]
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_the_memory_section_tells_a_one_time_workspace_from_a_leak(monkeypatch):
+    """Two kvrescue cells on fake CUDA, the collector off. A cell that keeps a fake-CUDA tensor in a reference cycle
+    (what the section is for: with the collector off nothing frees it) leaks as much again in the second cell; a
+    buffer made once for the process, as cuBLAS makes its workspace, is left by the first cell and not grown."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_check_memory
+    from gpu_check_setup import SMALL
+
+    def run(kept_once: list, leak: bool):
+        def decode(*args, **kwargs):
+            if not kept_once:
+                kept_once.append(torch.empty(1024, device="cuda:0"))  # 4 KiB once: a workspace
+            if leak:
+                cycle: dict = {"kv": torch.empty(256, device="cuda:0")}  # 1 KiB a cell, kept by the cycle
+                cycle["self"] = cycle
+            return real_decode(*args, **kwargs)
+
+        monkeypatch.setattr(gpu_check_memory, "decode", decode)
+        return gpu_check_memory.cell_memory("cpu", torch.float32, True, SMALL)
+
+    real_decode = gpu_check_memory.decode
+    clean = run([], leak=False)
+    assert clean["fake_cuda"] and clean["problems"] == 4 and clean["cells"] == 2
+    assert clean["ok"] and clean["growth_bytes"] == 0 and clean["workspace_bytes"] == 4096
+    leaking = run([], leak=True)
+    assert not leaking["ok"] and leaking["growth_bytes"] == 1024 and leaking["workspace_bytes"] == 4096
+    assert leaking["bytes_after_first"] - leaking["bytes_before"] == 4096 + 1024
+    assert gpu_check_memory.left_by_cells(100, 100, 100) == {
+        "bytes_before": 100, "bytes_after_first": 100, "bytes_after_second": 100, "workspace_bytes": 0,
+        "growth_bytes": 0, "ok": True}
