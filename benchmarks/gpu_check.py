@@ -65,15 +65,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # the sections' modules beside this script, also when it is imported
-from gpu_check_decode import attention_section, copy_bandwidth, decode_section
+from gpu_check_decode import attention_section, decode_section, device_limits
 from gpu_check_devices import devices_section
+from gpu_check_e2e import e2e_section
 from gpu_check_invariance import invariance_section
 from gpu_check_logits import check_logits
 from gpu_check_memory import memory_section
 from gpu_check_numerics import numerics_section
 from gpu_check_problems import problems_section
 from gpu_check_record import Check, interrupted_at, table  # noqa: F401 (interrupted_at: tests/benchmarks/test_gpu_check.py)
-from gpu_check_setup import FULL, SMALL
+from gpu_check_setup import E2E_SHARE, FULL, SMALL
 from gpu_check_vllm import vllm_child, vllm_section
 from kvrescue_cli.devices import is_gpu
 from kvrescue_cli.engine.graphs import flash_attn_with_kvcache
@@ -100,9 +101,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--skip", default="",
                         help="comma list of sections to leave out: logits,numerics,attention,decode,vllm,memory,"
-                             "devices,invariance,problems,tp")
-    parser.add_argument("--budget-s", type=float, default=150.0,
-                        help="seconds from the start within which every measurement starts and ends (see the top)")
+                             "devices,invariance,problems,e2e,tp")
+    parser.add_argument("--budget-s", type=float, default=240.0,
+                        help="seconds from the start within which every measurement starts and ends, and then "
+                             "E2E_SHARE of it for the e2e section (see the top)")
     parser.add_argument("--vllm-child", type=Path, default=None, metavar="OUT",
                         help="only measure the vllm section, appending its records to OUT as JSON lines (the section "
                              "runs so in a child process, which ends at its share of the budget)")
@@ -120,7 +122,7 @@ def main() -> None:
                     "budget_s": args.budget_s}
     check = Check(args.out, report, args.budget_s)
     end = check.deadline(1.0)
-    check.measure("roofline", {}, end, lambda: copy_bandwidth(device, args.tiny))
+    check.measure("roofline", {}, end, lambda: device_limits(device, dtype, args.tiny))
     if "logits" not in skip:
         check.measure("logits", {}, end, lambda: check_logits(device, dtype, args.tiny, plan))
     if "attention" not in skip:
@@ -139,6 +141,8 @@ def main() -> None:
         invariance_section(check, device, dtype, args.tiny)
     if "problems" not in skip:
         problems_section(check, device, dtype, args.tiny, plan)
+    if "e2e" not in skip:
+        e2e_section(check, device, dtype, args.tiny, check.deadline(1.0 + E2E_SHARE))
     if "tp" not in skip and device.startswith("cuda") and torch.cuda.device_count() >= 2:
         from tp_check import tp_section
         check.measure("tp", {}, end, lambda: tp_section(tiny=False, timeout_s=max(end - time.perf_counter(), 1.0)),

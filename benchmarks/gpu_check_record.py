@@ -170,6 +170,10 @@ def describe_result(section: str, r: dict) -> str:
     elif section == "vllm":
         what = (f"engine vs vLLM decode {r['shape']} batch={r['batch']}" if r["measure"] == "decode" else
                 f"engine vs vLLM PRM {r['shape']} {r['problems']}x{r['steps']}x{r['candidates']} candidates")
+    elif section == "e2e":
+        what = f"{r['step']}" + (f" ({r['shape']})" if "shape" in r else "")
+    elif section == "profile":
+        what = f"{r['method']} cell profile, {r['problems_in']} problems graphs={'on' if r['cuda_graphs'] else 'off'}"
     elif section == "decode":
         budget = f" B={r['budget']}" if r["budget"] else ""
         what = (f"{r['engine']} rows={r['rows']} ctx={r['context']} {r['evictor']}{budget}"
@@ -177,10 +181,13 @@ def describe_result(section: str, r: dict) -> str:
     else:
         budget = f" B={r['budget']}" if r.get("budget") else ""
         what = f"{r['method']}{budget} graphs={'on' if r['cuda_graphs'] else 'off'}{' (warm-up)' if r.get('warm_up') else ''}"
+        if r.get("profile"):
+            what += f" {r['profile']} profile, N={r['n']}, steps {r['synthetic_steps'][1]}x{r['synthetic_steps'][0]}" + (
+                f", --batch auto={r['batch_auto']}" if "batch_auto" in r else "")
     if "skipped" in r:
         return f"{what}: skipped ({r['skipped']})"
     if section == "roofline":
-        return f"{what}: {r['bytes_per_s'] / 1e9:.1f} GB/s"
+        return f"{what}: {r['bytes_per_s'] / 1e9:.1f} GB/s; {r['matmul_dtype']} matrix products {r['matmul_flop_per_s'] / 1e12:.3g} TFLOP/s"
     if section == "logits":
         return (f"{what}: ok={r['ok']} forward max|d|={r['forward']['max_abs']:.2e} top1={r['forward']['top1_agreement']:.3f}, "
                 f"decode max|d|={r['prefill_then_decode']['max_abs']:.2e} top1={r['prefill_then_decode']['top1_agreement']:.3f}")
@@ -207,10 +214,45 @@ def describe_result(section: str, r: dict) -> str:
         return (f"{what}: {r[f'engine_{unit}']:.1f} vs {r[f'vllm_{unit}']:.1f} {unit.replace('_per_s', '/s')} "
                 f"(engine / vLLM {r['engine_over_vllm']:.2f})")
     if section == "decode":
-        share = f" ({100 * r['of_roofline']:.1f}% of roofline)" if r["of_roofline"] is not None else ""
+        share = (f" ({100 * r['of_roofline']:.1f}% of roofline, {r['bound_by']}-bound)" if r["of_roofline"] is not None
+                 else "")
         return f"{what}: {r['tokens_per_s']:.1f} tok/s{share}"
+    if section == "e2e":
+        return f"{what}: " + describe_e2e(r)
+    if section == "profile":
+        launches = r["launches"]
+        per = ", ".join(f"{k.removesuffix('_per_iteration').replace('_', ' ')} {v:.1f}" for k, v in launches.items()
+                        if k.endswith("_per_iteration"))
+        graphs = (f", {100 * launches['graph_kernel_share']:.0f}% of kernels in graphs"
+                  if launches["graph_kernel_share"] is not None else "")
+        return (f"{what}: {r['wall_s']:.2f} s, " + ", ".join(f"{p} {100 * x:.0f}%" for p, x in r["share"].items())
+                + f"; host waits {r['host_waits_s']:.2f} s; per decode iteration: {per}{graphs}")
     cut = f", {r['problems']} finished before the cut" if r["cut"] else ""
-    return f"{what}: {r['problems']} problems in {r['seconds']:.1f} s = {r['problems_per_min']:.2f}/min{cut}"
+    line = f"{what}: {r['problems']} problems in {r['seconds']:.1f} s = {r['problems_per_min']:.2f}/min{cut}"
+    if "time_share" in r:
+        line += " (" + ", ".join(f"{p} {100 * x:.0f}%" for p, x in r["time_share"].items() if x >= 0.005) + ")"
+    if "kvrescue_over_bon" in r:
+        line += f"; kvrescue/bon x{r['kvrescue_over_bon']:.2f}, kvrescue/full x{r['kvrescue_over_full']:.2f}"
+    return line
+
+
+def describe_e2e(r: dict) -> str:
+    """One e2e step's figures: the checkpoints' size, or a command's exit, time and what it measured."""
+    if "command" not in r:
+        return f"{r['bytes'] / 2**30:.2f} GiB written in {r['seconds_taken']:.1f} s"
+    line = f"exit {r['exit']} in {r['seconds']:.1f} s"
+    if r["step"] == "plan":
+        line += " (fits)" if r["exit"] == 0 else " (does not fit)"
+    if r.get("batch") is not None:
+        line += f", batch {r['batch']}"
+    if "cells" in r:
+        line += ", " + ", ".join(f"{m} {c['problems']} problems {c['problems_per_min'] or 0:.1f}/min"
+                                 for m, c in r["cells"].items())
+    if r["step"] == "rerun" and "models_loaded" in r:
+        line += f", {r['models_loaded']} models loaded (ok={r.get('ok')})"
+    if "page_bytes" in r:
+        line += f", page {r['page_bytes'] / 2**20:.1f} MiB"
+    return line + (f"; error: {r['error']}" if "error" in r else "")
 
 
 def describe_tp(r: dict) -> str:
@@ -227,7 +269,8 @@ def describe_tp(r: dict) -> str:
 def table(report: dict) -> str:
     """Every result, one line each, grouped by section."""
     lines = ["", f"gpu_check on {report['device']} ({report['dtype']}), {report.get('elapsed_s', 0):.0f} s:"]
-    for section in ("roofline", "logits", "numerics", "attention", "decode", "vllm", "memory", "devices", "invariance", "problems", "tp"):
+    for section in ("roofline", "logits", "numerics", "attention", "decode", "vllm", "memory", "devices", "invariance", "problems", "profile", "e2e",
+                    "tp"):
         found = report.get(section)
         if found is None:
             continue

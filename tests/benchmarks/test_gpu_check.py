@@ -33,7 +33,7 @@ def gpu_check(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[dict, l
 
 
 def test_gpu_check_tiny_runs_end_to_end(tmp_path):
-    report, lines = gpu_check(tmp_path, "--budget-s", "600")
+    report, lines = gpu_check(tmp_path, "--budget-s", "600", "--skip", "e2e")  # e2e: the test below
     bandwidth = report["roofline"]["bytes_per_s"]
     assert report["tiny"] and bandwidth == 2 * report["roofline"]["bytes"] / report["roofline"]["seconds"]
     logits = report["logits"]
@@ -46,16 +46,23 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     assert {d["engine"] for d in measured} == {"kvrescue", "transformers-generate"}
     assert {d["evictor"] for d in measured} == {"rkv", "none"}
     assert len(measured) == 2 * 2 * 3  # rows x contexts x (rkv, none, generate)
-    for d in measured:  # every step reads the weights and each row's mean cache once
+    flop_rate = report["roofline"]["matmul_flop_per_s"]
+    assert report["roofline"]["matmul_dtype"] == "float32" and flop_rate > 0
+    for d in measured:  # every step reads the weights and each row's mean cache once, and computes each row's token
         steps = 4
         mean_read = d["context"] + steps / 2 if d["evictor"] == "none" else d["budget"] + 64
         assert d["step_bytes"] == TINY_WEIGHT_BYTES + d["rows"] * mean_read * TINY_ENTRY_BYTES
-        assert d["roofline_tokens_per_s"] == pytest.approx(d["rows"] * bandwidth / d["step_bytes"])
+        assert d["token_flops"] == 2 * (LAYERS * (H * (H + 2 * KV) + H * H + 3 * H * INTER) + VOCAB * H) \
+            + 4 * LAYERS * H * mean_read
+        memory_s, compute_s = d["step_bytes"] / bandwidth, d["rows"] * d["token_flops"] / flop_rate
+        assert d["roofline_tokens_per_s"] == pytest.approx(d["rows"] / max(memory_s, compute_s))
+        assert d["bound_by"] == ("memory" if memory_s >= compute_s else "compute")
         assert d["of_roofline"] == pytest.approx(d["tokens_per_s"] / d["roofline_tokens_per_s"])
     assert all(d["skipped"] == "CUDA graphs need a GPU" for d in report["decode"] if d["cuda_graphs"])
     (invariance,) = report["invariance"]  # two `kvrescue run --deterministic` processes, at --batch 1 and 4
     assert invariance["deterministic"] and invariance["ok"] and invariance["agree"] == invariance["problems"] == 4
-    runs = {(p["method"], p["cuda_graphs"]): p for p in report["problems"] if not p.get("warm_up")}
+    runs = {(p["method"], p["cuda_graphs"]): p for p in report["problems"]
+            if not p.get("warm_up") and not p.get("profile")}
     assert set(runs) == {("bon", True), ("bon", False), ("full", False), ("kvrescue", False), ("kvrescue", True)}
     assert runs[("bon", True)]["skipped"] == runs[("kvrescue", True)]["skipped"] == "CUDA graphs need a GPU"
     for method in ("bon", "full", "kvrescue"):
@@ -65,6 +72,29 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
         # synthetic steps 4:2, N = 2: every candidate is 4 tokens, every problem 2 steps
         assert p["base_tokens_per_problem"] == 2 * 2 * 4
         assert p["helper_tokens_per_problem"] == (16 if method == "kvrescue" else 0)
+        assert p["planned_bytes"] > TINY_WEIGHT_BYTES  # the cell's memory plan (on a GPU beside its peaks)
+        assert "peak_allocated_bytes" not in p
+    # the paper's MATH500 profile at --batch auto (tiny: N = 2, 3 steps of 4 tokens), each phase's share of its time
+    math500 = {p["method"]: p for p in report["problems"] if p.get("profile") == "MATH500"}
+    assert set(math500) == {"bon", "full", "kvrescue"}
+    for method, p in math500.items():
+        assert p["problems"] == p["batch_auto"] == 4 and not p["cut"]
+        assert p["base_tokens_per_problem"] == 3 * 2 * 4
+        assert sum(p["time_share"].values()) == pytest.approx(1.0) and min(p["time_share"].values()) >= 0
+        assert (p["time_share"]["helper decode"] > 0) == (method == "kvrescue")
+    kvrescue = math500["kvrescue"]
+    assert kvrescue["kvrescue_over_bon"] == pytest.approx(kvrescue["problems_per_min"] / math500["bon"]["problems_per_min"])
+    assert kvrescue["kvrescue_over_full"] == pytest.approx(kvrescue["problems_per_min"] / math500["full"]["problems_per_min"])
+    # one kvrescue cell's time by phase, adding up to its wall time, and the operations per decode iteration
+    (profile,) = report["profile"]
+    assert profile["problems"] == 2 and set(profile["seconds"]) == {
+        "base decode", "helper decode", "sampling and detector", "PRM feed and scoring", "prefill",
+        "commits and compression", "controller"}
+    assert all(s >= 0 for s in profile["seconds"].values()) and all(s > 0 for p, s in profile["seconds"].items()
+                                                                     if p != "controller")
+    assert sum(profile["seconds"].values()) == pytest.approx(profile["wall_s"], rel=0.02)
+    assert profile["calls"]["base.advance"] > 0 and profile["calls"]["scorer.score"] > 0
+    assert profile["launches"]["aten_ops_per_iteration"] > 0 and profile["launches"]["graph_kernel_share"] is None
     # vLLM is not in .venv: the vllm section's records, in their usual shape, say why they were not measured
     # (tests/benchmarks/test_gpu_check_vllm.py measures them in .venv-vllm)
     assert report["vllm_version"] is None
@@ -90,7 +120,7 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     progress = [line for line in lines if line.startswith("[")]
     assert len(progress) == (2 + len(report["numerics"]) + len(report["attention"]) + len(report["decode"])
                              + len(report["vllm"]) + len(report["memory"]) + len(report["devices"])
-                             + len(report["invariance"]) + len(report["problems"]))
+                             + len(report["invariance"]) + len(report["problems"]) + len(report["profile"]))
     table = lines[len(progress):]
     assert sum(" tok/s " in line for line in table) == len(measured)
     assert any("full graphs=off: 4 problems" in line for line in table)
@@ -102,12 +132,37 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
 def test_budget_bounds_every_section(tmp_path):
     report, lines = gpu_check(tmp_path, "--budget-s", "0")
     records = [report["roofline"], report["logits"], *report["decode"], *report["problems"]]
-    assert len(records) == 2 + 20 + 6
-    records += [*report["numerics"], *report["memory"], *report["invariance"]]
+    assert len(records) == 2 + 20 + 6 + 3  # the problems section's synthetic runs and warm-up, then MATH500's
+    records += [*report["numerics"], *report["memory"], *report["invariance"], *report["profile"], *report["e2e"]]
     reasons = {r["skipped"].split(":")[0] for r in records}
     assert reasons == {"not started", "CUDA graphs need a GPU"}
     assert all(r["of_roofline"] is None for r in report["decode"] if "of_roofline" in r)
     assert lines[-1].startswith("wrote ")
+
+
+def test_the_e2e_section_runs_what_a_user_types(tmp_path):
+    """Random checkpoints on disk, then each `kvrescue` command in its own process: the plan, bon, kvrescue and full
+    at a fixed batch and at --batch auto, the rerun that loads nothing, report and view."""
+    skip = "logits,attention,decode,vllm,numerics,memory,devices,invariance,problems"
+    report, lines = gpu_check(tmp_path, "--budget-s", "400", "--skip", skip)
+    steps = report["e2e"]
+    assert [r["step"] for r in steps] == ["checkpoints", "plan", "run", "run", "rerun", "report", "view"]
+    assert steps[0]["bytes"] > 0
+    for r in steps[1:]:
+        assert r["exit"] == 0, r
+        assert r["command"].startswith("kvrescue ") and "error" not in r
+    plan, fixed, auto, rerun = steps[1:5]
+    assert "--plan" in plan["command"] and plan["models_loaded"] == 0
+    for run, batch in ((fixed, 2), (auto, None)):
+        assert set(run["cells"]) == {"bon", "kvrescue", "full"}
+        assert all(c["problems"] == 4 and c["problems_per_min"] > 0 for c in run["cells"].values())
+        assert run["models_loaded"] == 3 and run["planned_bytes"] > 0 and "peak_allocated_bytes" not in run
+        assert batch is None or run["batch"] == batch
+    assert "--batch auto" in auto["command"] and auto["batch"] >= 4  # the 0.5 GiB it was left holds all 4 at once
+    assert rerun["command"] == fixed["command"] and rerun["models_loaded"] == 0 and rerun["ok"]
+    assert steps[-1]["page_bytes"] > 0
+    table = "\n".join(lines)
+    assert "rerun: exit 0" in table and "0 models loaded (ok=True)" in table and "plan: exit 0" in table
 
 
 def load_gpu_check():
