@@ -1,11 +1,13 @@
-"""One-call GPU check: engine logits vs transformers, decode tokens/s, vs vLLM, problems/min, and the roofline.
+"""One-call GPU check: engine logits vs transformers, decode tokens/s, vs vLLM, problems/min, a cell's profile, the
+commands a user types, and the roofline.
 
-    python benchmarks/gpu_check.py --out gpu_check.json --budget-s 150   # a lent GPU: about 3 minutes
-    python benchmarks/gpu_check.py --tiny --out /tmp/check.json          # the CPU, tiny shapes
+    python benchmarks/gpu_check.py --out gpu_check.json          # a lent GPU (cuda: the current one): 240 s + 150 s
+    python benchmarks/gpu_check.py --tiny --out /tmp/check.json  # the CPU, tiny shapes
 
 Every model has random weights in the shape of a real one (the config values below; nothing is
 downloaded). Sections, in this order:
-- `roofline`: the measured device-to-device copy bandwidth.
+- `roofline`: the measured device-to-device copy bandwidth and the rate of a square matrix product in the run's
+  dtype (bf16 on a GPU).
 - `logits`: this engine vs transformers on a random Qwen2.5-0.5B-shaped Qwen2, in the run's dtype: a
   plain forward, and a prefill plus one-token decode steps through the static (CUDA-graph) path of the
   bounded cache (rkv with a budget beyond the sequence, so every token stays cached); max/mean |difference|, cosine, top-1 agreement and `ok` under the dtype's tolerance.
@@ -16,8 +18,8 @@ downloaded). Sections, in this order:
   budgets 64 and 512 with and without CUDA graphs and `none` (the full cache, which has no CUDA-graph
   step), context 1k and 4k, and transformers `generate` at the same rows and context. Both sides do the same work per token: a forward, fp32
   logits, and top-k/top-p sampling at the paper's settings (this engine also pays its entropy). Each
-  with its memory-bandwidth roofline (bytes a step must read over the measured copy bandwidth) and the
-  share of it reached. Shapes that don't fit in memory are listed with the reason.
+  with its roofline, the longer of a step's reads (weights and each row's cached K/V, over the copy bandwidth) and
+  its FLOPs (over the matrix-product rate), which of the two binds, and the share of it reached. Shapes that don't fit in memory are listed with the reason.
 - `vllm`: this engine vs vLLM as benchmarks/vs_vllm.py compares them (its functions), in the 7B shapes with
   random weights (vLLM's own, load_format "dummy"), same dtype: decode tokens/s at batch 1/8/32 (the Runner
   vs `generate` with `ignore_eos`, 64 new tokens) and PRM candidates scored per second (PRMScorer vs
@@ -28,8 +30,9 @@ downloaded). Sections, in this order:
   cache's paged attention and its cascade against a plain causal forward of the same sequences (flash-attn's paged
   kernel where it is installed), and the bounded cache's static step (CUDA graphs on a GPU) through a compression
   against the dynamic eager step from the same state; `ok` under the dtype's tolerance, as for `logits`.
-- `memory`: a finished kvrescue cell leaves no bytes allocated with the cyclic garbage collector off (on a CPU on
-  fake CUDA, `kvrescue_cli.fake_cuda`).
+- `memory`: two kvrescue cells, one after the other, with the cyclic garbage collector off: the second must leave
+  no more bytes allocated than the first (growth is a leak); what the first left is reported as a one-time workspace
+  (on a CPU on fake CUDA, `kvrescue_cli.fake_cuda`).
 - `devices` (two or more GPUs; else a skip record): `kvrescue run`'s in-process executor given the last visible GPU
   loads small random checkpoints and decodes a kvrescue cell there: every parameter on that GPU, no other GPU gains
   allocated bytes.
@@ -37,10 +40,19 @@ downloaded). Sections, in this order:
   device (and how many agree without it), each run a fresh `kvrescue run` process (`gpu_check_invariance`).
 - `problems`: problems/min of bon and kvrescue with and without CUDA graphs, and full (which never
   uses them), through `kvrescue run`'s decode code, N = 8, B = 64, random 7B/1.5B/PRM-7B-shaped
-  models, synthetic steps, after one warm-up problem.
+  models, synthetic steps, after one warm-up problem; then the paper's MATH500 profile (21 steps of 32 tokens) at
+  `--batch auto`, bon, full and kvrescue, with kvrescue/bon, kvrescue/full and each model's share of the time.
+- `profile`: one kvrescue cell's time by phase and its launches per decode iteration (`gpu_check_profile`).
+- `e2e` (after the budget, in E2E_SHARE of it more): random checkpoints on disk, then `kvrescue run --plan`, `run` of
+  bon, kvrescue and full at a fixed batch and at `--batch auto`, the rerun that loads nothing, `report` and `view`,
+  each in its own process as a user types it (`gpu_check_e2e`).
 - `tp` (two or more GPUs only): benchmarks/tp_check.py, tensor parallelism over GPUs 0 and 1.
 
-Time: every measurement is bounded by `--budget-s` (seconds from the start). Measurements not started in
+On a GPU every measurement records its peak allocated and reserved bytes, and those of `kvrescue run`'s cells beside
+their memory plan (`planned_bytes`, `allocated_over_plan`, `reserved_over_plan`): the figures that calibrate the plan
+and its headroom.
+
+Time: every measurement is bounded by `--budget-s` (seconds from the start; e2e's by E2E_SHARE of it after that). Measurements not started in
 time are recorded as skipped (decode ones past DECODE_SHARE of the budget, vllm ones past VLLM_SHARE, the
 others past all of it); a measurement still running at the end of the budget (or, for a problems
 measurement, at the end of its equal share of what is left) is interrupted: a problems measurement keeps
@@ -51,7 +63,8 @@ JSON, so a killed check keeps what it measured; a table of every result ends the
 
 Each section is a module beside this entry point: gpu_check_setup (plans, shapes, random models), gpu_check_record
 (deadlines, the report, one line per result), gpu_check_logits, gpu_check_numerics, gpu_check_decode (roofline,
-attention, decode), gpu_check_vllm, gpu_check_memory, gpu_check_devices, gpu_check_invariance and gpu_check_problems.
+attention, decode), gpu_check_vllm, gpu_check_memory, gpu_check_devices, gpu_check_invariance, gpu_check_problems,
+gpu_check_profile and gpu_check_e2e (with gpu_check_cli, the CLI it runs).
 """
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 SHAPES = {False: {"base": QWEN25_MATH_15B, "helper": QWEN25_05B, "prm": QWEN25_05B},
           True: {"base": TINY, "helper": TINY, "prm": TINY}}
-GRID = {False: ["--limit", "64", "--n", "8", "--budget", "64", "--synthetic-steps", "32:4"],
+GRID = {False: ["--limit", "32", "--n", "8", "--budget", "64", "--synthetic-steps", "32:4"],
         True: ["--limit", "4", "--n", "2", "--budget", "16", "--synthetic-steps", "4:2"]}
-FIXED_BATCH = {False: "32", True: "2"}
+FIXED_BATCH = {False: "16", True: "2"}
 # --batch auto plans from the device's free memory; on a CPU that is the RAM, where tiny models would get thousands of
 # problems' caches: there, as a user of a small machine would, the plan gets a small device
 AUTO_MEMORY = {False: [], True: ["--device-memory", "1.5GiB"]}  # 0.5 GiB after the 1 GiB headroom

@@ -132,7 +132,7 @@ def launches(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], p
     iterations = max(clock.calls["base.advance"], 1)
     counts = Counter()
     for event in prof.key_averages():
-        if event.device_type == DeviceType.CUDA:
+        if event.device_type == DeviceType.CUDA and not event.key.startswith(("Memcpy", "Memset")):
             counts["kernels"] += event.count
         elif event.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")):
             counts["eager_launches"] += event.count
