@@ -12,7 +12,7 @@ import torch
 
 from gpu_check_profile import PhaseClock, profile_section
 from gpu_check_record import Check, interrupted_at
-from gpu_check_setup import PARAMS, PROBLEM_RUNS, QWEN25_MATH_7B, QWEN25_MATH_15B, QWEN25_MATH_PRM_7B, TINY, random_loaded
+from gpu_check_setup import PARAMS, PROBLEM_RUNS, PROFILE_WINDOW, QWEN25_MATH_7B, QWEN25_MATH_15B, QWEN25_MATH_PRM_7B, TINY, random_loaded
 from kvrescue_cli.data import Problem, ProblemSet
 from kvrescue_cli.cell_engine import build_cell
 from kvrescue_cli.cost import Architecture
@@ -26,7 +26,7 @@ from kvrescue_cli.random_checkpoints import build_tokenizer
 from kvrescue_cli.search import SearchSettings
 
 ROLES = ("base", "helper", "prm")
-SYNTHETIC_SHARE, PROFILE_SHARE = 0.4, 0.5  # of the section's time: its synthetic runs, then the profile; MATH500 the rest
+PROFILE_SHARE = 0.2  # of the section's own window after the budget (PROFILE_WINDOW): the profile; MATH500 the rest
 # The paper's MATH500 setting (N = 8, B = 64, about 21 steps of 32 tokens; Table 1: 6,327 base and 6,560 helper tokens
 # per problem), by --tiny; one batch of problems (--batch auto, at most max_problems) per method.
 MATH500 = {False: dict(n=8, budget=64, synthetic=(32, 21), max_problems=512),
@@ -102,9 +102,9 @@ def synthetic_grid(plan: dict, device: str, dtype: torch.dtype, problems: int) -
 
 
 def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> None:
-    """After a warm-up problem: problems/min of bon and kvrescue with and without CUDA graphs, and full (the first
-    SYNTHETIC_SHARE of the time left); one kvrescue cell's profile (`gpu_check_profile`, up to PROFILE_SHARE); the
-    paper's MATH500 profile at `--batch auto` (the rest)."""
+    """After a warm-up problem: problems/min of bon and kvrescue with and without CUDA graphs, and full (within the
+    budget); then, in a window of their own (PROFILE_WINDOW of the budget), one kvrescue cell's profile
+    (`gpu_check_profile`, its first PROFILE_SHARE) and the paper's MATH500 profile at `--batch auto` (the rest)."""
     tokenizer = build_tokenizer(512)
     shapes = {"base": TINY if tiny else QWEN25_MATH_7B, "helper": TINY if tiny else QWEN25_MATH_15B,
               "prm": TINY if tiny else QWEN25_MATH_PRM_7B}
@@ -122,22 +122,22 @@ def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, 
     warm = replace(options, settings=replace(settings, synthetic_steps=(plan["synthetic"][0], 1)))
     check.measure("problems", {"method": "kvrescue", "cuda_graphs": False, "warm_up": True}, end, lambda: problems_rate(
         warm, models(), replace(problem_set, problems=problems[:1]), "kvrescue", plan, end), interrupt=False)
-    left = max(end - time.perf_counter(), 0.0)
-    synthetic_end = time.perf_counter() + SYNTHETIC_SHARE * left
     for i, (method, graphs) in enumerate(PROBLEM_RUNS):
         record = {"method": method, "cuda_graphs": graphs, "n": plan["n"],
                   "budget": None if method == "full" else plan["budget"], "synthetic_steps": list(plan["synthetic"])}
         if graphs and not device.startswith("cuda"):
             check.add("problems", {**record, "skipped": "CUDA graphs need a GPU"})
             continue
-        share = time.perf_counter() + (synthetic_end - time.perf_counter()) / (len(PROBLEM_RUNS) - i)
-        check.measure("problems", record, synthetic_end, lambda: problems_rate(
+        share = time.perf_counter() + (end - time.perf_counter()) / (len(PROBLEM_RUNS) - i)
+        check.measure("problems", record, end, lambda: problems_rate(
             replace(options, cuda_graphs=graphs), models(), problem_set, method, plan, share), interrupt=False)
     graphs = device.startswith("cuda")
     profiled = replace(options, cuda_graphs=graphs, settings=replace(settings, synthetic_steps=(plan["synthetic"][0], 2)))
+    window = PROFILE_WINDOW * check.budget_s
     profile_section(check, profiled, models, replace(problem_set, problems=problems[:plan["batch"]]), plan, device,
-                    synthetic_end + (PROFILE_SHARE - SYNTHETIC_SHARE) * left)
-    math500_section(check, replace(options, cuda_graphs=graphs), models, tiny, end)
+                    time.perf_counter() + PROFILE_SHARE * window)
+    math500_section(check, replace(options, cuda_graphs=graphs), models, tiny,
+                    time.perf_counter() + (1 - PROFILE_SHARE) * window)
 
 
 def math500_section(check: Check, options: GridOptions, models, tiny: bool, end: float) -> None:
@@ -148,7 +148,7 @@ def math500_section(check: Check, options: GridOptions, models, tiny: bool, end:
     grid = replace(options, settings=settings, ns=[profile["n"]], budgets=[profile["budget"]])
     record = {"profile": "MATH500", "n": profile["n"], "synthetic_steps": list(profile["synthetic"]),
               "cuda_graphs": options.cuda_graphs, "paper_tokens_per_problem": PAPER_TOKENS}
-    if time.perf_counter() > end:
+    if time.perf_counter() >= end:
         for method in ("bon", "full", "kvrescue"):
             check.add("problems", {**record, "method": method, "skipped": check.late()})
         return
