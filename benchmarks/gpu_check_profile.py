@@ -152,8 +152,11 @@ def profile_cell(options: GridOptions, models: dict[str, LoadedModel], problems:
     cell = Cell(problems, "kvrescue", plan["budget"], plan["n"], 0)
     clock = PhaseClock(device, sync_calls=device.startswith("cuda"))
     finished, wall = run_cell(options, cell, models, problems, clock)
-    return {"problems": len(finished), **clock.shares(wall),
-            "launches": launches(options, cell, models, replace(problems, problems=problems.problems[:2]), device)}
+    try:  # the phases stand whatever becomes of the profiler's run (CUDA graphs captured under CUPTI, say)
+        counted = launches(options, cell, models, replace(problems, problems=problems.problems[:2]), device)
+    except Exception as err:  # noqa: BLE001 - recorded, as Check.measure records a failed measurement
+        counted = {"failed": f"{type(err).__name__}: {err}"[:300]}
+    return {"problems": len(finished), **clock.shares(wall), "launches": counted}
 
 
 def profile_section(check: Check, options: GridOptions, models: Callable[[], dict[str, LoadedModel]],

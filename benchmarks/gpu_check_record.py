@@ -221,12 +221,15 @@ def describe_result(section: str, r: dict) -> str:
         return f"{what}: " + describe_e2e(r)
     if section == "profile":
         launches = r["launches"]
+        if "failed" in launches:
+            launches = {"graph_kernel_share": None}
         per = ", ".join(f"{k.removesuffix('_per_iteration').replace('_', ' ')} {v:.1f}" for k, v in launches.items()
                         if k.endswith("_per_iteration"))
         graphs = (f", {100 * launches['graph_kernel_share']:.0f}% of kernels in graphs"
                   if launches["graph_kernel_share"] is not None else "")
+        counted = f"per decode iteration: {per}{graphs}" if per else f"launches not counted ({r['launches']['failed']})"
         return (f"{what}: {r['wall_s']:.2f} s, " + ", ".join(f"{p} {100 * x:.0f}%" for p, x in r["share"].items())
-                + f"; host waits {r['host_waits_s']:.2f} s; per decode iteration: {per}{graphs}")
+                + f"; host waits {r['host_waits_s']:.2f} s; {counted}")
     cut = f", {r['problems']} finished before the cut" if r["cut"] else ""
     line = f"{what}: {r['problems']} problems in {r['seconds']:.1f} s = {r['problems_per_min']:.2f}/min{cut}"
     if "time_share" in r:
