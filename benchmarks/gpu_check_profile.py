@@ -28,7 +28,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
-import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 

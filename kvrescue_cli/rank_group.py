@@ -28,7 +28,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-import torch
 import torch.distributed as dist
 
 from kvrescue_cli.devices import is_gpu
