@@ -104,9 +104,8 @@ def chosen_device(requested: str | None, tiny: bool) -> str:
     device = "cpu" if tiny else requested or ("cuda" if torch.cuda.is_available() else "cpu")
     if not is_gpu(device):
         return device
-    device = indexed_gpu(device)
-    use_device(device)
-    return device
+    use_device(device)  # first: the allocator is configured before CUDA starts
+    return indexed_gpu(device)
 
 
 def main() -> None:
