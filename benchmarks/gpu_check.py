@@ -88,7 +88,7 @@ from gpu_check_logits import check_logits
 from gpu_check_memory import memory_section
 from gpu_check_numerics import numerics_section
 from gpu_check_problems import problems_section
-from gpu_check_record import Check, interrupted_at, table  # noqa: F401 (interrupted_at: tests/benchmarks/test_gpu_check.py)
+from gpu_check_record import Check, interrupted_at, table  # noqa: F401 (Check, interrupted_at: tests/benchmarks/test_gpu_check.py)
 from gpu_check_setup import E2E_SHARE, FULL, SMALL
 from gpu_check_vllm import vllm_child, vllm_section
 from kvrescue_cli.devices import is_gpu

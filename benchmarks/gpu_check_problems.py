@@ -26,7 +26,7 @@ from kvrescue_cli.random_checkpoints import build_tokenizer
 from kvrescue_cli.search import SearchSettings
 
 ROLES = ("base", "helper", "prm")
-PROFILE_SHARE = 0.2  # of the section's own window after the budget (PROFILE_WINDOW): the profile; MATH500 the rest
+PROFILE_SHARE = 0.3  # of the section's own window after the budget (PROFILE_WINDOW): the profile; MATH500 the rest
 # The paper's MATH500 setting (N = 8, B = 64, about 21 steps of 32 tokens; Table 1: 6,327 base and 6,560 helper tokens
 # per problem), by --tiny; one batch of problems (--batch auto, at most max_problems) per method.
 MATH500 = {False: dict(n=8, budget=64, synthetic=(32, 21), max_problems=512),
@@ -132,7 +132,8 @@ def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, 
         check.measure("problems", record, end, lambda: problems_rate(
             replace(options, cuda_graphs=graphs), models(), problem_set, method, plan, share), interrupt=False)
     graphs = device.startswith("cuda")
-    profiled = replace(options, cuda_graphs=graphs, settings=replace(settings, synthetic_steps=(plan["synthetic"][0], 2)))
+    profiled = replace(options, cuda_graphs=graphs,
+                       settings=replace(settings, synthetic_steps=(plan["synthetic"][0], 2)))
     window = PROFILE_WINDOW * check.budget_s
     profile_section(check, profiled, models, replace(problem_set, problems=problems[:plan["batch"]]), plan, device,
                     time.perf_counter() + PROFILE_SHARE * window)
@@ -152,7 +153,12 @@ def math500_section(check: Check, options: GridOptions, models, tiny: bool, end:
         for method in ("bon", "full", "kvrescue"):
             check.add("problems", {**record, "method": method, "skipped": check.late()})
         return
-    batch = min(auto_batch(grid, models()), profile["max_problems"])
+    try:
+        batch = min(auto_batch(grid, models()), profile["max_problems"])
+    except Exception as err:  # noqa: BLE001 - recorded, as Check.measure records a failed measurement
+        for method in ("bon", "full", "kvrescue"):
+            check.add("problems", {**record, "method": method, "skipped": f"failed: --batch auto: {err}"[:300]})
+        return
     grid = replace(grid, settings=replace(settings, batch=batch))
     _, problem_set = synthetic_grid({**profile, "batch": batch}, options.devices[0], torch.float32, batch)
     rates: dict[str, float] = {}

@@ -160,6 +160,7 @@ def profile_cell(options: GridOptions, models: dict[str, LoadedModel], problems:
 
 def profile_section(check: Check, options: GridOptions, models: Callable[[], dict[str, LoadedModel]],
                     problems: ProblemSet, plan: dict, device: str, end: float) -> None:
+    """The profile of one kvrescue cell of `problems` (`options`' steps and CUDA graphs), within `end`."""
     record = {"method": "kvrescue", "cuda_graphs": options.cuda_graphs, "problems_in": len(problems.problems),
               "synthetic_steps": list(options.settings.synthetic_steps)}
-    check.measure("profile", record, end, lambda: profile_cell(options, models(), problems, plan, device))
+    check.measure("profile", record, end, lambda: profile_cell(options, models(), problems, plan, device), until=end)

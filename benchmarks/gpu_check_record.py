@@ -65,10 +65,10 @@ class Check:
         return self.started + share * self.budget_s
 
     def measure(self, section: str, record: dict, start_by: float, fn: Callable[[], dict],
-                skip: str | None = None, interrupt: bool = True) -> None:
+                skip: str | None = None, interrupt: bool = True, until: float | None = None) -> None:
         """Record `record` with what `fn` measured, or with why it was skipped (`skip`, or past `start_by`).
-        `fn` is interrupted at the end of the budget unless it bounds itself (`interrupt` False); an error
-        is recorded, not raised."""
+        `fn` is interrupted at `until` (default: the end of the budget) unless it bounds itself (`interrupt`
+        False); an error is recorded, not raised."""
         now = time.perf_counter()
         if skip is None and now > start_by:
             skip = self.late()
@@ -80,10 +80,12 @@ class Check:
         try:
             if gpu:
                 torch.cuda.reset_peak_memory_stats()
-            with interrupted_at(self.deadline(1.0) if interrupt else None) as cut:
+            stop = (self.deadline(1.0) if until is None else until) if interrupt else None
+            with interrupted_at(stop) as cut:
                 result = fn()
             if cut() and not result:
-                result = {"skipped": f"interrupted at the end of the {self.budget_s:.0f} s budget"}
+                result = {"skipped": f"interrupted {stop - self.started:.0f} s into the check (its {self.budget_s:.0f} s "
+                                     "budget, or the window after it)"}
             if gpu and "skipped" not in result and "peak_allocated_bytes" not in result:
                 result.update(peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(),
                                     result.get("planned_bytes")))

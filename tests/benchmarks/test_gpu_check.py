@@ -246,3 +246,28 @@ def test_the_memory_section_tells_a_one_time_workspace_from_a_leak(monkeypatch):
     assert gpu_check_memory.left_by_cells(100, 100, 100) == {
         "bytes_before": 100, "bytes_after_first": 100, "bytes_after_second": 100, "workspace_bytes": 0,
         "growth_bytes": 0, "ok": True}
+
+
+def test_a_measurement_in_a_window_after_the_budget_runs_until_the_windows_end(tmp_path):
+    """The profile and MATH500 run after the budget, in windows of their own: a measurement given `until` is
+    interrupted there, not at the (past) end of the budget."""
+    module = load_gpu_check()
+
+    class Kept(module.Check):
+        def add(self, section: str, record: dict) -> None:  # kept, not described
+            self.report.setdefault(section, []).append(record)
+
+    check = Kept(tmp_path / "check.json", {}, budget_s=0.0)
+    window = time.perf_counter() + 1.0
+
+    def sleeps(seconds: float) -> dict:
+        start = time.perf_counter()
+        while time.perf_counter() < start + seconds:
+            time.sleep(0.01)
+        return {"slept_s": seconds}
+
+    check.measure("profile", {}, window, lambda: sleeps(0.2), until=window)
+    check.measure("profile", {}, window, lambda: sleeps(30), until=window)
+    ran, cut = check.report["profile"]
+    assert ran["slept_s"] == 0.2 and "skipped" not in ran
+    assert cut["skipped"].startswith("interrupted") and cut["seconds_taken"] < 10
