@@ -184,12 +184,14 @@ def describe_result(section: str, r: dict) -> str:
         budget = f" B={r['budget']}" if r.get("budget") else ""
         what = f"{r['method']}{budget} graphs={'on' if r['cuda_graphs'] else 'off'}{' (warm-up)' if r.get('warm_up') else ''}"
         if r.get("profile"):
-            what += f" {r['profile']} profile, N={r['n']}, steps {r['synthetic_steps'][1]}x{r['synthetic_steps'][0]}" + (
+            length, count = r["synthetic_steps"]
+            what += f" {r['profile']} profile, N={r['n']}, {count} steps of {length} tokens" + (
                 f", --batch auto={r['batch_auto']}" if "batch_auto" in r else "")
     if "skipped" in r:
         return f"{what}: skipped ({r['skipped']})"
     if section == "roofline":
-        return f"{what}: {r['bytes_per_s'] / 1e9:.1f} GB/s; {r['matmul_dtype']} matrix products {r['matmul_flop_per_s'] / 1e12:.3g} TFLOP/s"
+        return (f"{what}: {r['bytes_per_s'] / 1e9:.1f} GB/s; {r['matmul_dtype']} matrix products "
+                f"{r['matmul_flop_per_s'] / 1e12:.3g} TFLOP/s")
     if section == "logits":
         return (f"{what}: ok={r['ok']} forward max|d|={r['forward']['max_abs']:.2e} top1={r['forward']['top1_agreement']:.3f}, "
                 f"decode max|d|={r['prefill_then_decode']['max_abs']:.2e} top1={r['prefill_then_decode']['top1_agreement']:.3f}")
