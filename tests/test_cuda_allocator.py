@@ -10,13 +10,12 @@ from torch.cuda._utils import _get_device_index
 from kvrescue_cli.cuda_allocator import SETTINGS, VARIABLES, allocator_settings, configure_allocator
 from kvrescue_cli.loading import use_device
 from kvrescue_cli.outputs import environment
+from tests.helpers import unset_allocator_settings
 
 
 @pytest.fixture()
 def unset(monkeypatch):
-    """Neither variable set (each set empty, which PyTorch and this module read as unset, and restored after)."""
-    for variable in VARIABLES:
-        monkeypatch.setenv(variable, "")
+    unset_allocator_settings(monkeypatch)
 
 
 def test_expandable_segments_unless_the_user_set_the_allocator(unset, monkeypatch):

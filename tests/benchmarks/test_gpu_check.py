@@ -14,8 +14,7 @@ import pytest
 import torch
 from torch.cuda._utils import _get_device_index
 
-from kvrescue_cli.cuda_allocator import VARIABLES
-from tests.helpers import ROOT
+from tests.helpers import ROOT, unset_allocator_settings
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 # The tiny shape's engine in fp32, counted here from its config: embeddings + untied head + 2 layers + final norm.
@@ -208,8 +207,7 @@ def test_the_default_device_cuda_is_made_current_by_its_index(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: made_current.append(_get_device_index(device)))
-    for variable in VARIABLES:
-        monkeypatch.setenv(variable, "")  # the allocator's settings are set for the check, and undone after the test
+    unset_allocator_settings(monkeypatch)  # the check sets them
     assert module.chosen_device(None, tiny=False) == "cuda:3" and made_current == [3]
     assert module.chosen_device("cuda:1", tiny=False) == "cuda:1" and made_current == [3, 1]
     assert module.chosen_device(None, tiny=True) == "cpu" and made_current == [3, 1]
