@@ -1,5 +1,6 @@
-"""gpu_check's `roofline`, `attention` and `decode` sections: copy bandwidth, the full cache's attention, and decode
-tokens/s of this engine and transformers `generate` against the memory-bandwidth roofline."""
+"""gpu_check's `roofline`, `attention` and `decode` sections: copy bandwidth and matrix-product rate, the full cache's
+attention, and decode tokens/s of this engine and transformers `generate` against the roofline (the longer of a
+step's reads at the bandwidth and its FLOPs at the product rate)."""
 
 from __future__ import annotations
 
@@ -19,20 +20,38 @@ from kvrescue_cli.engine.model import Transformer
 from kvrescue_cli.engine.sampling import sample
 
 
-def copy_bandwidth(device: str, tiny: bool) -> dict:
-    """Device-to-device copy bandwidth: bytes read + written per second."""
+def device_limits(device: str, dtype: torch.dtype, tiny: bool) -> dict:
+    """The device's two limits: device-to-device copy bandwidth (bytes read + written per second) and the rate of a
+    square matrix product in the run's dtype (FLOP/s)."""
     n = (64 if tiny else 2048) * 2**20
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     seconds = timed(device, lambda: dst.copy_(src), repeat=5)
-    return {"bytes": n, "seconds": seconds, "bytes_per_s": 2 * n / seconds}
+    side = 512 if tiny else 8192
+    a, b = torch.randn(side, side, device=device, dtype=dtype), torch.randn(side, side, device=device, dtype=dtype)
+    product_s = timed(device, lambda: torch.mm(a, b), repeat=10)
+    return {"bytes": n, "seconds": seconds, "bytes_per_s": 2 * n / seconds, "matmul_side": side,
+            "matmul_dtype": str(dtype).removeprefix("torch."), "matmul_flop_per_s": 2 * side**3 / product_s}
 
 
-def roofline(rate: float, rows: int, step_bytes: float, bandwidth: float | None) -> dict:
-    """A decode rate next to its bound: every step reads the weights and each row's cached K/V once."""
-    bound = rows * bandwidth / step_bytes if bandwidth else None
-    return {"tokens_per_s": rate, "step_bytes": step_bytes, "roofline_tokens_per_s": bound,
-            "of_roofline": rate / bound if bound else None}
+def roofline(rate: float, rows: int, step_bytes: float, token_flops: float, limits: dict) -> dict:
+    """A decode rate next to its bound: a step takes at least the longer of reading the weights and each row's cached
+    K/V once at the copy bandwidth and computing each row's token at the matrix-product rate."""
+    bandwidth, flop_rate = limits.get("bytes_per_s"), limits.get("matmul_flop_per_s")
+    step_s = max(step_bytes / bandwidth, rows * token_flops / flop_rate) if bandwidth and flop_rate else None
+    bound = rows / step_s if step_s else None
+    return {"tokens_per_s": rate, "step_bytes": step_bytes, "token_flops": token_flops,
+            "roofline_tokens_per_s": bound, "bound_by": None if not step_s else
+            "memory" if step_s == step_bytes / bandwidth else "compute", "of_roofline": rate / bound if bound else None}
+
+
+def token_flops(shape: dict, mean_read: float) -> float:
+    """FLOPs of one decoded token: 2 per weight of every matrix product (all but the embedding lookup), and
+    attention's q.K and p.V over the `mean_read` cached entries, 2 each per head dimension."""
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * shape["intermediate_size"]
+    return 2 * (layers * per_layer + shape["vocab_size"] * h) + 4 * layers * h * mean_read
 
 
 def filled_cache(net: Transformer, policy: str, budget: int, rows: int, context: int,
@@ -139,7 +158,7 @@ def decode_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, pl
 
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     entry = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * dtype.itemsize  # K + V bytes
-    bandwidth = check.report.get("roofline", {}).get("bytes_per_s")
+    limits = check.report.get("roofline", {})
     deadline = check.deadline(DECODE_SHARE)
     caches = [("rkv", b) for b in plan["budgets"]] + [("none", None)]
     for rows in plan["rows"]:
@@ -159,11 +178,12 @@ def decode_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, pl
                         continue
                     check.measure("decode", record, deadline, lambda: roofline(
                         decode_rate(models()[1], device, policy, budget or 64, rows, context, plan["steps"], graphs),
-                        rows, models()[2] + rows * mean_read * entry, bandwidth), too_big(device, rows * held * entry))
+                        rows, models()[2] + rows * mean_read * entry, token_flops(shape, mean_read), limits),
+                        too_big(device, rows * held * entry))
             record = {"engine": "transformers-generate", "rows": rows, "context": context, "evictor": "none",
                       "budget": None, "cuda_graphs": False}
             need = 2 * rows * (context + plan["steps"]) * entry  # generate's cache grows by concatenation
             mean_read = context + plan["steps"] / 2
             check.measure("decode", record, deadline, lambda: roofline(
                 hf_rate(models()[0], device, dtype, rows, context, plan["steps"]), rows,
-                models()[2] + rows * mean_read * entry, bandwidth), too_big(device, need))
+                models()[2] + rows * mean_read * entry, token_flops(shape, mean_read), limits), too_big(device, need))

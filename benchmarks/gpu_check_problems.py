@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gpu_check_profile import PhaseClock, profile_section
 from gpu_check_record import Check, interrupted_at
-from gpu_check_setup import PARAMS, PROBLEM_RUNS, QWEN25_MATH_7B, QWEN25_MATH_15B, QWEN25_MATH_PRM_7B, TINY, random_loaded
+from gpu_check_setup import PARAMS, PROBLEM_RUNS, PROFILE_WINDOW, QWEN25_MATH_7B, QWEN25_MATH_15B, QWEN25_MATH_PRM_7B, TINY, random_loaded
 from kvrescue_cli.data import Problem, ProblemSet
 from kvrescue_cli.cell_engine import build_cell
+from kvrescue_cli.cost import Architecture
+from kvrescue_cli.device_plan import device_kind, device_room
+from kvrescue_cli.memory_plan import headroom, largest_batch, plan_grid
 from kvrescue_cli.decoding import decode
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.grid import Cell, GridOptions, grid_options
@@ -21,27 +26,66 @@ from kvrescue_cli.random_checkpoints import build_tokenizer
 from kvrescue_cli.search import SearchSettings
 
 ROLES = ("base", "helper", "prm")
+PROFILE_SHARE = 0.3  # of the section's own window after the budget (PROFILE_WINDOW): the profile; MATH500 the rest
+# The paper's MATH500 setting (N = 8, B = 64, about 21 steps of 32 tokens; Table 1: 6,327 base and 6,560 helper tokens
+# per problem), by --tiny; one batch of problems (--batch auto, at most max_problems) per method.
+MATH500 = {False: dict(n=8, budget=64, synthetic=(32, 21), max_problems=512),
+           True: dict(n=2, budget=16, synthetic=(4, 3), max_problems=4)}
+PAPER_TOKENS = {"base": 6327, "helper": 6560}
+PRM_ARCHITECTURE = "Qwen2ForProcessRewardModel"  # what marks a config as a PRM's for the planner
 
 
 def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems: ProblemSet, method: str,
-                  plan: dict, stop_at: float) -> dict:
-    """Problems/min of one method over `problems` (pulled as slots free up), until all are done or `stop_at`."""
+                  plan: dict, stop_at: float, clock: PhaseClock | None = None) -> dict:
+    """Problems/min of one method over `problems` (pulled as slots free up), until all are done or `stop_at`; with
+    `clock`, each phase's share of the time (each model's, `gpu_check_profile`)."""
     cell = Cell(problems, method, None if method == "full" else plan["budget"], plan["n"], 0)
     finished: list[tuple[Trace, float]] = []
+    engine = build_cell(options, cell, models)
     start = time.perf_counter()
-    with interrupted_at(stop_at) as cut:
-        decode(options, cell, build_cell(options, cell, models), iter(problems.problems),
+    with interrupted_at(stop_at) as cut, clock.instrument(engine) if clock is not None else nullcontext():
+        decode(options, cell, engine, iter(problems.problems),
                lambda trace, _: finished.append((trace, time.perf_counter())))
     result: dict[str, Any] = {"problems": len(finished), "batch": options.settings.batch,
                               "cut": cut(), "cut_after_s": time.perf_counter() - start if cut() else None}
     if not finished:
         return {**result, "skipped": f"no problem finished in {time.perf_counter() - start:.0f} s"}
+    result["planned_bytes"] = planned_bytes(options, models, method)
     seconds = finished[-1][1] - start
     traces = [t for t, _ in finished]
+    if clock is not None:
+        result["time_share"] = clock.shares(time.perf_counter() - start)["share"]
     return {**result, "seconds": seconds, "problems_per_min": len(finished) * 60 / seconds,
             "base_tokens_per_problem": sum(t.tokens.base for t in traces) / len(traces),
             "helper_tokens_per_problem": sum(t.tokens.helper for t in traces) / len(traces),
             "peak_base_rows": max(t.peak_base_rows for t in traces)}
+
+
+def architectures(models: dict[str, LoadedModel], dtype: str) -> dict[str, Architecture]:
+    """The planner's view of the random models, as their config.json files would give it."""
+    return {role: Architecture.from_config(role, {**m.config, "torch_dtype": dtype,
+                                                  **({"architectures": [PRM_ARCHITECTURE]} if role == "prm" else {})})
+            for role, m in models.items()}
+
+
+def planned_bytes(options: GridOptions, models: dict[str, LoadedModel], method: str) -> int:
+    """What `kvrescue run --plan` gives one cell of `method` on these models: its device's total bytes."""
+    device = options.devices[0]
+    return plan_grid(replace(options, methods=[method]), device_kind(options, device),
+                     models=architectures(models, options.dtype)).total
+
+
+def auto_batch(options: GridOptions, models: dict[str, LoadedModel]) -> int:
+    """What `--batch auto` chooses for the grid before loading its models: the largest batch whose plan fits the
+    device's free memory (with the loaded models' bytes given back) less the headroom."""
+    device = options.devices[0]
+    weights = sum(p.numel() * p.element_size() for m in models.values() for p in m.net.parameters())
+    room = device_room(options, device) + (weights if device.startswith("cuda") else 0)
+    archs, kind = architectures(models, options.dtype), device_kind(options, device)
+    batch = largest_batch(lambda b: plan_grid(options, kind, b, archs), room - headroom(room))
+    if batch is None:
+        raise RuntimeError(f"one problem's plan does not fit in {room / 2**30:.1f} GiB")
+    return batch
 
 
 def synthetic_grid(plan: dict, device: str, dtype: torch.dtype, problems: int) -> tuple[GridOptions, ProblemSet]:
@@ -58,7 +102,9 @@ def synthetic_grid(plan: dict, device: str, dtype: torch.dtype, problems: int) -
 
 
 def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> None:
-    """problems/min of bon and kvrescue with and without CUDA graphs, and full, after a warm-up problem."""
+    """After a warm-up problem: problems/min of bon and kvrescue with and without CUDA graphs, and full (within the
+    budget); then, in a window of their own (PROFILE_WINDOW of the budget), one kvrescue cell's profile
+    (`gpu_check_profile`, its first PROFILE_SHARE) and the paper's MATH500 profile at `--batch auto` (the rest)."""
     tokenizer = build_tokenizer(512)
     shapes = {"base": TINY if tiny else QWEN25_MATH_7B, "helper": TINY if tiny else QWEN25_MATH_15B,
               "prm": TINY if tiny else QWEN25_MATH_PRM_7B}
@@ -85,3 +131,50 @@ def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, 
         share = time.perf_counter() + (end - time.perf_counter()) / (len(PROBLEM_RUNS) - i)
         check.measure("problems", record, end, lambda: problems_rate(
             replace(options, cuda_graphs=graphs), models(), problem_set, method, plan, share), interrupt=False)
+    graphs = device.startswith("cuda")
+    profiled = replace(options, cuda_graphs=graphs,
+                       settings=replace(settings, synthetic_steps=(plan["synthetic"][0], 2)))
+    window = PROFILE_WINDOW * check.budget_s
+    profile_section(check, profiled, models, replace(problem_set, problems=problems[:plan["batch"]]), plan, device,
+                    time.perf_counter() + PROFILE_SHARE * window)
+    math500_section(check, replace(options, cuda_graphs=graphs), models, tiny,
+                    time.perf_counter() + (1 - PROFILE_SHARE) * window)
+
+
+def math500_section(check: Check, options: GridOptions, models, tiny: bool, end: float) -> None:
+    """The paper's MATH500 profile (MATH500 below) at `--batch auto`, one batch of problems per method, bon, full,
+    then kvrescue with its ratios to both; each with each phase's share of its time (the models' shares)."""
+    profile = MATH500[tiny]
+    settings = replace(options.settings, synthetic_steps=profile["synthetic"], max_step_tokens=profile["synthetic"][0])
+    grid = replace(options, settings=settings, ns=[profile["n"]], budgets=[profile["budget"]])
+    record = {"profile": "MATH500", "n": profile["n"], "synthetic_steps": list(profile["synthetic"]),
+              "cuda_graphs": options.cuda_graphs, "paper_tokens_per_problem": PAPER_TOKENS}
+    if time.perf_counter() >= end:
+        for method in ("bon", "full", "kvrescue"):
+            check.add("problems", {**record, "method": method, "skipped": check.late()})
+        return
+    try:
+        batch = min(auto_batch(grid, models()), profile["max_problems"])
+    except Exception as err:  # noqa: BLE001 - recorded, as Check.measure records a failed measurement
+        for method in ("bon", "full", "kvrescue"):
+            check.add("problems", {**record, "method": method, "skipped": f"failed: --batch auto: {err}"[:300]})
+        return
+    grid = replace(grid, settings=replace(settings, batch=batch))
+    _, problem_set = synthetic_grid({**profile, "batch": batch}, options.devices[0], torch.float32, batch)
+    rates: dict[str, float] = {}
+    for i, method in enumerate(("bon", "full", "kvrescue")):
+        share = time.perf_counter() + (end - time.perf_counter()) / (3 - i)
+        clock = PhaseClock(options.devices[0], sync_calls=False)
+
+        def measured() -> dict:
+            result = problems_rate(grid, models(), problem_set, method, profile, share, clock)
+            if "problems_per_min" in result:
+                rates[method] = result["problems_per_min"]
+            if method == "kvrescue" and rates.keys() >= {"bon", "full", "kvrescue"}:
+                result.update(kvrescue_over_bon=rates["kvrescue"] / rates["bon"],
+                              kvrescue_over_full=rates["kvrescue"] / rates["full"])
+            return result
+
+        check.measure("problems", {**record, "method": method, "batch_auto": batch,
+                                   "budget": None if method == "full" else profile["budget"]}, end, measured,
+                      interrupt=False)

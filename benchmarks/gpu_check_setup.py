@@ -26,6 +26,9 @@ SMALL = dict(rows=(4, 8), budgets=(16,), contexts=(64, 160), steps=4, problems=4
              vllm_batches=(1, 8, 32), vllm_new_tokens=8, vllm_repeats=1, vllm_prm=(2, 2, 2), vllm_kv_mib=64)
 DECODE_SHARE = 0.5  # decode measurements start only in the first half of the budget
 VLLM_SHARE = 0.75  # vLLM measurements start and end within the first 3/4 of it; problems get the rest
+# Windows of their own after the budget, as shares of it (of the default 240 s: 90 s and 150 s; the whole check then
+# takes about 8 minutes): the profile and the MATH500 profile (the problems section's last measurements), then e2e
+PROFILE_WINDOW, E2E_SHARE = 0.375, 0.625
 VLLM_MEMORY = 0.4  # vLLM's share of the device (this engine's model and cache take the rest)
 PARAMS = SamplingParams()  # the paper's sampling, on both sides of every decode comparison
 # (method, CUDA graphs) of the problems section, each pair alternating its order

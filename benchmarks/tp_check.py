@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))  # gpu_check's modules beside this script
+from gpu_check_record import describe_tp  # noqa: E402
+
 LAYERS = 4
 SHAPE_7B = dict(hidden_size=3584, num_layers=LAYERS, num_heads=28, num_kv_heads=4, intermediate_size=18944,
                 vocab_size=152064, init_std=0.02)
@@ -55,17 +58,6 @@ def tp_section(tiny: bool, timeout_s: float = 300.0) -> dict:
         if errors:
             return {"skipped": "failed: " + " | ".join(errors)}
         return json.loads((Path(tmp) / "result.json").read_text())
-
-
-def describe(r: dict) -> str:
-    """One line for gpu_check's table."""
-    if "skipped" in r:
-        return f"tp=2 vs 1: skipped ({r['skipped'][:200]})"
-    rates = ", ".join(f"graphs {'on' if g == 'graphs' else 'off'}: {r['tp2'][g]:.1f} vs {r['tp1'][g]:.1f} tok/s "
-                      f"(x{r['tp2'][g] / r['tp1'][g]:.2f})" for g in ("graphs", "eager")
-                      if isinstance(r["tp2"].get(g), float) and isinstance(r["tp1"].get(g), float))
-    return (f"tp=2 vs 1 ({r['shape']}): logits max|d|={r['logits']['max_abs']:.2e} "
-            f"top1={r['logits']['top1_agreement']:.3f}; decode {rates}")
 
 
 def _rank(rank: int, folder: Path, tiny: bool) -> None:
@@ -124,7 +116,7 @@ def main() -> None:
     start = time.perf_counter()
     result = tp_section(args.tiny)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(describe(result))
+    print(describe_tp(result))
     print(f"wrote {args.out} in {time.perf_counter() - start:.1f} s")
 
 

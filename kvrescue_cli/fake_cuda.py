@@ -15,7 +15,7 @@ weights cost no memory). What fake tensors cannot do by themselves on a CPU-only
   whose meta function gives its CUDA output layout (memory-efficient: [B, M, H, K] memory returned transposed).
 - Host reads (`.numpy()`, `.tolist()`, `.item()` of a fake tensor) have no values: a `HostReads` policy gives them
   (zeros by default; a dry run scripts its tokens).
-- `torch.cuda` calls (memory queries, streams, CUDA graphs, `set_device`, `device_count`; not `is_available`, which
+- `torch.cuda` calls (memory queries, streams, CUDA graphs, `set_device` with PyTorch's validation, `device_count`; not `is_available`, which
   the fake mode reads to know that it must not run CUDA kernels for constants) are stand-ins: memory is what the fake
   tensors hold; a graph capture runs its body once and a replay does nothing, and a host read, synchronisation or
   pinned copy during a capture raises, as `cudaStreamCapture` refuses them.
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.cuda._utils import _get_device_index
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -296,8 +297,10 @@ class FakeCuda:
         return f"cuda:{self.current if index is None else index}"
 
     def _set_device(self, device: Any) -> None:
-        index = device if isinstance(device, int) else torch.device(device).index or 0
-        if not 0 <= index < self.devices:
+        index = _get_device_index(device)  # PyTorch's own check: `cuda` without an index is refused, as on a GPU
+        if index < 0:
+            return
+        if index >= self.devices:
             raise RuntimeError(f"CUDA error: invalid device ordinal {index} ({self.devices} fake devices)")
         self.current = index
 

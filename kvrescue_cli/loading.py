@@ -10,6 +10,7 @@ import torch
 import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli import hub
 from kvrescue_cli.cost import Architecture
+from kvrescue_cli.cuda_allocator import configure_allocator
 from kvrescue_cli.devices import is_cpu, is_gpu
 from kvrescue_cli.engine.loader import LoadedModel, ModelLoadError, load_model
 from kvrescue_cli.engine.prm import check_prm
@@ -38,11 +39,17 @@ def check_policy_tokenizers(tokenizers: dict[str, Any]) -> None:
         raise InputError("base and helper tokenizers differ; KV-Rescue commits the same tokens to both models")
 
 
+def indexed_gpu(device: str) -> str:
+    """`cuda` read as this process's current GPU (`cuda:N`): `torch.cuda.set_device` and CUDA graphs need an index."""
+    return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
+
+
 def use_device(device: str) -> None:
-    """Make a GPU this process's current device: streams, graphs, NCCL and every default-device call use it, not
-    cuda:0."""
+    """Make a GPU this process's current device (streams, graphs, NCCL and every default-device call use it, not
+    cuda:0), its allocator configured for the run before anything is allocated."""
     if is_gpu(device):
-        torch.cuda.set_device(device)
+        configure_allocator()
+        torch.cuda.set_device(indexed_gpu(device))
 
 
 def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:

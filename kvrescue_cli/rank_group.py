@@ -28,11 +28,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-import torch
 import torch.distributed as dist
 
 from kvrescue_cli.devices import is_gpu
 from kvrescue_cli.engine.tp import values_from_rank_0
+from kvrescue_cli.loading import use_device
 
 if TYPE_CHECKING:
     from kvrescue_cli.data import Problem
@@ -45,8 +45,7 @@ TIMEOUT = timedelta(seconds=float(os.environ.get("KVRESCUE_TP_TIMEOUT_S", "600")
 
 def join(rendezvous: Path, rank: int, world: int, device: str) -> None:
     """Join the group's process group."""
-    if is_gpu(device):
-        torch.cuda.set_device(device)
+    use_device(device)
     backend = "nccl" if is_gpu(device) else "gloo"
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=TIMEOUT)
 

@@ -127,3 +127,12 @@ def sums(count: int, plus: int = 1, text: str = "") -> list:
     from kvrescue_cli.data import Problem
 
     return [Problem(i, f"What is {i} + {plus}?{text}", str(i + plus), {}) for i in range(count)]
+
+
+def unset_allocator_settings(monkeypatch) -> None:
+    """Neither of PyTorch's allocator variables set for this test (each set empty, which PyTorch and
+    `cuda_allocator` read as unset), so that what a GPU run's `use_device` sets them to is undone after it."""
+    from kvrescue_cli.cuda_allocator import VARIABLES
+
+    for variable in VARIABLES:
+        monkeypatch.setenv(variable, "")

@@ -10,7 +10,7 @@ import torch
 from kvrescue_cli import device_plan, in_process, loading, rank_group
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import GridOptions
-from tests.helpers import small_grid
+from tests.helpers import small_grid, unset_allocator_settings
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.search import SearchSettings
 from kvrescue_cli.grid import device_groups
@@ -24,6 +24,7 @@ def gpus(monkeypatch) -> list[tuple[str, str]]:
     """Eight faked GPUs, each with 1 MiB free (so the memory check refuses before any weights are read); the
     (call, device) of every current-device and free-memory call."""
     calls = []
+    unset_allocator_settings(monkeypatch)  # use_device sets them
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", str(device))))

@@ -82,6 +82,8 @@ def test_fake_cuda_raises_what_a_gpu_raises():
         assert cuda.graph_replays == 1 and y.device == CUDA
         with pytest.raises(RuntimeError, match="invalid device ordinal"):
             torch.cuda.set_device("cuda:1")
+        with pytest.raises(ValueError, match="specified index"):  # as torch.cuda.set_device refuses it on a GPU
+            torch.cuda.set_device("cuda")
 
 
 def test_the_memory_log_counts_storages_per_device_and_part_until_freed():

@@ -18,7 +18,7 @@ from kvrescue_cli.grid import GridOptions
 from kvrescue_cli.prompts import generation_prompt
 from kvrescue_cli.random_checkpoints import build_tokenizer, write_random_checkpoint
 from kvrescue_cli.search import SearchSettings
-from tests.helpers import paper_grid, small_cell, small_grid
+from tests.helpers import paper_grid, small_cell, small_grid, unset_allocator_settings
 from tests.tensor_bytes import TensorBytes, parameter_bytes
 
 SHAPE = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, init_std=0.1)
@@ -191,6 +191,7 @@ def fake_gpus(monkeypatch, free: Callable[[str], int], total: int = 80 * 2**30) 
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free(str(device)), total))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    unset_allocator_settings(monkeypatch)  # use_device sets them
 
 
 def test_a_tp_group_too_large_for_its_devices_is_refused_before_any_rank_starts(tmp_path, monkeypatch):

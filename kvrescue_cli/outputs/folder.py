@@ -24,6 +24,8 @@ from typing import Any, Iterator
 
 import orjson
 
+from kvrescue_cli.cuda_allocator import allocator_settings
+from kvrescue_cli.devices import is_gpu
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.files import CONFIG_LIMIT, OutputFolder, open_regular, read_bounded, read_regular, write_file_atomic
 from kvrescue_cli.outputs.records import RunConfig, Trace
@@ -119,8 +121,8 @@ def run_dir(root: Path | str, config: RunConfig) -> Path:
 
 
 def environment(devices: list[str] | None = None, executor: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Versions, host, devices, executor (in-process or Ray) and git state, recorded in config.json but never
-    compared."""
+    """Versions, host, devices, executor (in-process or Ray), the CUDA allocator's settings on GPUs and git state,
+    recorded in config.json but never compared."""
     versions = {lib: installed_version(lib) for lib in
                 ("kvrescue", "torch", "transformers", "safetensors", "tokenizers", "numpy", "sympy", "vllm")}
     return {
@@ -129,6 +131,7 @@ def environment(devices: list[str] | None = None, executor: dict[str, Any] | Non
         "host": socket.gethostname(),
         "devices": devices or [],
         "executor": executor,
+        "cuda_allocator": allocator_settings() if any(map(is_gpu, devices or [])) else None,
         "versions": versions,
         "git": git_state(Path(__file__).resolve().parent.parent),
     }
