@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvrescue_cli.devices import is_gpu
 from kvrescue_cli.dtypes import NAMES
+from kvrescue_cli.engine.gguf_bounds import GGUFBoundsError, check_gguf_header
 from kvrescue_cli.engine.model import (
     VALUE_HEAD, CausalLM, ProcessRewardModel, Transformer, ValueHeadModel, hf_to_engine_state_dict,
 )
@@ -300,10 +301,13 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
 
     try:
         check_regular(path, ModelLoadError)
+        check_gguf_header(path)
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                   **_gguf_config_fixes(path))
     except ModelLoadError:
         raise
+    except GGUFBoundsError as e:
+        raise ModelLoadError(f"model {str(path)!r}: not a GGUF file kvrescue reads: {e}") from None
     except Exception as e:  # the GGUF reader raises ValueError, struct.error, KeyError, ... on a mangled file
         reason = " ".join(str(e).split())[:200]
         raise ModelLoadError(f"model {str(path)!r}: not a readable GGUF file ({type(e).__name__}: {reason})") from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import struct
 import subprocess
 import sys
 import textwrap
@@ -284,3 +285,25 @@ def test_a_full_disk_stops_kvrescue_run_with_one_line(tmp_path: Path, qwen2_dir:
     lock = subprocess.run(["git", "rev-parse", "--git-path", "index.lock"], capture_output=True, text=True, cwd=ROOT)
     assert not (ROOT / lock.stdout.strip()).exists()  # recording the git state wrote nothing (no torn index.lock)
 
+
+
+# ---- 5. bounded model files ---------------------------------------------------------------------------------------
+
+def gguf_metadata_bomb(path: Path, strings: int) -> Path:
+    """A sparse GGUF file whose one metadata key is an array of `strings` empty strings (8 zero bytes each)."""
+    key = b"tokenizer.ggml.tokens"
+    head = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+            + struct.pack("<IIQ", 9, 8, strings))
+    with path.open("wb") as f:
+        f.write(head)
+        f.truncate(len(head) + 8 * strings)
+    return path
+
+
+def test_a_gguf_metadata_bomb_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    gguf_metadata_bomb(tmp_path / "bomb.gguf", 5_000_000)  # 40 MB on disk, gigabytes in gguf-py's reader
+    (tmp_path / "p.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    line = one_line_error(kvrescue("run", "--bench", "p.jsonl", "--base", "bomb.gguf", "--helper", "bomb.gguf",
+                                   "--prm", "helper-loglik", "--method", "bon", "--device", "cpu", "--out", "out",
+                                   cwd=tmp_path, memory=2 << 30))
+    assert "bomb.gguf" in line and "more than 2097152 elements" in line
