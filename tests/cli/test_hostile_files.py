@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import struct
 import subprocess
 import sys
@@ -307,3 +308,14 @@ def test_a_gguf_metadata_bomb_is_refused_before_it_is_read(tmp_path: Path) -> No
                                    "--prm", "helper-loglik", "--method", "bon", "--device", "cpu", "--out", "out",
                                    cwd=tmp_path, memory=2 << 30))
     assert "bomb.gguf" in line and "more than 2097152 elements" in line
+
+
+def test_a_chat_template_that_fills_memory_is_one_line_naming_the_model(tmp_path: Path, qwen2_dir: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(qwen2_dir, model)
+    (model / "chat_template.jinja").write_text("{{ 'x' * 20000000000 }}")
+    (tmp_path / "p.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    done = kvrescue("run", "--bench", "p.jsonl", "--base", "model", "--helper", "model", "--prm", "helper-loglik",
+                    "--method", "bon", "--n", "2", "--budget", "16", "--device", "cpu", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "error: model: its chat template failed (MemoryError: )"
