@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvrescue_cli.data import ProblemSet
+from kvrescue_cli.data import GENERIC, ProblemSet
 from kvrescue_cli.devices import CPU, GPU, is_cpu
 from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
 from kvrescue_cli.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, Evictor, make_evictor, parse_evictor
@@ -175,8 +175,14 @@ class GridOptions:
 
     def cells(self, problem_sets: list[ProblemSet]) -> list[Cell]:
         """The grid (each of `grids` in turn), `problem_sets` those of `benches`; methods without an evicted cache
-        run once whatever the budget list."""
+        run once whatever the budget list. Two problem sets that would be one run folder's bench are refused."""
         sets = dict(zip(self.benches, problem_sets))
+        by_identity: dict[str, str] = {}
+        for bench, problems in sets.items():
+            other = by_identity.setdefault(bench_identity(problems), bench)
+            if sets[other].source != problems.source:
+                raise InputError(f"--bench {other} and {bench} are different problem sets under one name, "
+                                 f"'{bench_identity(problems)}', which names their run folders: rename one file")
         grids = self.grids or (GridAxes(self.benches, self.methods, self.budgets, self.ns, self.seeds),)
         cells, seen = [], set()
         for axes in grids:
@@ -184,11 +190,17 @@ class GridOptions:
                 axes.benches, axes.methods, axes.budgets, axes.ns, axes.seeds
             ):
                 cell = Cell(sets[bench], method, budget if METHODS[method].budgeted else None, n, seed)
-                key = (sets[bench].name, method, cell.budget, n, seed)
+                key = (bench_identity(sets[bench]), method, cell.budget, n, seed)
                 if key not in seen:
                     seen.add(key)
                     cells.append(cell)
         return cells
+
+
+def bench_identity(problems: ProblemSet) -> str:
+    """The bench a cell's run folder records: a benchmark's name (a file named after one is graded as it), else
+    the file's path."""
+    return problems.name if problems.grading_bench != GENERIC else problems.source
 
 
 def resolve_prompt(options: GridOptions) -> GridOptions:

@@ -9,10 +9,10 @@ from dataclasses import replace
 from rich.progress import Progress
 
 from kvrescue_cli import in_process, workers
-from kvrescue_cli.data import GENERIC, data_dir, load_problems
+from kvrescue_cli.data import data_dir, load_problems
 from kvrescue_cli.device_plan import memory_plan
 from kvrescue_cli.engine.sampling import STREAM_VERSION
-from kvrescue_cli.grid import Cell, GridOptions, device_groups, resolve_prm_recipe, resolve_prompt, roles_needed
+from kvrescue_cli.grid import Cell, GridOptions, bench_identity, device_groups, resolve_prm_recipe, resolve_prompt, roles_needed
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import model_revision
 from kvrescue_cli.scorers import PRM
@@ -29,7 +29,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
     s = options.settings
     evictor_params = options.policy_params() if options.evicts(cell.method) else None  # None: the defaults
     return RunConfig(
-        bench=cell.problems.name if cell.problems.grading_bench != GENERIC else cell.problems.source,
+        bench=bench_identity(cell.problems),
         method=cell.method,
         budget=cell.budget,
         n=cell.n,
