@@ -363,7 +363,7 @@ def run(
     from kvrescue_cli.engine.loader import resolve_dtype
     from kvrescue_cli.engine.sampling import SamplingParams
     from kvrescue_cli.grid import DEFAULT_BATCH, grid_options, parse_shard
-    from kvrescue_cli.runs import run_grid
+    from kvrescue_cli.runs import CellFailed, run_grid
     from kvrescue_cli.search import SearchSettings
     from kvrescue_cli.devices import is_gpu, kind_of
     from kvrescue_cli.workers import WorkersGone, resolve_devices
@@ -421,7 +421,7 @@ def run(
     except KeyboardInterrupt:
         console.print("[yellow]interrupted:[/] finished problems are written; run the same command again to resume")
         raise typer.Exit(130) from None
-    except WorkersGone as err:
+    except (WorkersGone, CellFailed) as err:
         console.print(f"[bold red]stopped:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     console.print(summary_table(results))

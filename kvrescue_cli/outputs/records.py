@@ -82,6 +82,7 @@ class Trace:
     prm_truncations: int
     graders: dict[str, dict[str, Any]] = field(default_factory=dict)  # --also-grade: {pred, correct, timed_out}
     answer_from: str = "output"  # "after_think": the answer was read after the output's last </think>
+    prm_unseen: int = 0  # candidates the PRM saw no token of, scored the lowest (engine.scoring.UNSEEN_SCORE)
 
     @classmethod
     def skipped(cls, idx: int, problem: str, gt: str, gt_norm: str, reason: str) -> Trace:
