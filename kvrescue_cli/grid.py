@@ -150,7 +150,7 @@ class GridOptions:
                 raise InputError(f"--budget {budget} is below the smallest supported budget {MIN_BUDGET}")
             if budget > cap and any(METHODS[m].budgeted for m in self.methods):
                 raise InputError(f"--budget {budget} is above --context-cap {cap}: a cache that large never evicts")
-        refusal = self.settings.sampling.refusal()
+        refusal = self.settings.sampling.refusal() or self.settings.detector.refusal()
         if refusal:
             raise InputError(refusal)
         if self.dtype not in DTYPE_NAMES:

@@ -307,7 +307,7 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
     except ModelLoadError:
         raise
     except GGUFBoundsError as e:
-        raise ModelLoadError(f"model {str(path)!r}: not a GGUF file kvrescue reads: {e}") from None
+        raise ModelLoadError(f"model {str(path)!r}: not a readable GGUF file ({e})") from None
     except Exception as e:  # the GGUF reader raises ValueError, struct.error, KeyError, ... on a mangled file
         reason = " ".join(str(e).split())[:200]
         raise ModelLoadError(f"model {str(path)!r}: not a readable GGUF file ({type(e).__name__}: {reason})") from None

@@ -183,8 +183,10 @@ class RunConfig:
         d = dict(d)
         d["models"] = {k: ModelRef(**v) for k, v in d["models"].items()}
         config = cls(**d)
-        detector = config.settings.get("detector")
-        wrong = type_error(config) or type_error(detector, dict[str, Any] | None, "settings.detector")
+        settings = config.settings  # those read back (report, view, resume): numbers where numbers are recorded
+        wrong = (type_error(config) or type_error(settings.get("detector"), dict[str, float] | None, "settings.detector")
+                 or type_error(settings.get("buffer"), int | None, "settings.buffer")
+                 or type_error(settings.get("evictor_params"), dict[str, float] | None, "settings.evictor_params"))
         if wrong:
             raise ValueError(wrong)
         return config

