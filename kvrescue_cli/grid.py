@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from kvrescue_cli.scorers import HELPER_LOGLIK, PRM, SCORERS
 from kvrescue_cli.search import SearchSettings
 from kvrescue_cli.shapes import BUFFER
 
+MAX_CELLS = 100_000  # a grid's cells (run folders); the paper's largest grid has 400
 DEFAULT_BATCH = {CPU: 4, GPU: 64}  # --batch unless auto (a GPU's default, except on a Ray cluster)
 ENGINES = ("native", "vllm")
 
@@ -129,8 +131,16 @@ class GridOptions:
                  if not self.on_vllm(role, method)}
         return roles | ({"helper"} if self.scorer == HELPER_LOGLIK else set())
 
+    def axes(self) -> tuple[GridAxes, ...]:
+        """The grids whose cells the run executes: `grids`, else the one grid of the axes."""
+        return self.grids or (GridAxes(self.benches, self.methods, self.budgets, self.ns, self.seeds),)
+
     def check(self) -> None:
         """One-line errors for options that can't run."""
+        size = sum(math.prod(len(values) for values in vars(axes).values()) for axes in self.axes())
+        if size > MAX_CELLS:
+            raise InputError(f"the grid has {size} cells (benches x methods x budgets x n x seeds), more than "
+                             f"{MAX_CELLS}: each is a run folder; run it in parts")
         for method in self.methods:
             if method not in METHODS:
                 raise InputError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -186,9 +196,8 @@ class GridOptions:
             if sets[other].source != problems.source:
                 raise InputError(f"--bench {other} and {bench} are different problem sets under one name, "
                                  f"'{bench_identity(problems)}', which names their run folders: rename one file")
-        grids = self.grids or (GridAxes(self.benches, self.methods, self.budgets, self.ns, self.seeds),)
         cells, seen = [], set()
-        for axes in grids:
+        for axes in self.axes():
             for bench, method, budget, n, seed in itertools.product(
                 axes.benches, axes.methods, axes.budgets, axes.ns, axes.seeds
             ):

@@ -96,6 +96,18 @@ def test_run_bad_options(args: list[str], message: str, qwen2_dir: Path, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("plan", [[], ["--plan"]])
+def test_a_grid_beyond_the_cell_limit_is_refused_at_once(plan: list[str], qwen2_dir: Path, tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "p.jsonl", {"question": "1+1?", "answer": "2"})
+    hundred = ",".join(str(16 + i) for i in range(100))
+    line = one_line_error("run", "--bench", "p.jsonl", "--base", str(qwen2_dir), "--helper", str(qwen2_dir), "--prm",
+                          "helper-loglik", "--method", "bon", "--budget", hundred, "--seed", hundred, "--n",
+                          "1,2,3,4,5,6,7,8,9,10,11", "--device", "cpu", "--out", "out", *plan, cwd=tmp_path)
+    assert line == ("error: the grid has 110000 cells (benches x methods x budgets x n x seeds), more than 100000: "
+                    "each is a run folder; run it in parts")
+    assert not (tmp_path / "out").exists()
+
+
 def _broken_copy(source: Path, target: Path, damage: str) -> Path:
     shutil.copytree(source, target)
     weights = target / "model.safetensors"
