@@ -201,10 +201,13 @@ def _build(
     exact_heads: bool = False, name: str = "model",
 ) -> Transformer:
     """The engine network of a checkpoint's tensors, as this rank of `tp` holds it (`name`: for errors)."""
-    reason = unsupported(cfg)
+    try:
+        reason = unsupported(cfg)
+        args = ModelArgs.from_hf(cfg)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"model {name!r}: its config.json lacks or mangles {e}") from None
     if reason:
         raise ModelLoadError(f"model {name!r}: {reason}")
-    args = ModelArgs.from_hf(cfg)
     is_prm = "score.0.weight" in sources or any("ProcessRewardModel" in a for a in cfg.get("architectures") or [])
     if is_prm and "score.0.weight" not in sources:
         raise ModelLoadError("checkpoint declares a process reward model but has no score.0/score.2 head weights")

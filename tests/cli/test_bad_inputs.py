@@ -108,6 +108,33 @@ def test_a_grid_beyond_the_cell_limit_is_refused_at_once(plan: list[str], qwen2_
     assert not (tmp_path / "out").exists()
 
 
+ODD_CONFIGS = {  # config.json edits, and what the one-line error says
+    "rope_scaling_text": ({"rope_scaling": "abc"}, "rope_scaling = 'abc': need an object"),
+    "rope_parameters_list": ({"rope_parameters": [1, 2]}, "rope_parameters = [1, 2]: need an object"),
+    "llama3_zero_factors": ({"rope_scaling": {"rope_type": "llama3", "factor": 0, "low_freq_factor": 0,
+                                              "high_freq_factor": 0, "original_max_position_embeddings": 8192}},
+                            "rope_scaling.low_freq_factor = 0: need a finite number above 0"),
+    "rope_theta_zero": ({"rope_theta": 0, "rope_parameters": None}, "rope_theta = 0: need a finite number above 0"),
+    "rms_norm_eps_negative": ({"rms_norm_eps": -1}, "rms_norm_eps = -1: need a finite number at least 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_CONFIGS))
+@pytest.mark.parametrize("command", ["cost", "run"])
+def test_odd_config_types_are_one_line_errors(case: str, command: str, qwen2_dir: Path, tmp_path: Path) -> None:
+    edits, message = ODD_CONFIGS[case]
+    model = shutil.copytree(qwen2_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **edits}))
+    write_jsonl(tmp_path / "p.jsonl", {"question": "1+1?", "answer": "2"})
+    args = (["cost", "--base", "model", "--helper", "model"] if command == "cost" else
+            ["run", "--bench", "p.jsonl", "--base", "model", "--helper", "model", "--prm", "helper-loglik", "--method",
+             "bon", "--budget", "16", "--n", "2", "--max-step-tokens", "4", "--max-steps", "2", "--device", "cpu",
+             "--out", "out"])
+    assert message in one_line_error(*args, cwd=tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
 def _broken_copy(source: Path, target: Path, damage: str) -> Path:
     shutil.copytree(source, target)
     weights = target / "model.safetensors"
@@ -119,6 +146,9 @@ def _broken_copy(source: Path, target: Path, damage: str) -> Path:
         weights.write_bytes(b"")
     elif damage == "truncated_weights":
         weights.write_bytes(weights.read_bytes()[:-4096])
+    elif damage == "rope_scaling_text":
+        config = json.loads((target / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps({**config, "rope_scaling": "abc"}))
     elif damage == "weights_do_not_fit":
         config = json.loads((target / "config.json").read_text())
         config["hidden_size"] *= 2
@@ -132,6 +162,7 @@ def _broken_copy(source: Path, target: Path, damage: str) -> Path:
     ("empty_weights", "model.safetensors is not a readable safetensors file"),
     ("truncated_weights", "model.safetensors is not a readable safetensors file"),
     ("weights_do_not_fit", "do not fit its config.json (RuntimeError"),
+    ("rope_scaling_text", "its config.json lacks or mangles rope_scaling = 'abc': need an object"),
 ])
 def test_damaged_model_folder_is_a_one_line_load_error(damage: str, message: str, qwen2_dir: Path, tmp_path: Path):
     folder = _broken_copy(qwen2_dir, tmp_path / damage, damage)
