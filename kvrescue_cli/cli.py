@@ -440,8 +440,8 @@ def parse_bytes(value: str, option: str) -> int:
         size = float(number) * BYTE_UNITS[unit]
     except (KeyError, ValueError):
         raise InputError(f"{option} {value!r}: expected a size such as 80GiB, 40GB or 1e9 (bytes)") from None
-    if not size >= 1:
-        raise InputError(f"{option} {value!r}: need a positive size")
+    if not 1 <= size < 1 << 63:
+        raise InputError(f"{option} {value!r}: need a positive size below 8 EiB")
     return int(size)
 
 

@@ -185,6 +185,35 @@ class GridOptions:
             check_grader(grader, "--also-grade" if grader != self.grader else "--grader")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise InputError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 <= i < k")
+        unrecordable = self._unrecordable()
+        if unrecordable:
+            raise InputError(unrecordable)
+
+    def _unrecordable(self) -> str | None:
+        """Why a value config.json would record cannot be: an integer beyond 64 bits (torch and the run folders
+        take none), a text that is not UTF-8 (a file name's undecodable bytes); or None. Checked before any model
+        is loaded."""
+        s = self.settings
+        integers = {"--seed": self.seeds, "--budget": self.budgets, "--n": self.ns, "--limit": [self.limit],
+                    "--shard": list(self.shard or ()), "--top-k": [s.sampling.top_k],
+                    "--ent-window": [s.detector.ent_window], "--ent-min-tokens": [s.detector.min_tokens],
+                    "--cmp-chars": [s.detector.cmp_chars], "--max-step-tokens": [s.max_step_tokens],
+                    "--max-steps": [s.max_steps], "--context-cap": [s.context_cap], "--batch": [s.batch],
+                    "--buffer": [self.buffer], "--synthetic-steps": list(s.synthetic_steps or ()),
+                    "--device-memory": [self.device_memory]}
+        for option, values in integers.items():
+            for value in values:
+                if value is not None and not -(1 << 63) <= value < 1 << 63:
+                    return f"{option} {value}: beyond 64 bits"
+        texts = {"--bench": self.benches, **{f"--{role}": [model] for role, model in self.models.items()},
+                 "--problem-field": [self.problem_field], "--answer-field": [self.answer_field]}
+        for option, values in texts.items():
+            for value in values:
+                try:
+                    value is None or value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return f"{option} {value!r}: not valid UTF-8, which config.json records; rename it"
+        return None
 
     def cells(self, problem_sets: list[ProblemSet]) -> list[Cell]:
         """The grid (each of `grids` in turn), `problem_sets` those of `benches`; methods without an evicted cache

