@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import shutil
 from pathlib import Path
 
@@ -26,8 +28,19 @@ def one_line_error(*args: str, cwd: Path) -> str:
 
 
 def write_jsonl(path: Path, *records: dict) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with _int_digits(0):  # records may hold integers of any size
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+@contextlib.contextmanager
+def _int_digits(limit: int):
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(limit)
+    try:
+        yield
+    finally:
+        sys.set_int_max_str_digits(before)
 
 
 GRADE_CASES = {
@@ -43,6 +56,9 @@ GRADE_CASES = {
     "gt_is_a_list": ([OUTPUT, {"output": "2", "gt": [2]}], [], "in.jsonl:2: field 'gt' is list, not a string or number"),
     "gt_is_null": ([{"output": "2", "gt": None}], [], "in.jsonl:1: field 'gt' is NoneType"),
     "gt_is_a_bool": ([{"output": "2", "gt": True}], [], "in.jsonl:1: field 'gt' is bool"),
+    "gt_of_5000_digits": ([OUTPUT, {"output": "2", "gt": 10 ** 4999}], [],
+                          "in.jsonl:2: an integer of 5000 digits, more than the 4300 Python converts (its guard against "
+                          "slow conversions); give it as a string"),
 }
 
 
