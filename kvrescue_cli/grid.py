@@ -209,9 +209,7 @@ class GridOptions:
                  "--problem-field": [self.problem_field], "--answer-field": [self.answer_field]}
         for option, values in texts.items():
             for value in values:
-                try:
-                    value is None or value.encode("utf-8")
-                except UnicodeEncodeError:
+                if value is not None and any("\ud800" <= c <= "\udfff" for c in value):  # undecodable bytes
                     return f"{option} {value!r}: not valid UTF-8, which config.json records; rename it"
         return None
 
