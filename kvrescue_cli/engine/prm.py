@@ -218,7 +218,7 @@ class PRMScorer:
     @torch.inference_mode()
     def score(self, requests: Sequence[Request]) -> list[float | None]:
         """The recipe's score at each candidate's last token, all candidates of all problems in one forward; None
-        for a candidate whose piece the PRM's tokenizer makes no token of (`unseen`)."""
+        for a candidate whose piece the PRM's tokenizer makes no token of (`seen_candidates`)."""
         if not requests:
             return []
         suffixes = self.inputs.candidates(requests)

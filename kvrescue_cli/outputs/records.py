@@ -184,7 +184,8 @@ class RunConfig:
         d["models"] = {k: ModelRef(**v) for k, v in d["models"].items()}
         config = cls(**d)
         settings = config.settings  # those read back (report, view, resume): numbers where numbers are recorded
-        wrong = (type_error(config) or type_error(settings.get("detector"), dict[str, float] | None, "settings.detector")
+        wrong = (type_error(config)
+                 or type_error(settings.get("detector"), dict[str, float] | None, "settings.detector")
                  or type_error(settings.get("buffer"), int | None, "settings.buffer")
                  or type_error(settings.get("evictor_params"), dict[str, float] | None, "settings.evictor_params"))
         if wrong:
