@@ -77,7 +77,6 @@ def serve() -> None:
 
 
 def _warm_up_grading() -> None:
-    from grader.equal import math_equal  # noqa: F401 (imported before confinement)
     from grader.pipeline import grade_item
     from grader.symbolic import symbolic_equal
     from grader.verify import available, verify_item
