@@ -25,13 +25,14 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 
 Request = tuple  # ("compare", pred, gt), ("grade", output, gt, bench) or ("verify", output, gt)
 _REPLY_KEYS = {"compare": {"id", "correct"}, "grade": {"id", "correct", "pred", "gt"},
                "verify": {"id", "correct", "pred", "gt"}}
+ReplyParser = Callable[[bytes, str, str], "dict | None"]  # (line, kind, request id) -> the reply, None if malformed
 _STARTUP_LIMIT_S = 120.0
 _READY_MAX_BYTES = 256
 
@@ -49,8 +50,9 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def serve() -> None:
-    """Worker loop: answer JSON request lines on stdin with JSON reply lines until EOF."""
+def serve_requests(warm_up: Callable[[], None], answer: Callable[[str, str, list], dict]) -> None:
+    """Worker loop: `warm_up` (imports, first calls) before confinement, then answer JSON request lines
+    `[kind, id, *args]` on stdin with `answer(kind, id, args)` as JSON reply lines until EOF."""
     die_with_parent()
     sys.dont_write_bytecode = True
     # Keep the answer channel to ourselves: anything a library prints goes to stderr (later /dev/null).
@@ -58,7 +60,23 @@ def serve() -> None:
     os.dup2(2, 1)
 
     from grader.confine import confine
-    from grader.equal import math_equal
+
+    warm_up()
+    confined = confine(answers.fileno())
+    answers.write(json.dumps({"ready": True, **confined}) + "\n")
+    answers.flush()
+    for line in sys.stdin:
+        kind, request_id, *args = json.loads(line)
+        answers.write(json.dumps(answer(kind, request_id, args)) + "\n")
+        answers.flush()
+
+
+def serve() -> None:
+    """The grading worker: `serve_requests` with sympy's parsers warmed up."""
+    serve_requests(_warm_up_grading, _grading_answer)
+
+
+def _warm_up_grading() -> None:
     from grader.pipeline import grade_item
     from grader.symbolic import symbolic_equal
     from grader.verify import available, verify_item
@@ -70,23 +88,25 @@ def serve() -> None:
     symbolic_equal("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "x=1")
     if available():
         verify_item("so \\boxed{\\frac{x^2}{2}} and $\\begin{pmatrix}1\\\\2\\end{pmatrix}$", "0.5x*x")
-    confined = confine(answers.fileno())
-    answers.write(json.dumps({"ready": True, **confined}) + "\n")
-    answers.flush()
-    for line in sys.stdin:
-        kind, request_id, *args = json.loads(line)
-        reply = {"id": request_id}
-        try:
-            if kind == "compare":
-                reply["correct"] = math_equal(*args, symbolic_equal)
-            elif kind == "verify":
-                reply["correct"], reply["pred"], reply["gt"] = verify_item(*args)
-            else:
-                reply["correct"], reply["pred"], reply["gt"] = grade_item(*args, symbolic_equal)
-        except Exception:  # scored incorrect (the reference harness would stop at this point)
-            reply = {"id": request_id, "correct": False, **({"pred": "", "gt": ""} if kind != "compare" else {})}
-        answers.write(json.dumps(reply) + "\n")
-        answers.flush()
+
+
+def _grading_answer(kind: str, request_id: str, args: list) -> dict:
+    from grader.equal import math_equal
+    from grader.pipeline import grade_item
+    from grader.symbolic import symbolic_equal
+    from grader.verify import verify_item
+
+    reply = {"id": request_id}
+    try:
+        if kind == "compare":
+            reply["correct"] = math_equal(*args, symbolic_equal)
+        elif kind == "verify":
+            reply["correct"], reply["pred"], reply["gt"] = verify_item(*args)
+        else:
+            reply["correct"], reply["pred"], reply["gt"] = grade_item(*args, symbolic_equal)
+    except Exception:  # scored incorrect (the reference harness would stop at this point)
+        reply = {"id": request_id, "correct": False, **({"pred": "", "gt": ""} if kind != "compare" else {})}
+    return reply
 
 
 def _parse_reply(line: bytes, kind: str, request_id: str) -> dict | None:
@@ -107,8 +127,8 @@ def _parse_reply(line: bytes, kind: str, request_id: str) -> dict | None:
 class _Slot:
     """One worker process and the request it is running, if any."""
 
-    def __init__(self, command: Sequence[str]) -> None:
-        self.command = list(command)
+    def __init__(self, command: Sequence[str], parse_reply: ReplyParser) -> None:
+        self.command, self.parse_reply = list(command), parse_reply
         self.process: subprocess.Popen[bytes] | None = None
         self.ready = False
         self.confinement: dict | None = None
@@ -168,10 +188,11 @@ WORKER_COMMAND = (sys.executable, "-c", "from grader.sandbox import serve; serve
 
 
 class SymbolicPool:
-    """Worker processes for grading requests, each under a hard time limit."""
+    """Worker processes for grading requests (or, with another `command` and `parse_reply`, any requests a
+    `serve_requests` worker answers), each under a hard time limit."""
 
-    def __init__(self, command: Sequence[str] = WORKER_COMMAND) -> None:
-        self._command = command
+    def __init__(self, command: Sequence[str] = WORKER_COMMAND, parse_reply: ReplyParser = _parse_reply) -> None:
+        self._command, self._parse_reply = command, parse_reply
         self._slots: list[_Slot] = []
 
     @property
@@ -184,7 +205,7 @@ class SymbolicPool:
         results: list[dict | None] = [None] * len(requests)
         pending = deque(range(len(requests)))
         while len(self._slots) < workers:
-            self._slots.append(_Slot(self._command))
+            self._slots.append(_Slot(self._command, self._parse_reply))
         slots = self._slots[:workers]
         outstanding = len(requests)
         while outstanding:
@@ -213,7 +234,7 @@ class SymbolicPool:
                 slot.ready, slot.confinement = True, ready
                 return 0
         elif line and slot.task is not None:
-            reply = _parse_reply(line, slot.kind, slot.request_id)
+            reply = slot.parse_reply(line, slot.kind, slot.request_id)
             if reply is not None:
                 results[slot.task] = reply
                 slot.task = None

@@ -451,7 +451,7 @@ def run(
     from kvrescue_cli.engine.sampling import SamplingParams
     from kvrescue_cli.grid import DEFAULT_BATCH, grid_options, parse_shard
     from kvrescue_cli.progress import LogLines
-    from kvrescue_cli.runs import run_grid
+    from kvrescue_cli.runs import CellFailed, run_grid
     from kvrescue_cli.search import SearchSettings
     from kvrescue_cli.devices import is_gpu, kind_of
     from kvrescue_cli.workers import WorkersGone, resolve_devices
@@ -510,7 +510,7 @@ def run(
     except KeyboardInterrupt:
         console.print("[yellow]interrupted:[/] finished problems are written; run the same command again to resume")
         raise typer.Exit(130) from None
-    except WorkersGone as err:
+    except (WorkersGone, CellFailed) as err:
         console.print(f"[bold red]stopped:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     console.print(summary_table(results))
@@ -579,8 +579,8 @@ def parse_bytes(value: str, option: str) -> int:
         size = float(number) * BYTE_UNITS[unit]
     except (KeyError, ValueError):
         raise InputError(f"{option} {value!r}: expected a size with its unit, such as 80GiB, 40GB or 1e9B") from None
-    if not size >= 1:
-        raise InputError(f"{option} {value!r}: need a positive size")
+    if not 1 <= size < 1 << 63:
+        raise InputError(f"{option} {value!r}: need a positive size below 8 EiB")
     return int(size)
 
 

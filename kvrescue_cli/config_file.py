@@ -8,6 +8,7 @@ the union of their cells. Options given on the command line override the file.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,13 @@ from typing import Any
 from kvrescue_cli.errors import InputError
 
 MAX_BYTES = 1 << 20  # a grid file is a page of options
+# tomllib's time and memory grow with the square of a dotted key's parts (80 kB of `a.a.a...`: a minute and
+# gigabytes), and its recursion with nesting; a grid file's keys are plain names and its values flat lists
+MAX_KEY_PARTS = 8
+MAX_NESTING = 16
+_STRINGS = re.compile(r'"""(?:[^\\]|\\.)*?"""|\'\'\'.*?\'\'\'|"(?:[^"\\\n]|\\.)*"|\'[^\'\n]*\'', re.S)
+_COMMENTS = re.compile(r"#[^\n]*")
+_DOTTED = re.compile(r"[\w-]+(?:[ \t]*\.[ \t]*[\w-]+){%d,}" % MAX_KEY_PARTS)
 AXES = {"bench": str, "method": str, "budget": int, "n": int, "seed": int}
 
 
@@ -52,9 +60,35 @@ def _load(path: Path) -> dict[str, Any]:
     if len(raw) > MAX_BYTES:
         raise InputError(f"--config {path}: larger than {MAX_BYTES} bytes; a grid file is a page of options")
     try:
-        return tomllib.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
         raise InputError(f"{path}: not valid TOML: {err}") from None
+    shape = _shape_error(text)
+    if shape:
+        raise InputError(f"{path}: {shape}; a grid file holds plain keys and flat lists")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise InputError(f"{path}: not valid TOML: {err}") from None
+
+
+def _shape_error(text: str) -> str | None:
+    """What in `text` is beyond a grid file's shape (a key of more than MAX_KEY_PARTS dotted parts, brackets and
+    braces nested deeper than MAX_NESTING), read outside strings and comments before tomllib sees it; or None."""
+    bare = _COMMENTS.sub("", _STRINGS.sub("s", text))
+    dotted = _DOTTED.search(bare)
+    if dotted:
+        return f"a dotted key of more than {MAX_KEY_PARTS} parts ({dotted.group()[:40]}...)"
+    depth = deepest = 0
+    for char in bare:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_NESTING:
+                return f"brackets or braces nested more than {MAX_NESTING} deep"
+        elif char in "]}":
+            depth -= 1
+    return None
 
 
 def _table(path: Path, table: dict[str, Any], kinds: dict[str, type], keys: dict[str, str],

@@ -17,6 +17,7 @@ per token on one CPU core (benchmarks/evict_bench.py); no host work per token be
 from __future__ import annotations
 
 import gzip
+import math
 from dataclasses import dataclass
 
 
@@ -30,6 +31,14 @@ class DetectorConfig:
     tau_cmp: float = 0.18     # fire when the gzip ratio of the last cmp_chars drops under this
     cmp_chars: int = 800      # characters compressed (checked once the text is this long)
     gzip_level: int = 9
+
+    def refusal(self) -> str | None:
+        """Why these thresholds cannot run (a NaN or infinite one: it would never fire, and JSON records it as
+        null), as the options name them; or None."""
+        for option, value in (("--tau-ent", self.tau_ent), ("--tau-cmp", self.tau_cmp)):
+            if not math.isfinite(value):
+                return f"{option} {value}: need a finite threshold"
+        return None
 
 
 def gzip_ratio(text: str, level: int = 9) -> float:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvrescue_cli.data import ProblemSet
+from kvrescue_cli.data import GENERIC, ProblemSet
 from kvrescue_cli.devices import CPU, GPU, is_cpu
 from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
 from kvrescue_cli.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, Evictor, make_evictor, parse_evictor
@@ -22,6 +23,7 @@ from kvrescue_cli.scorers import HELPER_LOGLIK, PRM, SCORERS
 from kvrescue_cli.search import SearchSettings
 from kvrescue_cli.shapes import BUFFER
 
+MAX_CELLS = 100_000  # a grid's cells (run folders); the paper's largest grid has 400
 DEFAULT_BATCH = {CPU: 4, GPU: 64}  # --batch unless auto (a GPU's default, except on a Ray cluster)
 ENGINES = ("native", "vllm")
 
@@ -134,8 +136,16 @@ class GridOptions:
                  if not self.on_vllm(role, method)}
         return roles | ({"helper"} if self.scorer == HELPER_LOGLIK else set())
 
+    def axes(self) -> tuple[GridAxes, ...]:
+        """The grids whose cells the run executes: `grids`, else the one grid of the axes."""
+        return self.grids or (GridAxes(self.benches, self.methods, self.budgets, self.ns, self.seeds),)
+
     def check(self) -> None:
         """One-line errors for options that can't run."""
+        size = sum(math.prod(len(values) for values in vars(axes).values()) for axes in self.axes())
+        if size > MAX_CELLS:
+            raise InputError(f"the grid has {size} cells (benches x methods x budgets x n x seeds), more than "
+                             f"{MAX_CELLS}: each is a run folder; run it in parts")
         for method in self.methods:
             if method not in METHODS:
                 raise InputError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -155,6 +165,9 @@ class GridOptions:
                 raise InputError(f"--budget {budget} is below the smallest supported budget {MIN_BUDGET}")
             if budget > cap and any(METHODS[m].budgeted for m in self.methods):
                 raise InputError(f"--budget {budget} is above --context-cap {cap}: a cache that large never evicts")
+        refusal = self.settings.sampling.refusal() or self.settings.detector.refusal()
+        if refusal:
+            raise InputError(refusal)
         if self.dtype not in DTYPE_NAMES:
             raise InputError(f"unknown --dtype '{self.dtype}': use one of {', '.join(DTYPE_NAMES)} or auto")
         for n in self.ns:
@@ -177,23 +190,61 @@ class GridOptions:
             check_grader(grader, "--also-grade" if grader != self.grader else "--grader")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise InputError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 <= i < k")
+        unrecordable = self._unrecordable()
+        if unrecordable:
+            raise InputError(unrecordable)
+
+    def _unrecordable(self) -> str | None:
+        """Why a value config.json would record cannot be: an integer beyond 64 bits (torch and the run folders
+        take none), a text that is not UTF-8 (a file name's undecodable bytes); or None. Checked before any model
+        is loaded."""
+        s = self.settings
+        integers = {"--seed": self.seeds, "--budget": self.budgets, "--n": self.ns, "--limit": [self.limit],
+                    "--shard": list(self.shard or ()), "--top-k": [s.sampling.top_k],
+                    "--ent-window": [s.detector.ent_window], "--ent-min-tokens": [s.detector.min_tokens],
+                    "--cmp-chars": [s.detector.cmp_chars], "--max-step-tokens": [s.max_step_tokens],
+                    "--max-steps": [s.max_steps], "--context-cap": [s.context_cap], "--batch": [s.batch],
+                    "--buffer": [self.buffer], "--synthetic-steps": list(s.synthetic_steps or ()),
+                    "--device-memory": [self.device_memory]}
+        for option, values in integers.items():
+            for value in values:
+                if value is not None and not -(1 << 63) <= value < 1 << 63:
+                    return f"{option} {value}: beyond 64 bits"
+        texts = {"--bench": self.benches, **{f"--{role}": [model] for role, model in self.models.items()},
+                 "--problem-field": [self.problem_field], "--answer-field": [self.answer_field]}
+        for option, values in texts.items():
+            for value in values:
+                if value is not None and any("\ud800" <= c <= "\udfff" for c in value):  # undecodable bytes
+                    return f"{option} {value!r}: not valid UTF-8, which config.json records; rename it"
+        return None
 
     def cells(self, problem_sets: list[ProblemSet]) -> list[Cell]:
         """The grid (each of `grids` in turn), `problem_sets` those of `benches`; methods without an evicted cache
-        run once whatever the budget list."""
+        run once whatever the budget list. Two problem sets that would be one run folder's bench are refused."""
         sets = dict(zip(self.benches, problem_sets))
-        grids = self.grids or (GridAxes(self.benches, self.methods, self.budgets, self.ns, self.seeds),)
+        by_identity: dict[str, str] = {}
+        for bench, problems in sets.items():
+            other = by_identity.setdefault(bench_identity(problems), bench)
+            if sets[other].source != problems.source:
+                raise InputError(f"--bench {other} and {bench} are different problem sets under one name, "
+                                 f"'{bench_identity(problems)}', which names their run folders: rename one file")
         cells, seen = [], set()
-        for axes in grids:
+        for axes in self.axes():
             for bench, method, budget, n, seed in itertools.product(
                 axes.benches, axes.methods, axes.budgets, axes.ns, axes.seeds
             ):
                 cell = Cell(sets[bench], method, budget if METHODS[method].budgeted else None, n, seed)
-                key = (sets[bench].name, method, cell.budget, n, seed)
+                key = (bench_identity(sets[bench]), method, cell.budget, n, seed)
                 if key not in seen:
                     seen.add(key)
                     cells.append(cell)
         return cells
+
+
+def bench_identity(problems: ProblemSet) -> str:
+    """The bench a cell's run folder records: a benchmark's name (a file named after one is graded as it), else
+    the file's path."""
+    return problems.name if problems.grading_bench != GENERIC else problems.source
 
 
 def resolve_prompt(options: GridOptions) -> GridOptions:

@@ -19,8 +19,21 @@ MAX_DEPTH = 254  # nesting levels orjson writes (the record itself is the first)
 _LONG_DIGITS = re.compile(rb"\d{19}")  # any integer outside orjson's 64 bits has at least 19 digits
 
 
+class IntegerTooLong(ValueError):
+    """A JSON integer with more digits than Python converts (`sys.get_int_max_str_digits`, 4,300 by default: its
+    guard against conversions that take quadratic time)."""
+
+
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
+
+
+def _parse_int(text: str) -> int:
+    digits, limit = len(text.lstrip("-")), sys.get_int_max_str_digits()
+    if limit and digits > limit:
+        raise IntegerTooLong(f"an integer of {digits} digits, more than the {limit} Python converts (its guard "
+                             "against slow conversions); give it as a string")
+    return int(text)
 
 
 def loads_exact(raw: bytes) -> Any:
@@ -29,7 +42,7 @@ def loads_exact(raw: bytes) -> Any:
     if not _LONG_DIGITS.search(raw):
         return orjson.loads(raw)
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        return json.loads(raw, parse_constant=_reject_constant, parse_int=_parse_int)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
 
@@ -73,6 +86,8 @@ def _lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, dict]]:
             record = loads_exact(raw)
         except orjson.JSONDecodeError as err:
             raise InputError(f"malformed JSON ({err.msg})", path=name, line=number) from None
+        except IntegerTooLong as err:
+            raise InputError(str(err), path=name, line=number) from None
         except ValueError as err:
             raise InputError(f"malformed JSON ({err})", path=name, line=number) from None
         if not isinstance(record, dict):

@@ -6,6 +6,7 @@ No torch here, so `kvrescue cost` stays quick.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ class ModelArgs:
         n_kv_heads = _size("num_key_value_heads", cfg.get("num_key_value_heads") or n_heads)
         if n_heads % n_kv_heads:
             raise ValueError(f"num_attention_heads = {n_heads} is not a multiple of num_key_value_heads = {n_kv_heads}")
-        params = cfg.get("rope_parameters") or {}
+        params = _object(cfg, "rope_parameters")
         return cls(
             vocab_size=_size("vocab_size", cfg["vocab_size"]),
             dim=dim,
@@ -68,8 +69,8 @@ class ModelArgs:
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
             head_dim=_size("head_dim", cfg.get("head_dim") or dim // n_heads),
-            rope_theta=float(cfg.get("rope_theta", params.get("rope_theta", 10000.0))),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=_number("rope_theta", cfg.get("rope_theta", params.get("rope_theta", 10000.0)), above=0),
+            norm_eps=_number("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), at_least=0),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=cfg.get("model_type") == "qwen3",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -79,11 +80,39 @@ class ModelArgs:
 
 def _llama3_rope(cfg: dict[str, Any]) -> tuple[float, float, float, int] | None:
     """Llama 3.1's RoPE scaling parameters (`rope_type` llama3), or None for plain RoPE."""
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    scaling = rope_scaling(cfg)
     if scaling.get("rope_type", scaling.get("type")) != "llama3":
         return None
-    return (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+    low = _number("rope_scaling.low_freq_factor", scaling["low_freq_factor"], above=0)
+    return (_number("rope_scaling.factor", scaling["factor"], above=0), low,
+            _number("rope_scaling.high_freq_factor", scaling["high_freq_factor"], above=low),
             _size("original_max_position_embeddings", scaling["original_max_position_embeddings"]))
+
+
+def rope_scaling(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE scaling object (`rope_scaling`, else transformers 5's `rope_parameters`); {} for none."""
+    return _object(cfg, "rope_scaling") or _object(cfg, "rope_parameters")
+
+
+def _object(cfg: dict[str, Any], key: str) -> dict[str, Any]:
+    """A config field that holds an object: {} when absent or null, else ValueError naming it."""
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{key} = {value!r}: need an object")
+    return value or {}
+
+
+def _number(key: str, value: Any, *, above: float | None = None, at_least: float | None = None) -> float:
+    """A config number field: finite, above `above` or at least `at_least`, else ValueError naming it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and above is not None:
+        ok = value > above
+    if ok and at_least is not None:
+        ok = value >= at_least
+    if not ok:
+        bound = f"above {above:g}" if above is not None else f"at least {at_least:g}"
+        raise ValueError(f"{key} = {value!r}: need a finite number {bound}")
+    return float(value)
 
 
 # Upper bounds of a decoder's sizes: far beyond any released model, low enough that every count `kvrescue cost`
@@ -102,7 +131,8 @@ def _size(key: str, value: Any) -> int:
 
 
 def unsupported(cfg: dict[str, Any]) -> str | None:
-    """Why the engine can't run a model with this config (another family, scaled RoPE), or None."""
+    """Why the engine can't run a model with this config (another family, scaled RoPE), or None (ValueError for a
+    rope_scaling that is no object)."""
     model_type = cfg.get("model_type")
     if model_type == "qwen3_moe":
         return "Qwen3 MoE checkpoints (model_type 'qwen3_moe') are not supported: this engine runs dense qwen2, qwen3 " \
@@ -113,7 +143,7 @@ def unsupported(cfg: dict[str, Any]) -> str | None:
         return "unsupported attention_bias: an o_proj bias is not implemented (qwen2's q/k/v bias is)"
     if cfg.get("use_sliding_window"):
         return "unsupported use_sliding_window: only full attention in every layer is implemented"
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    scaling = rope_scaling(cfg)
     if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", "llama3", None):
         return f"unsupported rope_scaling {scaling}: only plain RoPE and Llama 3.1's llama3 scaling are implemented"
     return None
@@ -141,9 +171,12 @@ def load_config(model: str) -> dict[str, Any]:
         path = path / "config.json"
     if os.path.lexists(path):
         try:
-            return orjson.loads(read_regular(path, CONFIG_LIMIT, ModelConfigError))
+            data = orjson.loads(read_regular(path, CONFIG_LIMIT, ModelConfigError))
         except orjson.JSONDecodeError as e:
             raise ModelConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ModelConfigError(f"{path}: not a JSON object")
+        return data
     if Path(model).suffix == ".gguf":
         raise ModelConfigError(f"{model}: a GGUF file has no config.json; give the original model folder or Hub id")
     if not is_hub_id(model):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvrescue_cli.chat_templates import render_chat
+
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 STEP_DELIMITER = "\n\n"
 PROMPT_STYLES = ("auto", "math", "think", "qwen3-think", "qwen3-no-think")
@@ -37,7 +39,7 @@ def generation_prompt(tokenizer, problem: str, style: str = "math") -> str:
     messages = chat_messages(problem, style)
     if getattr(tokenizer, "chat_template", None):
         switch = {"enable_thinking": style == "qwen3-think"} if style.startswith("qwen3") else {}
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **switch)
+        text = render_chat(tokenizer, messages, add_generation_prompt=True, **switch)
     else:
         text = chatml(messages, open_assistant=True)
     if style == "think" and not text.rstrip().endswith(THINK_OPEN):

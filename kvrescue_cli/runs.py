@@ -9,10 +9,13 @@ from dataclasses import replace
 from rich.progress import Progress
 
 from kvrescue_cli import in_process, workers
-from kvrescue_cli.data import GENERIC, data_dir, load_problems
+from kvrescue_cli.data import data_dir, load_problems
 from kvrescue_cli.device_plan import memory_plan
 from kvrescue_cli.engine.sampling import STREAM_VERSION
-from kvrescue_cli.grid import Cell, GridOptions, device_groups, resolve_prm_recipe, resolve_prompt, roles_needed
+from kvrescue_cli.errors import InputError
+from kvrescue_cli.grid import (
+    Cell, GridOptions, bench_identity, device_groups, resolve_prm_recipe, resolve_prompt, roles_needed,
+)
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import model_revision
 from kvrescue_cli.scorers import PRM
@@ -32,7 +35,7 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
     evictor_params = options.policy_params() if options.evicts(cell.method) else None  # None: the defaults
     revisions = {role: options.revisions[role] for role in sorted(roles) if role in options.revisions}
     return RunConfig(
-        bench=cell.problems.name if cell.problems.grading_bench != GENERIC else cell.problems.source,
+        bench=bench_identity(cell.problems),
         method=cell.method,
         budget=cell.budget,
         n=cell.n,
@@ -124,15 +127,30 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
         try:
             if executor is not None:
                 executor.decode(cell, pending, record, in_flight)
-        except BaseException:
+        except BaseException as err:
             with suppress(RunFolderError):  # a full disk: the error that stopped the run is the one to show
                 folder.write_summary()
+            if isinstance(err, Exception) and not isinstance(err, (InputError, workers.WorkersGone)):
+                raise CellFailed(_failure(config, folder, [p.idx for p in pending], err)) from err
             raise
         summary = folder.write_summary()
     decoded = f"{len(pending)} problem{'s' * (len(pending) != 1)} decoded"
     progress.console.print(f"{folder.path}: {decoded if pending else 'complete, summarised'}", markup=False,
                            highlight=False, soft_wrap=True)
     return summary
+
+
+class CellFailed(RuntimeError):
+    """An unexpected error inside a cell's decoding; the message (one line) names the cell, its unfinished problems
+    and the error, and says that the finished ones are kept."""
+
+
+def _failure(config: RunConfig, folder: RunFolder, pending: list[int], err: Exception) -> str:
+    unfinished = [idx for idx in pending if idx not in folder.done]
+    named = ", ".join(map(str, unfinished[:5])) + (f" and {len(unfinished) - 5} more" if len(unfinished) > 5 else "")
+    reason = " ".join(str(err).split())[:300] or "no message"
+    return (f"{cell_label(config)}: {type(err).__name__}: {reason}, with problem(s) {named} unfinished; the "
+            f"{len(folder.done)} finished are kept in {folder.path}: run the same command again to resume")
 
 
 def cell_label(config: RunConfig) -> str:

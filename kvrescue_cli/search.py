@@ -15,12 +15,12 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 from kvrescue_cli.detect import DetectorConfig
 from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.engine.scoring import Scorer
+from kvrescue_cli.engine.scoring import UNSEEN_SCORE, Scorer
 from kvrescue_cli.engine.steps import CandidateStep, StepRules
 from kvrescue_cli.errors import env_seconds
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.outputs import Step
-from kvrescue_cli.reasons import CONTEXT, DETECTOR_FINISHES, EOS, STEPS
+from kvrescue_cli.reasons import CONTEXT, DETECTOR_FINISHES, EOS, NONFINITE, STEPS
 from kvrescue_cli.shapes import MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 
 # Seconds between running-total reports (progress bars); $KVRESCUE_PROGRESS_EVERY_S overrides (0: every iteration).
@@ -108,6 +108,7 @@ class ProblemState:
     steps: list[Step] = field(default_factory=list)
     candidates: list[CandidateState] = field(default_factory=list)
     history: list[list[CandidateState]] = field(default_factory=list)
+    unseen: int = 0  # candidates the scorer saw no token of (scored UNSEEN_SCORE)
     generated: dict[str, int] = field(default_factory=lambda: {"base": 0, "helper": 0})
     prefilled: dict[str, int] = field(default_factory=lambda: {"base": 0, "helper": 0})
     stop: str | None = None
@@ -135,6 +136,7 @@ class Finished:
     peak_base_rows: int
     scorer_tokens: int
     scorer_truncations: int
+    scorer_unseen: int = 0
 
 
 class Controller:
@@ -234,8 +236,9 @@ class Controller:
     def _score(self, ready: list[ProblemState]) -> None:
         requests = [(p, c) for p in ready for c in p.candidates if not c.dropped]
         scores = self.scorer.score([(p.idx, c.text, c.tokens) for p, c in requests])
-        for (_, cand), score in zip(requests, scores):
-            cand.score = score
+        for (problem, cand), score in zip(requests, scores):
+            cand.score = UNSEEN_SCORE if score is None else score
+            problem.unseen += score is None
 
     def _commit(self, ready: list[ProblemState]) -> None:
         commits: dict[str, list[tuple[ProblemState, list[int]]]] = {name: [] for name in self.runners}
@@ -249,8 +252,8 @@ class Controller:
             problem.steps.append(Step(winner.text, winner.source, winner.score, len(winner.tokens)))
             problem.committed += winner.tokens
             self.scorer.commit(problem.idx, winner.text, winner.tokens)
-            if winner.finish == EOS:
-                problem.stop = EOS
+            if winner.finish in (EOS, NONFINITE):
+                problem.stop = winner.finish
             elif problem.context >= self.settings.context_cap:
                 problem.stop = CONTEXT
             elif len(problem.steps) >= self.settings.step_cap:
@@ -282,4 +285,4 @@ class Controller:
             runner.release([problem.rows[name]])
         tokens, truncations = self.scorer.close(problem.idx)
         output = "".join(step.text for step in problem.steps)
-        return Finished(problem, output, time.time() - problem.started, peak, tokens, truncations)
+        return Finished(problem, output, time.time() - problem.started, peak, tokens, truncations, problem.unseen)

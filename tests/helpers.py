@@ -136,3 +136,21 @@ def unset_allocator_settings(monkeypatch) -> None:
 
     for variable in VARIABLES:
         monkeypatch.setenv(variable, "")
+
+
+def blind_prm(source: Path, target: Path, keep: str) -> Path:
+    """A copy of the PRM checkpoint `source` at `target` whose byte-level tokenizer knows only the characters of
+    `keep` (and its special tokens): every other character tokenises to nothing (no unknown token, no byte fallback)."""
+    import json
+    import shutil
+
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    shutil.copytree(source, target)
+    known = {c for word, _ in ByteLevel(add_prefix_space=False).pre_tokenize_str(keep) for c in word}
+    spec = json.loads((target / "tokenizer.json").read_text())
+    model = spec["model"]
+    model["vocab"] = {t: i for t, i in model["vocab"].items() if set(t) <= known}
+    model["merges"] = [m for m in model["merges"] if set("".join(m.split(" ") if isinstance(m, str) else m)) <= known]
+    (target / "tokenizer.json").write_text(json.dumps(spec))
+    return target

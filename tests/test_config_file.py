@@ -153,6 +153,26 @@ def test_bad_files_are_one_line_errors(tmp_path, text, says):
     assert len(lines) == 1 and str(path) in lines[0] and says in lines[0], done.output
 
 
+@pytest.mark.parametrize("text, says", [
+    ("a" + ".a" * 10000 + " = 1\n", "a dotted key of more than 8 parts (a.a.a.a"),  # quadratic in tomllib
+    ("n = " + "[" * 100000 + "]" * 100000 + "\n", "brackets or braces nested more than 16 deep"),  # its recursion
+    ("x = {" * 20 + "}" * 20 + "\n", "nested more than 16 deep"),
+])
+def test_a_file_beyond_a_grid_files_shape_is_refused_before_parsing(tmp_path, text, says):
+    path = write(tmp_path, text)
+    done = CliRunner().invoke(app, ["run", "--config", str(path), "--devices", "cpu"])
+    assert done.exit_code == 2, done.output
+    lines = done.output.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and says in lines[0], done.output
+
+
+def test_dots_and_brackets_in_strings_and_comments_are_not_keys(monkeypatch, tmp_path):
+    deep = "[" * 20 + "a.b.c.d.e.f.g.h.i.j" + "]" * 20
+    path = write(tmp_path, f"problem-field = '{deep}'  # {deep}\nanswer-field = \"{deep}\"\ntemperature = 0.5\n")
+    options = grid_of(monkeypatch, "--config", str(path), "--devices", "cpu")
+    assert options.problem_field == options.answer_field == deep and options.settings.sampling.temperature == 0.5
+
+
 def test_a_folder_or_an_oversized_file_is_refused(tmp_path):
     for path, says in ((tmp_path, "not a regular file"), (write(tmp_path, "#" * (2 << 20)), "larger than")):
         done = CliRunner().invoke(app, ["run", "--config", str(path)])

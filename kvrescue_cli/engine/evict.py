@@ -323,6 +323,8 @@ def parse_evictor(spec: str) -> tuple[str, dict[str, Any]]:
             params[key] = kinds[key](value)
         except ValueError:
             raise ValueError(f"--evictor {spec!r}: {key} must be {kinds[key].__name__}, not {value!r}") from None
+        if not (abs(params[key]) < 2**63 if kinds[key] is int else math.isfinite(params[key])):
+            raise ValueError(f"--evictor {spec!r}: {key} must be finite and within 64 bits, not {value!r}")
     make_evictor(name, params)
     return name, params
 

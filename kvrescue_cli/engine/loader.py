@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from kvrescue_cli import hub
 from kvrescue_cli.devices import is_gpu
 from kvrescue_cli.dtypes import NAMES
+from kvrescue_cli.engine.gguf_bounds import GGUFBoundsError, check_gguf_header
 from kvrescue_cli.engine.model import (
     VALUE_HEAD, CausalLM, ProcessRewardModel, Transformer, ValueHeadModel, hf_to_engine_state_dict,
 )
@@ -203,10 +204,13 @@ def _build(
     exact_heads: bool = False, name: str = "model",
 ) -> Transformer:
     """The engine network of a checkpoint's tensors, as this rank of `tp` holds it (`name`: for errors)."""
-    reason = unsupported(cfg)
+    try:
+        reason = unsupported(cfg)
+        args = ModelArgs.from_hf(cfg)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"model {name!r}: its config.json lacks or mangles {e}") from None
     if reason:
         raise ModelLoadError(f"model {name!r}: {reason}")
-    args = ModelArgs.from_hf(cfg)
     is_prm = "score.0.weight" in sources or any("ProcessRewardModel" in a for a in cfg.get("architectures") or [])
     if is_prm and "score.0.weight" not in sources:
         raise ModelLoadError("checkpoint declares a process reward model but has no score.0/score.2 head weights")
@@ -303,10 +307,13 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
 
     try:
         check_regular(path, ModelLoadError)
+        check_gguf_header(path)
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                   **_gguf_config_fixes(path))
     except ModelLoadError:
         raise
+    except GGUFBoundsError as e:
+        raise ModelLoadError(f"model {str(path)!r}: not a readable GGUF file ({e})") from None
     except Exception as e:  # the GGUF reader raises ValueError, struct.error, KeyError, ... on a mangled file
         reason = " ".join(str(e).split())[:200]
         raise ModelLoadError(f"model {str(path)!r}: not a readable GGUF file ({type(e).__name__}: {reason})") from None

@@ -44,6 +44,13 @@ def check_prm(prm: LoadedModel, recipe: PRMRecipe, window: int = PRM_WINDOW) -> 
     return recipe.bind(prm.tokenizer, prm.name)
 
 
+def seen_candidates(suffixes: Sequence[list[int]]) -> list[int]:
+    """The indices of the candidates the PRM sees: those whose piece has a token. A step its tokenizer makes nothing
+    of (a whitespace-splitting tokenizer's, for a step of spaces and newlines) has no position to read a score at:
+    the scorers return None for it, and the controller gives it the lowest score (`scoring.UNSEEN_SCORE`)."""
+    return [i for i, suffix in enumerate(suffixes) if suffix]
+
+
 @dataclass
 class PRMTrajectory:
     """One problem's PRM input as token ids: its prompt, then its committed steps' pieces (the recipe's)."""
@@ -209,21 +216,24 @@ class PRMScorer:
         self.inputs.open(key, problem)
 
     @torch.inference_mode()
-    def score(self, requests: Sequence[Request]) -> list[float]:
-        """The recipe's score at each candidate's last token, all candidates of all problems in one forward."""
+    def score(self, requests: Sequence[Request]) -> list[float | None]:
+        """The recipe's score at each candidate's last token, all candidates of all problems in one forward; None
+        for a candidate whose piece the PRM's tokenizer makes no token of (`seen_candidates`)."""
         if not requests:
             return []
         suffixes = self.inputs.candidates(requests)
         self._feed()
-        scores: list[float] = []
-        for chunk in self._chunks(suffixes):
-            keys = [requests[i][0] for i in chunk]
-            rows = self.cache.fork_each([self.rows[key] for key in keys], 1)
+        seen = seen_candidates(suffixes)
+        scores: list[float | None] = [None] * len(suffixes)
+        for chunk in self._chunks([suffixes[i] for i in seen]):
+            picked = [seen[j] for j in chunk]
+            rows = self.cache.fork_each([self.rows[requests[i][0]] for i in picked], 1)
             try:
-                head = append_tokens(self.prm, self.cache, rows, [suffixes[i] for i in chunk])
+                head = append_tokens(self.prm, self.cache, rows, [suffixes[i] for i in picked])
             finally:
                 self.cache.release(rows)
-            scores += self.inputs.codec.read(head).tolist()
+            for i, score in zip(picked, self.inputs.codec.read(head).tolist()):
+                scores[i] = score
         return scores
 
     def _chunks(self, suffixes: list[list[int]]) -> list[list[int]]:
@@ -239,7 +249,7 @@ class PRMScorer:
                 used = 0
             chunks[-1].append(i)
             used += need
-        return chunks
+        return chunks if suffixes else []
 
     def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:
         """The problem committed this step: its ids join the prefix, cached with the next score's first forward

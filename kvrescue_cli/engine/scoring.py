@@ -19,6 +19,7 @@ from kvrescue_cli.scorers import HELPER_LOGLIK
 from kvrescue_cli.shapes import LOGITS_BYTES
 
 Request = tuple[int, str, list[int]]  # (problem key, candidate text, candidate tokens in the policy models' tokenizer)
+UNSEEN_SCORE = 0.0  # a step the PRM sees no token of: the lowest score a PRM gives (each recipe's is a probability)
 
 
 class Scorer(Protocol):
@@ -29,8 +30,9 @@ class Scorer(Protocol):
     def open(self, key: int, problem: str, prompt: list[int]) -> None:
         """Start following a problem (its text, and its prompt tokens in the policy models' tokenizer)."""
 
-    def score(self, requests: list[Request]) -> list[float]:
-        """One score per candidate, higher is better."""
+    def score(self, requests: list[Request]) -> list[float | None]:
+        """One score per candidate, higher is better; None for one the scorer sees no token of (the controller
+        gives it UNSEEN_SCORE and counts it)."""
 
     def commit(self, key: int, text: str, tokens: list[int]) -> None:
         """The problem committed this step."""

@@ -29,8 +29,8 @@ from kvrescue_cli.prompts import STEP_DELIMITER
 from kvrescue_cli.reasons import DETECTOR_FINISHES, FINISHES
 from kvrescue_cli.shapes import MAX_CONTEXT, MAX_STEP_TOKENS
 
-FINISH_CODES = (None, *FINISHES)  # finish codes 0..5 on the device (0: not finished)
-_STEP, _EOS, _LENGTH, _ENTROPY, _REPETITION = range(1, len(FINISH_CODES))
+FINISH_CODES = (None, *FINISHES)  # finish codes 0..6 on the device (0: not finished)
+_STEP, _EOS, _LENGTH, _ENTROPY, _REPETITION, _NONFINITE = range(1, len(FINISH_CODES))
 
 
 @dataclass(frozen=True)
@@ -262,6 +262,7 @@ class StepDecoder:
             chars = s.chars[lanes] + table.chars[tokens]
             s.chars[lanes] = chars
             check_text = screened & (chars >= cfg.cmp_chars)
+        code.masked_fill_(entropies.isnan(), _NONFINITE)  # a NaN or +inf logit: its token is meaningless
         if not table.exact:
             check_text |= (code == 0) & table.newline[tokens]
         packed = torch.stack([tokens.double(), entropies.double(), code.double(), s.max_mean_entropy[lanes],
@@ -305,7 +306,7 @@ class StepDecoder:
             if len(text) >= cfg.cmp_chars:
                 ratio = gzip_ratio(text[-cfg.cmp_chars:], cfg.gzip_level)
                 s.min_gzip_ratio[lane] = min(s.min_gzip_ratio[lane], ratio)
-                if ratio < cfg.tau_cmp and code != _ENTROPY:
+                if ratio < cfg.tau_cmp and code not in (_ENTROPY, _NONFINITE):
                     code = _REPETITION
         return code
 

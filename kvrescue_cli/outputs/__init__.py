@@ -64,6 +64,7 @@ traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each prob
     peak_base_rows  int: the largest physical length the committed base row reached (forks it inherited
                     from included; losing candidates' rows are not counted).
     prm_truncations int: how many times the scorer input was cut to fit its window.
+    prm_unseen      int: candidates the PRM's tokenizer made no token of, scored 0.0 (the lowest).
 
     Reading back: a last line without its newline (a crash mid-write) is dropped with a
     `TornTraceWarning` and truncated from the file, so later appends stay valid; any other unreadable

@@ -43,6 +43,7 @@ def trace_of(finished: Finished, problem: Problem, gt_norm: str, pred: str, corr
         n_steps=len(state.steps),
         timings={"wall_s": finished.wall_s, "started_at": state.started, "finished_at": now},
         peak_base_rows=finished.peak_base_rows, prm_truncations=finished.scorer_truncations,
+        prm_unseen=finished.scorer_unseen,
         graders=graders or {}, answer_from=answer_from,
     )
 

@@ -84,6 +84,7 @@ class Trace:
     prm_truncations: int
     graders: dict[str, dict[str, Any]] = field(default_factory=dict)  # --also-grade: {pred, correct, timed_out}
     answer_from: str = "output"  # "after_think": the answer was read after the output's last </think>
+    prm_unseen: int = 0  # candidates the PRM saw no token of, scored the lowest (engine.scoring.UNSEEN_SCORE)
 
     @classmethod
     def skipped(cls, idx: int, problem: str, gt: str, gt_norm: str, reason: str) -> Trace:
@@ -184,8 +185,11 @@ class RunConfig:
         d = dict(d)
         d["models"] = {k: ModelRef(**v) for k, v in d["models"].items()}
         config = cls(**d)
-        detector = config.settings.get("detector")
-        wrong = type_error(config) or type_error(detector, dict[str, Any] | None, "settings.detector")
+        settings = config.settings  # those read back (report, view, resume): numbers where numbers are recorded
+        wrong = (type_error(config)
+                 or type_error(settings.get("detector"), dict[str, float] | None, "settings.detector")
+                 or type_error(settings.get("buffer"), int | None, "settings.buffer")
+                 or type_error(settings.get("evictor_params"), dict[str, float] | None, "settings.evictor_params"))
         if wrong:
             raise ValueError(wrong)
         return config

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvrescue_cli.engine.prm import PRMInputs
+from kvrescue_cli.engine.prm import PRMInputs, seen_candidates
 from kvrescue_cli.engine.prm_recipes import FORMATS, PRMRecipe
 from kvrescue_cli.engine.scoring import Request
 from kvrescue_cli.prompts import SYSTEM_PROMPT
@@ -63,17 +63,25 @@ class VLLMPRMScorer:
         """Start following a problem (the policy's `prompt` tokens are not needed)."""
         self.inputs.open(key, problem)
 
-    def score(self, requests: Sequence[Request]) -> list[float]:
+    def score(self, requests: Sequence[Request]) -> list[float | None]:
         """The recipe's score at each candidate's last token, all candidates of all problems in one `encode` call
-        (the served head's outputs are the recipe's columns: `pooling_args`)."""
+        (the served head's outputs are the recipe's columns: `pooling_args`); None where the PRM sees no token
+        (`engine.prm.seen_candidates`)."""
         if not requests:
             return []
         suffixes = self.inputs.candidates(requests)
         self.inputs.take_unfed()  # the prefixes' new tokens, computed by the first request that holds them
-        ids = [self.inputs.problems[key].prefix() + s for (key, _, _), s in zip(requests, suffixes)]
+        seen = seen_candidates(suffixes)
+        scores: list[float | None] = [None] * len(suffixes)
+        if not seen:
+            return scores
+        ids = [self.inputs.problems[requests[i][0]].prefix() + suffixes[i] for i in seen]
         outputs = self.llm.encode([{"prompt_token_ids": row} for row in ids], self.params,
                                   pooling_task="token_classify", use_tqdm=False)
-        return self.inputs.codec.score(torch.stack([out.outputs.data[-1].float() for out in outputs])).tolist()
+        heads = self.inputs.codec.score(torch.stack([out.outputs.data[-1].float() for out in outputs])).tolist()
+        for i, score in zip(seen, heads):
+            scores[i] = score
+        return scores
 
     def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:
         """The problem committed this step."""

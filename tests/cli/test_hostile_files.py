@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import torch
 
 from kvrescue_cli.outputs import RunFolder, RunFolderError, TornTraceWarning, run_dir
 from tests.helpers import KVRESCUE, ROOT
@@ -284,3 +287,55 @@ def test_a_full_disk_stops_kvrescue_run_with_one_line(tmp_path: Path, qwen2_dir:
     lock = subprocess.run(["git", "rev-parse", "--git-path", "index.lock"], capture_output=True, text=True, cwd=ROOT)
     assert not (ROOT / lock.stdout.strip()).exists()  # recording the git state wrote nothing (no torn index.lock)
 
+
+
+# ---- 5. bounded model files ---------------------------------------------------------------------------------------
+
+def gguf_metadata_bomb(path: Path, strings: int) -> Path:
+    """A sparse GGUF file whose one metadata key is an array of `strings` empty strings (8 zero bytes each)."""
+    key = b"tokenizer.ggml.tokens"
+    head = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+            + struct.pack("<IIQ", 9, 8, strings))
+    with path.open("wb") as f:
+        f.write(head)
+        f.truncate(len(head) + 8 * strings)
+    return path
+
+
+def test_a_gguf_metadata_bomb_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    gguf_metadata_bomb(tmp_path / "bomb.gguf", 5_000_000)  # 40 MB on disk, gigabytes in gguf-py's reader
+    (tmp_path / "p.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    line = one_line_error(kvrescue("run", "--bench", "p.jsonl", "--base", "bomb.gguf", "--helper", "bomb.gguf",
+                                   "--prm", "helper-loglik", "--method", "bon", "--device", "cpu", "--out", "out",
+                                   cwd=tmp_path, memory=2 << 30))
+    assert "bomb.gguf" in line and "more than 2097152 elements" in line
+
+
+def test_a_chat_template_that_fills_memory_is_one_line_naming_the_model(tmp_path: Path, qwen2_dir: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(qwen2_dir, model)
+    (model / "chat_template.jinja").write_text("{{ 'x' * 20000000000 }}")
+    (tmp_path / "p.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    done = kvrescue("run", "--bench", "p.jsonl", "--base", "model", "--helper", "model", "--prm", "helper-loglik",
+                    "--method", "bon", "--n", "2", "--budget", "16", "--device", "cpu", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "error: model: its chat template failed (MemoryError: )"
+
+
+def test_a_model_whose_logits_are_nan_ends_each_problem_with_a_recorded_reason(tmp_path: Path, qwen2_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(qwen2_dir, model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], float("nan"))
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "p.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    done = kvrescue("run", "--bench", "p.jsonl", "--base", "model", "--helper", str(qwen2_dir), "--prm",
+                    "helper-loglik", "--method", "bon", "--n", "2", "--budget", "16", "--device", "cpu", "--out", "out",
+                    cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (traces,) = [folder / "traces.jsonl" for folder in (tmp_path / "out" / "p").iterdir()]
+    for trace in map(orjson.loads, traces.read_bytes().splitlines()):
+        assert trace["stop"] == "non-finite" and trace["n_steps"] == 1
+        assert {c["finish"] for c in trace["candidates"][0]} == {"non-finite"}

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from kvrescue_cli.engine.loader import resolve_dtype
-from tests.helpers import KVRESCUE, RUN_WAIT_S, kvrescue, kvrescue_run, ok, read_folder, small_grid
+from tests.helpers import KVRESCUE, RUN_WAIT_S, blind_prm, kvrescue, kvrescue_run, ok, read_folder, small_grid
 
 METHODS = ("kvrescue", "interleave", "bon", "full", "helper")
 SMALL = ["--max-step-tokens", "12", "--max-steps", "12", "--context-cap", "320", "--budget", "16",
@@ -391,6 +391,43 @@ def test_a_problem_longer_than_the_context_cap_is_skipped_and_the_run_goes_on(qw
     assert by_idx[1]["stop"] == "skipped" and "context cap is 320" in by_idx[1]["skip_reason"]
     assert by_idx[0]["n_steps"] >= 1 and by_idx[2]["n_steps"] >= 1
     assert summary["skipped"] == 1
+
+
+def test_steps_the_prm_sees_nothing_of_score_lowest_and_are_counted(problems, qwen2_dir, prm_dir, tmp_path):
+    prm = blind_prm(prm_dir, tmp_path / "prm", keep="")  # every step tokenises to nothing
+    done = kvrescue_run("--bench", str(problems), "--limit", "1", "--method", "kvrescue", "--n", "2", "--base",
+                        str(qwen2_dir), "--helper", str(qwen2_dir), "--prm", str(prm), "--synthetic-steps", "8:3",
+                        "--out", str(tmp_path / "runs"), *SMALL)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    (trace,) = read_folder(tmp_path / "runs", "kvrescue")[1]
+    scored = [c["score"] for step in trace["candidates"] for c in step if c["score"] is not None]
+    assert trace["n_steps"] == 3 and trace["prm_unseen"] == len(scored) >= 6 and set(scored) == {0.0}
+
+
+def test_an_error_inside_a_cell_is_one_line_naming_it_and_the_finished_problems_resume(monkeypatch, problems, qwen2_dir,
+                                                                                        tmp_path):
+    from kvrescue_cli.engine.scoring import HelperLoglik
+
+    score = HelperLoglik.score
+
+    def failing(self, requests):  # an unexpected error once the third problem is scored (a fault injected)
+        if any(key == 2 for key, _, _ in requests):
+            raise IndexError("index -1 is out of bounds")
+        return score(self, requests)
+
+    args = ("--bench", str(problems), "--limit", "4", "--method", "bon", "--n", "2", "--base", str(qwen2_dir),
+            "--helper", str(qwen2_dir), "--prm", "helper-loglik", "--out", str(tmp_path / "runs"), *SMALL)
+    monkeypatch.setattr(HelperLoglik, "score", failing)
+    done = kvrescue_run(*args)
+    last = done.stderr.decode().strip().splitlines()[-1]
+    assert done.returncode == 1 and "Traceback" not in done.stderr.decode(), done.stderr.decode()[-3000:]
+    assert last.startswith("stopped: tiny bon B=16 N=2 seed=0: IndexError: index -1 is out of bounds, with problem(s) ")
+    assert "2" in last.split("problem(s) ")[1].split(" unfinished")[0] and "run the same command again" in last
+    kept = {t["idx"] for t in read_folder(tmp_path / "runs", "bon")[1]}
+    assert 2 not in kept and f"the {len(kept)} finished are kept" in last
+    monkeypatch.setattr(HelperLoglik, "score", score)
+    ok(kvrescue_run(*args))
+    assert sorted(t["idx"] for t in read_folder(tmp_path / "runs", "bon")[1]) == [0, 1, 2, 3]
 
 
 def test_jsonl_without_the_problem_field_is_a_one_line_error(qwen2_dir, prm_dir, tmp_path):

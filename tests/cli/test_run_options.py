@@ -22,6 +22,7 @@ BUDGET = 16
 EVICTING = ("rkv", "snapkv", "streaming", "tova", "h2o", "knorm", "keydiff", "random")
 B_PRIME = BUDGET + 128
 # 12 synthetic steps of 48 tokens: a ~57-token prompt grows to ~632 cached tokens, over four times B' - B past B'
+SMALL_RUN = ["--budget", str(BUDGET), "--max-step-tokens", "8", "--max-steps", "2", "--device", "cpu"]
 SYNTHETIC = ["--synthetic-steps", "48:12", "--max-step-tokens", "48", "--context-cap", "1024"]
 
 
@@ -199,6 +200,27 @@ def test_comma_lists_run_every_cell_and_full_and_helper_once_across_budgets(grid
         assert all(len(cands) == int(re.search(r"-n(\d+)-s", name)[1]) for cands in trace["candidates"])
     # seeds are different random streams
     assert traces(found["first/bon-rkv-b16-n2-s0"])[0]["output"] != traces(found["first/bon-rkv-b16-n2-s1"])[0]["output"]
+
+
+def test_two_problem_files_of_one_name_are_two_sets_of_cells(qwen2_dir, tmp_path):
+    for folder, question in (("d1", "What is 1 + 2?"), ("d2", "What is 5 + 6?")):
+        (tmp_path / folder).mkdir()
+        write_jsonl(tmp_path / folder / "p.jsonl", [{"question": question, "answer": "3"}])
+    ok(kvrescue_run("--bench", f"{tmp_path}/d1/p.jsonl,{tmp_path}/d2/p.jsonl", "--method", "bon", "--n", "1",
+                    "--base", str(qwen2_dir), "--helper", str(qwen2_dir), "--prm", "helper-loglik", *SMALL_RUN,
+                    "--out", str(tmp_path / "out")))
+    runs = sorted(tmp_path.glob("out/p/*"))
+    assert sorted(traces(run)[0]["problem"] for run in runs) == ["What is 1 + 2?", "What is 5 + 6?"]
+
+
+def test_a_file_named_after_a_benchmark_beside_it_is_refused(qwen2_dir, tmp_path):
+    write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": "What is 1 + 2?", "answer": "#### 3"}])
+    done = kvrescue_run("--bench", f"gsm8k,{tmp_path}/gsm8k.jsonl", "--method", "bon", "--base", str(qwen2_dir),
+                        "--helper", str(qwen2_dir), "--prm", "helper-loglik", *SMALL_RUN, "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and done.stderr.decode().strip() == (
+        f"error: --bench gsm8k and {tmp_path}/gsm8k.jsonl are different problem sets under one name, 'gsm8k', which "
+        "names their run folders: rename one file")
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_final_table_has_one_row_per_cell_with_its_numbers(grid):

@@ -11,6 +11,7 @@ from kvrescue_cli.engine import load_model
 from kvrescue_cli.engine.prm import SYSTEM_PROMPT, PRMScorer
 from kvrescue_cli.engine.prm_recipes import FORMATS
 from kvrescue_cli.random_checkpoints import build_tokenizer
+from tests.helpers import blind_prm
 from tests.oracles import prm_last_scores, prm_scores
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
@@ -255,3 +256,14 @@ def test_a_candidate_cut_to_the_window_keeps_its_tail_ending_where_the_score_is_
     cutting.open(0, PROBLEMS[0])
     (cut,) = cutting.candidates([(0, long, [])])
     assert cut == whole[-keep:] and cut[-1] == whole[-1] and cut != whole[:keep]
+
+
+def test_a_candidate_the_prm_sees_no_token_of_is_unscored_and_the_others_unchanged(prm_dir, tmp_path) -> None:
+    blind = load_model(blind_prm(prm_dir, tmp_path / "prm", keep="Step 1: 3x = 15."))  # no newline, no "w"
+    requests = [(0, "\n\nwww", []), (0, "Step 1: 3x = 15.\n\n", []), (0, "www\n\n", [])]
+    scorer = PRMScorer(blind, max_problems=1, max_candidates=4)
+    scorer.open(0, PROBLEMS[0])
+    scores = scorer.score(requests)
+    alone = PRMScorer(blind, max_problems=1, max_candidates=4)
+    alone.open(0, PROBLEMS[0])
+    assert scores[0] is None and scores[2] is None and scores[1] == alone.score(requests[1:2])[0]

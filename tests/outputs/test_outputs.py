@@ -425,7 +425,7 @@ def test_summary_numbers_by_hand():
     # spans [0,10] [5,15] [40,60] [70,75] [100,100] -> union 15 + 20 + 5 = 40 s
     assert s.wall_s == pytest.approx(40) and busy_seconds(traces) == pytest.approx(40)
     assert s.throughput_per_min == pytest.approx(5 * 60 / 40)
-    assert s.stops == {"eos": 4, "context": 0, "steps": 0, "skipped": 1, "failed": 0}
+    assert s.stops == {"eos": 4, "context": 0, "steps": 0, "skipped": 1, "failed": 0, "non-finite": 0}
     assert summarize(traces, config(synthetic=True)).accuracy is None
     empty = summarize([], config())
     assert empty.accuracy is None and empty.mean_steps is None and empty.throughput_per_min is None

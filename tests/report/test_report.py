@@ -19,6 +19,7 @@ from kvrescue_cli.outputs import (
 )
 from kvrescue_cli.report import QUANTILES, load_runs
 from kvrescue_cli.report.numbers import group_rows, quantiles
+from tests.helpers import kvrescue
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct"),
           "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
@@ -416,6 +417,18 @@ def test_torn_line_and_missing_summary_are_noted_not_fatal(tmp_path):
     messages = [p.message for p in problems]
     assert any("dropped a torn last line" in m for m in messages)
     assert (path / "traces.jsonl").read_bytes() == before       # the report never modifies a run
+
+
+@pytest.mark.parametrize("command", [["report", "--format", "json"], ["report", "--explain"], ["view", "-o", "p.html"]])
+def test_a_folder_with_a_null_threshold_is_listed_as_unusable_and_the_others_shown(tmp_path, command):
+    write_run(tmp_path / "runs", "bon")
+    bad = write_run(tmp_path / "runs", "kvrescue", detector={"tau_ent": None, "tau_cmp": 0.18})  # --tau-ent nan, once
+    done = kvrescue(*command[:1], str(tmp_path / "runs"), *command[1:], cwd=tmp_path)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr.decode()[-2000:]
+    said = (done.stdout + done.stderr).decode()
+    assert f"{bad.name}" in said and "settings.detector" in said
+    if command[0] == "report":
+        assert "bon" in said
 
 
 def test_synthetic_runs_report_no_accuracy(tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvrescue_cli.chat_templates import render_chat
 from kvrescue_cli.engine.prm_recipes.base import PRMRecipe, RecipeInputs, prm_step_text
 from kvrescue_cli.engine.texts import encoder
 from kvrescue_cli.prompts import STEP_DELIMITER, chatml
@@ -33,7 +34,7 @@ def chat_prefix(tokenizer, problem: str, system: str) -> str:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": problem},
                 {"role": "assistant", "content": hole}]
     if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+        rendered = render_chat(tokenizer, messages)
     else:
         rendered = chatml(messages, open_assistant=False)
     return rendered[: rendered.index(hole)]

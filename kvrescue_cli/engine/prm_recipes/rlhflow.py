@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvrescue_cli.chat_templates import render_chat, render_chats
 from kvrescue_cli.engine.prm_recipes.base import LabelInputs, PRMRecipe, RecipeInputs, last_token_id, prm_step_text
 from kvrescue_cli.engine.texts import encoder
 
@@ -42,7 +43,7 @@ class RLHFlowInputs(LabelInputs):
         self.after_problem = self._problem_text("x")  # before a first step's turn (the problem's text changes nothing)
 
     def _render(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return render_chat(self.tokenizer, messages)
 
     def _after(self, before: str, text: str) -> str:
         if not text.startswith(before):
@@ -58,22 +59,26 @@ class RLHFlowInputs(LabelInputs):
         """The conversation up to the end of the problem (the card has no system prompt: `system` is unused)."""
         return self.encode([self._problem_text(problem)])[0]
 
-    def _turn(self, text: str, index: int, reply: str) -> str:
-        """The text of a step's turn after what precedes it (the prompt, or an earlier turn), up to the reply's end
-        (`reply` is "+"), or up to where it starts (`reply` is HOLE)."""
-        step = prm_step_text(text)
-        if index == 0:
-            before, messages = self.after_problem, [{"role": "user", "content": "x " + step}]
-        else:
-            before, messages = self.after_context, CONTEXT + [{"role": "user", "content": step}]
-        rendered = self._after(before, self._render(messages + [{"role": "assistant", "content": reply}]))
-        return rendered[: rendered.index(HOLE)] if reply == HOLE else rendered
+    def _turns(self, texts: Sequence[str], index: Sequence[int], reply: str) -> list[str]:
+        """The text of each step's turn after what precedes it (the prompt, or an earlier turn), up to the reply's
+        end (`reply` is "+"), or up to where it starts (`reply` is HOLE); the turns rendered in one request."""
+        befores, conversations = [], []
+        for text, i in zip(texts, index):
+            step = prm_step_text(text)
+            if i == 0:
+                before, messages = self.after_problem, [{"role": "user", "content": "x " + step}]
+            else:
+                before, messages = self.after_context, CONTEXT + [{"role": "user", "content": step}]
+            befores.append(before)
+            conversations.append(messages + [{"role": "assistant", "content": reply}])
+        turns = [self._after(b, r) for b, r in zip(befores, render_chats(self.tokenizer, conversations))]
+        return [t[: t.index(HOLE)] for t in turns] if reply == HOLE else turns
 
     def candidates(self, texts: Sequence[str], index: Sequence[int]) -> list[list[int]]:
-        return self.encode([self._turn(text, i, HOLE) for text, i in zip(texts, index)])
+        return self.encode(self._turns(texts, index, HOLE))
 
     def committed(self, text: str, index: int) -> list[int]:
-        return self.encode([self._turn(text, index, "+")])[0]
+        return self.encode(self._turns([text], [index], "+"))[0]
 
 
 RLHFLOW = RLHFlowRecipe("rlhflow", "lm", "LlamaForCausalLM", no_vllm=None)
