@@ -152,7 +152,13 @@ def test_odd_config_types_are_one_line_errors(case: str, command: str, qwen2_dir
             ["run", "--bench", "p.jsonl", "--base", "model", "--helper", "model", "--prm", "helper-loglik", "--method",
              "bon", "--budget", "16", "--n", "2", "--max-step-tokens", "4", "--max-steps", "2", "--device", "cpu",
              "--out", "out"])
-    assert message in one_line_error(*args, cwd=tmp_path)
+    if command == "cost":
+        assert message in one_line_error(*args, cwd=tmp_path)
+    else:  # refused before loading (one line) or, where only the loader reads the field, after the run's cell list
+        done = kvrescue(*args, cwd=tmp_path)
+        *said, line = done.stderr.decode().strip().splitlines()
+        assert done.returncode == 2 and not any("error" in s for s in said) and line.startswith("error: ")
+        assert message in line
     assert not (tmp_path / "out").exists()
 
 
