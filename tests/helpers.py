@@ -154,3 +154,13 @@ def blind_prm(source: Path, target: Path, keep: str) -> Path:
     model["merges"] = [m for m in model["merges"] if set("".join(m.split(" ") if isinstance(m, str) else m)) <= known]
     (target / "tokenizer.json").write_text(json.dumps(spec))
     return target
+
+
+def load_error(stderr: str | bytes) -> str:
+    """The one `error:` line of a run refused while its models load: after the run's cell list and its `loading ...`
+    line, the last line, and no other line mentioning an error."""
+    text = stderr.decode() if isinstance(stderr, bytes) else stderr
+    *said, line = text.strip().splitlines()
+    assert said and said[-1].startswith("loading ") and not any("error" in s for s in said), text
+    assert line.startswith("error: "), text
+    return line

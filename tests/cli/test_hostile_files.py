@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvrescue_cli.outputs import RunFolder, RunFolderError, TornTraceWarning, run_dir
-from tests.helpers import KVRESCUE, ROOT
+from tests.helpers import KVRESCUE, ROOT, load_error
 from tests.outputs.test_outputs import config, trace
 
 
@@ -305,9 +305,10 @@ def gguf_metadata_bomb(path: Path, strings: int) -> Path:
 def test_a_gguf_metadata_bomb_is_refused_before_it_is_read(tmp_path: Path) -> None:
     gguf_metadata_bomb(tmp_path / "bomb.gguf", 5_000_000)  # 40 MB on disk, gigabytes in gguf-py's reader
     (tmp_path / "p.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
-    line = one_line_error(kvrescue("run", "--bench", "p.jsonl", "--base", "bomb.gguf", "--helper", "bomb.gguf",
-                                   "--prm", "helper-loglik", "--method", "bon", "--device", "cpu", "--out", "out",
-                                   cwd=tmp_path, memory=2 << 30))
+    done = kvrescue("run", "--bench", "p.jsonl", "--base", "bomb.gguf", "--helper", "bomb.gguf", "--prm",
+                    "helper-loglik", "--method", "bon", "--device", "cpu", "--out", "out", cwd=tmp_path, memory=2 << 30)
+    assert done.returncode == 2
+    line = load_error(done.stderr)
     assert "bomb.gguf" in line and "more than 2097152 elements" in line
 
 
