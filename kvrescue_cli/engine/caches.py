@@ -271,30 +271,14 @@ class FullCache(KVCache):
 
     # -- forward protocol ---------------------------------------------------------------------------
     def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
-        bs = self.block_size
         rows_np, n_np = np.asarray(rows, np.int64), np.asarray(n_new, np.int64)
-        lengths, n_blocks = self.lengths[rows_np], self.n_blocks[rows_np]
-        too_long = np.flatnonzero(lengths + n_np > self.table.shape[1] * bs)
-        if len(too_long):
-            raise RuntimeError(f"FullCache: row {rows_np[too_long[0]]} would exceed max_row_tokens "
-                               f"({self.table.shape[1] * bs})")
-        copies, cow_src = self._copies_on_write(rows_np, lengths, n_blocks, n_np)
-        grow = -(-(lengths + n_np) // bs) - n_blocks
-        new = self._new_blocks(len(copies) + int(grow.sum()))
-        cow_dst, new = new[: len(copies)], new[len(copies):]
-        np.subtract.at(self.refs, cow_src, 1)
-        self.table[rows_np[copies], n_blocks[copies] - 1] = cow_dst
-        which = np.repeat(np.arange(len(rows_np)), grow)
-        self.table[rows_np[which], n_blocks[which] + _ranks(grow)] = new
-        self.n_blocks[rows_np] += grow
-        self.lengths[rows_np] += n_np
+        lengths = self.lengths[rows_np]
+        cow_src, cow_dst = self._append(rows_np, n_np)
         groups = self._cascading(rows_np, lengths)
         host = self._forward_arrays(rows_np, lengths, n_np, groups)
         host["cow_src"], host["cow_dst"] = cow_src, cow_dst
         dev = upload_all(host, self.k.device)  # the forward's one copy; nothing here waits for the device
-        if len(cow_src):
-            self.k[:, dev["cow_dst"]] = self.k[:, dev["cow_src"]]
-            self.v[:, dev["cow_dst"]] = self.v[:, dev["cow_src"]]
+        self._copy_blocks(dev["cow_src"], dev["cow_dst"])
         T = int(n_np.max())
         pick = lambda prefix: {k[len(prefix):]: v for k, v in dev.items() if k.startswith(prefix)}  # noqa: E731
         shared = None
@@ -304,6 +288,61 @@ class FullCache(KVCache):
                                      members, dev["grouped_rows"], dev["grouped_slots"])
         self.fwd = _PagedForward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"), shared)
         return dev["positions"]
+
+    def append_one(self, rows: Sequence[int]) -> np.ndarray:
+        """Make room for one more token in each row (a static decode step, `graphs`), copying a shared last block
+        first where the row writes into it; the rows' lengths before it (the new tokens' positions)."""
+        rows_np = np.asarray(rows, np.int64)
+        lengths = self.lengths[rows_np]
+        cow_src, cow_dst = self._append(rows_np, np.ones(len(rows_np), np.int64))
+        if len(cow_src):
+            dev = upload_all({"src": cow_src, "dst": cow_dst}, self.k.device)
+            self._copy_blocks(dev["src"], dev["dst"])
+        return lengths
+
+    @torch.inference_mode(False)  # pools made outside inference mode, as in __init__
+    def reserve_block(self) -> int:
+        """One more block, that no row will ever hold (static decode steps write their padding rows there). Before
+        any row holds a block: the pools are made again one block larger, the old ones dropped first (no copy, and
+        never both at once)."""
+        if self.blocks_in_use():
+            raise RuntimeError("FullCache.reserve_block: rows hold blocks already")
+        shape, dtype, device = list(self.k.shape), self.k.dtype, self.k.device
+        shape[1] += 1
+        self.k = self.v = None
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.refs = np.append(self.refs, 1)
+        self.free_blocks = np.append(self.free_blocks, 0)
+        self.num_blocks += 1
+        return self.num_blocks - 1
+
+    def _append(self, rows: np.ndarray, n_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The host side of appending n_new[i] tokens to rows[i]: blocks for them in the table (a partly filled last
+        block that other rows hold is copied first) and the lengths; the blocks to copy on the device, and where."""
+        bs = self.block_size
+        lengths, n_blocks = self.lengths[rows], self.n_blocks[rows]
+        too_long = np.flatnonzero(lengths + n_new > self.table.shape[1] * bs)
+        if len(too_long):
+            raise RuntimeError(f"FullCache: row {rows[too_long[0]]} would exceed max_row_tokens "
+                               f"({self.table.shape[1] * bs})")
+        copies, cow_src = self._copies_on_write(rows, lengths, n_blocks, n_new)
+        grow = -(-(lengths + n_new) // bs) - n_blocks
+        new = self._new_blocks(len(copies) + int(grow.sum()))
+        cow_dst, new = new[: len(copies)], new[len(copies):]
+        np.subtract.at(self.refs, cow_src, 1)
+        self.table[rows[copies], n_blocks[copies] - 1] = cow_dst
+        which = np.repeat(np.arange(len(rows)), grow)
+        self.table[rows[which], n_blocks[which] + _ranks(grow)] = new
+        self.n_blocks[rows] += grow
+        self.lengths[rows] += n_new
+        return cow_src, cow_dst
+
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the pools' blocks src[i] to dst[i] (device index tensors) in every layer."""
+        if len(src):
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
 
     def _copies_on_write(self, rows: np.ndarray, lengths: np.ndarray, n_blocks: np.ndarray,
                          n_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -397,14 +436,20 @@ class FullCache(KVCache):
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots."""
-        f = self.fwd
+        self.store_at(layer, self.fwd.slots, k, v, self.fwd.valid)
+
+    def store_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 valid: torch.Tensor | None = None) -> None:
+        """Write new k/v [R, Hkv, T, D] of `layer` (those at flat indices `valid` of the R x T, or all) into their
+        flat pool slots (block * block_size + offset). The write of both decodes, the dynamic one and the static one
+        in `graphs`."""
         R, _, T, _ = k.shape
         heads_dim = self.k.shape[3:]
         for new, pool in ((k, self.k[layer]), (v, self.v[layer])):
             new = new.transpose(1, 2).reshape(R * T, *heads_dim)
-            if f.valid is not None:
-                new = new.index_select(0, f.valid)
-            pool.view(-1, *heads_dim).index_copy_(0, f.slots, new)
+            if valid is not None:
+                new = new.index_select(0, valid)
+            pool.view(-1, *heads_dim).index_copy_(0, slots, new)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store(layer, k, v)
