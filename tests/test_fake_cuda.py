@@ -16,6 +16,7 @@ from kvrescue_cli.engine.attention import attend_masked
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.engine.transfer import upload_all
+from kvrescue_cli import fake_cuda
 from kvrescue_cli.fake_cuda import CaptureError, FakeCuda
 from kvrescue_cli.memory_plan import CellShape, DeviceKind, plan_cell
 from kvrescue_cli.paper_shapes import PAPER_MODELS
@@ -160,3 +161,15 @@ def test_the_dry_run_catches_a_host_read_inside_a_cuda_graph(monkeypatch):
     monkeypatch.setattr(graphs._StaticView, "attend", reading)
     with pytest.raises(CaptureError, match="during a CUDA graph capture"):
         dry_run(("bon",), n=1, batch=1, synthetic=(2, 1))
+
+
+def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch):
+    """PyTorch keeps a cuBLAS workspace (33 MiB on Hopper) per (handle, stream) and never frees it: a stream made for
+    each capture left one more behind each time (issue 41). Two cells, each with graphs of the base and the helper,
+    on one fake CUDA device, make one capture stream (beside the device's own)."""
+    made = []
+    monkeypatch.setattr(graphs, "_CAPTURE_STREAMS", {}, raising=False)
+    monkeypatch.setattr(fake_cuda._Stream, "__init__", lambda stream: made.append(stream))
+    run = dry_run(("bon", "kvrescue"), n=2, batch=1, synthetic=(2, 1))
+    assert len(made) == 2
+    assert all(cell.graph_replays for cell in run.cells)  # graphs captured in both cells, and replayed

@@ -225,3 +225,4 @@ def test_the_full_caches_static_decode_matches_the_dynamic_step_through_forks_co
     for a, b in zip(rows["dynamic"], rows["static"]):
         torch.testing.assert_close(keys("static", b), keys("dynamic", a))
     assert caches["static"].blocks_in_use() == caches["dynamic"].blocks_in_use() + 1
+
