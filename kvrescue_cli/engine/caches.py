@@ -14,6 +14,7 @@ import torch
 import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.attention import (FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys,
                                            ROWS_PADDING, paged_layout, use_flash)
+from kvrescue_cli.engine.block_table import BlockTable, ranks
 from kvrescue_cli.engine.transfer import upload_all
 from kvrescue_cli.shapes import CASCADE_FROM, GROUP_CASCADE_FROM
 
@@ -101,11 +102,6 @@ class _SharedPrefixes:
     slots: torch.Tensor  # [M] its place in the groups' flattened members (group * n + member)
 
 
-def _ranks(sizes: np.ndarray) -> np.ndarray:
-    """Each element's index within its run, for consecutive runs of the given sizes: [2, 3] -> [0, 1, 0, 1, 2]."""
-    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-
-
 @dataclass
 class _Groups:
     """A forward's rows that share leading blocks, group after group (from `FullCache._shared_prefixes`)."""
@@ -136,10 +132,9 @@ class FullCache(KVCache):
 
     A fork shares all of its parent's blocks; the first write into a shared, partly filled last block
     copies that block (copy-on-write), so memory per problem is O(context + candidates x step length).
-    K/V live in two preallocated pools [layers, blocks, block_size, kv_heads, head_dim]; each row has
-    a block table row in a preallocated host array [max_rows, max_row_tokens / block_size]: the host decides
-    where every block lies, so a forward's metadata is computed on the host and sent in one copy that does
-    not wait for the device.
+    K/V live in two preallocated pools [layers, blocks, block_size, kv_heads, head_dim]; the rows' blocks,
+    lengths and reference counts are host arrays (`block_table.BlockTable`): the host decides where every block
+    lies, so a forward's metadata is computed on the host and sent in one copy that does not wait for the device.
 
     Attention reads the blocks in place through the block table (`attend_paged`: flash-attn on a GPU,
     else torch), each row only its own blocks. With cascade, rows of a forward that share their first
@@ -169,19 +164,12 @@ class FullCache(KVCache):
         device: str | torch.device = "cpu",
     ) -> None:
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.cascade_from = cascade_from
         self.group_cascade_from = group_cascade_from
         self.rows_padding = rows_padding
         self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.table = np.zeros((max_rows, -(-max_row_tokens // block_size)), np.int64)
-        self.lengths = np.zeros(max_rows, np.int64)   # each row's tokens
-        self.n_blocks = np.zeros(max_rows, np.int64)  # each row's blocks: table[row, :n_blocks[row]]
-        self.refs = np.zeros(num_blocks, np.int64)
-        self.free_blocks = np.arange(num_blocks - 1, -1, -1)  # a stack: its first n_free entries are free
-        self.n_free = num_blocks
-        self.free_rows = list(range(max_rows - 1, -1, -1))
+        self.block_table = BlockTable(num_blocks, block_size, max_rows, max_row_tokens)
         self.fwd: _PagedForward | None = None
 
     @classmethod
@@ -195,85 +183,49 @@ class FullCache(KVCache):
         return cls(a.n_layers, a.n_kv_heads, a.head_dim, -(-max_tokens // block_size), block_size=block_size, **kw)
 
     # -- rows ---------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.block_table.num_blocks
+
+    @property
+    def free_rows(self) -> list[int]:
+        """Row ids not in use."""
+        return self.block_table.free_rows
+
     def create(self) -> int:
-        if not self.free_rows:
-            raise RuntimeError(f"FullCache: all {self.table.shape[0]} rows in use")
-        row = self.free_rows.pop()
-        self.lengths[row] = self.n_blocks[row] = 0
-        return row
+        return self.block_table.create()
 
     def fork(self, row: int, n: int) -> list[int]:
-        return self.fork_each([row], n)
+        return self.block_table.fork_each([row], n)
 
     def fork_each(self, rows: Sequence[int], n: int) -> list[int]:
-        children = [self.create() for _ in range(len(rows) * n)]
-        parents = np.repeat(np.asarray(rows, np.int64), n)
-        held = self.n_blocks[parents]
-        width = int(held.max(initial=0))
-        blocks = self.table[parents, :width]
-        self.table[children, :width] = blocks  # past a child's own blocks: ids it never reads
-        self.lengths[children], self.n_blocks[children] = self.lengths[parents], held
-        shared, times = np.unique(blocks[np.arange(width) < held[:, None]], return_counts=True)
-        self.refs[shared] += times
-        return children
+        return self.block_table.fork_each(rows, n)
 
     def adopt(self, row: int, child: int) -> None:
-        self._drop_rows([row])
-        nb = self.n_blocks[child]
-        self.table[row, :nb] = self.table[child, :nb]
-        self.lengths[row], self.n_blocks[row] = self.lengths[child], nb
-        self.free_rows.append(child)
+        self.block_table.adopt(row, child)
 
     def release(self, rows: Iterable[int]) -> None:
-        rows = list(rows)
-        self._drop_rows(rows)
-        self.free_rows += rows
+        self.block_table.release(rows)
 
     def length(self, row: int) -> int:
-        return int(self.lengths[row])
+        return int(self.block_table.lengths[row])
 
     def peak_length(self, row: int) -> int:
-        return int(self.lengths[row])  # a full cache never shrinks a row
+        return self.length(row)  # a full cache never shrinks a row
 
     def blocks(self, row: int) -> list[int]:
         """The row's blocks, in order: its token i lies in blocks(row)[i // block_size]."""
-        return self.table[row, : self.n_blocks[row]].tolist()
+        return self.block_table.blocks(row)
 
     def blocks_in_use(self) -> int:
-        """Physical blocks referenced by at least one row."""
-        return self.num_blocks - self.n_free
-
-    def _drop_rows(self, rows: Sequence[int]) -> None:
-        """Drop the rows' references to their blocks, freeing those no row holds any more."""
-        rows_np = np.asarray(rows, np.int64)
-        n_blocks = self.n_blocks[rows_np]
-        held = self.table[rows_np, : int(n_blocks.max(initial=0))]
-        held = held[np.arange(held.shape[1]) < n_blocks[:, None]]
-        held, times = np.unique(held, return_counts=True)
-        self.refs[held] -= times
-        self._push_free(held[self.refs[held] == 0])
-        self.n_blocks[rows_np] = 0
-
-    def _push_free(self, blocks: np.ndarray) -> None:
-        self.free_blocks[self.n_free: self.n_free + len(blocks)] = blocks
-        self.n_free += len(blocks)
-
-    def _new_blocks(self, n: int) -> np.ndarray:
-        """n free blocks, each referenced once."""
-        if n > self.n_free:
-            raise RuntimeError(
-                f"FullCache: out of blocks ({self.num_blocks} x {self.block_size} tokens); build it with more"
-            )
-        self.n_free -= n
-        blocks = self.free_blocks[self.n_free: self.n_free + n][::-1].copy()
-        self.refs[blocks] = 1
-        return blocks
+        """Physical blocks referenced by at least one row (or reserved)."""
+        return self.block_table.blocks_in_use()
 
     # -- forward protocol ---------------------------------------------------------------------------
     def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
         rows_np, n_np = np.asarray(rows, np.int64), np.asarray(n_new, np.int64)
-        lengths = self.lengths[rows_np]
-        cow_src, cow_dst = self._append(rows_np, n_np)
+        lengths = self.block_table.lengths[rows_np]
+        cow_src, cow_dst = self.block_table.append(rows_np, n_np)
         groups = self._cascading(rows_np, lengths)
         host = self._forward_arrays(rows_np, lengths, n_np, groups)
         host["cow_src"], host["cow_dst"] = cow_src, cow_dst
@@ -293,8 +245,8 @@ class FullCache(KVCache):
         """Make room for one more token in each row (a static decode step, `graphs`), copying a shared last block
         first where the row writes into it; the rows' lengths before it (the new tokens' positions)."""
         rows_np = np.asarray(rows, np.int64)
-        lengths = self.lengths[rows_np]
-        cow_src, cow_dst = self._append(rows_np, np.ones(len(rows_np), np.int64))
+        lengths = self.block_table.lengths[rows_np]
+        cow_src, cow_dst = self.block_table.append(rows_np, np.ones(len(rows_np), np.int64))
         if len(cow_src):
             dev = upload_all({"src": cow_src, "dst": cow_dst}, self.k.device)
             self._copy_blocks(dev["src"], dev["dst"])
@@ -312,51 +264,13 @@ class FullCache(KVCache):
         self.k = self.v = None
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.refs = np.append(self.refs, 1)
-        self.free_blocks = np.append(self.free_blocks, 0)
-        self.num_blocks += 1
-        return self.num_blocks - 1
-
-    def _append(self, rows: np.ndarray, n_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The host side of appending n_new[i] tokens to rows[i]: blocks for them in the table (a partly filled last
-        block that other rows hold is copied first) and the lengths; the blocks to copy on the device, and where."""
-        bs = self.block_size
-        lengths, n_blocks = self.lengths[rows], self.n_blocks[rows]
-        too_long = np.flatnonzero(lengths + n_new > self.table.shape[1] * bs)
-        if len(too_long):
-            raise RuntimeError(f"FullCache: row {rows[too_long[0]]} would exceed max_row_tokens "
-                               f"({self.table.shape[1] * bs})")
-        copies, cow_src = self._copies_on_write(rows, lengths, n_blocks, n_new)
-        grow = -(-(lengths + n_new) // bs) - n_blocks
-        new = self._new_blocks(len(copies) + int(grow.sum()))
-        cow_dst, new = new[: len(copies)], new[len(copies):]
-        np.subtract.at(self.refs, cow_src, 1)
-        self.table[rows[copies], n_blocks[copies] - 1] = cow_dst
-        which = np.repeat(np.arange(len(rows)), grow)
-        self.table[rows[which], n_blocks[which] + _ranks(grow)] = new
-        self.n_blocks[rows] += grow
-        self.lengths[rows] += n_new
-        return cow_src, cow_dst
+        return self.block_table.reserve()
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the pools' blocks src[i] to dst[i] (device index tensors) in every layer."""
         if len(src):
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]
-
-    def _copies_on_write(self, rows: np.ndarray, lengths: np.ndarray, n_blocks: np.ndarray,
-                         n_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The rows (indices into `rows`) about to write into a partly filled last block that other rows hold, which
-        must copy it first, and those blocks. Rows of the forward holding the same such block copy it in their
-        order, except the last holder when no row outside them holds it."""
-        at = np.flatnonzero((lengths % self.block_size != 0) & (n_new > 0))
-        last = self.table[rows[at], n_blocks[at] - 1]
-        order = np.argsort(last, kind="stable")
-        starts = np.flatnonzero(np.r_[True, last[order][1:] != last[order][:-1]])
-        before = np.empty(len(at), np.int64)  # rows of this forward holding the same block before this one
-        before[order] = _ranks(np.diff(np.r_[starts, len(at)]))
-        copy = before < self.refs[last] - 1
-        return at[copy], last[copy]
 
     def _forward_arrays(self, rows: np.ndarray, lengths: np.ndarray, n_new: np.ndarray,
                         groups: _Groups | None) -> dict[str, np.ndarray]:
@@ -366,7 +280,7 @@ class FullCache(KVCache):
         skipped = np.zeros(len(rows), np.int64)  # shared blocks each row reads through its group
         if groups is not None:
             skipped[groups.rows] = np.repeat(groups.shared, groups.sizes)
-        table = self.table[rows, : int((-(-(lengths + n_new) // bs)).max())]
+        table = self.block_table.table[rows, : int((-(-(lengths + n_new) // bs)).max())]
         # Own blocks cover the padded queries' keys too (cached + T): a paged kernel may read that far.
         own = skipped[:, None] + np.arange(int((-(-(lengths + T) // bs) - skipped).max()))
         own_table = np.take_along_axis(table, np.minimum(own, table.shape[1] - 1), 1)
@@ -382,11 +296,11 @@ class FullCache(KVCache):
         if groups is not None:
             n = int(groups.sizes.max())
             starts = np.cumsum(groups.sizes) - groups.sizes
-            member = _ranks(groups.sizes)  # index within its group
+            member = ranks(groups.sizes)  # index within its group
             group = np.repeat(np.arange(len(groups.sizes)), groups.sizes)
             members = np.repeat(groups.rows[starts], n).reshape(-1, n)  # padded with each group's first row
             members[group, member] = groups.rows
-            layout = paged_layout(self.k[0], self.table[rows[groups.rows[starts]], : int(groups.shared.max())],
+            layout = paged_layout(self.k[0], self.block_table.table[rows[groups.rows[starts]], : int(groups.shared.max())],
                                   groups.shared * bs, n * T, False, self.rows_padding)
             host.update(("shared." + k, v) for k, v in layout.items())
             host["members"] = members
@@ -413,7 +327,7 @@ class FullCache(KVCache):
         table (None: no group). A row's block list only changes at its end, so rows holding the same block at
         index j hold the same blocks before it: the shared blocks are the leading run of equal table columns."""
         eligible = np.flatnonzero(lengths >= self.block_size)
-        first = self.table[rows[eligible], 0]
+        first = self.block_table.table[rows[eligible], 0]
         order = np.argsort(first, kind="stable")  # by first block, each group's rows in forward order
         grouped, first = eligible[order], first[order]
         starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
@@ -423,11 +337,11 @@ class FullCache(KVCache):
             return None
         by_row = np.argsort(grouped[starts[keep]])  # groups in the order of their first rows
         starts, sizes = starts[keep][by_row], sizes[keep][by_row]
-        members = grouped[np.repeat(starts, sizes) + _ranks(sizes)]
+        members = grouped[np.repeat(starts, sizes) + ranks(sizes)]
         heads = np.cumsum(sizes) - sizes  # each group's first place in `members`
         limit = np.minimum.reduceat(lengths[members], heads) // self.block_size
         width = int(limit.max())
-        blocks = self.table[rows[members], :width]
+        blocks = self.block_table.table[rows[members], :width]
         leader = np.repeat(blocks[heads], sizes, axis=0)
         parted = np.logical_or.reduceat(blocks != leader, heads, axis=0)
         parted |= np.arange(width) >= limit[:, None]

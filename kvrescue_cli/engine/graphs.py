@@ -145,9 +145,9 @@ class _FullSide:
     def start(self, rows: Sequence[int]) -> tuple[tuple[int, ...], np.ndarray]:
         cache, ids = self.cache, np.asarray(rows, np.int64)
         cached = cache.append_one(rows)
-        host = self.padding(bucket(len(rows)), self._width(int(cache.n_blocks[ids].max())))
+        host = self.padding(bucket(len(rows)), self._width(int(cache.block_table.n_blocks[ids].max())))
         bs, width = cache.block_size, host.shape[0] - 2
-        table = cache.table[ids, : min(width, cache.table.shape[1])]
+        table = cache.block_table.table[ids, : min(width, cache.block_table.table.shape[1])]
         host[0, : len(rows)] = cached
         host[1, : len(rows)] = table[np.arange(len(rows)), cached // bs] * bs + cached % bs
         host[2: 2 + table.shape[1], : len(rows)] = table.T
@@ -164,7 +164,7 @@ class _FullSide:
         KEY_GRANULE blocks of keys with batch invariance on)."""
         cache = self.cache
         if use_flash(cache.k):
-            return cache.table.shape[1]
+            return cache.block_table.table.shape[1]
         if invariance.active(cache.k):
             return invariance.padded_keys(blocks * cache.block_size) // cache.block_size
         return bucket(blocks)
