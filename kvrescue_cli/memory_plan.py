@@ -20,6 +20,7 @@ attention's extra pass over shared prefixes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
@@ -28,8 +29,8 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError
 from kvrescue_cli.scorers import HELPER_LOGLIK, PRM
-from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, FLASH_BLOCK, GROUP_CASCADE_FROM, LOGITS_BYTES,
-                                 OBSERVATION_WINDOW, PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, compress_slice,
+from kvrescue_cli.shapes import (CHUNK_TOKENS, FLASH_BLOCK, GROUP_CASCADE_FROM, LOGITS_BYTES, OBSERVATION_WINDOW,
+                                 PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, cascade_from_on, compress_slice,
                                  local_args, shard_degree)
 
 GIB = 2**30
@@ -156,11 +157,15 @@ def attention_bytes(a: ModelArgs, b: int, rows: int, tokens: int, k: Keys, cuda:
     return held, kernel
 
 
-def cascade_shared(groups: int, group: int, invariant: bool) -> int:
+def cascade_shared(groups: int, group: int, invariant: bool, cuda: bool = False) -> int | None:
     """The fewest shared tokens from which a forward of `groups` groups of `group` candidates each reads their shared
-    prefixes through cascade attention (engine/caches.py's `FullCache._cascading`): re-read CASCADE_FROM times
-    over the forward, or with `invariant` (--deterministic) GROUP_CASCADE_FROM times by each group alone."""
-    re_read = GROUP_CASCADE_FROM if invariant else -(-CASCADE_FROM // groups)
+    prefixes through cascade attention (engine/caches.py's `FullCache._cascading`; None: never): re-read
+    `cascade_from_on(cuda)` times over the forward, or with `invariant` (--deterministic) GROUP_CASCADE_FROM times by
+    each group alone."""
+    whole = cascade_from_on(cuda)
+    if not invariant and math.isinf(whole):
+        return None
+    re_read = GROUP_CASCADE_FROM if invariant else -(-whole // groups)
     return -(-re_read // (group - 1))
 
 
@@ -264,9 +269,9 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         """A forward of candidates forked from `s.batch` committed rows, at its longest context (cascading over
         their shared prefix from `cascade_shared` tokens) or the longest that does not cascade."""
         group = rows // s.batch
-        if group < 2:
+        start = cascade_shared(s.batch, group, dev.invariant, dev.cuda) if group > 1 else None
+        if start is None:
             return fwd(r, rows, tokens, Keys(path, keys), head)
-        start = cascade_shared(s.batch, group, dev.invariant)
         longest = fwd(r, rows, tokens, Keys(path, keys, s.batch, keys - tokens) if keys - tokens >= start
                       else Keys(path, keys), head)
         below = (start - 1) // block * block  # shared tokens that do not cascade

@@ -16,7 +16,7 @@ from kvrescue_cli.engine.attention import (FLASH_BLOCK, PagedKeys, attend_paged,
                                            ROWS_PADDING, paged_layout, use_flash)
 from kvrescue_cli.engine.block_table import BlockTable, ranks
 from kvrescue_cli.engine.transfer import upload_all
-from kvrescue_cli.shapes import CASCADE_FROM, GROUP_CASCADE_FROM
+from kvrescue_cli.shapes import CASCADE_FROM, GROUP_CASCADE_FROM, cascade_from_on
 
 
 class KVCache(ABC):
@@ -141,8 +141,9 @@ class FullCache(KVCache):
     blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
     attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
     another, and the two results are merged exactly by their log-sum-exp. `cascade_from`: the shared tokens
-    a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never); with
-    batch invariance on, each group cascades alone when its rows would re-read `group_cascade_from`.
+    a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never, even with
+    batch invariance on; "device": the device's rule, `shapes.cascade_from_on`); with batch invariance on, each group
+    cascades alone when its rows would re-read `group_cascade_from`.
     `rows_padding`: on a CPU, rows are read whole, padded to the longest, when that reads at most this many times
     the blocks of the chunks (0: always in chunks; inf: always whole).
     """
@@ -157,13 +158,15 @@ class FullCache(KVCache):
         max_rows: int = 1024,
         max_row_tokens: int = 8192,
         block_size: int = 16,
-        cascade_from: int | None = CASCADE_FROM,
+        cascade_from: float | None | str = "device",
         group_cascade_from: int = GROUP_CASCADE_FROM,
         rows_padding: float = ROWS_PADDING,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
         self.block_size = block_size
+        if cascade_from == "device":
+            cascade_from = cascade_from_on(torch.device(device).type == "cuda")
         self.cascade_from = cascade_from
         self.group_cascade_from = group_cascade_from
         self.rows_padding = rows_padding
