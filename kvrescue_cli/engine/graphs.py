@@ -55,12 +55,25 @@ def capture_stream() -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[key]
 
 
+# Without flash-attn, a bounded cache's static step reads the span of every slot of the pools in place (a view, each
+# step's queries scattered to their slots) when the pools have at most this many slots per row of the bucket: a gather
+# reads the rows' spans, writes them and the attention reads them again, three passes over the bucket's rows.
+IN_PLACE_SLOTS = 3
+
+
 class _StaticView:
-    """What the decoder's attention layers see during a bounded cache's static step (the `KVCache.attend` call only)."""
+    """What the decoder's attention layers see during a bounded cache's static step (the `KVCache.attend` call only).
+    Without flash-attn, attention reads every slot's span in place (`in_place`, where `IN_PLACE_SLOTS` says) or the
+    rows' spans gathered."""
 
     def __init__(self, cache: BoundedCache, inputs: torch.Tensor, span: int) -> None:
         self.cache, self.span = cache, span
         self.slots, self.lengths = inputs[2], inputs[3]
+        slots = cache.k.shape[1]
+        self.in_place = not use_flash(cache.k) and slots <= IN_PLACE_SLOTS * inputs.shape[1]
+        if self.in_place:  # each slot's cached entries (0 for slots outside the step: they see their key 0 alone)
+            held = torch.zeros(slots, dtype=torch.long, device=inputs.device).index_copy_(0, self.slots, self.lengths)
+            self.visible = (torch.arange(span, device=inputs.device) <= held[:, None])[:, None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.store_token(layer, self.slots, self.lengths, q, k, v)
@@ -73,6 +86,10 @@ class _StaticView:
                                           cache_seqlens=(self.lengths + 1).int(), cache_batch_idx=self.slots.int(),
                                           num_splits=invariance.flash_splits())
             return out.transpose(1, 2)
+        if self.in_place:
+            queries = q.new_zeros(kp.shape[0], *q.shape[1:]).index_copy_(0, self.slots, q)
+            out = attend_masked(queries, kp[:, :, : self.span], vp[:, :, : self.span], self.visible)
+            return out.index_select(0, self.slots)
         keys, values = kp[self.slots, :, : self.span], vp[self.slots, :, : self.span]
         return attend_padded(q, keys, values, self.lengths, torch.ones_like(self.lengths))
 

@@ -15,8 +15,14 @@ def test_buckets_are_powers_of_two():
     assert [bucket(r) for r in (1, 2, 3, 4, 5, 64, 65, 513)] == [1, 2, 4, 4, 8, 64, 128, 1024]
 
 
+@pytest.mark.parametrize("slots_per_row", [3, 0], ids=["in-place", "gathered"])  # graphs.IN_PLACE_SLOTS
 @pytest.mark.parametrize("evictor", ["rkv", "h2o"])
-def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_releases(qwen2_dir, evictor):
+def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_releases(qwen2_dir, evictor,
+                                                                                        slots_per_row, monkeypatch):
+    """Without flash-attn, the static step reads every slot's span in place or the rows' spans gathered."""
+    from kvrescue_cli.engine import graphs
+
+    monkeypatch.setattr(graphs, "IN_PLACE_SLOTS", slots_per_row)
     model = load_model(qwen2_dir)
     net = model.net
     generator = torch.Generator().manual_seed(0)
