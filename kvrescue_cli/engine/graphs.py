@@ -250,16 +250,17 @@ class StaticDecode:
         return step
 
     def _capture(self, inputs: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The step over `inputs` captured in a CUDA graph (after a warm-up on the device's capture stream), and its
-        logits buffer. The graph reads and writes the pools at their addresses and strides of now."""
+        """The step over `inputs` captured in a CUDA graph on the device's capture stream, after one warm-up forward
+        there (which makes what the kernels create on first use, the stream's cuBLAS workspace too, as nano-vllm's
+        capture does), and its logits buffer. The graph reads and writes the pools at their addresses and strides
+        of now."""
         torch.cuda.set_device(inputs.device)  # the capture stream and graph are the current device's: the cache's
         stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(inputs)
+            self._forward(inputs)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory):
+        with torch.cuda.graph(graph, pool=self.memory, stream=stream):
             logits = self._forward(inputs)
         return graph, logits
