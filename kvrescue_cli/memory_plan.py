@@ -299,16 +299,27 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
                f"decode step of {rows_open} candidates and its sampling")
         moment(role, fwd(r, s.batch, step, commit), f"commit of {s.batch} steps")
 
+    graphs = dev.cuda and dev.cuda_graphs
+
+    def graph_pool(role: str, r: _Role, keys: Keys) -> None:
+        """The CUDA graphs' memory pool of a runner's one-token steps: a decode step at the largest row bucket, and
+        each row bucket's logits."""
+        bucket = 1 << max(rows_open - 1, 0).bit_length()
+        add(role, "buffers", fwd(r, bucket, 1, keys) + 2 * bucket * r.vocab * b,
+            "CUDA graph pool: a decode step, each row bucket's logits")
+
     def full_runner(role: str) -> None:
         r = roles[role]
-        add(role, "kv", blocks(full_tokens, block) * r.kv_token, f"full K/V: {full_tokens} tokens")
+        add(role, "kv", (blocks(full_tokens, block) + graphs * block) * r.kv_token,
+            f"full K/V: {full_tokens} tokens" + (" and the graphs' scratch block" if graphs else ""))
+        if graphs:
+            graph_pool(role, r, Keys("flash" if dev.flash else "masked", blocks(cap, block)))
         sampling_runner(role, r, Keys(path, blocks(prompt, block)),
                         lambda: forked(r, rows_open, 1, path, blocks(cap, block), block),
                         Keys(path, blocks(cap, block)))  # a step ends where the context reaches the cap
 
     if s.base == "bounded":
         r, peak = roles["base"], s.budget + s.buffer
-        graphs = dev.cuda and dev.cuda_graphs
         rows = s.batch * (s.n + 1) + graphs  # + the graphs' scratch slot
         capacity = peak + step if prompt <= peak + step else -(-prompt // 64) * 64  # `BoundedCache.begin`'s growth
         per_slot = r.args.n_layers * r.args.n_kv_heads * r.args.head_dim * b
@@ -322,9 +333,7 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
             moment("base", rows * (peak + step) * per_slot + ring, "pool regrowth for the longest prompt")
         if graphs:
             moment("base", rows * capacity * per_slot + ring, "pool regrowth for the graphs' scratch slot")
-            bucket = 1 << max(rows_open - 1, 0).bit_length()
-            add("base", "buffers", fwd(r, bucket, 1, Keys("flash" if dev.flash else "masked", peak))
-                + 2 * bucket * r.vocab * b, "CUDA graph pool: a decode step, each row bucket's logits")
+            graph_pool("base", r, Keys("flash" if dev.flash else "masked", peak))
         sampling_runner("base", r, Keys("masked", prompt), lambda: fwd(r, rows_open, 1, Keys("masked", peak)),
                         Keys("masked", peak - 1 + step))
         dim = r.args.dim * b  # the forward's last hidden states stay alive while the rows are compressed
