@@ -46,9 +46,9 @@ def bucket(rows: int) -> int:
 
 
 def capture_stream() -> torch.cuda.Stream:
-    """The side stream every capture on the current device warms up on: one per device and process, as PyTorch
-    keeps a cuBLAS workspace per (handle, stream) and would keep one more for each new stream (issue 41). Keyed by
-    the stream class too, so that `fake_cuda`'s stand-in never serves real CUDA."""
+    """The side stream every capture on the current device warms up and captures on: one per device and process, as
+    PyTorch keeps a cuBLAS workspace per (handle, stream) and would keep one more for each new stream (issue 41).
+    Keyed by the stream class too, so that `fake_cuda`'s stand-in never serves real CUDA."""
     key = (torch.cuda.Stream, torch.cuda.current_device())
     if key not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[key] = torch.cuda.Stream()
@@ -171,6 +171,7 @@ class _FullSide:
         return (host.shape[1], width), host
 
     def padding(self, size: int, width: int) -> np.ndarray:
+        """The buffer's rows past the tokens for `size` padding rows of a `width`-block table."""
         host = np.full((2 + width, size), self.scratch, np.int64)
         host[0] = 0
         host[1] = self.scratch * self.cache.block_size

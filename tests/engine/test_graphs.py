@@ -232,3 +232,33 @@ def test_the_full_caches_static_decode_matches_the_dynamic_step_through_forks_co
         torch.testing.assert_close(keys("static", b), keys("dynamic", a))
     assert caches["static"].blocks_in_use() == caches["dynamic"].blocks_in_use() + 1
 
+
+
+def test_the_full_caches_flash_attn_call_matches_the_dynamic_step(qwen2_dir, monkeypatch, kernel_layouts):
+    """With flash-attn the full cache's static step reads the whole block table in place (`attend_paged`'s paged
+    call); checked against the dynamic step through a plain-torch implementation of its semantics."""
+    from kvrescue_cli.engine import attention, graphs
+    from tests.engine import test_attention
+
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache",
+                        kernel_layouts.flash(test_attention.reference_flash_attn_with_kvcache))
+    monkeypatch.setattr(attention, "use_flash", lambda x: True)
+    monkeypatch.setattr(attention, "FLASH_BLOCK", 8)
+    monkeypatch.setattr(graphs, "use_flash", lambda x: True)
+    net = load_model(qwen2_dir).net
+    generator = torch.Generator().manual_seed(5)
+    caches = {name: FullCache.for_model(net, 1024, max_rows=8, max_row_tokens=128, block_size=8)
+              for name in ("dynamic", "static")}
+    step = StaticDecode(net, caches["static"], graphs=False)
+    prompt = torch.randint(0, net.args.vocab_size, (2, 19), generator=generator)
+    rows = {}
+    for name, cache in caches.items():
+        rows[name] = [cache.create() for _ in range(2)]
+        net.prefill(prompt, cache, rows[name], [19, 6])
+        rows[name] += cache.fork(rows[name][0], 2)
+    for _ in range(20):
+        tokens = torch.randint(0, net.args.vocab_size, (4,), generator=generator)
+        with torch.inference_mode():
+            want = net.decode(tokens, caches["dynamic"], rows["dynamic"])
+        torch.testing.assert_close(step(rows["static"], tokens), want, atol=2e-5, rtol=1e-5)
+    assert {key[1] for key in step.steps} == {16}  # the table's whole width: 128 tokens in blocks of 8
