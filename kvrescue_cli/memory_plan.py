@@ -67,7 +67,7 @@ class DeviceKind:
     cuda: bool = False
     dtype_bytes: int = 4
     flash: bool = False  # flash-attn serves the full caches (and the static decode step)
-    cuda_graphs: bool = False  # the evicted base's decode step is captured
+    cuda_graphs: bool = False  # the one-token decode steps (evicted base, full caches) are captured
     tp: int = 1
     invariant: bool = False  # --deterministic: each group of candidates cascades by its own prefix
 
