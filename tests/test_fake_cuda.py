@@ -5,6 +5,7 @@ one device)."""
 
 import gc
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,3 +174,28 @@ def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch):
     run = dry_run(("bon", "kvrescue"), n=2, batch=1, synthetic=(2, 1))
     assert len(made) == 2
     assert all(cell.graph_replays for cell in run.cells)  # graphs captured in both cells, and replayed
+
+
+def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
+    """Without flash-attn the full cache's step has a graph per row and block bucket: they write one logits buffer
+    per row bucket (a 1.5B helper's logits at 512 rows take 155 MB), not one each."""
+    from kvrescue_cli.dry_run import fake_model
+    from kvrescue_cli.engine.caches import FullCache
+    from kvrescue_cli.engine.graphs import StaticDecode
+    from kvrescue_cli.random_checkpoints import build_tokenizer
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
+    tokenizer = build_tokenizer(512)
+    with FakeCuda():
+        net = fake_model(shape, "helper", tokenizer, torch.bfloat16, "cuda:0").net
+        cache = FullCache.for_model(net, 512, max_rows=4, max_row_tokens=256, block_size=16)
+        step = StaticDecode(net, cache)
+        row = cache.create()
+        cuda = torch.device("cuda:0")
+        with torch.inference_mode():
+            net.prefill(upload_all({"prompt": np.zeros((1, 10))}, cuda)["prompt"], cache, [row], [10])
+        for _ in range(40):  # 11 to 50 tokens: 1, 2, 3 then 4 blocks
+            step([row], upload_all({"token": np.zeros(1)}, cuda)["token"])
+    assert sorted(step.steps) == [(1, 1), (1, 2), (1, 4)]
+    assert len({id(s.logits) for s in step.steps.values()}) == 1

@@ -211,6 +211,7 @@ class StaticDecode:
         self.steps: dict[tuple[int, ...], _Step] = {}
         self.pools_from = self.side.generation  # the pools the graphs read (their addresses and strides)
         self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.outputs: dict[int, torch.Tensor] = {}  # each row bucket's logits, shared by its graphs (block buckets)
 
     @property
     def scratch(self) -> int:
@@ -253,15 +254,21 @@ class StaticDecode:
     def _capture(self, inputs: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The step over `inputs` captured in a CUDA graph on the device's capture stream, after one warm-up forward
         there (which makes what the kernels create on first use, the stream's cuBLAS workspace too, as nano-vllm's
-        capture does), and its logits buffer. The graph reads and writes the pools at their addresses and strides
-        of now."""
+        capture does), and its logits buffer: the row bucket's, which every graph of that bucket writes (a full
+        cache has one per block bucket). The graph reads and writes the pools at their addresses and strides of
+        now."""
         torch.cuda.set_device(inputs.device)  # the capture stream and graph are the current device's: the cache's
         stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._forward(inputs)
+            warm = self._forward(inputs)
         torch.cuda.current_stream().wait_stream(stream)
+        size = inputs.shape[1]
+        if size not in self.outputs:
+            self.outputs[size] = torch.empty_like(warm)
+        del warm
+        logits = self.outputs[size]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory, stream=stream):
-            logits = self._forward(inputs)
+            logits.copy_(self._forward(inputs))
         return graph, logits
