@@ -199,3 +199,10 @@ def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
             step([row], upload_all({"token": np.zeros(1)}, cuda)["token"])
     assert sorted(step.steps) == [(1, 1), (1, 2), (1, 4)]
     assert len({id(s.logits) for s in step.steps.values()}) == 1
+
+
+def test_full_decodes_its_one_token_steps_in_cuda_graphs():
+    """The `full` method's base, on the full cache, decodes through captured graphs on CUDA (as the helper does), as
+    the evicted base does."""
+    (cell,) = dry_run(("full",), n=2, batch=1, synthetic=(2, 1)).cells
+    assert cell.graph_replays > 0
