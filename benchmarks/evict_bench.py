@@ -91,9 +91,10 @@ def make_paged_rows(net: CausalLM, batch: int, length: int, room: int, candidate
     rows = []
     for _ in range(parents):
         parent = cache.create()
-        blocks = cache._new_blocks(-(-length // cache.block_size))  # benchmark only: as if prefilled
-        cache.table[parent, :len(blocks)] = blocks
-        cache.n_blocks[parent], cache.lengths[parent] = len(blocks), length
+        table = cache.block_table
+        blocks = table.new_blocks(-(-length // cache.block_size))  # benchmark only: as if prefilled
+        table.table[parent, :len(blocks)] = blocks
+        table.n_blocks[parent], table.lengths[parent] = len(blocks), length
         rows += cache.fork(parent, min(candidates, batch - len(rows)))
     return cache, rows
 

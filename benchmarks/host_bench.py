@@ -157,6 +157,15 @@ def measure(scorer: str, steps: int, problems: int, mode: str) -> dict:
             "candidate_tokens": tokens, "us_per_token": 1e6 * seconds / tokens, **result}
 
 
+def export_tree(ref: str, folder: Path) -> Path:
+    """The product's code (kvrescue_cli, grader) at git ref `ref`, exported to `folder` (made here)."""
+    folder.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "kvrescue_cli", "grader"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
 def _python(code: Path, call: str, args: list[str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """A fresh Python process importing kvrescue_cli (and the grader) from `code` first."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -220,12 +229,7 @@ def main() -> None:
     report: dict = {"cells": [], "whole": []}
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline:
-            export = Path(tmp) / "baseline"
-            export.mkdir()
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline, "kvrescue_cli", "grader"],
-                                     capture_output=True, check=True).stdout
-            subprocess.run(["tar", "-x", "-C", str(export)], input=archive, check=True)
-            trees[args.baseline] = export
+            trees[args.baseline] = export_tree(args.baseline, Path(tmp) / "baseline")
         best: dict[tuple[str, str], dict] = {}
         for _ in range(args.rounds):
             for scorer in ("prm", "none"):

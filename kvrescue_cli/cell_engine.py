@@ -74,7 +74,7 @@ def _runners(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], v
     if spec.helper and "helper" not in runners:
         helper = models["helper"]
         cache = full.for_model(helper.net, full_tokens(s, cell.n), **full_rows(s, cell.n))
-        runners["helper"] = Runner(helper, cache)
+        runners["helper"] = Runner(helper, cache, cuda_graphs=options.cuda_graphs)
     return runners
 
 

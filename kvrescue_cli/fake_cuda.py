@@ -245,6 +245,7 @@ class FakeCuda:
         self.current = 0
         self.syncs = 0  # host reads of CUDA tensors and synchronisations
         self.graph_replays = 0
+        self.default_stream = _Stream()  # what `torch.cuda.current_stream` returns (one stream, as the devices' own)
         self._stack: ExitStack | None = None
         self.mode: FakeTensorMode | None = None
 
@@ -280,7 +281,7 @@ class FakeCuda:
             (cuda, "empty_cache", lambda: None),
             (cuda, "synchronize", self._synchronize),
             (cuda, "Stream", _Stream),
-            (cuda, "current_stream", lambda device=None: _Stream()),
+            (cuda, "current_stream", lambda device=None: self.default_stream),
             (cuda, "stream", lambda stream: nullcontext()),
             (cuda, "graph_pool_handle", lambda: object()),
             (cuda, "CUDAGraph", lambda: _Graph(self)),

@@ -77,7 +77,7 @@ class GridOptions:
     ray_address: str | None = None  # a Ray cluster to run the actors on (else a private local instance)
     dtype: str = "float32"
     shard: tuple[int, int] | None = None  # (i, k): every k-th problem from the i-th
-    cuda_graphs: bool = True  # the evicted base's decode step as CUDA graphs (on a GPU)
+    cuda_graphs: bool = True  # the one-token decode steps (evicted base, helper, full) as CUDA graphs (on a GPU)
     deterministic: bool = False  # batch-invariant kernels (engine/invariance.py, docs/reproducibility.md)
     tp: int = 1  # devices per group: every model is sharded over a group's K devices (rank_group.py)
     engine: str = "native"  # vllm: the full-context roles on vLLM (vllm_roles), the rest on this engine

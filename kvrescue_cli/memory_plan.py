@@ -20,6 +20,7 @@ attention's extra pass over shared prefixes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
@@ -28,8 +29,8 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError
 from kvrescue_cli.scorers import HELPER_LOGLIK, PRM
-from kvrescue_cli.shapes import (CASCADE_FROM, CHUNK_TOKENS, FLASH_BLOCK, GROUP_CASCADE_FROM, LOGITS_BYTES,
-                                 OBSERVATION_WINDOW, PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, compress_slice,
+from kvrescue_cli.shapes import (CHUNK_TOKENS, FLASH_BLOCK, GROUP_CASCADE_FROM, LOGITS_BYTES, OBSERVATION_WINDOW,
+                                 PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, cascade_from_on, compress_slice,
                                  local_args, shard_degree)
 
 GIB = 2**30
@@ -66,7 +67,7 @@ class DeviceKind:
     cuda: bool = False
     dtype_bytes: int = 4
     flash: bool = False  # flash-attn serves the full caches (and the static decode step)
-    cuda_graphs: bool = False  # the evicted base's decode step is captured
+    cuda_graphs: bool = False  # the one-token decode steps (evicted base, full caches) are captured
     tp: int = 1
     invariant: bool = False  # --deterministic: each group of candidates cascades by its own prefix
 
@@ -156,11 +157,15 @@ def attention_bytes(a: ModelArgs, b: int, rows: int, tokens: int, k: Keys, cuda:
     return held, kernel
 
 
-def cascade_shared(groups: int, group: int, invariant: bool) -> int:
+def cascade_shared(groups: int, group: int, invariant: bool, cuda: bool = False) -> int | None:
     """The fewest shared tokens from which a forward of `groups` groups of `group` candidates each reads their shared
-    prefixes through cascade attention (engine/caches.py's `FullCache._cascading`): re-read CASCADE_FROM times
-    over the forward, or with `invariant` (--deterministic) GROUP_CASCADE_FROM times by each group alone."""
-    re_read = GROUP_CASCADE_FROM if invariant else -(-CASCADE_FROM // groups)
+    prefixes through cascade attention (engine/caches.py's `FullCache._cascading`; None: never): re-read
+    `cascade_from_on(cuda)` times over the forward, or with `invariant` (--deterministic) GROUP_CASCADE_FROM times by
+    each group alone."""
+    whole = cascade_from_on(cuda)
+    if not invariant and math.isinf(whole):
+        return None
+    re_read = GROUP_CASCADE_FROM if invariant else -(-whole // groups)
     return -(-re_read // (group - 1))
 
 
@@ -264,9 +269,9 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         """A forward of candidates forked from `s.batch` committed rows, at its longest context (cascading over
         their shared prefix from `cascade_shared` tokens) or the longest that does not cascade."""
         group = rows // s.batch
-        if group < 2:
+        start = cascade_shared(s.batch, group, dev.invariant, dev.cuda) if group > 1 else None
+        if start is None:
             return fwd(r, rows, tokens, Keys(path, keys), head)
-        start = cascade_shared(s.batch, group, dev.invariant)
         longest = fwd(r, rows, tokens, Keys(path, keys, s.batch, keys - tokens) if keys - tokens >= start
                       else Keys(path, keys), head)
         below = (start - 1) // block * block  # shared tokens that do not cascade
@@ -294,16 +299,27 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
                f"decode step of {rows_open} candidates and its sampling")
         moment(role, fwd(r, s.batch, step, commit), f"commit of {s.batch} steps")
 
+    graphs = dev.cuda and dev.cuda_graphs
+
+    def graph_pool(role: str, r: _Role, keys: Keys) -> None:
+        """The CUDA graphs' memory pool of a runner's one-token steps: a decode step at the largest row bucket, and
+        each row bucket's logits."""
+        bucket = 1 << max(rows_open - 1, 0).bit_length()
+        add(role, "buffers", fwd(r, bucket, 1, keys) + 2 * bucket * r.vocab * b,
+            "CUDA graph pool: a decode step, each row bucket's logits")
+
     def full_runner(role: str) -> None:
         r = roles[role]
-        add(role, "kv", blocks(full_tokens, block) * r.kv_token, f"full K/V: {full_tokens} tokens")
+        add(role, "kv", (blocks(full_tokens, block) + graphs * block) * r.kv_token,
+            f"full K/V: {full_tokens} tokens" + (" and the graphs' scratch block" if graphs else ""))
+        if graphs:
+            graph_pool(role, r, Keys("flash" if dev.flash else "masked", blocks(cap, block)))
         sampling_runner(role, r, Keys(path, blocks(prompt, block)),
                         lambda: forked(r, rows_open, 1, path, blocks(cap, block), block),
                         Keys(path, blocks(cap, block)))  # a step ends where the context reaches the cap
 
     if s.base == "bounded":
         r, peak = roles["base"], s.budget + s.buffer
-        graphs = dev.cuda and dev.cuda_graphs
         rows = s.batch * (s.n + 1) + graphs  # + the graphs' scratch slot
         capacity = peak + step if prompt <= peak + step else -(-prompt // 64) * 64  # `BoundedCache.begin`'s growth
         per_slot = r.args.n_layers * r.args.n_kv_heads * r.args.head_dim * b
@@ -317,9 +333,7 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
             moment("base", rows * (peak + step) * per_slot + ring, "pool regrowth for the longest prompt")
         if graphs:
             moment("base", rows * capacity * per_slot + ring, "pool regrowth for the graphs' scratch slot")
-            bucket = 1 << max(rows_open - 1, 0).bit_length()
-            add("base", "buffers", fwd(r, bucket, 1, Keys("flash" if dev.flash else "masked", peak))
-                + 2 * bucket * r.vocab * b, "CUDA graph pool: a decode step, each row bucket's logits")
+            graph_pool("base", r, Keys("flash" if dev.flash else "masked", peak))
         sampling_runner("base", r, Keys("masked", prompt), lambda: fwd(r, rows_open, 1, Keys("masked", peak)),
                         Keys("masked", peak - 1 + step))
         dim = r.args.dim * b  # the forward's last hidden states stay alive while the rows are compressed

@@ -4,6 +4,7 @@ and what one rank of a tensor-parallel group holds (engine/tp.py)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from kvrescue_cli.model_config import ModelArgs
@@ -18,12 +19,21 @@ SIMILARITY_ROWS = 1024  # rows of R-KV's key-similarity matrix scored at once (a
 PRM_WINDOW = 4096  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)
 FLASH_BLOCK = 256  # flash-attn's paged KV cache takes blocks of a multiple of 256 tokens
 CHUNK_TOKENS = 128  # keys per unit of work of the torch paged path (whole blocks)
-# Cascade when a forward's rows would otherwise re-read at least this many shared tokens (engine/caches.py says why);
-# with batch invariance on, a group of rows cascades when it alone would re-read GROUP_CASCADE_FROM.
+# On a CPU, cascade when a forward's rows would otherwise re-read at least this many shared tokens (engine/caches.py
+# says why); with batch invariance on (any device), a group of rows cascades when it alone would re-read
+# GROUP_CASCADE_FROM.
 CASCADE_FROM = 1024
 GROUP_CASCADE_FROM = 3584
 SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longer query sets are sliced
 LOGITS_BYTES = 1 << 28  # bound on the fp32 logits helper-loglik's log-likelihoods hold at once
+
+
+def cascade_from_on(cuda: bool) -> float:
+    """The shared tokens a forward's rows must otherwise re-read for the full cache to cascade, outside
+    --deterministic (inf: never). On a CPU, CASCADE_FROM; on CUDA never: cascade costs more than the reads it saves
+    there (on an H200 without flash-attn, 30.4 ms a step against 13.0 paged at 8 problems x N = 8 over 1k-2k
+    tokens, about 84k tokens re-read; docs/gpus.md)."""
+    return math.inf if cuda else CASCADE_FROM
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ one device)."""
 
 import gc
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from kvrescue_cli.engine.attention import attend_masked
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.engine.transfer import upload_all
+from kvrescue_cli import fake_cuda
 from kvrescue_cli.fake_cuda import CaptureError, FakeCuda
 from kvrescue_cli.memory_plan import CellShape, DeviceKind, plan_cell
 from kvrescue_cli.paper_shapes import PAPER_MODELS
@@ -162,3 +164,47 @@ def test_the_dry_run_catches_a_host_read_inside_a_cuda_graph(monkeypatch):
     monkeypatch.setattr(graphs._StaticView, "attend", reading)
     with pytest.raises(CaptureError, match="during a CUDA graph capture"):
         dry_run(("bon",), n=1, batch=1, synthetic=(2, 1))
+
+
+def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch):
+    """PyTorch keeps a cuBLAS workspace (33 MiB on Hopper) per (handle, stream) and never frees it: a stream made for
+    each capture left one more behind each time (issue 41). Two cells, each with graphs of the base and the helper,
+    on one fake CUDA device, make one capture stream (beside the device's own)."""
+    made = []
+    monkeypatch.setattr(graphs, "_CAPTURE_STREAMS", {}, raising=False)
+    monkeypatch.setattr(fake_cuda._Stream, "__init__", lambda stream: made.append(stream))
+    run = dry_run(("bon", "kvrescue"), n=2, batch=1, synthetic=(2, 1))
+    assert len(made) == 2
+    assert all(cell.graph_replays for cell in run.cells)  # graphs captured in both cells, and replayed
+
+
+def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
+    """Without flash-attn the full cache's step has a graph per row and block bucket: they write one logits buffer
+    per row bucket (a 1.5B helper's logits at 512 rows take 155 MB), not one each."""
+    from kvrescue_cli.dry_run import fake_model
+    from kvrescue_cli.engine.caches import FullCache
+    from kvrescue_cli.engine.graphs import StaticDecode
+    from kvrescue_cli.random_checkpoints import build_tokenizer
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
+    tokenizer = build_tokenizer(512)
+    with FakeCuda():
+        net = fake_model(shape, "helper", tokenizer, torch.bfloat16, "cuda:0").net
+        cache = FullCache.for_model(net, 512, max_rows=4, max_row_tokens=256, block_size=16)
+        step = StaticDecode(net, cache)
+        row = cache.create()
+        cuda = torch.device("cuda:0")
+        with torch.inference_mode():
+            net.prefill(upload_all({"prompt": np.zeros((1, 10))}, cuda)["prompt"], cache, [row], [10])
+        for _ in range(40):  # 11 to 50 tokens: 1, 2, 3 then 4 blocks
+            step([row], upload_all({"token": np.zeros(1)}, cuda)["token"])
+    assert sorted(step.steps) == [(1, 1), (1, 2), (1, 4)]
+    assert len({id(s.logits) for s in step.steps.values()}) == 1
+
+
+def test_full_decodes_its_one_token_steps_in_cuda_graphs():
+    """The `full` method's base, on the full cache, decodes through captured graphs on CUDA (as the helper does), as
+    the evicted base does."""
+    (cell,) = dry_run(("full",), n=2, batch=1, synthetic=(2, 1)).cells
+    assert cell.graph_replays > 0

@@ -14,8 +14,9 @@ import torch
 import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.attention import (FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys,
                                            ROWS_PADDING, paged_layout, use_flash)
+from kvrescue_cli.engine.block_table import BlockTable, ranks
 from kvrescue_cli.engine.transfer import upload_all
-from kvrescue_cli.shapes import CASCADE_FROM, GROUP_CASCADE_FROM
+from kvrescue_cli.shapes import CASCADE_FROM, GROUP_CASCADE_FROM, cascade_from_on
 
 
 class KVCache(ABC):
@@ -101,11 +102,6 @@ class _SharedPrefixes:
     slots: torch.Tensor  # [M] its place in the groups' flattened members (group * n + member)
 
 
-def _ranks(sizes: np.ndarray) -> np.ndarray:
-    """Each element's index within its run, for consecutive runs of the given sizes: [2, 3] -> [0, 1, 0, 1, 2]."""
-    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-
-
 @dataclass
 class _Groups:
     """A forward's rows that share leading blocks, group after group (from `FullCache._shared_prefixes`)."""
@@ -136,18 +132,18 @@ class FullCache(KVCache):
 
     A fork shares all of its parent's blocks; the first write into a shared, partly filled last block
     copies that block (copy-on-write), so memory per problem is O(context + candidates x step length).
-    K/V live in two preallocated pools [layers, blocks, block_size, kv_heads, head_dim]; each row has
-    a block table row in a preallocated host array [max_rows, max_row_tokens / block_size]: the host decides
-    where every block lies, so a forward's metadata is computed on the host and sent in one copy that does
-    not wait for the device.
+    K/V live in two preallocated pools [layers, blocks, block_size, kv_heads, head_dim]; the rows' blocks,
+    lengths and reference counts are host arrays (`block_table.BlockTable`): the host decides where every block
+    lies, so a forward's metadata is computed on the host and sent in one copy that does not wait for the device.
 
     Attention reads the blocks in place through the block table (`attend_paged`: flash-attn on a GPU,
     else torch), each row only its own blocks. With cascade, rows of a forward that share their first
     blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
     attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
     another, and the two results are merged exactly by their log-sum-exp. `cascade_from`: the shared tokens
-    a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never); with
-    batch invariance on, each group cascades alone when its rows would re-read `group_cascade_from`.
+    a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never, even with
+    batch invariance on; "device": the device's rule, `shapes.cascade_from_on`); with batch invariance on, each group
+    cascades alone when its rows would re-read `group_cascade_from`.
     `rows_padding`: on a CPU, rows are read whole, padded to the longest, when that reads at most this many times
     the blocks of the chunks (0: always in chunks; inf: always whole).
     """
@@ -162,26 +158,21 @@ class FullCache(KVCache):
         max_rows: int = 1024,
         max_row_tokens: int = 8192,
         block_size: int = 16,
-        cascade_from: int | None = CASCADE_FROM,
+        cascade_from: float | None | str = "device",
         group_cascade_from: int = GROUP_CASCADE_FROM,
         rows_padding: float = ROWS_PADDING,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        if cascade_from == "device":
+            cascade_from = cascade_from_on(torch.device(device).type == "cuda")
         self.cascade_from = cascade_from
         self.group_cascade_from = group_cascade_from
         self.rows_padding = rows_padding
         self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.table = np.zeros((max_rows, -(-max_row_tokens // block_size)), np.int64)
-        self.lengths = np.zeros(max_rows, np.int64)   # each row's tokens
-        self.n_blocks = np.zeros(max_rows, np.int64)  # each row's blocks: table[row, :n_blocks[row]]
-        self.refs = np.zeros(num_blocks, np.int64)
-        self.free_blocks = np.arange(num_blocks - 1, -1, -1)  # a stack: its first n_free entries are free
-        self.n_free = num_blocks
-        self.free_rows = list(range(max_rows - 1, -1, -1))
+        self.block_table = BlockTable(num_blocks, block_size, max_rows, max_row_tokens)
         self.fwd: _PagedForward | None = None
 
     @classmethod
@@ -195,106 +186,54 @@ class FullCache(KVCache):
         return cls(a.n_layers, a.n_kv_heads, a.head_dim, -(-max_tokens // block_size), block_size=block_size, **kw)
 
     # -- rows ---------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.block_table.num_blocks
+
+    @property
+    def free_rows(self) -> list[int]:
+        """Row ids not in use."""
+        return self.block_table.free_rows
+
     def create(self) -> int:
-        if not self.free_rows:
-            raise RuntimeError(f"FullCache: all {self.table.shape[0]} rows in use")
-        row = self.free_rows.pop()
-        self.lengths[row] = self.n_blocks[row] = 0
-        return row
+        return self.block_table.create()
 
     def fork(self, row: int, n: int) -> list[int]:
-        return self.fork_each([row], n)
+        return self.block_table.fork_each([row], n)
 
     def fork_each(self, rows: Sequence[int], n: int) -> list[int]:
-        children = [self.create() for _ in range(len(rows) * n)]
-        parents = np.repeat(np.asarray(rows, np.int64), n)
-        held = self.n_blocks[parents]
-        width = int(held.max(initial=0))
-        blocks = self.table[parents, :width]
-        self.table[children, :width] = blocks  # past a child's own blocks: ids it never reads
-        self.lengths[children], self.n_blocks[children] = self.lengths[parents], held
-        shared, times = np.unique(blocks[np.arange(width) < held[:, None]], return_counts=True)
-        self.refs[shared] += times
-        return children
+        return self.block_table.fork_each(rows, n)
 
     def adopt(self, row: int, child: int) -> None:
-        self._drop_rows([row])
-        nb = self.n_blocks[child]
-        self.table[row, :nb] = self.table[child, :nb]
-        self.lengths[row], self.n_blocks[row] = self.lengths[child], nb
-        self.free_rows.append(child)
+        self.block_table.adopt(row, child)
 
     def release(self, rows: Iterable[int]) -> None:
-        rows = list(rows)
-        self._drop_rows(rows)
-        self.free_rows += rows
+        self.block_table.release(rows)
 
     def length(self, row: int) -> int:
-        return int(self.lengths[row])
+        return int(self.block_table.lengths[row])
 
     def peak_length(self, row: int) -> int:
-        return int(self.lengths[row])  # a full cache never shrinks a row
+        return self.length(row)  # a full cache never shrinks a row
 
     def blocks(self, row: int) -> list[int]:
         """The row's blocks, in order: its token i lies in blocks(row)[i // block_size]."""
-        return self.table[row, : self.n_blocks[row]].tolist()
+        return self.block_table.blocks(row)
 
     def blocks_in_use(self) -> int:
-        """Physical blocks referenced by at least one row."""
-        return self.num_blocks - self.n_free
-
-    def _drop_rows(self, rows: Sequence[int]) -> None:
-        """Drop the rows' references to their blocks, freeing those no row holds any more."""
-        rows_np = np.asarray(rows, np.int64)
-        n_blocks = self.n_blocks[rows_np]
-        held = self.table[rows_np, : int(n_blocks.max(initial=0))]
-        held = held[np.arange(held.shape[1]) < n_blocks[:, None]]
-        held, times = np.unique(held, return_counts=True)
-        self.refs[held] -= times
-        self._push_free(held[self.refs[held] == 0])
-        self.n_blocks[rows_np] = 0
-
-    def _push_free(self, blocks: np.ndarray) -> None:
-        self.free_blocks[self.n_free: self.n_free + len(blocks)] = blocks
-        self.n_free += len(blocks)
-
-    def _new_blocks(self, n: int) -> np.ndarray:
-        """n free blocks, each referenced once."""
-        if n > self.n_free:
-            raise RuntimeError(
-                f"FullCache: out of blocks ({self.num_blocks} x {self.block_size} tokens); build it with more"
-            )
-        self.n_free -= n
-        blocks = self.free_blocks[self.n_free: self.n_free + n][::-1].copy()
-        self.refs[blocks] = 1
-        return blocks
+        """Physical blocks referenced by at least one row (or reserved)."""
+        return self.block_table.blocks_in_use()
 
     # -- forward protocol ---------------------------------------------------------------------------
     def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
-        bs = self.block_size
         rows_np, n_np = np.asarray(rows, np.int64), np.asarray(n_new, np.int64)
-        lengths, n_blocks = self.lengths[rows_np], self.n_blocks[rows_np]
-        too_long = np.flatnonzero(lengths + n_np > self.table.shape[1] * bs)
-        if len(too_long):
-            raise RuntimeError(f"FullCache: row {rows_np[too_long[0]]} would exceed max_row_tokens "
-                               f"({self.table.shape[1] * bs})")
-        copies, cow_src = self._copies_on_write(rows_np, lengths, n_blocks, n_np)
-        grow = -(-(lengths + n_np) // bs) - n_blocks
-        new = self._new_blocks(len(copies) + int(grow.sum()))
-        cow_dst, new = new[: len(copies)], new[len(copies):]
-        np.subtract.at(self.refs, cow_src, 1)
-        self.table[rows_np[copies], n_blocks[copies] - 1] = cow_dst
-        which = np.repeat(np.arange(len(rows_np)), grow)
-        self.table[rows_np[which], n_blocks[which] + _ranks(grow)] = new
-        self.n_blocks[rows_np] += grow
-        self.lengths[rows_np] += n_np
+        lengths = self.block_table.lengths[rows_np]
+        cow_src, cow_dst = self.block_table.append(rows_np, n_np)
         groups = self._cascading(rows_np, lengths)
         host = self._forward_arrays(rows_np, lengths, n_np, groups)
         host["cow_src"], host["cow_dst"] = cow_src, cow_dst
         dev = upload_all(host, self.k.device)  # the forward's one copy; nothing here waits for the device
-        if len(cow_src):
-            self.k[:, dev["cow_dst"]] = self.k[:, dev["cow_src"]]
-            self.v[:, dev["cow_dst"]] = self.v[:, dev["cow_src"]]
+        self._copy_blocks(dev["cow_src"], dev["cow_dst"])
         T = int(n_np.max())
         pick = lambda prefix: {k[len(prefix):]: v for k, v in dev.items() if k.startswith(prefix)}  # noqa: E731
         shared = None
@@ -305,19 +244,36 @@ class FullCache(KVCache):
         self.fwd = _PagedForward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"), shared)
         return dev["positions"]
 
-    def _copies_on_write(self, rows: np.ndarray, lengths: np.ndarray, n_blocks: np.ndarray,
-                         n_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The rows (indices into `rows`) about to write into a partly filled last block that other rows hold, which
-        must copy it first, and those blocks. Rows of the forward holding the same such block copy it in their
-        order, except the last holder when no row outside them holds it."""
-        at = np.flatnonzero((lengths % self.block_size != 0) & (n_new > 0))
-        last = self.table[rows[at], n_blocks[at] - 1]
-        order = np.argsort(last, kind="stable")
-        starts = np.flatnonzero(np.r_[True, last[order][1:] != last[order][:-1]])
-        before = np.empty(len(at), np.int64)  # rows of this forward holding the same block before this one
-        before[order] = _ranks(np.diff(np.r_[starts, len(at)]))
-        copy = before < self.refs[last] - 1
-        return at[copy], last[copy]
+    def append_one(self, rows: Sequence[int]) -> np.ndarray:
+        """Make room for one more token in each row (a static decode step, `graphs`), copying a shared last block
+        first where the row writes into it; the rows' lengths before it (the new tokens' positions)."""
+        rows_np = np.asarray(rows, np.int64)
+        lengths = self.block_table.lengths[rows_np]
+        cow_src, cow_dst = self.block_table.append(rows_np, np.ones(len(rows_np), np.int64))
+        if len(cow_src):
+            dev = upload_all({"src": cow_src, "dst": cow_dst}, self.k.device)
+            self._copy_blocks(dev["src"], dev["dst"])
+        return lengths
+
+    @torch.inference_mode(False)  # pools made outside inference mode, as in __init__
+    def reserve_block(self) -> int:
+        """One more block, that no row will ever hold (static decode steps write their padding rows there). Before
+        any row holds a block: the pools are made again one block larger, the old ones dropped first (no copy, and
+        never both at once)."""
+        if self.blocks_in_use():
+            raise RuntimeError("FullCache.reserve_block: rows hold blocks already")
+        shape, dtype, device = list(self.k.shape), self.k.dtype, self.k.device
+        shape[1] += 1
+        self.k = self.v = None
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        return self.block_table.reserve()
+
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the pools' blocks src[i] to dst[i] (device index tensors) in every layer."""
+        if len(src):
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
 
     def _forward_arrays(self, rows: np.ndarray, lengths: np.ndarray, n_new: np.ndarray,
                         groups: _Groups | None) -> dict[str, np.ndarray]:
@@ -327,7 +283,7 @@ class FullCache(KVCache):
         skipped = np.zeros(len(rows), np.int64)  # shared blocks each row reads through its group
         if groups is not None:
             skipped[groups.rows] = np.repeat(groups.shared, groups.sizes)
-        table = self.table[rows, : int((-(-(lengths + n_new) // bs)).max())]
+        table = self.block_table.table[rows, : int((-(-(lengths + n_new) // bs)).max())]
         # Own blocks cover the padded queries' keys too (cached + T): a paged kernel may read that far.
         own = skipped[:, None] + np.arange(int((-(-(lengths + T) // bs) - skipped).max()))
         own_table = np.take_along_axis(table, np.minimum(own, table.shape[1] - 1), 1)
@@ -343,11 +299,11 @@ class FullCache(KVCache):
         if groups is not None:
             n = int(groups.sizes.max())
             starts = np.cumsum(groups.sizes) - groups.sizes
-            member = _ranks(groups.sizes)  # index within its group
+            member = ranks(groups.sizes)  # index within its group
             group = np.repeat(np.arange(len(groups.sizes)), groups.sizes)
             members = np.repeat(groups.rows[starts], n).reshape(-1, n)  # padded with each group's first row
             members[group, member] = groups.rows
-            layout = paged_layout(self.k[0], self.table[rows[groups.rows[starts]], : int(groups.shared.max())],
+            layout = paged_layout(self.k[0], self.block_table.table[rows[groups.rows[starts]], : int(groups.shared.max())],
                                   groups.shared * bs, n * T, False, self.rows_padding)
             host.update(("shared." + k, v) for k, v in layout.items())
             host["members"] = members
@@ -374,7 +330,7 @@ class FullCache(KVCache):
         table (None: no group). A row's block list only changes at its end, so rows holding the same block at
         index j hold the same blocks before it: the shared blocks are the leading run of equal table columns."""
         eligible = np.flatnonzero(lengths >= self.block_size)
-        first = self.table[rows[eligible], 0]
+        first = self.block_table.table[rows[eligible], 0]
         order = np.argsort(first, kind="stable")  # by first block, each group's rows in forward order
         grouped, first = eligible[order], first[order]
         starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
@@ -384,11 +340,11 @@ class FullCache(KVCache):
             return None
         by_row = np.argsort(grouped[starts[keep]])  # groups in the order of their first rows
         starts, sizes = starts[keep][by_row], sizes[keep][by_row]
-        members = grouped[np.repeat(starts, sizes) + _ranks(sizes)]
+        members = grouped[np.repeat(starts, sizes) + ranks(sizes)]
         heads = np.cumsum(sizes) - sizes  # each group's first place in `members`
         limit = np.minimum.reduceat(lengths[members], heads) // self.block_size
         width = int(limit.max())
-        blocks = self.table[rows[members], :width]
+        blocks = self.block_table.table[rows[members], :width]
         leader = np.repeat(blocks[heads], sizes, axis=0)
         parted = np.logical_or.reduceat(blocks != leader, heads, axis=0)
         parted |= np.arange(width) >= limit[:, None]
@@ -397,14 +353,20 @@ class FullCache(KVCache):
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots."""
-        f = self.fwd
+        self.store_at(layer, self.fwd.slots, k, v, self.fwd.valid)
+
+    def store_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 valid: torch.Tensor | None = None) -> None:
+        """Write new k/v [R, Hkv, T, D] of `layer` (those at flat indices `valid` of the R x T, or all) into their
+        flat pool slots (block * block_size + offset). The write of both decodes, the dynamic one and the static one
+        in `graphs`."""
         R, _, T, _ = k.shape
         heads_dim = self.k.shape[3:]
         for new, pool in ((k, self.k[layer]), (v, self.v[layer])):
             new = new.transpose(1, 2).reshape(R * T, *heads_dim)
-            if f.valid is not None:
-                new = new.index_select(0, f.valid)
-            pool.view(-1, *heads_dim).index_copy_(0, f.slots, new)
+            if valid is not None:
+                new = new.index_select(0, valid)
+            pool.view(-1, *heads_dim).index_copy_(0, slots, new)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store(layer, k, v)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.caches import KVCache
+from kvrescue_cli.engine.caches import FullCache, KVCache
 from kvrescue_cli.engine.graphs import StaticDecode
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.sampling import SamplingParams, sample
@@ -27,13 +27,13 @@ class Runner:
     """One model with one cache: prefill, fork/adopt/release, candidate steps (`start`/`advance`), commit."""
 
     def __init__(self, model: LoadedModel, cache: KVCache, cuda_graphs: bool = False) -> None:
-        """`cuda_graphs`: on a GPU, a bounded cache's one-token steps run as captured CUDA graphs."""
+        """`cuda_graphs`: on a GPU, the one-token steps (on a bounded or a full cache) run as captured CUDA graphs."""
         self.model = model
         self.cache = cache
         self.tokenizer = model.tokenizer
         self.device = model.device
         self.vocab = len(model.tokenizer)  # logits past it are padding (Qwen2.5 pads its embeddings): never sampled
-        graphed = cuda_graphs and isinstance(cache, BoundedCache) and model.device.type == "cuda"
+        graphed = cuda_graphs and isinstance(cache, BoundedCache | FullCache) and model.device.type == "cuda"
         self.static = StaticDecode(model.net, cache) if graphed else None
         self.logits: torch.Tensor | None = None  # [rows, V]: each row's next-token logits
         self.trajectory: dict[int, int] = {}     # committed tokens of each row (prompt + committed steps)

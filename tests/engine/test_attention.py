@@ -183,3 +183,17 @@ def test_cascade_only_where_it_saves_enough_re_reading() -> None:
     few, more = cache.fork(parent, 4), cache.fork(parent, 4)  # 160 shared tokens (10 blocks), re-read by all but one
     assert forward([cache], few, [1] * 4, HKV, generator) == [[]] and CASCADE_FROM == 1024  # 3 x 160 < 1024
     assert forward([cache], few + more, [1] * 8, HKV, generator) == [[160]]  # 7 x 160 >= 1024
+
+
+def test_on_cuda_the_default_cache_never_cascades() -> None:
+    """Where an H200 measured cascade at 2.3x paged's time (8 problems x N = 8 over 1k-2k tokens, no flash-attn), the
+    default cache on a CUDA device (fake: the decision is the host's) reads paged."""
+    from kvrescue_cli.fake_cuda import FakeCuda
+
+    with FakeCuda():
+        cache = FullCache(1, HKV, D, 2048, max_rows=80, max_row_tokens=2048, block_size=16, device="cuda:0")
+        parents = [cache.create() for _ in range(8)]
+        cache.begin(parents, [1024 + 128 * i for i in range(8)])
+        cache.end()
+        cache.begin([child for parent in parents for child in cache.fork(parent, 8)], [1] * 64)
+        assert cache.fwd.shared is None

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.graphs import StaticDecode, bucket
 from kvrescue_cli.engine.loader import load_model
 
@@ -14,8 +15,14 @@ def test_buckets_are_powers_of_two():
     assert [bucket(r) for r in (1, 2, 3, 4, 5, 64, 65, 513)] == [1, 2, 4, 4, 8, 64, 128, 1024]
 
 
+@pytest.mark.parametrize("slots_per_row", [3, 0], ids=["in-place", "gathered"])  # graphs.IN_PLACE_SLOTS
 @pytest.mark.parametrize("evictor", ["rkv", "h2o"])
-def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_releases(qwen2_dir, evictor):
+def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_releases(qwen2_dir, evictor,
+                                                                                        slots_per_row, monkeypatch):
+    """Without flash-attn, the static step reads every slot's span in place or the rows' spans gathered."""
+    from kvrescue_cli.engine import graphs
+
+    monkeypatch.setattr(graphs, "IN_PLACE_SLOTS", slots_per_row)
     model = load_model(qwen2_dir)
     net = model.net
     generator = torch.Generator().manual_seed(0)
@@ -178,12 +185,80 @@ def test_graphs_are_captured_again_when_the_pools_regrew_even_at_the_same_addres
             torch.testing.assert_close(step(rows["static"], tokens.tolist()), want, atol=2e-5, rtol=1e-5)
 
     decode(3)
-    assert step.steps[4].graph is not None  # captured, and replayed twice
+    assert step.steps[4,].graph is not None  # captured, and replayed twice
     growths = static.generation
     extra = []
     while static.generation < growths + 4:  # rows 5 -> 10 -> 20 -> 40 -> 80
         extra += [(dynamic.create(), static.create())]
-    assert static.k.data_ptr() == captured_at and static.k.stride() != step.steps[4].graph.pools["k"][2]
+    assert static.k.data_ptr() == captured_at and static.k.stride() != step.steps[4,].graph.pools["k"][2]
     dynamic.release([d for d, _ in extra])
     static.release([s for _, s in extra])
     decode(3)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_the_full_caches_static_decode_matches_the_dynamic_step_through_forks_copies_and_releases(qwen2_dir, block_size):
+    """The full cache's static step (row and block buckets, block tables padded, a scratch block for the padding
+    rows) against `net.decode` on an equal cache: forks share blocks, the first write into a shared partly filled
+    block copies it, released rows free theirs."""
+    net = load_model(qwen2_dir).net
+    generator = torch.Generator().manual_seed(4)
+    caches = {name: FullCache.for_model(net, 2048, max_rows=16, max_row_tokens=256, block_size=block_size)
+              for name in ("dynamic", "static")}
+    step = StaticDecode(net, caches["static"], graphs=True)  # no CUDA here: the same static step, eagerly
+    assert caches["static"].num_blocks == caches["dynamic"].num_blocks + 1  # the scratch block comes on top
+    lengths = [5, 21, 34]
+    prompt = torch.randint(0, net.args.vocab_size, (3, max(lengths)), generator=generator)
+    rows = {}
+    for name, cache in caches.items():
+        rows[name] = [cache.create() for _ in lengths]
+        net.prefill(prompt, cache, rows[name], lengths)
+    for t in range(70):  # the longest row from 3 to 7 blocks of 16, 9 to 26 of 4
+        if t in (10, 40):  # fork the first row (into a partly filled block), release the last
+            for name, cache in caches.items():
+                children = cache.fork(rows[name][0], 3)
+                cache.release([rows[name].pop()])
+                rows[name] += children
+        tokens = torch.randint(0, net.args.vocab_size, (len(rows["dynamic"]),), generator=generator)
+        with torch.inference_mode():
+            want = net.decode(tokens, caches["dynamic"], rows["dynamic"])
+        torch.testing.assert_close(step(rows["static"], tokens), want, atol=2e-5, rtol=1e-5)
+    assert {key[0] for key in step.steps} == {4, 8}  # row buckets of 3, 5 and 7 rows
+    def keys(name: str, row: int) -> torch.Tensor:
+        cache = caches[name]
+        return cache.k[:, cache.blocks(row)].flatten(1, 2)[:, : cache.length(row)]
+
+    for a, b in zip(rows["dynamic"], rows["static"]):
+        torch.testing.assert_close(keys("static", b), keys("dynamic", a))
+    assert caches["static"].blocks_in_use() == caches["dynamic"].blocks_in_use() + 1
+
+
+
+def test_the_full_caches_flash_attn_call_matches_the_dynamic_step(qwen2_dir, monkeypatch, kernel_layouts):
+    """With flash-attn the full cache's static step reads the whole block table in place (`attend_paged`'s paged
+    call); checked against the dynamic step through a plain-torch implementation of its semantics."""
+    from kvrescue_cli.engine import attention, graphs
+    from tests.engine import test_attention
+
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache",
+                        kernel_layouts.flash(test_attention.reference_flash_attn_with_kvcache))
+    monkeypatch.setattr(attention, "use_flash", lambda x: True)
+    monkeypatch.setattr(attention, "FLASH_BLOCK", 8)
+    monkeypatch.setattr(graphs, "use_flash", lambda x: True)
+    net = load_model(qwen2_dir).net
+    generator = torch.Generator().manual_seed(5)
+    caches = {name: FullCache.for_model(net, 1024, max_rows=8, max_row_tokens=128, block_size=8)
+              for name in ("dynamic", "static")}
+    step = StaticDecode(net, caches["static"], graphs=False)
+    prompt = torch.randint(0, net.args.vocab_size, (2, 19), generator=generator)
+    rows = {}
+    for name, cache in caches.items():
+        rows[name] = [cache.create() for _ in range(2)]
+        net.prefill(prompt, cache, rows[name], [19, 6])
+        rows[name] += cache.fork(rows[name][0], 2)
+    for _ in range(20):
+        tokens = torch.randint(0, net.args.vocab_size, (4,), generator=generator)
+        with torch.inference_mode():
+            want = net.decode(tokens, caches["dynamic"], rows["dynamic"])
+        torch.testing.assert_close(step(rows["static"], tokens), want, atol=2e-5, rtol=1e-5)
+    assert {key[1] for key in step.steps} == {16}  # the table's whole width: 128 tokens in blocks of 8

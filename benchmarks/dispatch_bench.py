@@ -1,0 +1,138 @@
+"""Operations the host dispatches per decoded candidate token on fake CUDA, per method and role: the CPU proxy of the
+GPU's launch overhead (issue 40), measured without a GPU.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dispatch_bench.py [--baseline a82926b] [--methods bon,kvrescue,full]
+
+`kvrescue_cli.dry_run` decodes each method's cell on one fake CUDA device (`fake_cuda`) at the paper's shapes
+(Qwen2.5-Math-7B base, 1.5B helper, PRM-7B in bf16), CUDA graphs on, 2 problems, N = 8, B = 64, synthetic steps of
+8 tokens x 2, prefill, PRM scoring and commits included. A `TorchDispatchMode` around it counts every aten op the
+host dispatches: a CUDA graph's capture dispatches its step's ops once (counted, and shown apart), its replays
+none. Each op goes to the role whose runner (or static step, or scorer) is innermost on the Python stack when it is
+dispatched (base, helper, prm; `loop` for the controller's own). Figures are ops / candidate tokens decoded (base
+and helper together). The op count is deterministic: `--baseline REF` runs the same cells with a git ref's code in
+a fresh process beside this tree's. The host time per token on a near-free model is `host_bench.py`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from host_bench import ROOT, _python, export_tree
+
+SETTINGS = dict(batch=2, synthetic=(8, 2), n=8, budget=64)
+
+
+def measure(methods: list[str]) -> dict:
+    """Each method's dispatched ops (in all, in captures, by role) and candidate tokens, from a dry run."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import kvrescue_cli
+    import kvrescue_cli.dry_run as dry
+    import kvrescue_cli.fake_cuda as fake_cuda
+
+    owners: dict[int, str] = {}  # id of a runner, static step or scorer -> its role
+    engines: list = []
+    cudas: list = []
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.by_role: Counter = Counter()
+            self.captured = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if cudas and cudas[-1].capturing:
+                self.captured += 1
+            self.by_role[_role(sys._getframe(1), owners)] += 1
+            return func(*args, **(kwargs or {}))
+
+    build_cell, enter = dry.build_cell, fake_cuda.FakeCuda.__enter__
+
+    def recording_build(*args, **kwargs):
+        engine = build_cell(*args, **kwargs)
+        engines.append(engine)
+        owners[id(engine.scorer)] = "prm"
+        for role, runner in engine.runners.items():
+            owners[id(runner)] = role
+            if getattr(runner, "static", None) is not None:
+                owners[id(runner.static)] = role
+        return engine
+
+    def recording_enter(cuda):
+        cudas.append(cuda)
+        return enter(cuda)
+
+    dry.build_cell, fake_cuda.FakeCuda.__enter__ = recording_build, recording_enter
+    cells, cell = [], dry._cell
+
+    def counted_cell(*args, **kwargs):
+        before, captured = Counter(count.by_role), count.captured
+        out = cell(*args, **kwargs)
+        tokens = {role: runner.decoded for role, runner in engines[-1].runners.items()}
+        cells.append({"method": out.method, "tokens": tokens, "ops": dict(count.by_role - before),
+                      "captured": count.captured - captured, "graph_replays": out.graph_replays})
+        return out
+
+    dry._cell = counted_cell
+    with Count() as count:
+        dry.dry_run(tuple(methods), **SETTINGS)
+    return {"code": str(Path(kvrescue_cli.__file__).parents[1]), "torch": torch.__version__, "cells": cells}
+
+
+def _role(frame, owners: dict[int, str]) -> str:
+    """The role of the innermost runner, static step or scorer on the stack from `frame` (`loop`: none)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            role = owners.get(id(frame.f_locals.get("self")))
+            if role is not None:
+                return role
+        frame = frame.f_back
+    return "loop"
+
+
+def run_worker(code: Path, methods: list[str]) -> dict:
+    """`measure` in a fresh process importing kvrescue_cli from `code`."""
+    done = _python(code, f"import dispatch_bench, json; print(json.dumps(dispatch_bench.measure({methods!r})))")
+    if done.returncode != 0:
+        raise SystemExit(f"dispatch_bench: the run with {code} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if Path(result["code"]).resolve() != code.resolve():
+        raise SystemExit(f"dispatch_bench: imported kvrescue_cli from {result['code']}, not {code}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="a git ref to measure beside this tree, e.g. a82926b")
+    parser.add_argument("--methods", default="bon,kvrescue,full")
+    args = parser.parse_args()
+    methods = args.methods.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"this tree": ROOT}
+        if args.baseline:
+            trees[args.baseline] = export_tree(args.baseline, Path(tmp) / "baseline")
+        results = {name: run_worker(code, methods) for name, code in trees.items()}
+    roles = ("base", "helper", "prm", "loop")
+    print(f"ops dispatched per decoded candidate token, fake CUDA, paper shapes, CUDA graphs on, {SETTINGS}")
+    print(f"| code | method | ops/token | {' | '.join(roles)} | in captures | replays | tokens | vs this tree |")
+    print("|---|---|---|" + "---|" * len(roles) + "---|---|---|---|")
+    mine = {c["method"]: c for c in results["this tree"]["cells"]}
+    for name, result in results.items():
+        for c in result["cells"]:
+            tokens = sum(c["tokens"].values())
+            total = sum(c["ops"].values())
+            ratio = total / tokens / (sum(mine[c["method"]]["ops"].values()) / sum(mine[c["method"]]["tokens"].values()))
+            per_role = " | ".join(f"{c['ops'].get(role, 0) / tokens:.1f}" for role in roles)
+            print(f"| {name} | {c['method']} | {total / tokens:.1f} | {per_role} | {c['captured'] / tokens:.1f} | "
+                  f"{c['graph_replays']} | {tokens} | {ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
