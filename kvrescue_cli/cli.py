@@ -407,7 +407,8 @@ def run(
     dtype: str = typer.Option("auto", help="auto (bfloat16 on a GPU and on CPUs with native bf16 matmuls, AVX512-BF16 "
                               "or AMX; else float32), float32, float16 or bfloat16; the resolved one is in config.json"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
-                                     help="on a GPU, run the one-token decode steps (the evicted base's, the helper's, full's) as CUDA graphs"),
+                                     help="on a GPU, run the one-token decode steps (the evicted base's, the "
+                                     "helper's, full's) as CUDA graphs"),
     deterministic: bool = typer.Option(False, "--deterministic", help="batch-invariant kernels: each problem's "
                                        "traces do not depend on --batch, the workers or a resume (slower on CPU: "
                                        "docs/reproducibility.md)"),
