@@ -21,6 +21,13 @@ PROMPT_STYLES = ("auto", "math", "think", "qwen3-think", "qwen3-no-think")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
+def answer_part(output: str) -> tuple[str, str]:
+    """(the text the answer is read from, where): after the last `</think>` when the output has one, as R-KV's and
+    Qwen's evaluations of reasoning models read it ("after_think"), else the whole output ("output")."""
+    _, close, tail = output.rpartition(THINK_CLOSE)
+    return (tail, "after_think") if close else (output, "output")
+
+
 def chat_messages(problem: str, style: str = "math") -> list[dict[str, str]]:
     """The turns of one problem in `style`: system and user (math), or the user turn alone."""
     if style == "math":

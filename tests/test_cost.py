@@ -133,7 +133,7 @@ def test_cli_cost_tp_prints_each_devices_plan(tmp_path):
     assert plan["prm"]["kv_bytes"] == (2 * (4096 + 16) + 2 * 16 * 529) * 14 * 1024  # windows + 2N suffixes, 1 of 4
     assert plan["prm"]["activation_bytes"] > 0 and orjson.loads(result.stdout)["device_bytes"] > sum(
         m["weights_bytes"] + m["kv_bytes"] for m in plan.values())
-    table = CliRunner().invoke(app, args)
+    table = CliRunner().invoke(app, args, env={"COLUMNS": "200"})  # wide enough for each label on one line
     assert "base (8 ranks per copy) weights / KV" in table.stdout and "total" in table.stdout
     wrong = CliRunner().invoke(app, ["cost", "--base", str(tmp_path / "prm.json"), "--helper",
                                      str(tmp_path / "helper.json"), "--tp", "8"])

@@ -36,7 +36,7 @@ def test_report_formats_print_no_escape(tmp_path, monkeypatch):
         assert done.exit_code == 0, done.output
         assert "\x1b" not in done.output and "\x07" not in done.output and "\u202e" not in done.output, fmt
         assert "\\x1b]0;pwned" in done.output, fmt        # shown, as an escape
-    table = runner.invoke(app, ["report", HOSTILE], env={"COLUMNS": "300"}).stderr
+    table = runner.invoke(app, ["report", HOSTILE], env={"COLUMNS": "300"}).stdout
     assert "[bold]run" in table                            # a folder name is text, never rich markup
     assert root.exists()
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from grader.extract import cut_at_stop_words
 from kvrescue_cli.outputs.records import RunConfig, Trace
+from kvrescue_cli.prompts import answer_part
 from kvrescue_cli.reasons import DETECTOR_FINISHES, FAILED, SKIPPED, STOPS, UNDECODED
 from kvrescue_cli.scorers import HELPER_LOGLIK
 
@@ -75,9 +77,6 @@ def boxed(trace: Trace) -> bool:
     """Whether the text the grader read (after `</think>` when it read there, cut at end-of-text markers) holds a
     `\\boxed`: the condition of the paper's "is_correct ∧ \\boxed" (Table 5); the grader itself also takes "the
     answer is" and the last number. Derived from `output`, so folders of every version read the same."""
-    from grader.extract import cut_at_stop_words
-    from kvrescue_cli.grading import answer_part  # here: grading imports outputs
-
     return "\\boxed" in cut_at_stop_words(answer_part(trace.output)[0])
 
 
