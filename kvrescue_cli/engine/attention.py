@@ -71,8 +71,9 @@ def _grouped(q: torch.Tensor, mask: torch.Tensor, kv_heads: int) -> tuple[torch.
 
 def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (Hq a multiple of Hkv), key l visible to query t of
-    row r where visible[r, t, l] (or visible[r, j, t, l] for KV head j; bool; every query must see a key). Returns [R, Hq, T, D], in whatever layout
-    the kernel chose (CUDA's memory-efficient kernel lays [R, Hkv, gT, D] out as [R, gT, Hkv, D]: a copy then).
+    row r where visible[r, t, l] (or visible[r, j, t, l] for KV head j; bool; every query must see a key). Returns
+    [R, Hq, T, D], in whatever layout the kernel chose (CUDA's memory-efficient kernel lays [R, Hkv, gT, D] out as
+    [R, gT, Hkv, D]: a copy then).
     With batch invariance on (L whole KEY_GRANULE blocks), each query token as a decode step."""
     if invariance.active(q):
         return invariance.attend_tokens(q, k, v, visibility_bias(visible, q.dtype))[0]

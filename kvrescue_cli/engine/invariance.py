@@ -100,8 +100,8 @@ def attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (L whole KEY_GRANULE blocks), bias [R, T or 1, L] or
     [R, Hkv, T or 1, L] (0 visible, -inf not), each query token as a decode step: its g = Hq / Hkv heads of KV head
-    j one query block of SDPA's CPU flash kernel; one kernel call per token (all rows) or per row (all its tokens, its keys shared,
-    not copied), whichever is fewer. Returns out [R, Hq, T, D] and the log-sum-exp [R, Hq, T] (fp32)."""
+    j one query block of SDPA's CPU flash kernel; one kernel call per token (all rows) or per row (all its tokens, its
+    keys shared, not copied), whichever is fewer. Returns out [R, Hq, T, D] and the log-sum-exp [R, Hq, T] (fp32)."""
     R, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     g = Hq // Hkv

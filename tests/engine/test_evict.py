@@ -13,7 +13,7 @@ from kvrescue_cli.engine.evict import (
     importance, keep_positions, keep_top, received_attention, redundancy,
 )
 from kvrescue_cli.shapes import OBSERVATION_WINDOW, SIMILARITY_ROWS
-from tests.oracles import rkv_keep, snapkv_keep, streaming_keep, streaming_scores
+from tests.oracles import adakv_keep_past, rkv_keep, snapkv_keep, streaming_keep, streaming_scores
 
 
 def loop_importance(keys: list, queries: list, h: int, h_kv: int, kernel: int) -> list[float]:
@@ -526,24 +526,6 @@ def test_pyramidkv_budgets_are_kvpress_formula_over_the_past_with_the_window_on_
     assert got == sorted(got, reverse=True) and (got[0] > got[-1]) == (beta > 1 and want[0] != budget)
 
 
-def loop_adakv(scores: list[list[float]], budget: int, most: int, safeguard: float) -> list[list[int]]:
-    """kvpress's `AdaKVPress.compress` on one layer's past scores per KV head (-inf: no entry), line by line on lists:
-    each head's top int(n_kept * alpha_safeguard) raised to the largest score, then the H x n_kept best of all heads
-    kept (here n_kept = budget - W past entries, ties to the lower head and the earlier position), no head more than
-    most - W. The kept past positions per head, ascending."""
-    n_kept = budget - 8
-    n_safe = int(n_kept * safeguard)
-    boosted = []
-    for head in scores:
-        ranked = sorted(range(len(head)), key=lambda j: (-head[j], j))
-        rank = {j: r for r, j in enumerate(ranked)}
-        boosted.append([math.inf if rank[j] < n_safe else -math.inf if rank[j] >= most - 8 else head[j]
-                        for j in range(len(head))])
-    flat = sorted(((h, j) for h in range(len(scores)) for j in range(len(scores[h]))),
-                  key=lambda hj: (-boosted[hj[0]][hj[1]], hj[0], hj[1]))[: len(scores) * n_kept]
-    return [sorted(j for h2, j in flat if h2 == h) for h in range(len(scores))]
-
-
 @pytest.mark.parametrize("heads,past,budget,most,safeguard", [
     (2, 40, 16, 40, 0.2), (4, 136, 16, 136, 0.0), (4, 136, 64, 72, 0.2), (8, 300, 128, 300, 0.5), (3, 50, 20, 48, 1.0)])
 def test_adakv_keeps_what_a_transcription_of_kvpress_keeps(heads, past, budget, most, safeguard):
@@ -555,7 +537,7 @@ def test_adakv_keeps_what_a_transcription_of_kvpress_keeps(heads, past, budget, 
     keep = AdaKV(safeguard=safeguard).keep_past(scores, budget, most)
     for row in range(2):
         got = [torch.nonzero(keep[row, h]).flatten().tolist() for h in range(heads)]
-        assert got == loop_adakv(scores[row].tolist(), budget, most, safeguard)
+        assert got == adakv_keep_past(scores[row].tolist(), budget, most, safeguard)
         assert sum(map(len, got)) == heads * (budget - 8) and max(map(len, got)) <= most - 8
         assert safeguard == 1.0 or row or len(set(map(len, got))) > 1  # row 0's head 0 holds more of the mass
     uniform = AdaKV(safeguard=1.0).keep_past(scores, budget, most)
