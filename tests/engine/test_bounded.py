@@ -683,15 +683,16 @@ def test_attention_reads_each_heads_held_entries_alone(policy):
     held = [cache.row_held[r].copy() for r in rows]
     bases = [int(cache.row_base[r]) for r in rows]
     cache.begin(rows, new)
-    q, k, v = (torch.randn(3, heads, 3, 8, generator=gen) for heads in (4, 2, 2))
-    out = cache.attend(0, q, k, v)
-    for i, row in enumerate(rows):
-        for head in range(2):
-            at = held_positions(cache, row, 0, head, held[i][0, head], bases[i], lengths[i])
-            keys, values = cache.k[0, cache.slot(row), head, at], cache.v[0, cache.slot(row), head, at]
-            for t in range(new[i]):
-                ks, vs = torch.cat([keys, k[i, head, : t + 1]]), torch.cat([values, v[i, head, : t + 1]])
-                for g in range(2):
-                    weights = (ks @ q[i, head * 2 + g, t] / math.sqrt(8)).softmax(-1)
-                    torch.testing.assert_close(out[i, head * 2 + g, t], weights @ vs)
+    for layer in range(2):  # PyramidKV: the first layer the widest, without holes; the second with
+        q, k, v = (torch.randn(3, heads, 3, 8, generator=gen) for heads in (4, 2, 2))
+        out = cache.attend(layer, q, k, v)
+        for i, row in enumerate(rows):
+            for head in range(2):
+                at = held_positions(cache, row, layer, head, held[i][layer, head], bases[i], lengths[i])
+                keys, values = cache.k[layer, cache.slot(row), head, at], cache.v[layer, cache.slot(row), head, at]
+                for t in range(new[i]):
+                    ks, vs = torch.cat([keys, k[i, head, : t + 1]]), torch.cat([values, v[i, head, : t + 1]])
+                    for g in range(2):
+                        weights = (ks @ q[i, head * 2 + g, t] / math.sqrt(8)).softmax(-1)
+                        torch.testing.assert_close(out[i, head * 2 + g, t], weights @ vs)
     cache.end()
