@@ -358,7 +358,8 @@ class BoundedCache(KVCache):
     def _allocate(self, rows: np.ndarray, slots: torch.Tensor, length: int, at_once: int) -> None:
         """An allocating policy's compression of rows of physical `length`: each (layer, row, KV head) scored on the
         entries it holds (`held` then those from `base` on, gathered), `at_once` of equal count together; each layer
-        keeps the past positions its policy's `keep_past` picks within its budget, and the last OBSERVATION_WINDOW."""
+        keeps the past positions its policy's `keep_past` picks within its budget, and the last OBSERVATION_WINDOW.
+        The host reads the counts kept back (a wait for the device). No allocating policy `accumulates`."""
         n_layers, _, h_kv, _, d = self.k.shape
         group = self.q.shape[2] // h_kv
         held = self.row_held[rows].transpose(1, 0, 2)  # [layers, R, Hkv]
