@@ -7,6 +7,7 @@ from given keys and queries (the bounded cache is checked against them)."""
 from __future__ import annotations
 
 from collections import deque
+import math
 from collections.abc import Sequence
 
 import torch
@@ -141,3 +142,21 @@ def streaming_keep(length: int, budget: int, **params) -> Tensor:
     if not sinks + OBSERVATION_WINDOW <= budget < length:
         raise ValueError(f"need {sinks + OBSERVATION_WINDOW} <= budget {budget} < length {length}")
     return keep_top(streaming_scores(length, **params), budget)
+
+
+def adakv_keep_past(scores: list[list[float]], budget: int, most: int, safeguard: float) -> list[list[int]]:
+    """kvpress's `AdaKVPress.compress` on one layer's past scores per KV head (-inf: no entry), line by line on lists:
+    each head's top int(n_kept * alpha_safeguard) raised to the largest score, then the H x n_kept best of all heads
+    kept (here n_kept = budget - W past entries, ties to the lower head and the earlier position), no head more than
+    most - W. The kept past positions per head, ascending."""
+    n_kept = budget - 8
+    n_safe = int(n_kept * safeguard)
+    boosted = []
+    for head in scores:
+        ranked = sorted(range(len(head)), key=lambda j: (-head[j], j))
+        rank = {j: r for r, j in enumerate(ranked)}
+        boosted.append([math.inf if rank[j] < n_safe else -math.inf if rank[j] >= most - 8 else head[j]
+                        for j in range(len(head))])
+    flat = sorted(((h, j) for h in range(len(scores)) for j in range(len(scores[h]))),
+                  key=lambda hj: (-boosted[hj[0]][hj[1]], hj[0], hj[1]))[: len(scores) * n_kept]
+    return [sorted(j for h2, j in flat if h2 == h) for h in range(len(scores))]

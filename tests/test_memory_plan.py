@@ -178,6 +178,19 @@ def test_h2o_counts_the_accumulator_its_cache_allocates(tmp_path):
     assert h2o.bytes("base", "kv") - plain.bytes("base", "kv") == cache.received.nbytes > 0
 
 
+@pytest.mark.parametrize("evictor", ["pyramidkv", "adakv"])
+def test_an_allocating_evictor_plans_and_allocates_what_rkv_does(tmp_path, evictor):
+    """PyramidKV's and Ada-KV's ragged counts live in the same B'-wide pools (holes masked): the same plan, the same
+    device bytes."""
+    from kvrescue_cli.engine.bounded import BoundedCache
+
+    options = replace(gpu_options(tmp_path, ("cuda:0",)), evictor=evictor)
+    assert memory_plan.cell_shapes(options) == memory_plan.cell_shapes(replace(options, evictor="rkv"))
+    pools = [BoundedCache(4, 8, 2, 16, budget=64, evictor=e, rows=8, device="meta") for e in (evictor, "rkv")]
+    assert [(c.k.shape, c.v.shape, c.q.shape, c.received) for c in pools][0] == \
+        [(c.k.shape, c.v.shape, c.q.shape, c.received) for c in pools][1]
+
+
 def gpu_options(tmp_path: Path, devices: tuple[str, ...], tp: int = 1) -> GridOptions:
     paths = write_paper_configs(tmp_path)
     return paper_grid(tmp_path, {"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},

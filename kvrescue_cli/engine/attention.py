@@ -60,17 +60,20 @@ def attend_padded(
 def _grouped(q: torch.Tensor, mask: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA without repeating K/V: the g query heads sharing KV head j (heads j*g .. j*g+g-1, as in Hugging Face's
     repeat_kv) become g*T query rows of one attention over head j. Returns those queries [R, Hkv, g*T, D] and
-    the mask of q [R, Hq, T, D]'s keys, [R, T, L] or [R, 1, L] (alike for every query), repeated for them
-    [R, 1, g*T, L] (a view of the latter, with stride 0 over the queries)."""
+    the mask of q [R, Hq, T, D]'s keys, [R, T, L] or [R, 1, L] (alike for every query), or [R, Hkv, T or 1, L] (each
+    KV head its own), repeated for them [R, 1 or Hkv, g*T, L] (a view of the latter, with stride 0 over the queries)."""
     R, Hq, T, D = q.shape
-    g, L = Hq // kv_heads, mask.shape[2]
-    return q.reshape(R, kv_heads, g * T, D), mask[:, None, None].expand(R, 1, g, T, L).reshape(R, 1, g * T, L)
+    g, L = Hq // kv_heads, mask.shape[-1]
+    per_head = mask if mask.dim() == 4 else mask[:, None]
+    heads = per_head.shape[1]
+    return q.reshape(R, kv_heads, g * T, D), per_head[:, :, None].expand(R, heads, g, T, L).reshape(R, heads, g * T, L)
 
 
 def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (Hq a multiple of Hkv), key l visible to query t of
-    row r where visible[r, t, l] (bool; every query must see a key). Returns [R, Hq, T, D], in whatever layout
-    the kernel chose (CUDA's memory-efficient kernel lays [R, Hkv, gT, D] out as [R, gT, Hkv, D]: a copy then).
+    row r where visible[r, t, l] (or visible[r, j, t, l] for KV head j; bool; every query must see a key). Returns
+    [R, Hq, T, D], in whatever layout the kernel chose (CUDA's memory-efficient kernel lays [R, Hkv, gT, D] out as
+    [R, gT, Hkv, D]: a copy then).
     With batch invariance on (L whole KEY_GRANULE blocks), each query token as a decode step."""
     if invariance.active(q):
         return invariance.attend_tokens(q, k, v, visibility_bias(visible, q.dtype))[0]

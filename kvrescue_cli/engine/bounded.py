@@ -36,11 +36,26 @@ class _BoundedForward:
     write_pos: torch.Tensor      # [N] its physical index
     valid: torch.Tensor          # [N] its flat index (row * T + t) among the forward's padded tokens
     visible: torch.Tensor        # [R, T, length] the keys each new token attends to (`padded_visibility`)
+    held: torch.Tensor | None    # [R, layers, Hkv] (an allocating evictor) entries each kept at its last compression
+    base: torch.Tensor | None    # [R] its physical length then; the entries between are holes (`hole_free`)
+
+
+def hole_free(held: torch.Tensor, base: torch.Tensor, length: int) -> torch.Tensor:
+    """Which of a layer's first `length` entries each row's KV heads hold, [R, Hkv, 1, length]: those its last
+    compression kept (before `held` [R, Hkv]) and those appended since (from `base` [R] on), not the holes between,
+    where an allocating evictor left a head fewer than the row's widest. Both decodes read it."""
+    j = torch.arange(length, device=held.device)
+    return ((j < held[..., None]) | (j >= base[:, None, None]))[:, :, None]
 
 
 class BoundedCache(KVCache):
     """Per row a fixed-capacity K/V buffer, its physical and logical lengths, and per layer a ring of
     the last OBSERVATION_WINDOW post-RoPE queries (R-KV's observation window).
+
+    Each (layer, KV head) of a row holds the entries its last compression kept at the front of its buffer, `held`
+    of them, and those appended since from the row's physical length then, `base`, on: the same physical positions
+    for every head. A policy that `allocates` (PyramidKV, Ada-KV) keeps a head fewer than the row's widest, and
+    attention masks the holes between (`hole_free`); any other keeps every head `budget`, holding no hole.
 
     Pools (gpt-fast style, written in place): K and V [layers, slots, kv_heads, capacity, head_dim]
     and queries [layers, slots, heads, OBSERVATION_WINDOW, head_dim]; for an evictor that `accumulates` (H2O) also
@@ -80,12 +95,15 @@ class BoundedCache(KVCache):
         self.q = torch.zeros(n_layers, rows, n_heads, OBSERVATION_WINDOW, head_dim, dtype=dtype, device=device)
         self.received = (torch.zeros(n_layers, rows, n_kv_heads, cap, dtype=torch.float32, device=device)
                          if self.evictor.accumulates else None)
+        self.layer_budgets = self.evictor.layer_budgets(n_layers, budget, self.trigger)
         # Each row id's pool slot, entries held, tokens appended (the next RoPE position) and the largest number
         # of entries it (and the rows it was forked from) held; ids below next_id, those in free_ids unused.
         self.row_slot = np.zeros(rows, np.int64)
         self.row_physical = np.zeros(rows, np.int64)
         self.row_logical = np.zeros(rows, np.int64)
         self.row_peak = np.zeros(rows, np.int64)
+        self.row_held = np.zeros((rows, n_layers, n_kv_heads), np.int64)
+        self.row_base = np.zeros(rows, np.int64)
         self.free_slots = list(range(rows - 1, -1, -1))
         self.free_ids: list[int] = []
         self.next_id = 0
@@ -128,7 +146,8 @@ class BoundedCache(KVCache):
             self._grow(rows=2 * self.k.shape[1])
         row = self.free_ids.pop() if self.free_ids else self._new_id()
         self.row_slot[row] = self.free_slots.pop()
-        self.row_physical[row] = self.row_logical[row] = self.row_peak[row] = 0
+        self.row_physical[row] = self.row_logical[row] = self.row_peak[row] = self.row_base[row] = 0
+        self.row_held[row] = 0
         return row
 
     def fork(self, row: int, n: int) -> list[int]:
@@ -147,13 +166,13 @@ class BoundedCache(KVCache):
             self.q[:, dst] = self.q[:, src]
             if self.received is not None:
                 self.received[:, dst, :, :p] = self.received[:, src, :, :p]
-            for lengths in (self.row_physical, self.row_logical, self.row_peak):
+            for lengths in self._row_state()[1:]:
                 lengths[children] = lengths[parents]
         return children
 
     def adopt(self, row: int, child: int) -> None:
         self.free_slots.append(int(self.row_slot[row]))
-        for state in (self.row_slot, self.row_physical, self.row_logical, self.row_peak):
+        for state in self._row_state():
             state[row] = state[child]
         self.free_ids.append(child)
 
@@ -189,10 +208,14 @@ class BoundedCache(KVCache):
     def _new_id(self) -> int:
         self.next_id += 1
         if self.next_id > len(self.row_slot):
-            for name in ("row_slot", "row_physical", "row_logical", "row_peak"):
+            for name in ("row_slot", "row_physical", "row_logical", "row_peak", "row_held", "row_base"):
                 old = getattr(self, name)
-                setattr(self, name, np.concatenate([old, np.zeros(len(old), np.int64)]))
+                setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
         return self.next_id - 1
+
+    def _row_state(self) -> tuple[np.ndarray, ...]:
+        """What the cache knows of each row id, its slot first."""
+        return self.row_slot, self.row_physical, self.row_logical, self.row_peak, self.row_held, self.row_base
 
     @torch.inference_mode(False)  # likewise when growing inside a forward
     def _grow(self, rows: int | None = None, capacity: int | None = None) -> None:
@@ -228,9 +251,11 @@ class BoundedCache(KVCache):
         valid = t[None, :] < new[:, None]
         row, step = np.nonzero(valid)
         # The host knows every row's lengths and slot: one copy to the device, which nothing here waits for.
-        dev = upload_all({"slots": slots, "kv_lengths": physical, "new_lengths": new, "write_slots": slots[row],
-                          "write_pos": physical[row] + step, "valid": np.flatnonzero(valid),
-                          "positions": logical[:, None] + t}, self.k.device)
+        host = {"slots": slots, "kv_lengths": physical, "new_lengths": new, "write_slots": slots[row],
+                "write_pos": physical[row] + step, "valid": np.flatnonzero(valid), "positions": logical[:, None] + t}
+        if self.evictor.allocates:
+            host |= {"held": self.row_held[rows], "base": self.row_base[rows]}
+        dev = upload_all(host, self.k.device)
         consecutive = bool((slots == slots[0] + np.arange(len(slots))).all())
         self.fwd = _BoundedForward(
             rows=rows,
@@ -242,6 +267,8 @@ class BoundedCache(KVCache):
             write_pos=dev["write_pos"],
             valid=dev["valid"],
             visible=padded_visibility(dev["kv_lengths"], dev["new_lengths"], len(t), need),
+            held=dev.get("held"),
+            base=dev.get("base"),
         )
         self._appended(rows, new)
         return dev["positions"]
@@ -272,7 +299,8 @@ class BoundedCache(KVCache):
         if self.received is not None:
             real = torch.arange(q.shape[2], device=q.device) < f.new_lengths[:, None]
             self.receive(layer, f.slots, q, keys, f.visible, f.kv_lengths, real)
-        return attend_masked(q, keys, vp[f.slots, :, : f.length], f.visible)
+        visible = f.visible if f.held is None else f.visible[:, None] & hole_free(f.held[:, layer], f.base, f.length)
+        return attend_masked(q, keys, vp[f.slots, :, : f.length], visible)
 
     def receive(self, layer: int, slots: torch.Tensor | slice, q: torch.Tensor, keys: torch.Tensor,
                 visible: torch.Tensor, cached: torch.Tensor, real: torch.Tensor | None = None) -> None:
@@ -290,10 +318,11 @@ class BoundedCache(KVCache):
         self.compress(rows[self.row_physical[rows] >= self.trigger])
 
     def compress(self, rows: Sequence[int]) -> None:
-        """Compress each row to `budget` entries per layer and KV head. Rows of equal length are scored together,
-        all layers in one call, as many rows at once as `compress_slice` lets fit in COMPRESS_BYTES; a row longer
-        than that (a long prompt or step) some layers, or some KV heads of a layer, at a time. Each (layer, KV head)
-        is scored on its own entries and queries alone, so the slicing changes no kept position."""
+        """Compress each row to `budget` entries per layer and KV head (an allocating policy: `_allocate`). Rows of
+        equal length are scored together, all layers in one call, as many rows at once as `compress_slice` lets fit
+        in COMPRESS_BYTES; a row longer than that (a long prompt or step) some layers, or some KV heads of a layer,
+        at a time. Each (layer, KV head) is scored on its own entries and queries alone, so the slicing changes no
+        kept position."""
         rows = np.asarray(rows, np.int64)
         n_layers, _, h_kv, _, _ = self.k.shape
         lengths = self.row_physical[rows]
@@ -303,11 +332,15 @@ class BoundedCache(KVCache):
             for start in range(0, len(equal), cut.rows):
                 part = equal[start:start + cut.rows]
                 slots = upload(self.row_slot[part], self.k.device)
+                if self.evictor.allocates:
+                    self._allocate(part, slots, length, cut.layers * cut.kv_heads * cut.rows)
+                    continue
                 for layer in range(0, n_layers, cut.layers):
                     for head in range(0, h_kv, cut.kv_heads):
                         layers, heads = slice(layer, layer + cut.layers), slice(head, head + cut.kv_heads)
                         self._compress(slots, length, layers, heads)
-                self.row_physical[part] = self.budget
+                self.row_physical[part] = self.row_base[part] = self.budget
+                self.row_held[part] = self.budget
 
     def _compress(self, slots: torch.Tensor, length: int, layers: slice, heads: slice) -> None:
         """Keep `budget` of the first `length` entries of these slots' layers and KV heads (scored with the queries
@@ -321,3 +354,43 @@ class BoundedCache(KVCache):
         self.v[layers, slots, heads, : self.budget] = gather_positions(self.v[layers, slots, heads, :length], kept)
         if received is not None:
             self.received[layers, slots, heads, : self.budget] = received.gather(-1, kept)
+
+    def _allocate(self, rows: np.ndarray, slots: torch.Tensor, length: int, at_once: int) -> None:
+        """An allocating policy's compression of rows of physical `length`: each (layer, row, KV head) scored on the
+        entries it holds (`held` then those from `base` on, gathered), `at_once` of equal count together; each layer
+        keeps the past positions its policy's `keep_past` picks within its budget, and the last OBSERVATION_WINDOW.
+        The host reads the counts kept back (a wait for the device). No allocating policy `accumulates`."""
+        n_layers, _, h_kv, _, d = self.k.shape
+        group = self.q.shape[2] // h_kv
+        held = self.row_held[rows].transpose(1, 0, 2)  # [layers, R, Hkv]
+        holes = self.row_base[rows, None] - held  # between the kept entries and those appended since
+        counts = held + length - self.row_base[rows, None]  # entries held
+        scores = torch.full((n_layers, len(rows), h_kv, length - OBSERVATION_WINDOW), -torch.inf, device=self.k.device)
+        compact = torch.arange(length, device=self.k.device)
+        dev = upload_all({"held": held, "holes": holes, "counts": counts}, self.k.device)
+        physical = compact + (compact >= dev["held"][..., None]) * dev["holes"][..., None]  # [layers, R, Hkv, length]
+        for n in np.unique(counts).tolist():
+            where = np.argwhere(counts == n)
+            for start in range(0, len(where), at_once):
+                layer, row, head = upload(where[start:start + at_once].T.copy(), self.k.device)
+                at = physical[layer, row, head, :n]
+                keys = self.k[layer, slots[row], head, :length].gather(1, at[..., None].expand(-1, -1, d))
+                queries = self.q[layer[:, None], slots[row][:, None],
+                                 head[:, None] * group + torch.arange(group, device=self.k.device)]
+                past = self.evictor.score(keys[:, None], queries)[:, 0]
+                scores[layer, row, head, : n - OBSERVATION_WINDOW] = past.to(scores.dtype)
+        keep = torch.zeros(n_layers, len(rows), h_kv, length, dtype=torch.bool, device=self.k.device)
+        for layer, budget in enumerate(self.layer_budgets):
+            keep[layer, ..., : length - OBSERVATION_WINDOW] = self.evictor.keep_past(scores[layer], budget,
+                                                                                    self.trigger - OBSERVATION_WINDOW)
+        n = dev["counts"][..., None]
+        keep |= (compact >= n - OBSERVATION_WINDOW) & (compact < n)
+        kept = keep.sum(-1)
+        widest = int(kept.max())
+        order = torch.sort(~keep, dim=-1, stable=True).indices[..., :widest]  # kept compact positions, ascending
+        at = physical.gather(-1, order)  # [layers, R, Hkv, widest]
+        for pool in (self.k, self.v):
+            pool[:, slots, :, :widest] = gather_positions(pool[:, slots, :, :length], at)
+        kept = kept.cpu().numpy().transpose(1, 0, 2)
+        self.row_held[rows] = kept
+        self.row_physical[rows] = self.row_base[rows] = kept.max(axis=(1, 2))

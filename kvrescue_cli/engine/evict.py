@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
+from fractions import Fraction
 from typing import Any, ClassVar
 
 import torch
@@ -97,12 +98,17 @@ def received_attention(q: Tensor, keys: Tensor, visible: Tensor, real: Tensor | 
     return total
 
 
+def top_order(scores: Tensor, k: int) -> Tensor:
+    """The indices of the ``k`` highest scores along the last dimension, highest first (ties: earlier first)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def keep_top(scores: Tensor, budget: int) -> Tensor:
     """Top ``budget - OBSERVATION_WINDOW`` past positions by score (ties: earlier first) plus the last OBSERVATION_WINDOW, ascending."""
     past = scores.shape[-1]
     if not OBSERVATION_WINDOW < budget <= past + OBSERVATION_WINDOW:
         raise ValueError(f"budget {budget} must be in ({OBSERVATION_WINDOW}, {past + OBSERVATION_WINDOW}]")
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : budget - OBSERVATION_WINDOW]
+    order = top_order(scores, budget - OBSERVATION_WINDOW)
     window = torch.arange(past, past + OBSERVATION_WINDOW, device=scores.device).expand(*scores.shape[:-1], OBSERVATION_WINDOW)
     return torch.cat([order, window], dim=-1).sort(dim=-1).values
 
@@ -113,14 +119,27 @@ class Evictor:
     `score(keys, queries, received)` ranks the past positions [..., H_kv, L - OBSERVATION_WINDOW] (higher is kept);
     `keep_top` and the bounded cache around it are shared by all. `received` is the attention each cached entry
     received since it entered, [..., H_kv, L] (`received_attention`), kept by the cache only for a policy that
-    `accumulates`; else None."""
+    `accumulates`; else None. A policy that `allocates` gives the layers (`layer_budgets`) or a layer's KV heads
+    (`keep_past`) budgets of their own, the same total as a uniform B; the others keep B per layer and KV head."""
 
     name: ClassVar[str]
     description: ClassVar[str]
     accumulates: ClassVar[bool] = False
+    allocates: ClassVar[bool] = False
 
     def score(self, keys: Tensor, queries: Tensor, received: Tensor | None = None) -> Tensor:
         raise NotImplementedError
+
+    def layer_budgets(self, n_layers: int, budget: int, trigger: int) -> list[int]:
+        """Each layer's budget: the entries per KV head a compression from B' = `trigger` keeps (B here)."""
+        return [budget] * n_layers
+
+    def keep_past(self, scores: Tensor, budget: int, most: int) -> Tensor:
+        """Which past positions one layer keeps, bool like its scores [..., H_kv, past] (-inf where a head holds no
+        entry): each KV head's top ``budget - OBSERVATION_WINDOW``. `most` bounds one head's entries (allocating
+        policies)."""
+        order = top_order(scores, budget - OBSERVATION_WINDOW)
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
 
     def params(self) -> dict[str, Any]:
         """The parameters by name, as config.json records them."""
@@ -251,6 +270,74 @@ class Random(Evictor):
         return _unit_interval(drawn)
 
 
+@dataclass(frozen=True)
+class PyramidKV(SnapKV):
+    """PyramidKV (Cai et al. 2024) at decode time: SnapKV scores, the layers' budgets a pyramid shrinking with depth.
+    kvpress's `PyramidKVPress.get_layer_budget` over the past positions of a compression from B', the window on top
+    (as the authors' code adds it): past budgets with a mean of B - OBSERVATION_WINDOW run linearly from the first
+    layer's most to the last's fewest, (B - OBSERVATION_WINDOW) / beta, the most capped so that no layer keeps more
+    than B' - OBSERVATION_WINDOW entries. Exact fractions rounded half to even: the budgets sum to n_layers x B.
+    Uniform where the last layer would keep under one past entry (kvpress asks fewest >= its window, which it counts
+    inside the budget)."""
+
+    name = "pyramidkv"
+    description = "PyramidKV (Cai et al. 2024): SnapKV scores, per-layer budgets shrinking with depth"
+    allocates = True
+    beta: int = 20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.beta < 1:
+            raise ValueError(f"beta={self.beta}: need 1 or more")
+
+    def layer_budgets(self, n_layers: int, budget: int, trigger: int) -> list[int]:
+        mean = Fraction(budget - OBSERVATION_WINDOW)  # max_capacity_prompt - window_size
+        fewest = mean / self.beta
+        most = 2 * mean - fewest
+        room = trigger - 2 * OBSERVATION_WINDOW  # q_len - window_size over the past positions
+        if most >= room:
+            most, fewest = Fraction(room), 2 * mean - room
+        if n_layers == 1 or not most >= fewest >= 1:
+            return [budget] * n_layers
+        step = (most - fewest) / (n_layers - 1)
+        return [round(most - layer * step) + OBSERVATION_WINDOW for layer in range(n_layers)]
+
+
+@dataclass(frozen=True)
+class AdaKV(Evictor):
+    """Ada-KV (Feng et al. 2024) at decode time: a layer's KV heads share its budget by score mass, kvpress's
+    `AdaKVPress.compress`: each head's top `safeguard` x (B - OBSERVATION_WINDOW) past positions first, then the
+    layer's H_kv x (B - OBSERVATION_WINDOW) best of all its heads' past positions (ties: lower head, earlier
+    position); no head keeps more than B' - OBSERVATION_WINDOW entries. Scored by R-KV or SnapKV (`scores`, their
+    default settings)."""
+
+    name = "adakv"
+    description = "Ada-KV (Feng et al. 2024): per-head budgets within a layer by score mass, R-KV or SnapKV scores"
+    allocates = True
+    scores: str = "rkv"
+    safeguard: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.scores not in ("rkv", "snapkv"):
+            raise ValueError(f"scores={self.scores!r}: choose rkv or snapkv")
+        if not 0 <= self.safeguard <= 1:
+            raise ValueError(f"safeguard={self.safeguard}: need 0 <= safeguard <= 1")
+
+    def score(self, keys: Tensor, queries: Tensor, received: Tensor | None = None) -> Tensor:
+        return EVICTORS[self.scores].score(keys, queries, received)
+
+    def keep_past(self, scores: Tensor, budget: int, most: int) -> Tensor:
+        heads, past = scores.shape[-2:]
+        share = budget - OBSERVATION_WINDOW
+        ranked = top_order(scores, past)  # each head's positions, best first
+        rank = torch.empty_like(ranked).scatter_(-1, ranked, torch.arange(past, device=scores.device).expand_as(ranked))
+        boosted = scores.masked_fill(rank < int(share * self.safeguard), math.inf)
+        boosted = boosted.masked_fill(rank >= most - OBSERVATION_WINDOW, -math.inf)
+        chosen = top_order(boosted.flatten(-2), heads * share)
+        keep = torch.zeros_like(boosted.flatten(-2), dtype=torch.bool).scatter_(-1, chosen, True)
+        return keep.view(scores.shape)
+
+
 _MASKS = {shift: (1 << (64 - shift)) - 1 for shift in (30, 27, 31)}  # a logical right shift of int64, as a mask
 
 
@@ -289,7 +376,7 @@ def _odd_kernel(kernel: int) -> None:
 
 
 EVICTORS: dict[str, Evictor] = {e.name: e for e in (RKV(), SnapKV(), Streaming(), TOVA(), H2O(), KNorm(), KeyDiff(),
-                                                    Random())}
+                                                    Random(), PyramidKV(), AdaKV())}
 NO_EVICTION = "none"  # `--evictor none`: the base keeps a full cache (no evictor runs)
 CHOICES = (*EVICTORS, NO_EVICTION)
 
@@ -312,7 +399,7 @@ def parse_evictor(spec: str) -> tuple[str, dict[str, Any]]:
         return name, {}
     if name not in EVICTORS:
         raise ValueError(f"unknown evictor {name!r} in --evictor {spec!r}; choose one of {', '.join(EVICTORS)}")
-    kinds = {f.name: {"int": int, "float": float}[str(f.type)] for f in fields(EVICTORS[name])}
+    kinds = {f.name: {"int": int, "float": float, "str": str}[str(f.type)] for f in fields(EVICTORS[name])}
     params: dict[str, Any] = {}
     for item in given.split(","):
         key, equals, value = item.partition("=")
@@ -323,7 +410,8 @@ def parse_evictor(spec: str) -> tuple[str, dict[str, Any]]:
             params[key] = kinds[key](value)
         except ValueError:
             raise ValueError(f"--evictor {spec!r}: {key} must be {kinds[key].__name__}, not {value!r}") from None
-        if not (abs(params[key]) < 2**63 if kinds[key] is int else math.isfinite(params[key])):
+        if kinds[key] is not str and not (abs(params[key]) < 2**63 if kinds[key] is int
+                                          else math.isfinite(params[key])):
             raise ValueError(f"--evictor {spec!r}: {key} must be finite and within 64 bits, not {value!r}")
     make_evictor(name, params)
     return name, params

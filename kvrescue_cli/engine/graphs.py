@@ -32,7 +32,7 @@ import torch
 import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.attention import (PagedKeys, attend_masked, attend_padded, attend_paged, flash_attn_with_kvcache,
                                            use_flash)
-from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.bounded import BoundedCache, hole_free
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.model import Transformer
 from kvrescue_cli.engine.transfer import upload
@@ -69,8 +69,11 @@ class _StaticView:
     def __init__(self, cache: BoundedCache, inputs: torch.Tensor, span: int) -> None:
         self.cache, self.span = cache, span
         self.slots, self.lengths = inputs[2], inputs[3]
+        self.holes = cache.evictor.allocates  # the rows' heads' holes masked (`bounded.hole_free`), gathered
+        if self.holes:
+            self.base, self.held = inputs[4], inputs[5:].view(cache.k.shape[0], cache.k.shape[2], -1)
         slots = cache.k.shape[1]
-        self.in_place = not use_flash(cache.k) and slots <= IN_PLACE_SLOTS * inputs.shape[1]
+        self.in_place = not self.holes and not use_flash(cache.k) and slots <= IN_PLACE_SLOTS * inputs.shape[1]
         if self.in_place:  # each slot's cached entries (0 for slots outside the step: they see their key 0 alone)
             held = torch.zeros(slots, dtype=torch.long, device=inputs.device).index_copy_(0, self.slots, self.lengths)
             self.visible = (torch.arange(span, device=inputs.device) <= held[:, None])[:, None]
@@ -81,7 +84,7 @@ class _StaticView:
         if self.cache.received is not None:  # H2O: the step's query against the span's keys, once more
             visible = (torch.arange(self.span, device=q.device) <= self.lengths[:, None])[:, None]
             self.cache.receive(layer, self.slots, q, kp[self.slots, :, : self.span], visible, self.lengths)
-        if use_flash(q):
+        if use_flash(q) and not self.holes:
             out = flash_attn_with_kvcache(q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                                           cache_seqlens=(self.lengths + 1).int(), cache_batch_idx=self.slots.int(),
                                           num_splits=invariance.flash_splits())
@@ -91,11 +94,16 @@ class _StaticView:
             out = attend_masked(queries, kp[:, :, : self.span], vp[:, :, : self.span], self.visible)
             return out.index_select(0, self.slots)
         keys, values = kp[self.slots, :, : self.span], vp[self.slots, :, : self.span]
+        if self.holes:
+            visible = (torch.arange(self.span, device=q.device) <= self.lengths[:, None])[:, None, None]
+            held = self.held[layer].transpose(0, 1)  # [R, Hkv]
+            return attend_masked(q, keys, values, visible & hole_free(held, self.base, self.span))
         return attend_padded(q, keys, values, self.lengths, torch.ones_like(self.lengths))
 
 
 class _BoundedSide:
-    """A bounded cache's side of a static step. Buffer rows: tokens, logical positions, slots, physical lengths."""
+    """A bounded cache's side of a static step. Buffer rows: tokens, logical positions, slots, physical lengths, and
+    for an allocating evictor the rows' `base` and `held` (layer by layer, KV head by KV head)."""
 
     def __init__(self, cache: BoundedCache) -> None:
         self.cache = cache
@@ -109,12 +117,16 @@ class _BoundedSide:
         """The step's bucket (the arguments of `padding`) and its buffer's rows past the tokens, on the host."""
         cache, ids = self.cache, np.asarray(rows, np.int64)
         host = self.padding(bucket(len(rows)))
-        host[:, : len(rows)] = cache.row_logical[ids], cache.row_slot[ids], cache.row_physical[ids]
+        host[:3, : len(rows)] = cache.row_logical[ids], cache.row_slot[ids], cache.row_physical[ids]
+        if cache.evictor.allocates:
+            host[3, : len(rows)] = cache.row_base[ids]
+            host[4:, : len(rows)] = cache.row_held[ids].reshape(len(rows), -1).T
         return (host.shape[1],), host
 
     def padding(self, size: int) -> np.ndarray:
-        """The buffer's rows past the tokens for `size` padding rows."""
-        host = np.zeros((3, size), np.int64)
+        """The buffer's rows past the tokens for `size` padding rows (no holes)."""
+        n_layers, _, h_kv = self.cache.k.shape[:3]
+        host = np.zeros((3 + (1 + n_layers * h_kv) * self.cache.evictor.allocates, size), np.int64)
         host[1] = self.scratch
         return host
 

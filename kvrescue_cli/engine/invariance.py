@@ -98,24 +98,26 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (L whole KEY_GRANULE blocks), bias [R, T or 1, L]
-    (0 visible, -inf not), each query token as a decode step: its g = Hq / Hkv heads of KV head j one query block
-    of SDPA's CPU flash kernel; one kernel call per token (all rows) or per row (all its tokens, its keys shared,
-    not copied), whichever is fewer. Returns out [R, Hq, T, D] and the log-sum-exp [R, Hq, T] (fp32)."""
+    """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (L whole KEY_GRANULE blocks), bias [R, T or 1, L] or
+    [R, Hkv, T or 1, L] (0 visible, -inf not), each query token as a decode step: its g = Hq / Hkv heads of KV head
+    j one query block of SDPA's CPU flash kernel; one kernel call per token (all rows) or per row (all its tokens, its
+    keys shared, not copied), whichever is fewer. Returns out [R, Hq, T, D] and the log-sum-exp [R, Hq, T] (fp32)."""
     R, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     g = Hq // Hkv
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    bias = bias.expand(R, T, L)
+    bias = bias if bias.dim() == 4 else bias[:, None]
+    heads = bias.shape[1]
+    bias = bias.expand(R, heads, T, L)
     if T <= R:
-        parts = [flash(q[:, :, t].reshape(R, Hkv, g, D), k, v, attn_mask=bias[:, t, None, None].expand(R, 1, g, L))
+        parts = [flash(q[:, :, t].reshape(R, Hkv, g, D), k, v, attn_mask=bias[:, :, t, None].expand(R, heads, g, L))
                  for t in range(T)]
         return (torch.stack([out.reshape(R, Hq, D) for out, _ in parts], 2),
                 torch.stack([lse.reshape(R, Hq) for _, lse in parts], 2))
     outs, lses = [], []
     for r in range(R):
         queries = q[r].reshape(Hkv, g, T, D).permute(2, 0, 1, 3)  # [T, Hkv, g, D]
-        mask = bias[r][:, None, None, :].expand(T, 1, g, L)
+        mask = bias[r].transpose(0, 1)[:, :, None].expand(T, heads, g, L)
         out, lse = flash(queries, k[r : r + 1].expand(T, -1, -1, -1), v[r : r + 1].expand(T, -1, -1, -1),
                          attn_mask=mask)
         outs.append(out.permute(1, 2, 0, 3).reshape(Hq, T, D))

@@ -189,7 +189,7 @@ class RunConfig:
         wrong = (type_error(config)
                  or type_error(settings.get("detector"), dict[str, float] | None, "settings.detector")
                  or type_error(settings.get("buffer"), int | None, "settings.buffer")
-                 or type_error(settings.get("evictor_params"), dict[str, float] | None, "settings.evictor_params"))
+                 or type_error(settings.get("evictor_params"), dict[str, float | str] | None, "settings.evictor_params"))
         if wrong:
             raise ValueError(wrong)
         return config

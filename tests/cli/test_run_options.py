@@ -19,7 +19,9 @@ from tests.prm_cards import CARDS
 
 MODELS = lambda q, p: ["--base", str(q), "--prm", str(p), "--device", "cpu"]  # noqa: E731
 BUDGET = 16
-EVICTING = ("rkv", "snapkv", "streaming", "tova", "h2o", "knorm", "keydiff", "random")
+EVICTING = ("rkv", "snapkv", "streaming", "tova", "h2o", "knorm", "keydiff", "random", "pyramidkv", "adakv")
+# at B = 16 the default beta leaves PyramidKV uniform (SnapKV): 2 makes its pyramid; Ada-KV over SnapKV's scores
+SPECS = {"pyramidkv": "pyramidkv:beta=2", "adakv": "adakv:scores=snapkv"}
 B_PRIME = BUDGET + 128
 # 12 synthetic steps of 48 tokens: a ~57-token prompt grows to ~632 cached tokens, over four times B' - B past B'
 SMALL_RUN = ["--budget", str(BUDGET), "--max-step-tokens", "8", "--max-steps", "2", "--device", "cpu"]
@@ -53,7 +55,7 @@ def evictor_runs(tmp_path_factory, problems, qwen2_dir, prm_dir) -> Path:
               "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--out", str(out),
               *MODELS(qwen2_dir, prm_dir), *SYNTHETIC]
     for evictor in EVICTING:
-        ok(kvrescue_run(*common, "--method", "bon", "--evictor", evictor))
+        ok(kvrescue_run(*common, "--method", "bon", "--evictor", SPECS.get(evictor, evictor)))
     ok(kvrescue_run(*common, "--method", "bon,full", "--evictor", "none"))
     tuned = [str(out / "tuned") if a == str(out) else a for a in common]  # beside the others, not among them
     ok(kvrescue_run(*tuned, "--method", "bon", "--evictor", "rkv:lam=0.9,kernel=3"))
@@ -97,9 +99,13 @@ def test_evictor_parameters_are_set_recorded_and_part_of_the_configuration(evict
     settings = [orjson.loads((f / "config.json").read_bytes())["config"]["settings"] for f in (default, tuned)]
     assert "evictor_params" not in settings[0]  # the defaults record nothing: older folders keep their identity
     assert settings[1]["evictor_params"] == {"lam": 0.9, "kernel": 3, "threshold": 0.5}
+    allocating = {e: orjson.loads((folders(evictor_runs)[f"tiny/bon-{e}-b{BUDGET}-n2-s0"] / "config.json").read_bytes())
+                  ["config"]["settings"]["evictor_params"] for e in SPECS}
+    assert allocating == {"pyramidkv": {"kernel": 7, "beta": 2}, "adakv": {"scores": "snapkv", "safeguard": 0.2}}
     assert all(a["output"] != b["output"] for a, b in zip(traces(default), traces(tuned)))
     table = ok(kvrescue("report", str(evictor_runs), "--format", "csv")).stdout.decode()  # the tuned run below too
     assert "bon[rkv, kernel=3, lam=0.9, threshold=0.5]" in table  # its own report row (config.json sorts keys)
+    assert "bon[adakv, safeguard=0.2, scores=snapkv]" in table  # a parameter that is a name reads back too
 
 
 def test_buffer_sets_b_prime_and_is_part_of_the_configuration(evictor_runs, problems, qwen2_dir, prm_dir, tmp_path):

@@ -11,12 +11,12 @@ import torch
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
 from kvrescue_cli.engine.graphs import StaticDecode
-from kvrescue_cli.engine.evict import gather_positions, keep_positions
+from kvrescue_cli.engine.evict import RKV, AdaKV, PyramidKV, SnapKV, gather_positions, keep_positions
 from kvrescue_cli.shapes import OBSERVATION_WINDOW
 from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from tests.conftest import TINY
-from tests.oracles import rkv_keep, snapkv_keep, streaming_keep
+from tests.oracles import adakv_keep_past, rkv_keep, snapkv_keep, streaming_keep
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
@@ -585,3 +585,114 @@ def test_a_32k_prompt_on_a_7b_base_is_compressed_two_kv_heads_at_a_time():
                      intermediate_size=shape["intermediate_size"], n_layers=layers,
                      n_heads=shape["num_attention_heads"], n_kv_heads=kv_heads, head_dim=128)
     assert compress_bytes(args, 2, 8, 32768) < 2**30
+
+
+@pytest.mark.parametrize("allocating,uniform", [(PyramidKV(beta=1), SnapKV()), (AdaKV(safeguard=1.0), RKV()),
+                                                (AdaKV(scores="snapkv", safeguard=1.0), SnapKV())], ids=str)
+def test_a_uniform_allocation_decodes_and_keeps_bitwise_as_r_kv_and_snapkv(net, allocating, uniform):
+    """PyramidKV with beta 1 and Ada-KV with a whole safeguard allocate B to every layer and KV head: through their
+    path (per-head counts, hole masks, per-(layer, row, head) scoring) the same logits and entries, bit for bit."""
+    runs = []
+    for policy in (allocating, uniform):
+        cache = BoundedCache.for_model(net, budget=16, evictor=policy)
+        runs.append((cache, scenario(net, cache, decode=70)))
+    (a, (toks_a, logits_a)), (b, (toks_b, logits_b)) = runs
+    assert toks_a == toks_b and all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))
+    assert a.rows_in_use() == b.rows_in_use() and max(a.row_peak) == a.trigger  # compressed
+    for row in a.rows_in_use():
+        n = a.physical_length(row)
+        assert n == b.physical_length(row) and (a.row_held[row] == a.row_base[row]).all()  # no hole
+        for x, y in ((a.k, b.k), (a.v, b.v)):
+            assert torch.equal(x[:, a.slot(row), :, :n], y[:, b.slot(row), :, :n])
+
+
+def drive(cache: BoundedCache, steps: int, seed: int = 0) -> list[int]:
+    """Three rows of random queries, keys and values: prompts of 30, 5 and 17 tokens, then one token at a time."""
+    gen = torch.Generator().manual_seed(seed)
+    n_layers, _, h_kv, _, d = cache.k.shape
+    h = cache.q.shape[2]
+    rows = [cache.create() for _ in range(3)]
+    for t in range(steps):
+        new = [30, 5, 17] if t == 0 else [1, 1, 1]
+        cache.begin(rows, new)
+        for layer in range(n_layers):
+            q, k, v = (torch.randn(3, heads, max(new), d, generator=gen) for heads in (h, h_kv, h_kv))
+            cache.attend(layer, q, k, v)
+        cache.end()
+    return rows
+
+
+def held_positions(cache: BoundedCache, row: int, layer: int, head: int, held=None, base=None, length=None):
+    """The physical positions a row's (layer, KV head) holds: those its last compression kept, then those since."""
+    held = cache.row_held[row, layer, head] if held is None else held
+    base = cache.row_base[row] if base is None else base
+    return list(range(held)) + list(range(base, cache.physical_length(row) if length is None else length))
+
+
+@pytest.mark.parametrize("policy", [PyramidKV(beta=2), AdaKV(), AdaKV(scores="snapkv", safeguard=0.0)], ids=str)
+def test_an_allocating_compression_keeps_what_its_transcription_keeps_per_head(policy):
+    """Each (layer, row, KV head) scored on the entries it holds alone; the layer's past positions kept as kvpress's
+    pyramid budget (test_evict) or Ada-KV's transcription (tests/oracles.py) picks, the last OBSERVATION_WINDOW too;
+    the kept entries moved to the front, in order, the counts recorded."""
+    cache = BoundedCache(3, 4, 2, 8, budget=16, evictor=policy, rows=4)
+    seen = []
+    compress = cache.compress
+
+    def spy(rows):
+        state = [(cache.slot(r), cache.physical_length(r), cache.row_held[r].copy(), int(cache.row_base[r]))
+                 for r in rows]
+        before = cache.k.clone(), cache.q.clone()
+        compress(rows)
+        seen.append((rows, state, *before, cache.k.clone(), cache.row_held.copy()))
+
+    cache.compress = spy
+    drive(cache, 300)
+    assert len(seen) >= 4
+    group = 2
+    for rows, state, k, q, k_after, held_after in seen:
+        for row, (slot, length, held, base) in zip(rows, state):
+            for layer, budget in enumerate(cache.layer_budgets):
+                at = [held_positions(cache, row, layer, head, held[layer, head], base, length) for head in range(2)]
+                scores = [policy.score(k[layer, slot, head, at[head]][None],
+                                       q[layer, slot, head * group:(head + 1) * group])[0].tolist()
+                          for head in range(2)]
+                if isinstance(policy, AdaKV):
+                    past = [s + [-math.inf] * (length - 8 - len(s)) for s in scores]
+                    keep = adakv_keep_past(past, budget, cache.trigger - 8, policy.safeguard)
+                else:
+                    keep = [sorted(sorted(range(len(s)), key=lambda j: (-s[j], j))[: budget - 8]) for s in scores]
+                for head in range(2):
+                    kept = [at[head][j] for j in keep[head]] + at[head][-8:]
+                    assert held_after[row, layer, head] == len(kept)
+                    assert torch.equal(k_after[layer, slot, head, : len(kept)], k[layer, slot, head, kept])
+    budgets = [cache.row_held[r].sum(axis=1) for r in cache.rows_in_use()]  # each layer's total over its heads
+    assert all((b == [2 * x for x in cache.layer_budgets]).all() for b in budgets)
+    assert any(len(set(cache.row_held[r].ravel().tolist())) > 1 for r in cache.rows_in_use())
+
+
+@pytest.mark.parametrize("policy", [PyramidKV(beta=2), AdaKV()], ids=str)
+def test_attention_reads_each_heads_held_entries_alone(policy):
+    """After ragged compressions, a multi-token append attends per KV head over what that head holds (the holes
+    between its kept entries and the row's base masked), and causally over the new tokens."""
+    cache = BoundedCache(2, 4, 2, 8, budget=16, evictor=policy, rows=4)
+    rows = drive(cache, 200)
+    assert any(len(set(cache.row_held[r].ravel().tolist())) > 1 for r in rows)
+    gen = torch.Generator().manual_seed(9)
+    new = [3, 1, 2]
+    lengths = [cache.physical_length(r) for r in rows]
+    held = [cache.row_held[r].copy() for r in rows]
+    bases = [int(cache.row_base[r]) for r in rows]
+    cache.begin(rows, new)
+    for layer in range(2):  # PyramidKV: the first layer the widest, without holes; the second with
+        q, k, v = (torch.randn(3, heads, 3, 8, generator=gen) for heads in (4, 2, 2))
+        out = cache.attend(layer, q, k, v)
+        for i, row in enumerate(rows):
+            for head in range(2):
+                at = held_positions(cache, row, layer, head, held[i][layer, head], bases[i], lengths[i])
+                keys, values = cache.k[layer, cache.slot(row), head, at], cache.v[layer, cache.slot(row), head, at]
+                for t in range(new[i]):
+                    ks, vs = torch.cat([keys, k[i, head, : t + 1]]), torch.cat([values, v[i, head, : t + 1]])
+                    for g in range(2):
+                        weights = (ks @ q[i, head * 2 + g, t] / math.sqrt(8)).softmax(-1)
+                        torch.testing.assert_close(out[i, head * 2 + g, t], weights @ vs)
+    cache.end()

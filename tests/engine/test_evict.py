@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kvrescue_cli.engine.evict import (
-    EVICTORS, H2O, RKV, TOVA, KeyDiff, KNorm, Random, SnapKV, Streaming, gather_positions, importance, keep_positions,
-    keep_top, received_attention, redundancy,
+    EVICTORS, H2O, RKV, TOVA, AdaKV, KeyDiff, KNorm, PyramidKV, Random, SnapKV, Streaming, gather_positions,
+    importance, keep_positions, keep_top, received_attention, redundancy,
 )
 from kvrescue_cli.shapes import OBSERVATION_WINDOW, SIMILARITY_ROWS
-from tests.oracles import rkv_keep, snapkv_keep, streaming_keep, streaming_scores
+from tests.oracles import adakv_keep_past, rkv_keep, snapkv_keep, streaming_keep, streaming_scores
 
 
 def loop_importance(keys: list, queries: list, h: int, h_kv: int, kernel: int) -> list[float]:
@@ -253,7 +253,7 @@ def test_bad_budgets_are_refused():
     assert rkv_keep(keys, queries, 20).tolist() == [list(range(20))]  # a budget of the whole length keeps all
     with pytest.raises(ValueError):
         streaming_keep(20, 20)
-    names = "'rkv', 'snapkv', 'streaming', 'tova', 'h2o', 'knorm', 'keydiff', 'random'"
+    names = "'rkv', 'snapkv', 'streaming', 'tova', 'h2o', 'knorm', 'keydiff', 'random', 'pyramidkv', 'adakv'"
     with pytest.raises(ValueError, match=rf"^policy 'none' does not compress; choose one of \({names}\)$"):
         keep_positions("none", keys, queries, 16)
 
@@ -349,8 +349,10 @@ def test_h2o_keeps_the_heaviest_received_and_the_window():
 def test_policies_are_frozen_dataclasses_of_their_parameters():
     assert {name: e.params() for name, e in EVICTORS.items()} == {
         "rkv": {"lam": 0.1, "kernel": 7, "threshold": 0.5}, "snapkv": {"kernel": 7}, "streaming": {"sinks": 4},
-        "tova": {}, "h2o": {}, "knorm": {}, "keydiff": {}, "random": {"seed": 0}}
+        "tova": {}, "h2o": {}, "knorm": {}, "keydiff": {}, "random": {"seed": 0}, "pyramidkv": {"kernel": 7, "beta": 20},
+        "adakv": {"scores": "rkv", "safeguard": 0.2}}
     assert [e.name for e in EVICTORS.values() if e.accumulates] == ["h2o"]
+    assert [e.name for e in EVICTORS.values() if e.allocates] == ["pyramidkv", "adakv"]
     with pytest.raises(AttributeError):
         EVICTORS["rkv"].lam = 0.5
     keys, queries = random_inputs(2, 2, 40, 8, seed=3)
@@ -363,11 +365,15 @@ def test_evictor_specs_name_typed_parameters_or_a_one_line_error():
 
     assert parse_evictor("rkv") == ("rkv", {}) and parse_evictor("h3o") == ("h3o", {})  # the caller refuses h3o
     assert parse_evictor("rkv:lam=0.2,kernel=5") == ("rkv", {"lam": 0.2, "kernel": 5})
+    assert parse_evictor("adakv:scores=snapkv,safeguard=0.5") == ("adakv", {"scores": "snapkv", "safeguard": 0.5})
     assert make_evictor("streaming", {"sinks": 2}) == Streaming(sinks=2)
     for spec, message in [("h3o:x=1", "unknown evictor 'h3o'"), ("rkv:kernel=4", "kernel=4: the max-pool kernel"),
                           ("snapkv:kernel=2.5", "kernel must be int, not '2.5'"), ("rkv:lam", "'lam' is not FIELD=VALUE"),
                           ("tova:lam=1", "of one of tova's parameters (none)"), ("streaming:sinks=-1", "sinks=-1"),
-                          ("random:seed=-1", "seed=-1: need 0 <= seed < 2**63")]:
+                          ("random:seed=-1", "seed=-1: need 0 <= seed < 2**63"),
+                          ("adakv:scores=h2o", "scores='h2o': choose rkv or snapkv"),
+                          ("adakv:safeguard=1.5", "safeguard=1.5: need 0 <= safeguard <= 1"),
+                          ("pyramidkv:beta=0", "beta=0: need 1 or more")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_evictor(spec)
 
@@ -487,3 +493,59 @@ def test_the_random_press_draws_uniformly_per_row_and_reproducibly():
     step = keys.clone()
     step[..., -1, :] += 1  # the same row one token later: a new draw
     assert (keep_positions("random", step, queries, budget) != kept).any(dim=-1).all()
+
+
+def kvpress_layer_budget(q_len: int, window_size: int, compression_ratio: float, beta: int, num_layers: int,
+                         layer_idx: int, least: float) -> int:
+    """kvpress's `PyramidKVPress.get_layer_budget`, line by line (floats), its last check's lower bound `least` (kvpress:
+    window_size, the window counted inside the budget)."""
+    max_capacity_prompt = window_size + q_len * (1 - compression_ratio)
+    min_num = (max_capacity_prompt - window_size) / beta
+    max_num = (max_capacity_prompt - window_size) * 2 - min_num
+    if max_num >= q_len - window_size:
+        max_num = q_len - window_size
+        min_num = (max_capacity_prompt - window_size) * 2 - max_num
+    if not (q_len >= max_num >= min_num >= least):
+        return round(q_len * (1 - compression_ratio))
+    steps = (max_num - min_num) / (num_layers - 1)
+    return round(max_num - layer_idx * steps)
+
+
+@pytest.mark.parametrize("layers,budget,trigger,beta", [
+    (2, 16, 144, 2), (2, 16, 144, 20), (28, 64, 192, 20), (28, 512, 640, 20), (24, 128, 256, 5), (5, 100, 228, 3),
+    (3, 512, 520, 20), (36, 2048, 2176, 20), (7, 33, 161, 1)])
+def test_pyramidkv_budgets_are_kvpress_formula_over_the_past_with_the_window_on_top(layers, budget, trigger, beta):
+    """A compression from B' = trigger: kvpress's query the B' - W past positions, its window W (no layer keeps more
+    than B' - W), its kept mean B - W, at least one past entry each; the window added to every layer's."""
+    w = OBSERVATION_WINDOW
+    ratio = 1 - (budget - w) / (trigger - w)
+    want = [kvpress_layer_budget(trigger - w, w, ratio, beta, layers, layer, least=1) + w for layer in range(layers)]
+    got = PyramidKV(beta=beta).layer_budgets(layers, budget, trigger)
+    assert got == want
+    assert sum(got) == layers * budget and all(w < b <= trigger - w for b in got)
+    assert got == sorted(got, reverse=True) and (got[0] > got[-1]) == (beta > 1 and want[0] != budget)
+
+
+@pytest.mark.parametrize("heads,past,budget,most,safeguard", [
+    (2, 40, 16, 40, 0.2), (4, 136, 16, 136, 0.0), (4, 136, 64, 72, 0.2), (8, 300, 128, 300, 0.5), (3, 50, 20, 48, 1.0)])
+def test_adakv_keeps_what_a_transcription_of_kvpress_keeps(heads, past, budget, most, safeguard):
+    gen = torch.Generator().manual_seed(past)
+    scores = torch.rand(2, heads, past, generator=gen) ** 3  # skewed: the heads' score mass differs
+    scores[0, 0] *= 4
+    scores[1, :, -5:] = -math.inf  # a head's holes (after its last kept entries) are no entries
+    scores[1, :, :3] = 0.5  # ties
+    keep = AdaKV(safeguard=safeguard).keep_past(scores, budget, most)
+    for row in range(2):
+        got = [torch.nonzero(keep[row, h]).flatten().tolist() for h in range(heads)]
+        assert got == adakv_keep_past(scores[row].tolist(), budget, most, safeguard)
+        assert sum(map(len, got)) == heads * (budget - 8) and max(map(len, got)) <= most - 8
+        assert safeguard == 1.0 or row or len(set(map(len, got))) > 1  # row 0's head 0 holds more of the mass
+    uniform = AdaKV(safeguard=1.0).keep_past(scores, budget, most)
+    assert torch.equal(uniform, RKV().keep_past(scores, budget, most))  # every head its top B - W: R-KV's own
+
+
+def test_adakv_scores_with_the_policy_it_names():
+    keys, queries = random_inputs(2, 2, 40, 8, seed=5)
+    assert torch.equal(AdaKV().score(keys, queries), RKV().score(keys, queries))
+    assert torch.equal(AdaKV(scores="snapkv").score(keys, queries), SnapKV().score(keys, queries))
+    assert torch.equal(PyramidKV(kernel=5).score(keys, queries), SnapKV(kernel=5).score(keys, queries))

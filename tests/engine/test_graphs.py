@@ -1,10 +1,12 @@
 """The static-shape decode step (what CUDA graphs capture on a GPU), run eagerly on the CPU against the dynamic one."""
 
+import numpy as np
 import pytest
 import torch
 
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
+from kvrescue_cli.engine.evict import make_evictor, parse_evictor
 from kvrescue_cli.engine.graphs import StaticDecode, bucket
 from kvrescue_cli.engine.loader import load_model
 
@@ -16,18 +18,20 @@ def test_buckets_are_powers_of_two():
 
 
 @pytest.mark.parametrize("slots_per_row", [3, 0], ids=["in-place", "gathered"])  # graphs.IN_PLACE_SLOTS
-@pytest.mark.parametrize("evictor", ["rkv", "h2o"])
+@pytest.mark.parametrize("evictor", ["rkv", "h2o", "pyramidkv:beta=2", "adakv:scores=snapkv"])
 def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_releases(qwen2_dir, evictor,
                                                                                         slots_per_row, monkeypatch):
-    """Without flash-attn, the static step reads every slot's span in place or the rows' spans gathered."""
+    """Without flash-attn, the static step reads every slot's span in place or the rows' spans gathered; with an
+    allocating evictor (ragged per-layer or per-head lengths, holes masked) gathered."""
     from kvrescue_cli.engine import graphs
 
     monkeypatch.setattr(graphs, "IN_PLACE_SLOTS", slots_per_row)
     model = load_model(qwen2_dir)
     net = model.net
     generator = torch.Generator().manual_seed(0)
-    dynamic = BoundedCache.for_model(net, budget=16, evictor=evictor, max_append=40, rows=4)
-    static = BoundedCache.for_model(net, budget=16, evictor=evictor, max_append=40, rows=4)
+    policy = make_evictor(*parse_evictor(evictor))
+    dynamic = BoundedCache.for_model(net, budget=16, evictor=policy, max_append=40, rows=4)
+    static = BoundedCache.for_model(net, budget=16, evictor=policy, max_append=40, rows=4)
     step = StaticDecode(net, static, graphs=True)  # no CUDA here: the same static step, eagerly
     assert static.k.shape[1] == 5  # the scratch slot comes on top of the rows the cache was sized for
     lengths = [5, 20, 33]
@@ -49,6 +53,7 @@ def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_r
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     for a, b in zip(rows["dynamic"], rows["static"]):
         assert dynamic.physical_length(a) == static.physical_length(b)
+        assert (dynamic.row_held[a] == static.row_held[b]).all() and dynamic.row_base[a] == static.row_base[b]
         assert dynamic.length(a) == static.length(b) and dynamic.peak_length(a) == static.peak_length(b)
         n = dynamic.physical_length(a)
         torch.testing.assert_close(static.k[:, static.slot(b), :, :n], dynamic.k[:, dynamic.slot(a), :, :n])
@@ -56,6 +61,8 @@ def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_r
             torch.testing.assert_close(static.received[:, static.slot(b), :, :n],
                                        dynamic.received[:, dynamic.slot(a), :, :n], rtol=1e-5, atol=1e-6)
     assert max(static.physical_length(r) for r in rows["static"]) < static.trigger
+    ragged = [len(np.unique(static.row_held[r])) > 1 for r in rows["static"]]
+    assert all(ragged) if policy.allocates else not any(ragged)
 
 
 def reference_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, num_splits=0):

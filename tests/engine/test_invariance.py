@@ -12,7 +12,7 @@ import torch
 from kvrescue_cli.engine import invariance
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.caches import FullCache
-from kvrescue_cli.engine.evict import EVICTORS, keep_positions, received_attention
+from kvrescue_cli.engine.evict import EVICTORS, AdaKV, PyramidKV, keep_positions, received_attention
 from kvrescue_cli.engine.loader import load_model
 from kvrescue_cli.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
 from kvrescue_cli.engine.prm import PRMScorer
@@ -464,6 +464,31 @@ def test_a_rows_kept_positions_do_not_depend_on_the_rows_compressed_with_it(inva
     assert all(torch.equal(keep_positions(evictor, keys[:, r : r + 1], queries[:, r : r + 1], 128,
                                           None if received is None else received[:, r : r + 1]),
                            together[:, r : r + 1]) for r in range(16))
+
+
+@pytest.mark.parametrize("evictor", [PyramidKV(beta=2), AdaKV()], ids=str)
+def test_an_allocating_evictors_row_keeps_and_attends_alike_alone_and_beside_others(invariant, evictor):
+    """PyramidKV's and Ada-KV's ragged rows: each (layer, row, KV head) is scored among the batch's others of its
+    count, and attends with its own holes masked; row 0 alone and beside three others holds and outputs the same."""
+    def run(rows: int) -> tuple:
+        cache = BoundedCache(2, H, HKV, D, budget=16, evictor=evictor, rows=4)
+        ids = [cache.create() for _ in range(rows)]
+        gens = [torch.Generator().manual_seed(10 + r) for r in range(rows)]
+        outs = []
+        for t in range(200):
+            new = [30 - 7 * r if t == 0 else 1 for r in range(rows)]
+            cache.begin(ids, new)
+            for layer in range(2):
+                qkv = [[torch.randn(1, heads, max(new), D, generator=g) for heads in (H, HKV, HKV)] for g in gens]
+                q, k, v = (torch.cat(parts) for parts in zip(*qkv))
+                outs.append(cache.attend(layer, q, k, v)[0, :, : new[0]].clone())
+            cache.end()
+        return outs, cache.row_held[ids[0]].copy(), cache.k[:, cache.slot(ids[0])].clone()
+
+    alone, together = run(1), run(4)
+    assert all(torch.equal(a, b) for a, b in zip(alone[0], together[0]))
+    assert (alone[1] == together[1]).all() and len(set(alone[1].ravel().tolist())) > 1
+    assert torch.equal(alone[2][:, :, : int(alone[1].max())], together[2][:, :, : int(alone[1].max())])
 
 
 @pytest.mark.parametrize("new_tokens", [1, 5], ids=["decode", "append"])
