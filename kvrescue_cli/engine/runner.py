@@ -94,7 +94,10 @@ class Runner:
                 raise RuntimeError(f"row {row}: its cache holds {held} tokens past the trajectory, the step has {len(step)}")
             tails.append(step[held:])
             self.trajectory[row] += len(step)
-        if rows:
+        if rows and self.static is not None and all(len(tail) == 1 for tail in tails):
+            tokens = upload(np.asarray([tail[0] for tail in tails], np.int64), self.device)
+            self._keep(rows, self.static(list(rows), tokens))  # every row adopted its step: one static decode step
+        elif rows:
             self._keep(rows, self.append(rows, tails))
         for row in rows:
             if self.cache.length(row) != self.trajectory[row]:
