@@ -125,6 +125,12 @@ class Runner:
         """Candidate steps being decoded (each gets a token per `advance`)."""
         return 0 if self.steps is None else len(self.steps.live)
 
+    def prepare(self) -> None:
+        """Launch the next `advance`'s sampling and the copy of its tokens to the host, without waiting for them: a
+        controller prepares every runner before it advances any (`StepDecoder.launch`)."""
+        if self.steps is not None:
+            self.steps.launch(self)
+
     def advance(self, wait: bool = False) -> list[CandidateStep]:
         """One token for every open candidate step; the steps that ended with it (`wait`: no effect, every call
         decodes)."""
