@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.caches import TORCH_BLOCK, FullCache, block_size_for
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.prm_recipes import FORMATS, HEADS, PRMRecipe, RecipeInputs
@@ -217,14 +218,16 @@ class PRMScorer:
         """The recipe's score at each candidate's last token, all candidates of all problems in one forward, which
         also feeds the problems' unfed tokens where none is longer than the longest candidate (a committed step:
         the candidates are forked from the room made for them, `FullCache.reserve`; a longer one, a prompt, is fed
-        in a forward of its own rather than padding every candidate to it); None for a candidate whose piece the
-        PRM's tokenizer makes no token of (`seen_candidates`)."""
+        in a forward of its own rather than padding every candidate to it). With batch invariance on, always in a
+        forward of their own: whether a prefix shares its candidates' forward depends on the other problems', and
+        it would join their cascade group. None for a candidate whose piece the PRM's tokenizer makes no token of
+        (`seen_candidates`)."""
         if not requests:
             return []
         suffixes = self.inputs.candidates(requests)
         fed_rows, fed = self._unfed()
         seen = seen_candidates(suffixes)
-        if fed and (not seen or max(map(len, fed)) > max(len(suffixes[i]) for i in seen)):
+        if fed and (not seen or invariance.on() or max(map(len, fed)) > max(len(suffixes[i]) for i in seen)):
             append_tokens(self.prm, self.cache, fed_rows, fed)
             fed_rows, fed = [], []
         self.cache.reserve(fed_rows, [len(tokens) for tokens in fed])
