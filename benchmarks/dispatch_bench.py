@@ -2,6 +2,7 @@
 GPU's launch overhead (issue 40), measured without a GPU.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dispatch_bench.py [--baseline a82926b] [--methods bon,kvrescue,full]
+        [--by-op K]
 
 `kvrescue_cli.dry_run` decodes each method's cell on one fake CUDA device (`fake_cuda`) at the paper's shapes
 (Qwen2.5-Math-7B base, 1.5B helper, PRM-7B in bf16), CUDA graphs on, 2 problems, N = 8, B = 64, synthetic steps of
