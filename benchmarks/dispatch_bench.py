@@ -2,6 +2,7 @@
 GPU's launch overhead (issue 40), measured without a GPU.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dispatch_bench.py [--baseline a82926b] [--methods bon,kvrescue,full]
+        [--by-op K]
 
 `kvrescue_cli.dry_run` decodes each method's cell on one fake CUDA device (`fake_cuda`) at the paper's shapes
 (Qwen2.5-Math-7B base, 1.5B helper, PRM-7B in bf16), CUDA graphs on, 2 problems, N = 8, B = 64, synthetic steps of
@@ -44,12 +45,15 @@ def measure(methods: list[str]) -> dict:
         def __init__(self) -> None:
             super().__init__()
             self.by_role: Counter = Counter()
+            self.by_place: Counter = Counter()  # (role, the owner's method, aten op)
             self.captured = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if cudas and cudas[-1].capturing:
                 self.captured += 1
-            self.by_role[_role(sys._getframe(1), owners)] += 1
+            role, method = _owner(sys._getframe(1), owners)
+            self.by_role[role] += 1
+            self.by_place[f"{role}.{method} {func.overloadpacket.__name__}"] += 1
             return func(*args, **(kwargs or {}))
 
     build_cell, enter = dry.build_cell, fake_cuda.FakeCuda.__enter__
@@ -72,10 +76,11 @@ def measure(methods: list[str]) -> dict:
     cells, cell = [], dry._cell
 
     def counted_cell(*args, **kwargs):
-        before, captured = Counter(count.by_role), count.captured
+        before, places, captured = Counter(count.by_role), Counter(count.by_place), count.captured
         out = cell(*args, **kwargs)
         tokens = {role: runner.decoded for role, runner in engines[-1].runners.items()}
         cells.append({"method": out.method, "tokens": tokens, "ops": dict(count.by_role - before),
+                      "places": dict(count.by_place - places),
                       "captured": count.captured - captured, "graph_replays": out.graph_replays})
         return out
 
@@ -85,16 +90,23 @@ def measure(methods: list[str]) -> dict:
     return {"code": str(Path(kvrescue_cli.__file__).parents[1]), "torch": torch.__version__, "cells": cells}
 
 
-def _role(frame, owners: dict[int, str]) -> str:
-    """The role of the innermost runner, static step or scorer on the stack from `frame` (`loop`: none)."""
+def _owner(frame, owners: dict[int, str]) -> tuple[str, str]:
+    """The role of the innermost runner, static step or scorer on the stack from `frame` (`loop`: none), and where
+    in it: its outermost and innermost methods on the stack (`commit/append`; one name where they are the same)."""
+    role, methods = None, []
     while frame is not None:
         code = frame.f_code
         if code.co_argcount and code.co_varnames[0] == "self":
-            role = owners.get(id(frame.f_locals.get("self")))
-            if role is not None:
-                return role
+            owner = owners.get(id(frame.f_locals.get("self")))
+            if owner is not None and role in (None, owner):
+                role = owner
+                methods.append(code.co_name)
+            elif role is not None:
+                break
         frame = frame.f_back
-    return "loop"
+    if role is None:
+        return "loop", ""
+    return role, methods[-1] if methods[0] == methods[-1] else f"{methods[-1]}/{methods[0]}"
 
 
 def run_worker(code: Path, methods: list[str]) -> dict:
@@ -112,6 +124,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", help="a git ref to measure beside this tree, e.g. a82926b")
     parser.add_argument("--methods", default="bon,kvrescue,full")
+    parser.add_argument("--by-op", type=int, default=0, metavar="K",
+                        help="also print this tree's K largest (role.method, aten op) counts per method, per token")
     args = parser.parse_args()
     methods = args.methods.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,6 +146,16 @@ def main() -> None:
             per_role = " | ".join(f"{c['ops'].get(role, 0) / tokens:.1f}" for role in roles)
             print(f"| {name} | {c['method']} | {total / tokens:.1f} | {per_role} | {c['captured'] / tokens:.1f} | "
                   f"{c['graph_replays']} | {tokens} | {ratio:.2f}x |")
+    for c in results["this tree"]["cells"] if args.by_op else ():
+        tokens = sum(c["tokens"].values())
+        places: Counter = Counter()
+        for place, n in c["places"].items():
+            places[place.split(" ")[0]] += n
+        print(f"\n{c['method']}: ops per token by role.method: " +
+              ", ".join(f"{place} {n / tokens:.1f}" for place, n in places.most_common()))
+        print(f"{c['method']}: the {args.by_op} largest (role.method op) counts per token")
+        for place, n in Counter(c["places"]).most_common(args.by_op):
+            print(f"  {n / tokens:6.2f}  {place}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ weights cost no memory). What fake tensors cannot do by themselves on a CPU-only
   whose meta function gives its CUDA output layout (memory-efficient: [B, M, H, K] memory returned transposed).
 - Host reads (`.numpy()`, `.tolist()`, `.item()` of a fake tensor) have no values: a `HostReads` policy gives them
   (zeros by default; a dry run scripts its tokens).
-- `torch.cuda` calls (memory queries, streams, CUDA graphs, `set_device` with PyTorch's validation, `device_count`; not `is_available`, which
+- `torch.cuda` calls (memory queries, streams, events, CUDA graphs, `set_device` with PyTorch's validation, `device_count`; not `is_available`, which
   the fake mode reads to know that it must not run CUDA kernels for constants) are stand-ins: memory is what the fake
   tensors hold; a graph capture runs its body once and a replay does nothing, and a host read, synchronisation or
   pinned copy during a capture raises, as `cudaStreamCapture` refuses them.
@@ -147,7 +147,7 @@ class _Dispatch(TorchDispatchMode):
                 torch.device(kwargs.get("device") or args[0].device).type == "cpu":
             if self.cuda.capturing:
                 raise CaptureError("a copy to the host (.cpu()) during a CUDA graph capture")
-            self.cuda.syncs += 1
+            self.cuda.syncs += not kwargs.get("non_blocking")  # a non-blocking copy: the wait is its event's
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -218,6 +218,24 @@ class _Stream:
         pass
 
 
+class _Event:
+    """torch.cuda.Event's stand-in: work is done when it is queued; waiting for an event is a synchronisation."""
+
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda = cuda
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        if self.cuda.capturing:
+            raise CaptureError("an event waited for during a CUDA graph capture")
+        self.cuda.syncs += 1
+
+    def query(self) -> bool:
+        return True
+
+
 class _Graph:
     """torch.cuda.CUDAGraph's stand-in: `torch.cuda.graph` runs the capture's body once; a replay does nothing (fake
     tensors have no values to recompute)."""
@@ -281,6 +299,7 @@ class FakeCuda:
             (cuda, "empty_cache", lambda: None),
             (cuda, "synchronize", self._synchronize),
             (cuda, "Stream", _Stream),
+            (cuda, "Event", lambda *args, **kwargs: _Event(self)),
             (cuda, "current_stream", lambda device=None: self.default_stream),
             (cuda, "stream", lambda stream: nullcontext()),
             (cuda, "graph_pool_handle", lambda: object()),

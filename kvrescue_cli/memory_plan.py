@@ -352,7 +352,8 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         suffix = s.prm_step_tokens or step + 1
         keys = blocks(min(PRM_WINDOW + suffix, cap + cap // step + 1), block)  # the context and a tag per step
         head = "score" if r.arch.score_head else "last"  # an LM-head PRM's (RLHFlow's, Math-Shepherd's): its logits
-        moment("prm", forked(r, candidates, suffix, path, keys, block, head), f"scoring of {candidates} candidates")
+        scored = candidates + (0 if dev.invariant else s.batch)  # and the committed steps fed with them (`PRMScorer`)
+        moment("prm", forked(r, scored, suffix, path, keys, block, head), f"scoring of {candidates} candidates")
         fed = max(prompt, suffix)  # a problem's prompt, or its last committed step
         moment("prm", fwd(r, s.batch, fed, Keys(path, keys), head),
                f"feed of {s.batch} problems' prompts or steps")

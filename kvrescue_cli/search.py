@@ -56,6 +56,7 @@ class StepRunner(Protocol):
     def commit(self, rows: Sequence[int], steps: Sequence[Sequence[int]]) -> None: ...
     def start(self, rows: Sequence[int], keys: Sequence[Sequence[int]], contexts: Sequence[int],
               screened: Sequence[bool], rules: StepRules) -> None: ...
+    def prepare(self) -> None: ...  # launch the next `advance`'s device work without waiting for it (or nothing)
     def advance(self, wait: bool = False) -> list[CandidateStep]: ...
     def rows_held(self, row: int) -> int: ...
     def peak_length(self, row: int) -> int: ...
@@ -225,6 +226,10 @@ class Controller:
     def _decode_one_token(self) -> None:
         # A runner whose steps decode in another process (vLLM) is waited on only when none decodes here.
         wait = not any(runner.open_steps for runner in self.runners.values())
+        # Every runner's sampling is queued before any runner waits for its tokens: the helper's is not queued behind
+        # the base's forward, and the host reads both after one wait for the device.
+        for runner in self.runners.values():
+            runner.prepare()
         for source, runner in self.runners.items():
             for result in runner.advance(wait):
                 cand = self.open.pop((source, result.row))

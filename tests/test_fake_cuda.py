@@ -16,7 +16,7 @@ from kvrescue_cli.engine import bounded, graphs
 from kvrescue_cli.engine.attention import attend_masked
 from kvrescue_cli.engine.bounded import BoundedCache
 from kvrescue_cli.engine.loader import load_model
-from kvrescue_cli.engine.transfer import upload_all
+from kvrescue_cli.engine.transfer import Download, upload_all
 from kvrescue_cli import fake_cuda
 from kvrescue_cli.fake_cuda import CaptureError, FakeCuda
 from kvrescue_cli.memory_plan import CellShape, DeviceKind, plan_cell
@@ -86,6 +86,20 @@ def test_fake_cuda_raises_what_a_gpu_raises():
             torch.cuda.set_device("cuda:1")
         with pytest.raises(ValueError, match="specified index"):  # as torch.cuda.set_device refuses it on a GPU
             torch.cuda.set_device("cuda")
+
+
+def test_a_download_waits_for_its_event_alone():
+    """`transfer.Download` copies to pinned memory without waiting and waits for its event when read: one
+    synchronisation, at the read (a plain `.cpu()` waits at once)."""
+    with FakeCuda() as cuda:
+        x = torch.zeros(5, 3, device=CUDA)
+        pending = Download(x * 2)
+        assert cuda.syncs == 0
+        y = x + 1  # work queued after the copy: on a GPU the read below does not wait for it
+        assert pending.wait().shape == (5, 3) and cuda.syncs == 1 and y.device == CUDA
+        with pytest.raises(CaptureError, match="during a CUDA graph capture"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                Download(x).wait()
 
 
 def test_the_memory_log_counts_storages_per_device_and_part_until_freed():

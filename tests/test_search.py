@@ -23,8 +23,9 @@ class ScriptedRunner:
     for one whose steps decode in another process (vLLM): it reports no open steps here.
     """
 
-    def __init__(self, script, clock: Clock | None = None, remote: bool = False) -> None:
+    def __init__(self, script, clock: Clock | None = None, remote: bool = False, log: list | None = None) -> None:
         self.script = script
+        self.log = [] if log is None else log  # ("prepare" | "advance", self) of every call, shared between runners
         self.clock = clock
         self.remote = remote
         self.waits: list[bool] = []  # the `wait` of every advance
@@ -71,7 +72,11 @@ class ScriptedRunner:
     def open_steps(self) -> int:
         return 0 if self.remote else len(self.decoding)
 
+    def prepare(self):
+        self.log.append(("prepare", self))
+
     def advance(self, wait=False):
+        self.log.append(("advance", self))
         self.waits.append(wait)
         self.decoded += len(self.decoding)
         if self.clock is not None:
@@ -251,6 +256,17 @@ def test_progress_counts_the_tokens_of_both_models(monkeypatch):
     Controller(SearchSettings(batch=2, max_steps=1), runners, TableScorer({}), {EOS}, method="kvrescue", n=2).run(
         [(0, "p", [1])], lambda f: None, seen.append)
     assert seen == [search.DecodeProgress(0, 4), search.DecodeProgress(0, 8), search.DecodeProgress(1, 12)]
+
+
+def test_every_runner_launches_its_sampling_before_any_waits():
+    """Each iteration prepares every runner (its sampling queued on the device) before it advances any (reads the
+    tokens and queues the forward): the helper's sampling is not queued behind the base's forward."""
+    log = []
+    runners = {name: ScriptedRunner(steps_of(3), log=log) for name in ("base", "helper")}
+    Controller(SearchSettings(batch=2, max_steps=1), runners, TableScorer({}), {EOS}, method="kvrescue", n=2).run(
+        [(0, "p", [1])], lambda f: None)
+    base, helper = runners["base"], runners["helper"]
+    assert log == [("prepare", base), ("prepare", helper), ("advance", base), ("advance", helper)] * 3
 
 
 def test_the_step_rules_are_the_settings():

@@ -125,6 +125,8 @@ class _PagedForward:
     slots: torch.Tensor  # [N] flat slot (block * block_size + offset) of each valid new token
     valid: torch.Tensor | None  # [N] flat (row * T + t) index of each valid new token; None when all are
     shared: _SharedPrefixes | None  # None without cascade or when no two rows share a block
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None  # flat slots copied (from, to) in each layer once it
+    # is stored: a fork's copy of a block its parent fills in the same forward (`FullCache.reserve`)
 
 
 class FullCache(KVCache):
@@ -174,6 +176,7 @@ class FullCache(KVCache):
         self.v = torch.zeros_like(self.k)
         self.block_table = BlockTable(num_blocks, block_size, max_rows, max_row_tokens)
         self.fwd: _PagedForward | None = None
+        self.reserved: dict[int, tuple[int, int]] = {}  # row -> (its length before, tokens) that `reserve` made room for
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, max_tokens: int, **kw) -> "FullCache":
@@ -225,13 +228,38 @@ class FullCache(KVCache):
         return self.block_table.blocks_in_use()
 
     # -- forward protocol ---------------------------------------------------------------------------
+    def reserve(self, rows: Sequence[int], n_new: Sequence[int]) -> None:
+        """Room for n_new[i] tokens of rows[i] that the next forward appends (with these rows among its own), made
+        now: forks made in between hold them too, and append their own tokens in that same forward (a PRM's
+        candidates, forked from the prefixes the forward feeds). Such a fork's copy of its parent's partly filled
+        last block is made in each layer once the layer's new K/V are stored."""
+        rows_np, n_np = np.asarray(rows, np.int64), np.asarray(n_new, np.int64)
+        before = self.block_table.lengths[rows_np].copy()
+        cow_src, cow_dst = self.block_table.append(rows_np, n_np)
+        if len(cow_src):
+            dev = upload_all({"src": cow_src, "dst": cow_dst}, self.k.device)
+            self._copy_blocks(dev["src"], dev["dst"])
+        self.reserved.update(zip(rows_np.tolist(), zip(before.tolist(), n_np.tolist())))
+
     def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
         rows_np, n_np = np.asarray(rows, np.int64), np.asarray(n_new, np.int64)
-        lengths = self.block_table.lengths[rows_np]
-        cow_src, cow_dst = self.block_table.append(rows_np, n_np)
+        lengths = self.block_table.lengths[rows_np].copy()
+        held = np.array([row in self.reserved for row in rows_np.tolist()], bool)
+        for i in np.flatnonzero(held):
+            lengths[i], reserved = self.reserved.pop(int(rows_np[i]))
+            if reserved != n_np[i]:
+                raise RuntimeError(f"FullCache: row {rows_np[i]} reserved {reserved} tokens, the forward appends {n_np[i]}")
+        if self.reserved:
+            raise RuntimeError(f"FullCache: rows {sorted(self.reserved)} reserved tokens the forward does not append")
+        filled = self._filled_blocks(rows_np[held], lengths[held], n_np[held])
+        cow_src, cow_dst = self.block_table.append(rows_np[~held], n_np[~held])
         groups = self._cascading(rows_np, lengths)
         host = self._forward_arrays(rows_np, lengths, n_np, groups)
-        host["cow_src"], host["cow_dst"] = cow_src, cow_dst
+        later = np.isin(cow_src, filled)  # their sources are filled in this forward: copied layer by layer
+        host["cow_src"], host["cow_dst"] = cow_src[~later], cow_dst[~later]
+        if later.any():
+            host["copy_from"], host["copy_to"] = self._slot_copies(rows_np[~held], lengths[~held], cow_src[later],
+                                                                   cow_dst[later])
         dev = upload_all(host, self.k.device)  # the forward's one copy; nothing here waits for the device
         self._copy_blocks(dev["cow_src"], dev["cow_dst"])
         T = int(n_np.max())
@@ -241,8 +269,26 @@ class FullCache(KVCache):
             members = dev["members"]
             shared = _SharedPrefixes(paged_keys(self.k[0], pick("shared."), members.shape[1] * T, causal=False),
                                      members, dev["grouped_rows"], dev["grouped_slots"])
-        self.fwd = _PagedForward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"), shared)
+        copies = (dev["copy_from"], dev["copy_to"]) if "copy_from" in dev else None
+        self.fwd = _PagedForward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"),
+                                 shared, copies)
         return dev["positions"]
+
+    def _filled_blocks(self, rows: np.ndarray, lengths: np.ndarray, n_new: np.ndarray) -> np.ndarray:
+        """The blocks that rows' next n_new tokens (after `lengths`) are written to."""
+        bs, table = self.block_size, self.block_table.table
+        return np.concatenate([table[r, a // bs: -(-(a + n) // bs)] for r, a, n in zip(rows, lengths, n_new)]
+                              + [np.zeros(0, np.int64)])
+
+    def _slot_copies(self, rows: np.ndarray, lengths: np.ndarray, src: np.ndarray,
+                     dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The flat slots to copy (from, to) for the block copies src[i] -> dst[i] of rows (with `lengths` before
+        the forward) that copy a block filled in the same forward: the slots before the row's own first token."""
+        bs = self.block_size
+        at = {int(self.block_table.table[r, a // bs]): a % bs for r, a in zip(rows, lengths) if a % bs}
+        offsets = [np.arange(at[int(d)]) for d in dst]
+        return (np.concatenate([s * bs + o for s, o in zip(src, offsets)]),
+                np.concatenate([d * bs + o for d, o in zip(dst, offsets)]))
 
     def append_one(self, rows: Sequence[int]) -> np.ndarray:
         """Make room for one more token in each row (a static decode step, `graphs`), copying a shared last block
@@ -352,8 +398,15 @@ class FullCache(KVCache):
         return _Groups(members, sizes, shared)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots."""
+        """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots, then copy the slots of blocks
+        filled in this forward to the forks' copies of them."""
         self.store_at(layer, self.fwd.slots, k, v, self.fwd.valid)
+        if self.fwd.copies is not None:
+            source, target = self.fwd.copies
+            heads_dim = self.k.shape[3:]
+            for pool in (self.k[layer], self.v[layer]):
+                flat = pool.view(-1, *heads_dim)
+                flat.index_copy_(0, target, flat.index_select(0, source))
 
     def store_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  valid: torch.Tensor | None = None) -> None:

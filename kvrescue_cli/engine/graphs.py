@@ -239,6 +239,7 @@ class StaticDecode:
             self.steps.clear()
             self.pools_from = self.side.generation
         key, host = self.side.start(rows)
+        key, host = self._captured_cover(key, host)
         step = self.steps.get(key) or self._prepare(key, host)
         step.inputs[1:].copy_(upload(host, step.inputs.device))  # no wait for the device
         step.inputs[0, : len(rows)].copy_(tokens)
@@ -249,6 +250,18 @@ class StaticDecode:
             logits = self._forward(step.inputs)
         self.side.finish(rows)
         return logits[: len(rows)].clone()
+
+    def _captured_cover(self, key: tuple[int, ...], host: np.ndarray) -> tuple[tuple[int, ...], np.ndarray]:
+        """The smallest bucket prepared already that covers `key` (as many rows or more, as wide a table or wider),
+        with `host` padded to it: a step of few rows (a commit's) replays a graph of more rather than capturing
+        one of its own (a warm-up and a capture forward); `key` itself when none covers it."""
+        covers = [k for k in self.steps if k != key and all(a >= b for a, b in zip(k, key))]
+        if key in self.steps or not covers:
+            return key, host
+        cover = min(covers, key=lambda k: (int(np.prod(k)), k))
+        padded = self.side.padding(*cover)
+        padded[: host.shape[0], : host.shape[1]] = host
+        return cover, padded
 
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
         h = self.net.decoder(inputs[0][:, None], inputs[1][:, None], self.side.view(inputs))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kvrescue_cli.engine.invariance as invariance
 from kvrescue_cli.engine.caches import TORCH_BLOCK, FullCache, block_size_for
 from kvrescue_cli.engine.loader import LoadedModel
 from kvrescue_cli.engine.prm_recipes import FORMATS, HEADS, PRMRecipe, RecipeInputs
@@ -155,8 +156,8 @@ class PRMScorer:
     """Scores candidate steps of many problems as suffixes of each problem's cached committed prefix.
 
     Follows the controller's scorer protocol: open / score / commit / close, keyed by problem. Opening and
-    committing only queue tokens: each `score` first feeds every problem's queued tokens in one forward,
-    then scores all candidates in another (more only when the cache's room splits them).
+    committing only queue tokens: each `score` feeds every problem's queued tokens with the candidates, in one
+    forward (two where a prompt is among them; more only when the cache's room splits the candidates).
     """
 
     name = PRM
@@ -196,44 +197,51 @@ class PRMScorer:
         )
         self.rows: dict[int, int] = {}  # each problem's cache row, holding its prefix
 
-    @torch.inference_mode()
-    def _feed(self) -> None:
-        """Append every problem's unfed tokens (prompts opened, steps committed since the last score) to its row,
-        a new row where they are the whole prefix, all problems in one forward."""
+    def _unfed(self) -> tuple[list[int], list[list[int]]]:
+        """Every problem's unfed tokens (prompts opened, steps committed since the last score) and the row they go to,
+        a new one where they are the whole prefix."""
         unfed = self.inputs.take_unfed()
-        if not unfed:
-            return
         for key, _, rebuilt in unfed:
             if rebuilt:
                 if key in self.rows:
                     self.cache.release([self.rows[key]])
                 self.rows[key] = self.cache.create()
-        append_tokens(self.prm, self.cache, [self.rows[key] for key, _, _ in unfed], [tokens for _, tokens, _ in unfed])
+        return [self.rows[key] for key, _, _ in unfed], [tokens for _, tokens, _ in unfed]
 
     def open(self, key: int, problem: str, prompt: list[int] | None = None) -> None:
-        """Start following a problem: encode its prompt, cached with the next score's first forward (the
+        """Start following a problem: encode its prompt, fed by the next score (the
         policy's `prompt` tokens are not needed)."""
         self.inputs.open(key, problem)
 
     @torch.inference_mode()
     def score(self, requests: Sequence[Request]) -> list[float | None]:
-        """The recipe's score at each candidate's last token, all candidates of all problems in one forward; None
-        for a candidate whose piece the PRM's tokenizer makes no token of (`seen_candidates`)."""
+        """The recipe's score at each candidate's last token, all candidates of all problems in one forward, which
+        also feeds the problems' unfed tokens where none is longer than the longest candidate (a committed step:
+        the candidates are forked from the room made for them, `FullCache.reserve`; a longer one, a prompt, is fed
+        in a forward of its own rather than padding every candidate to it). With batch invariance on, always in a
+        forward of their own: whether a prefix shares its candidates' forward depends on the other problems', and
+        it would join their cascade group. None for a candidate whose piece the PRM's tokenizer makes no token of
+        (`seen_candidates`)."""
         if not requests:
             return []
         suffixes = self.inputs.candidates(requests)
-        self._feed()
+        fed_rows, fed = self._unfed()
         seen = seen_candidates(suffixes)
+        if fed and (not seen or invariance.on() or max(map(len, fed)) > max(len(suffixes[i]) for i in seen)):
+            append_tokens(self.prm, self.cache, fed_rows, fed)
+            fed_rows, fed = [], []
+        self.cache.reserve(fed_rows, [len(tokens) for tokens in fed])
         scores: list[float | None] = [None] * len(suffixes)
         for chunk in self._chunks([suffixes[i] for i in seen]):
             picked = [seen[j] for j in chunk]
             rows = self.cache.fork_each([self.rows[requests[i][0]] for i in picked], 1)
             try:
-                head = append_tokens(self.prm, self.cache, rows, [suffixes[i] for i in picked])
+                head = append_tokens(self.prm, self.cache, fed_rows + rows, fed + [suffixes[i] for i in picked])
             finally:
                 self.cache.release(rows)
-            for i, score in zip(picked, self.inputs.codec.read(head).tolist()):
+            for i, score in zip(picked, self.inputs.codec.read(head[len(fed_rows):]).tolist()):
                 scores[i] = score
+            fed_rows, fed = [], []
         return scores
 
     def _chunks(self, suffixes: list[list[int]]) -> list[list[int]]:
@@ -252,7 +260,7 @@ class PRMScorer:
         return chunks if suffixes else []
 
     def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:
-        """The problem committed this step: its ids join the prefix, cached with the next score's first forward
+        """The problem committed this step: its ids join the prefix, fed by the next score
         (a problem closed before then never costs the forward)."""
         self.inputs.commit(key, text)
 

@@ -94,7 +94,10 @@ class Runner:
                 raise RuntimeError(f"row {row}: its cache holds {held} tokens past the trajectory, the step has {len(step)}")
             tails.append(step[held:])
             self.trajectory[row] += len(step)
-        if rows:
+        if rows and self.static is not None and all(len(tail) == 1 for tail in tails):
+            tokens = upload(np.asarray([tail[0] for tail in tails], np.int64), self.device)
+            self._keep(rows, self.static(list(rows), tokens))  # every row adopted its step: one static decode step
+        elif rows:
             self._keep(rows, self.append(rows, tails))
         for row in rows:
             if self.cache.length(row) != self.trajectory[row]:
@@ -121,6 +124,12 @@ class Runner:
     def open_steps(self) -> int:
         """Candidate steps being decoded (each gets a token per `advance`)."""
         return 0 if self.steps is None else len(self.steps.live)
+
+    def prepare(self) -> None:
+        """Launch the next `advance`'s sampling and the copy of its tokens to the host, without waiting for them: a
+        controller prepares every runner before it advances any (`StepDecoder.launch`)."""
+        if self.steps is not None:
+            self.steps.launch(self)
 
     def advance(self, wait: bool = False) -> list[CandidateStep]:
         """One token for every open candidate step; the steps that ended with it (`wait`: no effect, every call

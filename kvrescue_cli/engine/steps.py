@@ -24,7 +24,7 @@ from kvrescue_cli.detect import DetectorConfig, gzip_ratio
 from kvrescue_cli.engine.caches import KVCache
 from kvrescue_cli.engine.sampling import SamplingParams, as_keys, counter_stages
 from kvrescue_cli.engine.texts import decoder
-from kvrescue_cli.engine.transfer import upload
+from kvrescue_cli.engine.transfer import Download, upload
 from kvrescue_cli.prompts import STEP_DELIMITER
 from kvrescue_cli.reasons import DETECTOR_FINISHES, FINISHES
 from kvrescue_cli.shapes import MAX_CONTEXT, MAX_STEP_TOKENS
@@ -178,6 +178,7 @@ class StepDecoder:
         self.live = np.zeros(0, np.int64)   # live lanes, in batch order
         self.live_t: torch.Tensor | None = None
         self.rows_t: torch.Tensor | None = None
+        self.pending: tuple[torch.Tensor, Download] | None = None  # `launch`'s tokens and their copy to the host
 
     @property
     def busy(self) -> bool:
@@ -209,6 +210,8 @@ class StepDecoder:
     def start(self, rows: Sequence[int], keys: Sequence[Sequence[int] | int], contexts: Sequence[int],
               screened: Sequence[bool]) -> None:
         """Open a step on each row (its logits already in the runner): stream keys[i], contexts[i] tokens before it."""
+        if self.pending is not None:
+            raise RuntimeError("StepDecoder.start: a launched token not yet read (`advance` first)")
         if len(self.free) < len(rows):
             self._grow(len(self.lanes.rows) + len(rows) - len(self.free))
         lanes = np.array([self.free.pop() for _ in rows], dtype=np.int64)
@@ -230,11 +233,12 @@ class StepDecoder:
             self.rows_t = upload(self.lanes.rows[live], self.device)
         self.live = live
 
-    def advance(self, runner) -> list[CandidateStep]:
-        """Sample one token for every live row of `runner` and feed it to the rows that go on; return the steps
-        that ended."""
-        if not self.busy:
-            return []
+    def launch(self, runner) -> None:
+        """Sample one token for every live row of `runner` and start the copy of what the host reads of it (tokens,
+        entropies, finish codes), without waiting for it: `advance` reads it. A controller launches every runner's
+        sampling before it waits for any, so that one runner's sampling is not queued behind another's forward."""
+        if not self.busy or self.pending is not None:
+            return
         rules, table, s = self.rules, self.table, self.lanes
         lanes, live = self.live_t, self.live
         tokens, entropies = runner.sample(self.rows_t, s.keys[lanes], s.count[lanes], rules.sampling, self.stages)
@@ -266,7 +270,18 @@ class StepDecoder:
         if not table.exact:
             check_text |= (code == 0) & table.newline[tokens]
         packed = torch.stack([tokens.double(), entropies.double(), code.double(), s.max_mean_entropy[lanes],
-                              check_text.double()]).cpu().numpy()  # the iteration's one synchronisation
+                              check_text.double()])
+        self.pending = (tokens, Download(packed))
+
+    def advance(self, runner) -> list[CandidateStep]:
+        """One token for every live row of `runner` (sampled by `launch`, or now), fed to the rows that go on; the
+        steps that ended."""
+        if not self.busy:
+            return []
+        self.launch(runner)
+        (tokens, download), self.pending = self.pending, None
+        rules, s, live = self.rules, self.lanes, self.live
+        packed = download.wait()  # the iteration's one synchronisation
         tok = packed[0].astype(np.int64)
         s.counts[live] += 1
         s.tokens[live, s.counts[live] - 1] = tok

@@ -31,3 +31,25 @@ def upload_all(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str,
         view = part.view(np.shape(array))
         out[name] = view.bool() if np.asarray(array).dtype == bool else view
     return out
+
+
+class Download:
+    """A device tensor's copy to the host, started now and read later (`wait`), so that the host can launch other
+    work first: on CUDA a non-blocking copy into pinned memory and an event after it (`wait` waits for that event
+    alone, not for what was queued later), elsewhere a plain copy when it is read."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.event = None
+        if tensor.device.type == "cuda":
+            self.host = tensor.to("cpu", non_blocking=True)  # into pinned memory, as a non-blocking copy to the host is
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor
+
+    def wait(self) -> np.ndarray:
+        """The values, once the copy is done (a synchronisation with the device, up to the copy)."""
+        if self.event is None:
+            return self.host.cpu().numpy()
+        self.event.synchronize()
+        return self.host.numpy()

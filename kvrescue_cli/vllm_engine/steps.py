@@ -197,6 +197,9 @@ class VllmRunner:
         """Whether candidate steps are still being decoded."""
         return bool(self.in_flight)
 
+    def prepare(self) -> None:
+        """Nothing: the steps decode in vLLM's engine process."""
+
     def advance(self, wait: bool = False) -> list[CandidateStep]:
         """The steps that ended since the last call; with `wait`, at least one if any is open (blocks)."""
         done, again = [], []

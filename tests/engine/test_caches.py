@@ -194,3 +194,40 @@ def test_copy_on_write_leaves_the_last_holder_its_block(model) -> None:
     for child, token, logits in zip(children, [5, 6, 7], out):
         ref = FullCache.for_model(model.net, 1024, max_rows=8, block_size=4)
         assert (logits - _prefill(model, ref, ref.create(), prefix + [token])).abs().max() < TOL
+
+
+@pytest.mark.parametrize("cascade_from", [None, 0], ids=["paged", "cascade"])
+def test_forks_of_reserved_room_append_in_the_forward_that_fills_it(qwen2_dir, cascade_from) -> None:
+    """Two rows (one holding 11 tokens, one new) reserve room for their next tokens, three forks of each are made,
+    and one forward appends the rows' tokens and the forks' own: the same outputs and K/V as feeding the rows first
+    and then appending to forks of them (each fork's copy of the partly filled block made in every layer once the
+    rows' tokens are stored there)."""
+    net = load_model(qwen2_dir).net
+    generator = torch.Generator().manual_seed(6)
+    caches = [FullCache.for_model(net, 1024, max_rows=16, block_size=4, cascade_from=cascade_from) for _ in range(2)]
+    prompt = torch.randint(0, net.args.vocab_size, (1, 11), generator=generator)
+    fed = [torch.randint(0, net.args.vocab_size, (n,), generator=generator).tolist() for n in (6, 9)]
+    suffixes = [torch.randint(0, net.args.vocab_size, (n,), generator=generator).tolist() for n in (5, 2, 9, 7, 3, 4)]
+    outputs, keys = [], []
+    for reserved, cache in zip((False, True), caches):
+        rows = [cache.create(), cache.create()]
+        net.prefill(prompt, cache, rows[:1], [11])
+        if reserved:
+            cache.reserve(rows, [6, 9])
+        else:
+            net.prefill(padded(fed), cache, rows, [6, 9])
+        forks = cache.fork_each(rows, 3)
+        appended = (rows + forks, fed + suffixes) if reserved else (forks, suffixes)
+        out = net.prefill(padded(appended[1]), cache, appended[0], [len(t) for t in appended[1]], last_only=False)
+        outputs.append([o[: len(t)] for o, t in zip(out[-6:], suffixes)])
+        keys.append([cache.k[:, cache.blocks(r)].flatten(1, 2)[:, : cache.length(r)] for r in rows + forks])
+    for got, want in zip(outputs[1] + keys[1], outputs[0] + keys[0]):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def padded(token_lists: list[list[int]]) -> torch.Tensor:
+    """Token lists right padded with 0 to the longest: [R, T]."""
+    out = torch.zeros(len(token_lists), max(map(len, token_lists)), dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
+        out[i, : len(tokens)] = torch.tensor(tokens)
+    return out

@@ -269,3 +269,28 @@ def test_the_full_caches_flash_attn_call_matches_the_dynamic_step(qwen2_dir, mon
             want = net.decode(tokens, caches["dynamic"], rows["dynamic"])
         torch.testing.assert_close(step(rows["static"], tokens), want, atol=2e-5, rtol=1e-5)
     assert {key[1] for key in step.steps} == {16}  # the table's whole width: 128 tokens in blocks of 8
+
+
+@pytest.mark.parametrize("kind", ["full", "bounded"])
+def test_a_step_of_fewer_rows_takes_a_bucket_prepared_already(qwen2_dir, kind):
+    """A step of 2 rows after steps of 4 (a commit after the candidates' steps) is padded into the prepared bucket of 4
+    rows (as wide a block table or wider), not a bucket of its own (on a GPU: a warm-up and a capture forward); the
+    same outputs as the dynamic step."""
+    net = load_model(qwen2_dir).net
+    make = {"full": lambda: FullCache.for_model(net, 2048, max_rows=16, max_row_tokens=256, block_size=4),
+            "bounded": lambda: BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=4)}[kind]
+    caches = {"dynamic": make(), "static": make()}
+    step = StaticDecode(net, caches["static"], graphs=True)  # no CUDA here: the same static step, eagerly
+    generator = torch.Generator().manual_seed(5)
+    lengths = [9, 6, 13, 4]
+    prompt = torch.randint(0, net.args.vocab_size, (4, max(lengths)), generator=generator)
+    rows = {}
+    for name, cache in caches.items():
+        rows[name] = [cache.create() for _ in lengths]
+        net.prefill(prompt, cache, rows[name], lengths)
+    for picked in (slice(None), slice(None), slice(1, 3), slice(0, 1)):
+        tokens = torch.randint(0, net.args.vocab_size, (len(rows["dynamic"][picked]),), generator=generator)
+        with torch.inference_mode():
+            want = net.decode(tokens, caches["dynamic"], rows["dynamic"][picked])
+        torch.testing.assert_close(step(rows["static"][picked], tokens), want, atol=2e-5, rtol=1e-5)
+    assert [key[0] for key in step.steps] == [4]

@@ -170,6 +170,8 @@ def test_batched_from_scratch_scores_equal_one_trajectory_at_a_time(prm) -> None
 
 
 def test_opens_and_commits_are_fed_with_the_next_score_in_one_forward(prm, monkeypatch) -> None:
+    """Prompts are fed in a forward of their own (the candidates would be padded to them), committed steps no
+    longer than the candidates in the candidates' forward; the scores are the from-scratch ones."""
     forwards = []
     prefill = prm.net.prefill
 
@@ -191,7 +193,7 @@ def test_opens_and_commits_are_fed_with_the_next_score_in_one_forward(prm, monke
     assert forwards == [3, 6]
     requests = [(key, STEPS[key][1], []) for key in range(2)]
     second = scorer.score(requests)
-    assert forwards == [3, 6, 2, 2]
+    assert forwards == [3, 6, 4]  # the two committed steps with the candidates forked from them, in one forward
     assert first[0] == pytest.approx(prm_scores(prm, PROBLEMS[0], STEPS[0][:1])[-1], abs=1e-4)
     for (key, text, _), score in zip(requests, second):
         assert score == pytest.approx(prm_scores(prm, PROBLEMS[key], [STEPS[key][0], text])[-1], abs=1e-4)

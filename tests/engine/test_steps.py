@@ -301,3 +301,27 @@ def test_step_table_on_the_smollm2_tokenizer() -> None:
 
     from kvrescue_cli.smollm import smollm2_folder
     _check_table(AutoTokenizer.from_pretrained(str(smollm2_folder())))
+
+
+def test_steps_prepared_before_they_advance_are_the_steps_advanced_alone(qwen2_dir) -> None:
+    """`Runner.prepare` (the sampling launched, its copy to the host started) before each `advance` decodes the same
+    tokens, entropies and ends as `advance` alone; a step opened while a launched token is unread is refused."""
+    model = load_model(qwen2_dir)
+    rules = StepRules(frozenset(model.eos_ids), SamplingParams(), max_step_tokens=12)
+    results = []
+    for prepared in (False, True):
+        runner = Runner(model, FullCache.for_model(model.net, 4096, max_rows=32))
+        rows = runner.fork(runner.prefill([[5, 6, 7] * 3])[0], 4)
+        runner.start(rows, [(0, i, 0, 0) for i in range(4)], [9] * 4, [True] * 4, rules)
+        if prepared:
+            runner.prepare()
+            with pytest.raises(RuntimeError, match="not yet read"):
+                runner.start(rows[:1], [(0, 9, 0, 0)], [9], [True], rules)
+        done = []
+        while runner.busy:
+            if prepared:
+                runner.prepare()
+                runner.prepare()  # a second launch before the advance does nothing
+            done += runner.advance()
+        results.append(sorted((s.row, s.tokens, s.entropies, s.finish) for s in done))
+    assert results[0] == results[1] and len(results[0]) == 4

@@ -68,8 +68,9 @@ def _runner(model, kind: str) -> Runner:
     return Runner(model, BoundedCache.for_model(model.net, 16, evictor, rows=8, max_append=64))  # compresses as it goes
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["advanced", "prepared"])  # `prepare` launches the sampling
 @pytest.mark.parametrize("kind", ["full", "bounded", "bounded-h2o"])
-def test_one_host_transfer_per_iteration_and_no_other_sync(qwen2_dir, kind, monkeypatch) -> None:
+def test_one_host_transfer_per_iteration_and_no_other_sync(qwen2_dir, kind, prepared, monkeypatch) -> None:
     model = load_model(qwen2_dir)
     runner = _runner(model, kind)
     with counting(monkeypatch) as counts:
@@ -84,6 +85,8 @@ def test_one_host_transfer_per_iteration_and_no_other_sync(qwen2_dir, kind, monk
     iterations = 0
     while runner.busy:
         with counting(monkeypatch) as counts:
+            if prepared:
+                runner.prepare()
             done = runner.advance()
         iterations += 1
         assert counts == {"Tensor.cpu": 1}, f"iteration {iterations}: {dict(counts)}"

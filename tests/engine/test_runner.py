@@ -1,0 +1,48 @@
+"""The Runner's commits: a step every row adopted is committed by one static decode step where the runner has one."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvrescue_cli.engine import FullCache, load_model
+from kvrescue_cli.engine.bounded import BoundedCache
+from kvrescue_cli.engine.graphs import StaticDecode
+from kvrescue_cli.engine.runner import Runner
+
+
+def _caches(net, kind: str):
+    if kind == "full":
+        return FullCache.for_model(net, 2048, max_rows=16, max_row_tokens=256, block_size=4)
+    return BoundedCache.for_model(net, 16, "rkv", rows=8, max_append=64)
+
+
+@pytest.mark.parametrize("kind", ["full", "bounded"])
+def test_a_commit_of_adopted_steps_is_one_static_step_with_the_eager_commits_logits(qwen2_dir, kind, monkeypatch):
+    """Two problems each decode two candidates of 5 tokens, adopt one and commit its step: the runner with a static
+    step (what CUDA graphs replay on a GPU, here eagerly) commits the last tokens through it, not through an eager
+    forward, and keeps the logits and cache lengths the eager runner keeps."""
+    model = load_model(qwen2_dir)
+    runners = {"eager": Runner(model, _caches(model.net, kind))}
+    runners["static"] = Runner(model, _caches(model.net, kind))
+    runners["static"].static = StaticDecode(model.net, runners["static"].cache)  # before any row holds an entry
+    generator = torch.Generator().manual_seed(3)
+    prompts = [[5, 6, 7] * 7, [8, 9] * 6]
+    steps = torch.randint(0, model.net.args.vocab_size, (5, 4), generator=generator)
+    kept = {}
+    for name, runner in runners.items():
+        parents = runner.prefill(prompts)
+        children = runner.fork_each(parents, 2)
+        rows_t = torch.tensor(children)
+        for t in range(4):  # the step's last token is not fed: the commit feeds it
+            runner.decode(rows_t, children, steps[t])
+        winners = [children[0], children[3]]
+        for parent, child in zip(parents, winners):
+            runner.adopt(parent, child)
+        runner.release([c for c in children if c not in winners])
+        if name == "static":
+            monkeypatch.setattr(runner, "append", lambda *a, **k: pytest.fail("an eager forward for the commit"))
+        columns = [0, 3]
+        runner.commit(parents, [steps[:, c].tolist() for c in columns])
+        kept[name] = runner.logits[torch.tensor(parents)]
+        assert [runner.length(p) for p in parents] == [len(p) + 5 for p in prompts]
+    torch.testing.assert_close(kept["static"], kept["eager"], atol=2e-5, rtol=1e-5)
