@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrescue_cli.data import GENERIC, ProblemSet
-from kvrescue_cli.devices import CPU, GPU, is_cpu
+from kvrescue_cli.devices import CPU, GPU, device_groups, is_cpu
 from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
 from kvrescue_cli.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, Evictor, make_evictor, parse_evictor
 from kvrescue_cli.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES, PRMRecipe, get_recipe
@@ -259,15 +259,6 @@ def resolve_prompt(options: GridOptions) -> GridOptions:
     except ModelConfigError:  # a GGUF file, or offline: the model's name decides
         model_type = None
     return replace(options, prompt=resolve_style("auto", model, model_type))
-
-
-def device_groups(devices: tuple[str, ...], size: int = 1) -> list[tuple[str, ...]]:
-    """The devices in consecutive groups of `size` (--tp's K): one worker per group; a one-line error when `size`
-    does not divide them."""
-    if len(devices) % size:
-        raise InputError(f"--tp {size} does not divide the {len(devices)} devices of --devices {','.join(devices)} "
-                         f"({len(devices)} devices do not split into groups of {size}): each group is one worker")
-    return [devices[i:i + size] for i in range(0, len(devices), size)]
 
 
 def parse_shard(value: str | None) -> tuple[int, int] | None:

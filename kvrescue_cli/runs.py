@@ -11,10 +11,11 @@ from rich.progress import Progress
 from kvrescue_cli import in_process, workers
 from kvrescue_cli.data import data_dir, load_problems
 from kvrescue_cli.device_plan import memory_plan
+from kvrescue_cli.devices import device_groups
 from kvrescue_cli.engine.sampling import STREAM_VERSION
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import (
-    Cell, GridOptions, bench_identity, device_groups, resolve_prm_recipe, resolve_prompt, roles_needed,
+    Cell, GridOptions, bench_identity, resolve_prm_recipe, resolve_prompt, roles_needed,
 )
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import model_revision

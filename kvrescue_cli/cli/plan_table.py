@@ -14,8 +14,7 @@ def sized_batch(options, auto: bool):
     from dataclasses import replace
 
     from kvrescue_cli import device_plan
-    from kvrescue_cli.grid import device_groups
-    from kvrescue_cli.workers import device_shares
+    from kvrescue_cli.devices import device_groups, device_shares
 
     options.check()
     if not auto:
@@ -39,8 +38,7 @@ def print_plan(options) -> bool:
     from rich import box
 
     from kvrescue_cli import device_plan, memory_plan
-    from kvrescue_cli.grid import device_groups
-    from kvrescue_cli.workers import device_shares
+    from kvrescue_cli.devices import device_groups, device_shares
 
     groups = device_groups(options.devices, options.tp)
     table = Table(title=f"kvrescue run --plan: batch {options.settings.batch}"

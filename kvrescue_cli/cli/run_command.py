@@ -161,8 +161,8 @@ def run(
     from kvrescue_cli.progress import LogLines
     from kvrescue_cli.runs import CellFailed, run_grid
     from kvrescue_cli.search import SearchSettings
-    from kvrescue_cli.devices import is_gpu, kind_of
-    from kvrescue_cli.workers import WorkersGone, resolve_devices
+    from kvrescue_cli.devices import is_gpu, kind_of, resolve_devices
+    from kvrescue_cli.workers import WorkersGone
 
     refuse_out_in_a_run_folder(out)
     models = dict(DEFAULT_MODELS)
