@@ -15,7 +15,7 @@ from kvrescue_cli.errors import InputError
 from kvrescue_cli.jsonl import require_field
 from kvrescue_cli.outputs import Trace
 from kvrescue_cli.outputs.decoded import trace_of
-from kvrescue_cli.prompts import THINK_CLOSE
+from kvrescue_cli.prompts import answer_part
 from kvrescue_cli.reasons import EOS, UNDECODED
 
 if TYPE_CHECKING:
@@ -37,13 +37,6 @@ class GradeTally:
     @property
     def accuracy(self) -> float:
         return self.correct / self.records if self.records else 0.0
-
-
-def answer_part(output: str) -> tuple[str, str]:
-    """(the text the answer is read from, where): after the last `</think>` when the output has one, as R-KV's and
-    Qwen's evaluations of reasoning models read it ("after_think"), else the whole output ("output")."""
-    _, close, tail = output.rpartition(THINK_CLOSE)
-    return (tail, "after_think") if close else (output, "output")
 
 
 def voters(finished: Finished) -> list[tuple[int, CandidateState, str]]:

@@ -6,8 +6,7 @@ import orjson
 import pytest
 from transformers import AutoTokenizer
 
-from kvrescue_cli.grading import answer_part
-from kvrescue_cli.prompts import SYSTEM_PROMPT, generation_prompt, resolve_style
+from kvrescue_cli.prompts import SYSTEM_PROMPT, answer_part, generation_prompt, resolve_style
 from kvrescue_cli.random_checkpoints import QWEN3_CHAT_TEMPLATE, build_tokenizer, write_random_checkpoint
 from tests.conftest import TINY
 from tests.helpers import kvrescue, kvrescue_run, read_folder

@@ -226,7 +226,7 @@ def run(
 
 def refuse_out_in_a_run_folder(out: Path) -> None:
     """--out is the root above run folders: one inside a run folder would nest new runs in it."""
-    from kvrescue_cli.outputs.folder import CONFIG, TRACES
+    from kvrescue_cli.outputs.run_files import CONFIG, TRACES
 
     for folder in (out, *out.absolute().parents):
         if (folder / CONFIG).is_file() and (folder / TRACES).is_file():

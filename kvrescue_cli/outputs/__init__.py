@@ -73,11 +73,15 @@ traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each prob
 summary.json -- `summarize(traces, config)`; see `Summary` for every field.
 """
 
-from kvrescue_cli.outputs.folder import (
-    CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolder, RunFolderError, TornTraceWarning, checked_record, environment,
-    installed_version, problem_checksum, read_json, read_traces, recorded_shards, recorded_total, run_dir,
-    same_cell_elsewhere, write_atomic, write_json_atomic,
+from kvrescue_cli.outputs.config_record import (
+    checked_record, problem_checksum, recorded_shards, recorded_total, same_cell_elsewhere,
 )
+from kvrescue_cli.outputs.environment import environment, installed_version
+from kvrescue_cli.outputs.folder import RunFolder, run_dir
+from kvrescue_cli.outputs.run_files import (
+    CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolderError, read_json, write_atomic, write_json_atomic,
+)
+from kvrescue_cli.outputs.traces_file import TornTraceWarning, read_traces
 from kvrescue_cli.outputs.records import (
     SOURCES, Candidate, ModelRef, RunConfig, Step, Tokens, Trace,
 )

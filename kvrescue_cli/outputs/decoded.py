@@ -17,7 +17,7 @@ def trace_of(finished: Finished, problem: Problem, gt_norm: str, pred: str, corr
              graders: dict[str, dict] | None = None, answer_from: str = "output",
              votes: dict[int, GradeResult] | None = None) -> Trace:
     """The traces.jsonl record of one decoded problem (`graders`: the other graders' verdicts; `answer_from`: where
-    the answer was read, `grading.answer_part`; `votes`: the verdicts of the last step's voters by index,
+    the answer was read, `prompts.answer_part`; `votes`: the verdicts of the last step's voters by index,
     `grading.voters`)."""
     state = finished.state
     candidates = []

@@ -76,7 +76,7 @@ def boxed(trace: Trace) -> bool:
     `\\boxed`: the condition of the paper's "is_correct ∧ \\boxed" (Table 5); the grader itself also takes "the
     answer is" and the last number. Derived from `output`, so folders of every version read the same."""
     from grader.extract import cut_at_stop_words
-    from kvrescue_cli.grading import answer_part  # here: grading imports outputs
+    from kvrescue_cli.prompts import answer_part  # here: prompts reads chat templates
 
     return "\\boxed" in cut_at_stop_words(answer_part(trace.output)[0])
 
