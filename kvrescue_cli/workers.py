@@ -198,7 +198,7 @@ class GroupWorker:
     def _decode(self, cell: Cell) -> None:
         try:
             problems = self.ranks.lead(cell, self._pull()) if self.ranks else self._pull()
-            decode(self.options, cell, build_cell(self.options, cell, self.models), problems,
+            decode(self.options, cell, build_cell(self.options.plan_of(cell), self.models), problems,
                    lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
                    lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
             self.outbox.put(("idle",))
