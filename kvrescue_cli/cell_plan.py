@@ -48,7 +48,7 @@ class CellPlan:
     max_step_tokens: int
     context_cap: int
     base: RolePlan | None  # None: the method samples no base candidates
-    helper: RolePlan | None  # None: the method samples no helper candidates (the helper-loglik scorer may still read it)
+    helper: RolePlan | None  # None: no helper candidates (the helper-loglik scorer may still read the helper)
     scorer: ScorerPlan
     evictor: str  # the evictor's name as config.json records it (`none` for a method without a budget)
     evictor_params: dict[str, Any] = field(default_factory=dict)  # the fields `--evictor NAME:FIELD=VALUE` gave

@@ -93,7 +93,8 @@ def auto_batch(options: GridOptions, groups: list[tuple[str, ...]], shares: int 
     """`--batch auto`: the most problems in flight whose plan fits every group's devices with headroom; a one-line
     error when one problem does not fit. `context=False`: from the devices' total memory (`device_room`)."""
     device, free = min((group_room(options, group, shares, context) for group in groups), key=lambda found: found[1])
-    kind, models, plans = device_kind(options, device), planner.grid_models(options.native_models()), options.cell_plans()
+    kind, plans = device_kind(options, device), options.cell_plans()
+    models = planner.grid_models(options.native_models())
     batch = planner.largest_batch(lambda b: planner.plan_grid(plans, models, kind, b), free - planner.headroom(free))
     if batch is None:
         planner.refuse_what_does_not_fit(planner.plan_grid(plans, models, kind, 1), free, device)

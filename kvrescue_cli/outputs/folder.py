@@ -16,7 +16,9 @@ from typing import Any, Iterator
 import orjson
 
 from kvrescue_cli.files import CONFIG_LIMIT, OutputFolder
-from kvrescue_cli.outputs.config_record import checked_record, config_diff, problem_checksum, recorded_shards, recorded_total
+from kvrescue_cli.outputs.config_record import (
+    checked_record, config_diff, problem_checksum, recorded_shards, recorded_total,
+)
 from kvrescue_cli.outputs.environment import environment
 from kvrescue_cli.outputs.records import RunConfig, Trace
 from kvrescue_cli.outputs.run_files import (
