@@ -50,7 +50,7 @@ def cell_memory(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dict
             allocated = [torch.cuda.memory_allocated(on)]
             for seed in (0, 1):
                 cell = Cell(problems, "kvrescue", plan["budget"], plan["n"], seed)
-                decode(options, cell, build_cell(options, cell, models), iter(problems.problems),
+                decode(options, cell, build_cell(options.plan_of(cell), models), iter(problems.problems),
                        lambda trace, _: finished.append(trace))
                 allocated.append(torch.cuda.memory_allocated(on))
         finally:

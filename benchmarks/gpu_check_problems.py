@@ -41,7 +41,7 @@ def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems
     `clock`, each phase's share of the time (each model's, `gpu_check_profile`)."""
     cell = Cell(problems, method, None if method == "full" else plan["budget"], plan["n"], 0)
     finished: list[tuple[Trace, float]] = []
-    engine = build_cell(options, cell, models)
+    engine = build_cell(options.plan_of(cell), models)
     start = time.perf_counter()
     with interrupted_at(stop_at) as cut, clock.instrument(engine) if clock is not None else nullcontext():
         decode(options, cell, engine, iter(problems.problems),
@@ -71,8 +71,8 @@ def architectures(models: dict[str, LoadedModel], dtype: str) -> dict[str, Archi
 def planned_bytes(options: GridOptions, models: dict[str, LoadedModel], method: str) -> int:
     """What `kvrescue run --plan` gives one cell of `method` on these models: its device's total bytes."""
     device = options.devices[0]
-    return plan_grid(replace(options, methods=[method]), device_kind(options, device),
-                     models=architectures(models, options.dtype)).total
+    return plan_grid(replace(options, methods=[method]).cell_plans(), architectures(models, options.dtype),
+                     device_kind(options, device)).total
 
 
 def auto_batch(options: GridOptions, models: dict[str, LoadedModel]) -> int:
@@ -82,7 +82,8 @@ def auto_batch(options: GridOptions, models: dict[str, LoadedModel]) -> int:
     weights = sum(p.numel() * p.element_size() for m in models.values() for p in m.net.parameters())
     room = device_room(options, device) + (weights if device.startswith("cuda") else 0)
     archs, kind = architectures(models, options.dtype), device_kind(options, device)
-    batch = largest_batch(lambda b: plan_grid(options, kind, b, archs), room - headroom(room))
+    plans = options.cell_plans()
+    batch = largest_batch(lambda b: plan_grid(plans, archs, kind, b), room - headroom(room))
     if batch is None:
         raise RuntimeError(f"one problem's plan does not fit in {room / 2**30:.1f} GiB")
     return batch

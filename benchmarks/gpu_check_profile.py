@@ -111,7 +111,7 @@ class PhaseClock:
 def run_cell(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], problems: ProblemSet,
              clock: PhaseClock | None = None) -> tuple[list, float]:
     """Decode one cell (timed by `clock` when given): its traces and wall seconds."""
-    engine = build_cell(options, cell, models)
+    engine = build_cell(options.plan_of(cell), models)
     finished: list = []
     start = time.perf_counter()
     with clock.instrument(engine) if clock is not None else nullcontext():

@@ -72,7 +72,7 @@ def _cell_decoder(models: dict, settings, out: Path, items: list, scorer, grade)
     options = grid_options({"base": "policy", "helper": "policy", "prm": "prm"}, settings, out,
                            benches=["synthetic"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv")
     cell = Cell(ProblemSet("synthetic", "generic", "host_bench", items), "kvrescue", 64, 8, 0)
-    return lambda emit: decode(options, cell, build_cell(options, cell, models, parts=CellParts(scorer=scorer)),
+    return lambda emit: decode(options, cell, build_cell(options.plan_of(cell), models, parts=CellParts(scorer=scorer)),
                                items, emit, grade=grade)
 
 

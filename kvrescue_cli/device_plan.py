@@ -29,7 +29,7 @@ def device_kind(options: GridOptions, device: str) -> planner.DeviceKind:
 def memory_plan(options: GridOptions, device: str = "cuda:0", batch: int | None = None) -> planner.DevicePlan | None:
     """One device's plan for the grid's largest cell (`batch`: in place of --batch); None when a model has no
     readable config (the loader then says why)."""
-    return planner.readable_plan(options, device_kind(options, device), batch)
+    return planner.readable_plan(options.cell_plans(), options.native_models(), device_kind(options, device), batch)
 
 
 def device_memory(device: str, given: int | None = None) -> tuple[int, int]:
@@ -93,10 +93,11 @@ def auto_batch(options: GridOptions, groups: list[tuple[str, ...]], shares: int 
     """`--batch auto`: the most problems in flight whose plan fits every group's devices with headroom; a one-line
     error when one problem does not fit. `context=False`: from the devices' total memory (`device_room`)."""
     device, free = min((group_room(options, group, shares, context) for group in groups), key=lambda found: found[1])
-    kind, models = device_kind(options, device), planner.grid_models(options)
-    batch = planner.largest_batch(lambda b: planner.plan_grid(options, kind, b, models), free - planner.headroom(free))
+    kind, plans = device_kind(options, device), options.cell_plans()
+    models = planner.grid_models(options.native_models())
+    batch = planner.largest_batch(lambda b: planner.plan_grid(plans, models, kind, b), free - planner.headroom(free))
     if batch is None:
-        planner.refuse_what_does_not_fit(planner.plan_grid(options, kind, 1, models), free, device)
+        planner.refuse_what_does_not_fit(planner.plan_grid(plans, models, kind, 1), free, device)
     return batch
 
 

@@ -152,7 +152,7 @@ def _cell(cuda: FakeCuda, options: GridOptions, cell: Cell, models: dict[str, Lo
     gc.disable()
     try:
         one = replace(options, methods=[cell.method])
-        decode(one, cell, build_cell(one, cell, models), iter(cell.problems.problems),
+        decode(one, cell, build_cell(one.plan_of(cell), models), iter(cell.problems.problems),
                lambda trace, _: traces.append(trace))
         left = {d: b - before.get(d, 0) for d, b in cuda.memory.device_live.items() if b - before.get(d, 0)}
     finally:

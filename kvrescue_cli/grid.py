@@ -8,10 +8,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvrescue_cli.cell_plan import BOUNDED, FULL, NATIVE, VLLM, CellPlan, RolePlan, ScorerPlan
 from kvrescue_cli.data import GENERIC, ProblemSet
-from kvrescue_cli.devices import CPU, GPU, is_cpu
+from kvrescue_cli.devices import CPU, GPU, device_groups, is_cpu
 from kvrescue_cli.dtypes import NAMES as DTYPE_NAMES
-from kvrescue_cli.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, Evictor, make_evictor, parse_evictor
+from kvrescue_cli.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, make_evictor, parse_evictor
 from kvrescue_cli.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES, PRMRecipe, get_recipe
 from kvrescue_cli.engine.prm_recipes.choose import AUTO as PRM_AUTO
 from kvrescue_cli.engine.prm_recipes.choose import auto_recipe, weight_names
@@ -98,42 +99,68 @@ class GridOptions:
         """{Hub id: revision} of the grid's roles given a revision (`hub.pin`)."""
         return {self.models[role]: revision for role, revision in self.revisions.items() if role in self.models}
 
-    def policy(self) -> Evictor:
-        """The evictor with its parameters (`--evictor NAME:FIELD=VALUE,...`; the others its defaults)."""
-        return make_evictor(self.evictor, self.evictor_params)
-
-    def policy_params(self) -> dict[str, Any] | None:
-        """Every parameter of the evictor when one differs from its defaults, as config.json records them; else None
-        (so the default policies' run folders keep their identity)."""
-        policy = self.policy()
-        return policy.params() if policy != EVICTORS[self.evictor] else None
-
     def prm_input_recipe(self) -> PRMRecipe:
         """The PRM's recipe object: `prm_recipe`, in `prm_format` for qwen-math."""
         return get_recipe(self.prm_recipe, self.prm_format)
 
-    def evicts(self, method: str) -> bool:
-        """Whether the method's base runs on the bounded evicting cache (`--evictor none`: a full one)."""
-        return METHODS[method].budgeted and self.evictor != NO_EVICTION
-
-    def on_vllm(self, role: str, method: str) -> bool:
+    def _on_vllm(self, role: str, method: str) -> bool:
         """Whether `role` of `method` runs on vLLM: with `--engine vllm`, every full-context role (the helper, the
         PRM, the base of `full`); never the evicted base, since vLLM cannot evict mid-generation."""
         return self.engine == "vllm" and (role != "base" or not METHODS[method].budgeted)
 
+    def plan_of(self, cell: Cell) -> CellPlan:
+        """How `cell` runs (`cell_plan`)."""
+        return self.cell_plan(cell.method, cell.budget, cell.n)
+
+    def cell_plan(self, method: str, budget: int | None, n: int) -> CellPlan:
+        """How the cell of `method` at `budget` and `n` runs (`cell_plan.CellPlan`): the one place that decides it."""
+        spec, s = METHODS[method], self.settings
+        evicts = spec.budgeted and self.evictor != NO_EVICTION  # `--evictor none`: a full cache
+
+        def where(role: str, cache: str) -> RolePlan:
+            return RolePlan(VLLM, None) if self._on_vllm(role, method) else RolePlan(NATIVE, cache)
+
+        policy = make_evictor(self.evictor, self.evictor_params) if evicts else None
+        return CellPlan(
+            method=method, budget=budget if spec.budgeted else None, n=n, batch=s.batch,
+            max_step_tokens=s.max_step_tokens, context_cap=s.context_cap,
+            base=where("base", BOUNDED if evicts else FULL) if spec.base else None,
+            helper=where("helper", FULL) if spec.helper else None,
+            scorer=ScorerPlan(self.scorer, VLLM if self.scorer == PRM and self._on_vllm("prm", method) else NATIVE,
+                              self.prm_recipe, self.prm_format),
+            evictor=self.evictor if spec.budgeted else NO_EVICTION,
+            evictor_params=dict(self.evictor_params) if evicts else {},
+            # every parameter when one differs from the defaults (the default policies' folders keep their identity)
+            recorded_params=policy.params() if policy is not None and policy != EVICTORS[self.evictor] else None,
+            accumulates=policy is not None and policy.accumulates,
+            buffer=self.buffer if evicts else None,
+            cuda_graphs=self.cuda_graphs, deterministic=self.deterministic, tp=self.tp,
+        )
+
+    def cell_plans(self) -> list[CellPlan]:
+        """The plan of every distinct cell of the axes (`cell_plan`; of several grids, their union): each method at
+        each budget (one, None, for methods without an evicted cache) and N."""
+        keys = dict.fromkeys((method, budget if METHODS[method].budgeted else None, n)
+                             for method in self.methods for budget in self.budgets for n in self.ns)
+        return [self.cell_plan(method, budget, n) for method, budget, n in keys]
+
     def vllm_roles(self, methods: list[str] | None = None) -> set[str]:
         """The roles run on vLLM by `methods` (default: the grid's); none without `--engine vllm`."""
         return {role for method in methods or self.methods for role in roles_needed([method], self.scorer)
-                if self.on_vllm(role, method) and (role != "helper" or METHODS[method].helper)}
+                if self._on_vllm(role, method) and (role != "helper" or METHODS[method].helper)}
 
     def vllm_models(self) -> dict[str, str]:
         """The model of each role the grid runs on vLLM (`vllm_roles`)."""
         return {role: self.models[role] for role in self.vllm_roles()}
 
+    def native_models(self) -> dict[str, str]:
+        """The model of each role the grid runs on this engine (`native_roles`)."""
+        return {role: self.models[role] for role in self.native_roles()}
+
     def native_roles(self) -> set[str]:
         """The roles the grid runs on this engine: the rest, and the helper of the helper-loglik scorer."""
         roles = {role for method in self.methods for role in roles_needed([method], self.scorer)
-                 if not self.on_vllm(role, method)}
+                 if not self._on_vllm(role, method)}
         return roles | ({"helper"} if self.scorer == HELPER_LOGLIK else set())
 
     def axes(self) -> tuple[GridAxes, ...]:
@@ -259,15 +286,6 @@ def resolve_prompt(options: GridOptions) -> GridOptions:
     except ModelConfigError:  # a GGUF file, or offline: the model's name decides
         model_type = None
     return replace(options, prompt=resolve_style("auto", model, model_type))
-
-
-def device_groups(devices: tuple[str, ...], size: int = 1) -> list[tuple[str, ...]]:
-    """The devices in consecutive groups of `size` (--tp's K): one worker per group; a one-line error when `size`
-    does not divide them."""
-    if len(devices) % size:
-        raise InputError(f"--tp {size} does not divide the {len(devices)} devices of --devices {','.join(devices)} "
-                         f"({len(devices)} devices do not split into groups of {size}): each group is one worker")
-    return [devices[i:i + size] for i in range(0, len(devices), size)]
 
 
 def parse_shard(value: str | None) -> tuple[int, int] | None:

@@ -49,7 +49,7 @@ class InProcessGroup:
         """Decode `problems` of `cell` here, emitting every problem's trace once (and running totals to
         `on_progress` every few seconds)."""
         if problems:
-            engine = build_cell(self.options, cell, self.models, self.vllm, self.parts)
+            engine = build_cell(self.options.plan_of(cell), self.models, self.vllm, self.parts)
             decode(self.options, cell, engine, self.ranks.lead(cell, problems) if self.ranks else problems, emit,
                    on_progress, **({"grade": self.grade} if self.grade else {}))
 

@@ -24,9 +24,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
+from kvrescue_cli.cell_plan import BOUNDED, NATIVE, CellPlan
 from kvrescue_cli.cost import Architecture, format_bytes
 from kvrescue_cli.errors import InputError
-from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import ModelArgs, ModelConfigError
 from kvrescue_cli.scorers import HELPER_LOGLIK, PRM
 from kvrescue_cli.shapes import (CHUNK_TOKENS, FLASH_BLOCK, GROUP_CASCADE_FROM, LOGITS_BYTES, OBSERVATION_WINDOW,
@@ -368,40 +368,31 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
 
 
 # -- a grid ----------------------------------------------------------------------------------------
-def cell_shapes(options: Any, batch: int | None = None) -> list[CellShape]:
-    """Every distinct cell of a `GridOptions` grid as the planner sees it (`batch`: in place of the grid's)."""
-    s = options.settings
+def cell_shapes(plans: Iterable[CellPlan], batch: int | None = None) -> list[CellShape]:
+    """Every distinct cell of a grid's `CellPlan`s (`GridOptions.cell_plans`) as the planner sees it (`batch`: in place
+    of theirs)."""
     shapes = []
-    for method in options.methods:
-        spec = METHODS[method]
-        base = None
-        if spec.base and not options.on_vllm("base", method):
-            base = "bounded" if options.evicts(method) else "full"
-        helper = spec.helper and not options.on_vllm("helper", method)
-        scorer = None if options.on_vllm("prm", method) and options.scorer == PRM else options.scorer
-        for budget in options.budgets if base == "bounded" else [None]:
-            for n in options.ns:
-                shapes.append(CellShape(batch or s.batch, n, base, budget, helper, scorer, s.max_step_tokens,
-                                        s.context_cap, buffer=getattr(options, "buffer", BUFFER),
-                                        accumulates=base == "bounded" and options.policy().accumulates))
+    for plan in plans:
+        base = plan.base.cache if plan.base is not None and plan.base.engine == NATIVE else None
+        shapes.append(CellShape(batch or plan.batch, plan.n, base, plan.budget if base == BOUNDED else None,
+                                plan.helper is not None and plan.helper.engine == NATIVE,
+                                plan.scorer.kind if plan.scorer.engine == NATIVE else None, plan.max_step_tokens,
+                                plan.context_cap, buffer=BUFFER if plan.buffer is None else plan.buffer,
+                                accumulates=plan.accumulates))
     return list(dict.fromkeys(shapes))
 
 
-def grid_models(options: Any) -> dict[str, Architecture]:
-    """The architectures of the roles the grid runs on this engine, from their config.json files (no weights)."""
-    archs = {}
-    for role in sorted(options.native_roles()):
-        name = options.models[role]
-        archs[role] = Architecture.of_model(name)
-    return archs
+def grid_models(models: dict[str, str]) -> dict[str, Architecture]:
+    """The architectures of the models by role the grid runs on this engine (`GridOptions.native_models`), from their
+    config.json files (no weights)."""
+    return {role: Architecture.of_model(name) for role, name in sorted(models.items())}
 
 
-def plan_grid(options: Any, dev: DeviceKind, batch: int | None = None,
-              models: dict[str, Architecture] | None = None) -> DevicePlan:
-    """One device's plan for the grid's largest cell (`batch`: problems in flight instead of the grid's; `models`:
-    its `grid_models`, when already read)."""
-    models = models or grid_models(options)
-    return max((plan_cell(models, cell, dev) for cell in cell_shapes(options, batch)), key=lambda p: p.total)
+def plan_grid(plans: list[CellPlan], models: dict[str, Architecture], dev: DeviceKind,
+              batch: int | None = None) -> DevicePlan:
+    """One device's plan for the largest of a grid's cells (`batch`: problems in flight instead of the grid's), on
+    its `grid_models`."""
+    return max((plan_cell(models, cell, dev) for cell in cell_shapes(plans, batch)), key=lambda p: p.total)
 
 
 def largest_batch(plan: Callable[[int], DevicePlan], room: int) -> int | None:
@@ -415,10 +406,11 @@ def largest_batch(plan: Callable[[int], DevicePlan], room: int) -> int | None:
     return low
 
 
-def readable_plan(options: Any, dev: DeviceKind, batch: int | None = None) -> DevicePlan | None:
-    """`plan_grid`, or None when a model has no readable config (the loader then says why)."""
+def readable_plan(plans: list[CellPlan], models: dict[str, str], dev: DeviceKind,
+                  batch: int | None = None) -> DevicePlan | None:
+    """`plan_grid` of the models by role, or None when one has no readable config (the loader then says why)."""
     try:
-        return plan_grid(options, dev, batch)
+        return plan_grid(plans, grid_models(models), dev, batch)
     except ModelConfigError:
         return None
 

@@ -49,7 +49,8 @@ def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> Non
             yield message[1]
 
     while (message := receive(pipe))[0] == "cell":
-        decode(options, message[1], build_cell(options, message[1], models), problems(), lambda trace, tokens: None)
+        decode(options, message[1], build_cell(options.plan_of(message[1]), models), problems(),
+               lambda trace, tokens: None)
     dist.destroy_process_group()
 
 

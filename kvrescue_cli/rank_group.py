@@ -7,7 +7,7 @@ the driver: it sends each cell it starts and each problem it pulls (then "end") 
 (`rank_follower.py`), which runs the same `decoding.decode` on what it receives and drops its traces. The
 controller is deterministic given its problems, logits and scores, every rank holds the same logits (the LM head
 gathers them), and what copies of a model on different ranks could disagree on (sampled tokens, scores) comes
-from rank 0 (`tp.from_rank_0`, `RankZeroScores`), so every rank issues the same collectives.
+from rank 0 (`tp.from_rank_0`, `cell_engine.RankZeroScores`), so every rank issues the same collectives.
 
 Between cells a rank > 0 waits on its pipe, without a timeout, as long as rank 0 lives (a Ray actor waits for the
 driver's next cell until the slowest actor has finished this one, hours maybe); collectives inside a cell fail
@@ -31,12 +31,10 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch.distributed as dist
 
 from kvrescue_cli.devices import is_gpu
-from kvrescue_cli.engine.tp import values_from_rank_0
 from kvrescue_cli.loading import use_device
 
 if TYPE_CHECKING:
     from kvrescue_cli.data import Problem
-    from kvrescue_cli.engine.scoring import Request, Scorer
     from kvrescue_cli.grid import Cell
 
 # A collective that waits longer than this fails the group ($KVRESCUE_TP_TIMEOUT_S seconds, default 10 minutes).
@@ -106,23 +104,3 @@ def receive(pipe: BinaryIO) -> tuple:
     if len(head) < 8:
         raise SystemExit("rank 0 of the group is gone")
     return pickle.loads(pipe.read(int.from_bytes(head, "little")))
-
-
-class RankZeroScores:
-    """A scorer of a `--tp` group whose scores every rank takes from rank 0: the scorer's copies on different
-    subgroups may score near-ties the other way round, and the winners decide every later collective's shape."""
-
-    def __init__(self, scorer: Scorer) -> None:
-        self.scorer, self.name = scorer, scorer.name
-
-    def open(self, key: int, problem: str, prompt: list[int]) -> None:
-        self.scorer.open(key, problem, prompt)
-
-    def score(self, requests: list[Request]) -> list[float]:
-        return values_from_rank_0(self.scorer.score(requests))
-
-    def commit(self, key: int, text: str, tokens: list[int]) -> None:
-        self.scorer.commit(key, text, tokens)
-
-    def close(self, key: int) -> tuple[int, int]:
-        return self.scorer.close(key)

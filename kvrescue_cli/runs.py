@@ -9,12 +9,14 @@ from dataclasses import replace
 from rich.progress import Progress
 
 from kvrescue_cli import in_process, workers
+from kvrescue_cli.cell_plan import CellPlan, ScorerPlan
 from kvrescue_cli.data import data_dir, load_problems
 from kvrescue_cli.device_plan import memory_plan
+from kvrescue_cli.devices import device_groups
 from kvrescue_cli.engine.sampling import STREAM_VERSION
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import (
-    Cell, GridOptions, bench_identity, device_groups, resolve_prm_recipe, resolve_prompt, roles_needed,
+    Cell, GridOptions, bench_identity, resolve_prm_recipe, resolve_prompt,
 )
 from kvrescue_cli.methods import METHODS
 from kvrescue_cli.model_config import model_revision
@@ -28,31 +30,28 @@ from kvrescue_cli.search import DecodeProgress
 
 
 def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
-    """The run folder identity of one cell."""
-    spec = METHODS[cell.method]
-    roles = roles_needed([cell.method], options.scorer)
-    s = options.settings
-    evictor_params = options.policy_params() if options.evicts(cell.method) else None  # None: the defaults
+    """The run folder identity of one cell: how it runs from its `CellPlan`, its settings from the grid's."""
+    plan, spec = options.plan_of(cell), METHODS[cell.method]
+    roles, s = plan.roles(), options.settings
+    evictor_params = plan.recorded_params  # None: the defaults
     revisions = {role: options.revisions[role] for role in sorted(roles) if role in options.revisions}
     return RunConfig(
         bench=bench_identity(cell.problems),
         method=cell.method,
         budget=cell.budget,
         n=cell.n,
-        evictor=options.evictor if spec.budgeted else "none",
+        evictor=plan.evictor,
         seed=cell.seed,
         models={role: ModelRef(options.models[role], model_revision(options.models[role])) for role in sorted(roles)},
-        scorer=options.scorer,
+        scorer=plan.scorer.kind,
         synthetic=s.synthetic_steps is not None,
         settings={
             "temperature": s.sampling.temperature, "top_p": s.sampling.top_p, "top_k": s.sampling.top_k,
             "detector": vars(s.detector) if spec.detector else None,
-            "buffer": options.buffer if options.evicts(cell.method) else None,
+            "buffer": plan.buffer,
             **({"evictor_params": evictor_params} if evictor_params else {}),  # absent: the evictor's defaults
             **({"revisions": revisions} if revisions else {}),  # absent: each Hub model's main branch
-            "prm_format": options.prm_format if options.scorer == PRM and options.prm_recipe == "qwen-math" else None,
-            **({"prm_recipe": options.prm_recipe} if options.scorer == PRM and options.prm_recipe != "qwen-math"
-               else {}),  # absent: Qwen2.5-Math-PRM's, in `prm_format`
+            **_prm(plan.scorer),
             "max_step_tokens": s.max_step_tokens, "max_steps": s.max_steps, "context_cap": s.context_cap,
             "synthetic_steps": list(s.synthetic_steps) if s.synthetic_steps else None,
             "dtype": options.dtype, "problem_field": options.problem_field, "answer_field": options.answer_field,
@@ -60,14 +59,22 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             **({"grader": options.grader} if options.grader != "qwen" else {}),  # absent: the Qwen grader
             **({"prompt": options.prompt} if options.prompt != "math" else {}),  # absent: the paper's prompt
             **({"deterministic": True} if options.deterministic else {}),  # absent: batch-dependent kernels
-            **_engine(options, cell),
+            **_engine(plan),
         },
     )
 
 
-def _engine(options: GridOptions, cell: Cell) -> dict:
+def _prm(scorer: ScorerPlan) -> dict:
+    """The PRM's input format (the qwen-math recipe's; None without a PRM) and its recipe (absent: Qwen2.5-Math-PRM's,
+    in `prm_format`)."""
+    qwen_math = scorer.kind == PRM and scorer.prm_recipe == "qwen-math"
+    return {"prm_format": scorer.prm_format if qwen_math else None,
+            **({"prm_recipe": scorer.prm_recipe} if scorer.kind == PRM and not qwen_math else {})}
+
+
+def _engine(plan: CellPlan) -> dict:
     """With `--engine vllm`, the cell's roles on vLLM and vLLM's version (its random streams are its own)."""
-    roles = options.vllm_roles([cell.method])
+    roles = plan.vllm_roles()
     if not roles:
         return {}
     from kvrescue_cli.vllm_engine import require_vllm

@@ -37,9 +37,8 @@ from kvrescue_cli.decoding import decode
 from kvrescue_cli.device_plan import batch_description, wait_for_room
 from kvrescue_cli.loading import load_roles
 from kvrescue_cli.data import Problem
-from kvrescue_cli.devices import GPU, device_list, gpu_index, is_cpu, is_gpu, kind_of
+from kvrescue_cli.devices import RAY_QUIET, device_groups, device_shares, gpu_index, is_cpu
 from kvrescue_cli.errors import InputError
-from kvrescue_cli.grid import device_groups
 from kvrescue_cli.outputs import Trace
 from kvrescue_cli.rank_group import RankGroup
 from kvrescue_cli.search import DecodeProgress
@@ -51,51 +50,10 @@ STRIKES = 2          # actor deaths a problem may be part of before it is record
 GROUP_RESTARTS = 3   # deaths after which a device group gets no new actor
 RELEASE_WAIT_S = 60.0  # how long a restarted actor waits for its dead predecessor's device memory to be released
 OBJECT_STORE = 128 * 2**20  # a private instance's object store: problems and traces are small and travel inline
-RAY_QUIET = dict(include_dashboard=False, log_to_driver=False, logging_level="warning")
 
 
 class WorkersGone(RuntimeError):
     """Every worker died; the run folder holds what finished and the run resumes when re-run."""
-
-
-def resolve_devices(spec: str, ray_address: str | None = None, visible: bool = True) -> tuple[str, ...]:
-    """`auto` (every visible GPU, else the CPU), `cpu`, `cuda` (= cuda:0), or a comma list (`cuda:0,cuda:1`,
-    `cpu,cpu`). With `ray_address` (joined here) `auto` is every GPU of the cluster and each entry asks Ray
-    for one device of its kind, `cuda` (any GPU) or `cpu`, on whichever node has one free. `visible=False`
-    (`run --plan`): the devices named, whether or not this machine has them."""
-    import torch
-
-    if not visible and spec != "auto":
-        return device_list(spec)
-    if ray_address is not None:
-        return _cluster_devices(spec, ray_address)
-    if spec == "auto":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return tuple(f"cuda:{i}" for i in range(count)) or ("cpu",)
-    devices = device_list(spec)
-    for device in devices:
-        if is_gpu(device) and gpu_index(device) >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
-            raise InputError(f"--devices {spec!r}: {device} is not a visible GPU")
-    return devices
-
-
-def _cluster_devices(spec: str, address: str) -> tuple[str, ...]:
-    import ray
-
-    try:
-        ray.init(address=address, **RAY_QUIET)
-    except (ConnectionError, RuntimeError, ValueError) as err:
-        raise InputError(f"--ray-address {address}: cannot join the Ray cluster ({err})") from None
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    if spec == "auto":
-        if not gpus:
-            raise InputError(f"--ray-address {address}: the cluster offers no GPU; name CPU workers with "
-                             "--devices cpu,cpu,...")
-        return (GPU,) * gpus
-    devices = tuple(kind_of(d) for d in device_list(spec))
-    if devices.count(GPU) > gpus:
-        raise InputError(f"--devices {spec!r}: the cluster at {address} offers {gpus} GPUs")
-    return devices
 
 
 def named_gpus(groups: list[tuple[str, ...]], visible: str | None) -> list[str]:
@@ -116,15 +74,6 @@ def actor_resources(groups: list[tuple[str, ...]], group: int) -> dict[str, floa
         raise InputError(f"--devices {','.join(d for g in groups for d in g)}: the group {','.join(devices)} shares "
                          f"its GPUs with another group; groups of --tp {len(devices)} need GPUs of their own")
     return {"num_cpus": 1, "num_gpus": len(devices) / shares}
-
-
-def device_shares(groups: list[tuple[str, ...]], group: int) -> int:
-    """How many workers share the devices of `groups[group]`: a local GPU named by several groups
-    (`cuda:0,cuda:0`) is shared, and each worker plans its memory for its share of it."""
-    devices = groups[group]
-    if gpu_index(devices[0]) is None:
-        return 1
-    return max(sum(d == device for g in groups for d in g) for device in devices)
 
 
 def actor_devices(group: tuple[str, ...], gpu_ids: list, visible: str | None) -> tuple[str, ...]:
@@ -249,7 +198,7 @@ class GroupWorker:
     def _decode(self, cell: Cell) -> None:
         try:
             problems = self.ranks.lead(cell, self._pull()) if self.ranks else self._pull()
-            decode(self.options, cell, build_cell(self.options, cell, self.models), problems,
+            decode(self.options, cell, build_cell(self.options.plan_of(cell), self.models), problems,
                    lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
                    lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
             self.outbox.put(("idle",))

@@ -8,7 +8,7 @@ import typer
 from typer.testing import CliRunner
 
 from kvrescue_cli import runs
-from kvrescue_cli.cli import _run_option_kinds, app
+from kvrescue_cli.cli import app, run_option_kinds
 from kvrescue_cli.config_file import read_grid_file
 from kvrescue_cli.data import ProblemSet
 from kvrescue_cli.grid import GridOptions
@@ -67,7 +67,7 @@ def test_the_main_results_files_are_table_5s_grid(monkeypatch, name, base, tp):
 
 def test_the_72b_file_names_eight_gpus():
     command = typer.main.get_command(app).commands["run"]
-    kinds = _run_option_kinds(typer.Context(command))
+    kinds = run_option_kinds(typer.Context(command))
     assert read_grid_file(EXAMPLES / "paper-72b-tp8.toml", *kinds).options["devices"] == \
         ",".join(f"cuda:{i}" for i in range(8))
 

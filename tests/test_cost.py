@@ -176,7 +176,7 @@ def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir,
                          models=models)
     loaded = load_roles(options, "cpu")
     cell = small_cell(method="kvrescue")
-    engine = build_cell(options, cell, loaded)
+    engine = build_cell(options.plan_of(cell), loaded)
     caches = {role: runner.cache for role, runner in engine.runners.items()}
     caches["prm"] = engine.scorer.cache
     plan = memory_plan(options, "cpu")

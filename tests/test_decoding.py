@@ -33,7 +33,7 @@ def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_pa
         return grade(output, gt, bench, **options)
 
     emitted = []
-    decode(options, cell, build_cell(options, cell, load_roles(options, "cpu")), pulled(),
+    decode(options, cell, build_cell(options.plan_of(cell), load_roles(options, "cpu")), pulled(),
            lambda trace, tokens: emitted.append((trace, tokens, threading.current_thread())), grade=grade_slowly)
     assert [trace.idx for trace, _, _ in emitted] == [0, 1, 2, 3]  # in the order they finished, each once
     assert all(thread is threading.current_thread() for _, _, thread in emitted)
@@ -62,11 +62,11 @@ def test_a_cell_is_built_from_the_parts_given(qwen2_dir, prm_dir, tmp_path):
     cell = small_cell(method="full", budget=None)
     models = load_roles(options, "cpu")
     scorer = HelperLoglik(None)
-    built = build_cell(options, cell, models, parts=CellParts(full_cache=Marked, scorer=scorer))
+    built = build_cell(options.plan_of(cell), models, parts=CellParts(full_cache=Marked, scorer=scorer))
     assert type(built.runners["base"].cache) is Marked and built.scorer is scorer
-    own = build_cell(options, cell, models)
+    own = build_cell(options.plan_of(cell), models)
     assert type(own.runners["base"].cache) is FullCache and isinstance(own.scorer, PRMScorer)
     loglik = grid_options({"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": "helper-loglik"}, settings,
                           tmp_path, benches=["t"], methods=["full"], budgets=[16], ns=[2], seeds=[0], evictor="rkv")
     assert (loglik.scorer, "prm" in loglik.models) == ("helper-loglik", False)
-    assert isinstance(build_cell(loglik, cell, load_roles(loglik, "cpu")).scorer, HelperLoglik)
+    assert isinstance(build_cell(loglik.plan_of(cell), load_roles(loglik, "cpu")).scorer, HelperLoglik)

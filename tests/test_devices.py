@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from kvrescue_cli import device_plan, in_process, loading, rank_group
+from kvrescue_cli.devices import device_groups
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.grid import GridOptions
 from tests.helpers import small_grid, unset_allocator_settings
 from kvrescue_cli.random_checkpoints import write_random_checkpoint
 from kvrescue_cli.search import SearchSettings
-from kvrescue_cli.grid import device_groups
 from kvrescue_cli.workers import RayWorkers, actor_devices, actor_resources
 
 GiB = 2**30

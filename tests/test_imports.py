@@ -83,3 +83,23 @@ def test_a_circle_through_a_deferred_import_between_packages_is_found(tmp_path):
 
 def test_no_module_of_kvrescue_cli_or_grader_imports_itself_through_others():
     assert cycles(import_graph()) == []
+
+
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_the_layers_below_the_grid_read_the_cell_plan_never_the_grid_options():
+    """The engine, the memory planner, the cell plan and its builder, and the run folders never import
+    `kvrescue_cli.grid`, directly or through others: what runs where in a cell reaches them as a `CellPlan`."""
+    graph = import_graph()
+    below = [m for m in graph if m.startswith(("kvrescue_cli.engine", "kvrescue_cli.outputs"))
+             or m in ("kvrescue_cli.memory_plan", "kvrescue_cli.cell_plan", "kvrescue_cli.cell_engine")]
+    assert "kvrescue_cli.cell_engine" in below and "kvrescue_cli.outputs.folder" in below
+    assert {m: "kvrescue_cli.grid" in reached(graph, m) for m in below} == dict.fromkeys(below, False)

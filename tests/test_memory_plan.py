@@ -63,9 +63,10 @@ def measured_cell(policy: Path, prm: Path, method: str, scorer: str, batch: int,
     cell = small_cell(problems, method, n=n)
     mode = TensorBytes()
     with torch.inference_mode(), mode:
-        decode(options, cell, build_cell(options, cell, loaded), problems, lambda trace, tokens: None)
-    shape = replace(memory_plan.cell_shapes(options)[0], prompt_tokens=prompt)
-    plan = memory_plan.plan_cell(memory_plan.grid_models(options), shape, memory_plan.DeviceKind(dtype_bytes=4))
+        decode(options, cell, build_cell(options.plan_of(cell), loaded), problems, lambda trace, tokens: None)
+    shape = replace(memory_plan.cell_shapes(options.cell_plans())[0], prompt_tokens=prompt)
+    plan = memory_plan.plan_cell(memory_plan.grid_models(options.native_models()), shape,
+                                 memory_plan.DeviceKind(dtype_bytes=4))
     return weights + mode.peak, plan
 
 
@@ -165,8 +166,9 @@ def test_h2o_counts_the_accumulator_its_cache_allocates(tmp_path):
     from kvrescue_cli.model_config import load_config
 
     options = replace(gpu_options(tmp_path, ("cuda:0",)), evictor="h2o")
-    shape = memory_plan.cell_shapes(options)[0]
-    assert shape.accumulates and not memory_plan.cell_shapes(replace(options, evictor="rkv"))[0].accumulates
+    shape = memory_plan.cell_shapes(options.cell_plans())[0]
+    rkv = replace(options, evictor="rkv")
+    assert shape.accumulates and not memory_plan.cell_shapes(rkv.cell_plans())[0].accumulates
     path = options.models["base"]
     archs = {"base": Architecture.from_config(path, load_config(path))}
     dev = memory_plan.DeviceKind(cuda=True, dtype_bytes=2)

@@ -13,8 +13,9 @@ import orjson
 import pytest
 
 from kvrescue_cli.data import Problem
+from kvrescue_cli.devices import resolve_devices
 from kvrescue_cli.errors import InputError
-from kvrescue_cli.workers import WorkQueue, resolve_devices
+from kvrescue_cli.workers import WorkQueue
 from tests.helpers import KVRESCUE, PAIRS, RUN_WAIT_S, kvrescue, small_cell, small_grid, tiny_problems, traces_of
 
 MANY = 20  # problems of `many_problems`
@@ -61,7 +62,7 @@ def test_devices_resolve_against_the_visible_gpus(monkeypatch, gpus):
 
 
 def test_groups_and_what_their_actors_ask_ray_for():
-    from kvrescue_cli.grid import device_groups
+    from kvrescue_cli.devices import device_groups
     from kvrescue_cli.workers import actor_resources, named_gpus
 
     groups = device_groups(("cuda:1", "cuda:3", "cuda:3", "cpu"))

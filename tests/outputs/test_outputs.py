@@ -24,7 +24,7 @@ from kvrescue_cli.outputs import (
     TornTraceWarning, busy_seconds, environment, problem_checksum, read_traces, run_dir, same_cell_elsewhere,
     installed_version, summarize, write_atomic, write_json_atomic,
 )
-from kvrescue_cli.outputs.folder import git_state
+from kvrescue_cli.outputs.environment import git_state
 from tests.helpers import ROOT
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct", "abc"),

@@ -1,0 +1,54 @@
+"""The cell plan: what runs where in one cell, decided once by `GridOptions.cell_plan` and read by the cell builder,
+the memory planner and the run folder's configuration."""
+
+from dataclasses import replace
+
+from kvrescue_cli.cell_plan import BOUNDED, FULL, NATIVE, VLLM, RolePlan, ScorerPlan
+from kvrescue_cli.search import SearchSettings
+from kvrescue_cli.shapes import BUFFER
+from tests.helpers import small_grid
+
+
+def grid(**fields):
+    return small_grid(None, SearchSettings(batch=3, max_step_tokens=32, context_cap=256), **fields)
+
+
+def test_each_role_runs_where_its_method_and_the_engine_put_it():
+    native = grid().cell_plan("kvrescue", 16, 2)
+    assert (native.base, native.helper, native.scorer) == (RolePlan(NATIVE, BOUNDED), RolePlan(NATIVE, FULL),
+                                                           ScorerPlan("prm", NATIVE))
+    assert (native.budget, native.n, native.batch, native.max_step_tokens, native.context_cap) == (16, 2, 3, 32, 256)
+    assert native.evicts and native.buffer == BUFFER and native.evictor == "rkv" and native.policy_role == "base"
+    on_vllm = grid(engine="vllm").cell_plan("kvrescue", 16, 2)  # vLLM cannot evict: the evicted base stays here
+    assert (on_vllm.base, on_vllm.helper, on_vllm.scorer.engine) == (RolePlan(NATIVE, BOUNDED), RolePlan(VLLM, None),
+                                                                     VLLM)
+    assert on_vllm.vllm_roles() == {"helper", "prm"} and on_vllm.native_roles() == {"base"}
+    full = grid(engine="vllm").cell_plan("full", 16, 2)  # no budget: the base is a full-context role
+    assert full.base == RolePlan(VLLM, None) and full.budget is None and full.evictor == "none" and not full.evicts
+
+
+def test_a_base_without_eviction_runs_on_a_full_cache_with_no_buffer_recorded():
+    kept = grid(evictor="none").cell_plan("bon", 16, 2)
+    assert kept.base == RolePlan(NATIVE, FULL) and kept.budget == 16 and kept.buffer is None
+    assert kept.evictor == "none" and kept.recorded_params is None and not kept.accumulates
+
+
+def test_the_helper_loglik_scorer_loads_the_helper_here_even_when_it_samples_on_vllm():
+    loglik = grid(scorer="helper-loglik", engine="vllm")
+    assert loglik.cell_plan("kvrescue", 16, 2).native_roles() == {"base", "helper"}
+    assert loglik.cell_plan("bon", 16, 2).roles() == {"base", "helper"}
+    assert grid().cell_plan("bon", 16, 2).roles() == {"base", "prm"}
+
+
+def test_the_evictors_parameters_are_recorded_only_when_they_differ_from_its_defaults():
+    assert grid().cell_plan("bon", 16, 2).recorded_params is None
+    tuned = grid(evictor_params={"lam": 0.2}).cell_plan("bon", 16, 2)
+    assert tuned.evictor_params == {"lam": 0.2} and tuned.recorded_params["lam"] == 0.2
+    assert grid(evictor="h2o").cell_plan("bon", 16, 2).accumulates
+
+
+def test_the_grids_plans_are_its_distinct_cells_one_budget_for_methods_without_one():
+    plans = grid(methods=["bon", "full"], budgets=[16, 32], ns=[2, 4]).cell_plans()
+    assert [(p.method, p.budget, p.n) for p in plans] == [("bon", 16, 2), ("bon", 16, 4), ("bon", 32, 2),
+                                                          ("bon", 32, 4), ("full", None, 2), ("full", None, 4)]
+    assert replace(grid(), prm_recipe="rlhflow").cell_plan("bon", 16, 2).scorer.prm_recipe == "rlhflow"
