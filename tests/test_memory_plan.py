@@ -187,7 +187,7 @@ def test_an_allocating_evictor_plans_and_allocates_what_rkv_does(tmp_path, evict
     from kvrescue_cli.engine.bounded import BoundedCache
 
     options = replace(gpu_options(tmp_path, ("cuda:0",)), evictor=evictor)
-    assert memory_plan.cell_shapes(options) == memory_plan.cell_shapes(replace(options, evictor="rkv"))
+    assert memory_plan.cell_shapes(options.cell_plans()) == memory_plan.cell_shapes(replace(options, evictor="rkv").cell_plans())
     pools = [BoundedCache(4, 8, 2, 16, budget=64, evictor=e, rows=8, device="meta") for e in (evictor, "rkv")]
     assert [(c.k.shape, c.v.shape, c.q.shape, c.received) for c in pools][0] == \
         [(c.k.shape, c.v.shape, c.q.shape, c.received) for c in pools][1]
