@@ -5,6 +5,8 @@ import pytest
 
 from tests.benchmarks.test_gpu_check import gpu_check
 
+VLLM_ONLY = "logits,attention,decode,numerics,memory,devices,invariance,problems,e2e"  # every section but vllm
+
 pytestmark = pytest.mark.vllm
 
 
@@ -12,7 +14,7 @@ def test_the_vllm_section_measures_both_engines(tmp_path):
     import vllm
 
     # Two vLLM engine starts (generate, then pooling), 20 s to 2 min each on 2 shared cores.
-    report, lines = gpu_check(tmp_path, "--budget-s", "1200", "--skip", "logits,attention,decode,invariance,problems,e2e",
+    report, lines = gpu_check(tmp_path, "--budget-s", "1200", "--skip", VLLM_ONLY,
                               timeout=1200)
     assert report["vllm_version"] == vllm.__version__
     records = report["vllm"]
@@ -32,7 +34,7 @@ def test_the_vllm_section_measures_both_engines(tmp_path):
 
 def test_the_vllm_section_ends_at_its_share_of_the_budget(tmp_path):
     """vLLM's start-up ignores interrupts: the measuring process's group is ended at 3/4 of the budget (15 s)."""
-    report, _ = gpu_check(tmp_path, "--budget-s", "20", "--skip", "logits,attention,decode,invariance,problems,e2e")
+    report, _ = gpu_check(tmp_path, "--budget-s", "20", "--skip", VLLM_ONLY)
     assert [r["skipped"].split(":")[0] for r in report["vllm"]] == [
         "interrupted 15 s into the 20 s budget", "not started", "not started", "not started"]
     assert report["elapsed_s"] < 15 + 12  # SIGTERM, then SIGKILL 10 s later at the latest
