@@ -17,13 +17,12 @@ a fresh process beside this tree's. The host time per token on a near-free model
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-from host_bench import ROOT, _python, export_tree
+from host_bench import ROOT, export_tree, measured_in
 
 SETTINGS = dict(batch=2, synthetic=(8, 2), n=8, budget=64)
 
@@ -111,13 +110,7 @@ def _owner(frame, owners: dict[int, str]) -> tuple[str, str]:
 
 def run_worker(code: Path, methods: list[str]) -> dict:
     """`measure` in a fresh process importing kvrescue_cli from `code`."""
-    done = _python(code, f"import dispatch_bench, json; print(json.dumps(dispatch_bench.measure({methods!r})))")
-    if done.returncode != 0:
-        raise SystemExit(f"dispatch_bench: the run with {code} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if Path(result["code"]).resolve() != code.resolve():
-        raise SystemExit(f"dispatch_bench: imported kvrescue_cli from {result['code']}, not {code}")
-    return result
+    return measured_in(code, "dispatch_bench", f"measure({methods!r})")
 
 
 def main() -> None:

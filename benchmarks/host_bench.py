@@ -174,17 +174,21 @@ def _python(code: Path, call: str, args: list[str] | None = None, cwd: Path | No
                           cwd=cwd or code)
 
 
-def run_worker(code: Path, scorer: str, mode: str, args) -> dict:
-    """`measure` in a fresh process importing kvrescue_cli from `code` (a source tree)."""
-    call = (f"import host_bench, json; "
-            f"print(json.dumps(host_bench.measure({scorer!r}, {args.steps}, {args.problems}, {mode!r})))")
-    done = _python(code, call)
+def measured_in(code: Path, bench: str, call: str) -> dict:
+    """`bench.call` (a measurement returning a dict with the `code` it imported) in a fresh process importing
+    kvrescue_cli from `code` (a source tree); its result, checked to come from `code`."""
+    done = _python(code, f"import {bench}, json; print(json.dumps({bench}.{call}))")
     if done.returncode != 0:
-        raise SystemExit(f"host_bench: the run with {code} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{bench}: the run with {code} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if Path(result["code"]).resolve() != code.resolve():
-        raise SystemExit(f"host_bench: imported kvrescue_cli from {result['code']}, not {code}")
+        raise SystemExit(f"{bench}: imported kvrescue_cli from {result['code']}, not {code}")
     return result
+
+
+def run_worker(code: Path, scorer: str, mode: str, args) -> dict:
+    """`measure` in a fresh process importing kvrescue_cli from `code` (a source tree)."""
+    return measured_in(code, "host_bench", f"measure({scorer!r}, {args.steps}, {args.problems}, {mode!r})")
 
 
 def whole_run(code: Path, steps: int, problems: int, folder: Path) -> dict:
