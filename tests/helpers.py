@@ -164,3 +164,14 @@ def load_error(stderr: str | bytes) -> str:
     assert said and said[-1].startswith("loading ") and not any("error" in s for s in said), text
     assert line.startswith("error: "), text
     return line
+
+
+def refusal_line(stderr: str | bytes) -> str:
+    """The one `error:` line of a refused run: its only line when refused before the run's cell list, else after the
+    cell list and loading line (`load_error`)."""
+    text = stderr.decode() if isinstance(stderr, bytes) else stderr
+    lines = text.strip().splitlines()
+    if len(lines) == 1:
+        assert lines[0].startswith("error: "), text
+        return lines[0]
+    return load_error(text)

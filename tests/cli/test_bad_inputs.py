@@ -15,7 +15,7 @@ from kvrescue_cli.data import load_problems
 from kvrescue_cli.engine.loader import ModelLoadError, load_model
 from kvrescue_cli.errors import InputError
 from kvrescue_cli.outputs import CONFIG, ModelRef, RunConfig, RunFolder, RunFolderError
-from tests.helpers import kvrescue, load_error
+from tests.helpers import kvrescue, load_error, refusal_line
 OUTPUT = {"output": "so \\boxed{2}", "gt": "2"}
 
 
@@ -156,8 +156,7 @@ def test_odd_config_types_are_one_line_errors(case: str, command: str, qwen2_dir
         assert message in one_line_error(*args, cwd=tmp_path)
     else:  # refused before loading (one line) or, where only the loader reads the field, after the run's cell list
         done = kvrescue(*args, cwd=tmp_path)
-        single = len(done.stderr.strip().splitlines()) == 1
-        assert done.returncode == 2 and message in (done.stderr.decode().strip() if single else load_error(done.stderr))
+        assert done.returncode == 2 and message in refusal_line(done.stderr)
     assert not (tmp_path / "out").exists()
 
 

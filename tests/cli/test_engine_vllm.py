@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PAIRS, kvrescue_run, load_error, read_folder, tiny_problems
+from tests.helpers import PAIRS, kvrescue_run, read_folder, refusal_line, tiny_problems
 
 pytestmark = pytest.mark.vllm
 SMALL = ["--max-step-tokens", "24", "--max-steps", "6", "--context-cap", "320", "--budget", "16", "--n", "2",
@@ -90,8 +90,7 @@ def test_bad_vllm_options_are_one_line_errors(args, message, problems, step_qwen
                         *SMALL, *args)
     err = done.stderr.decode()
     assert done.returncode == 2 and message in err, err[-2000:]
-    single = len(err.strip().splitlines()) == 1  # refused before the run's cell list, or while its engines start
-    assert message in (err.strip() if single else load_error(err))
+    assert message in refusal_line(err)  # refused before the run's cell list, or while its engines start
     assert not (tmp_path / "runs").exists()
 
 
