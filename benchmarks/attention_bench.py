@@ -49,16 +49,16 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.gather_reference: the former path, kept as test code
 
-from kvrescue_cli.cell_engine import CellParts  # noqa: E402
-from kvrescue_cli.engine import invariance  # noqa: E402
-from kvrescue_cli.engine.caches import FullCache, block_size_for  # noqa: E402
-from kvrescue_cli.engine.sampling import SamplingParams  # noqa: E402
-from kvrescue_cli.grid import grid_options  # noqa: E402
-from kvrescue_cli.in_process import InProcessGroup  # noqa: E402
-from kvrescue_cli.runs import prepare_grid, run_cell  # noqa: E402
-from kvrescue_cli.scorers import HELPER_LOGLIK  # noqa: E402
-from kvrescue_cli.search import SearchSettings  # noqa: E402
-from kvrescue_cli.smollm import smollm2_folder  # noqa: E402
+from kvrescue.cell_engine import CellParts  # noqa: E402
+from kvrescue.engine import invariance  # noqa: E402
+from kvrescue.engine.caches import FullCache, block_size_for  # noqa: E402
+from kvrescue.engine.sampling import SamplingParams  # noqa: E402
+from kvrescue.grid import grid_options  # noqa: E402
+from kvrescue.in_process import InProcessGroup  # noqa: E402
+from kvrescue.runs import prepare_grid, run_cell  # noqa: E402
+from kvrescue.scorers import HELPER_LOGLIK  # noqa: E402
+from kvrescue.search import SearchSettings  # noqa: E402
+from kvrescue.smollm import smollm2_folder  # noqa: E402
 from tests.gather_reference import gather_attend  # noqa: E402
 
 HELPER = dict(layers=28, heads=12, kv_heads=2, head_dim=128)  # Qwen2.5-Math-1.5B

@@ -21,14 +21,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.oracles: one step decoded for given rows
 
-from kvrescue_cli.data import BUNDLED  # noqa: E402
-from kvrescue_cli.detect import DetectorConfig  # noqa: E402
-from kvrescue_cli.engine.bounded import BoundedCache  # noqa: E402
-from kvrescue_cli.engine.caches import FullCache  # noqa: E402
-from kvrescue_cli.engine.loader import LoadedModel, load_model  # noqa: E402
-from kvrescue_cli.engine.runner import Runner  # noqa: E402
-from kvrescue_cli.engine.steps import StepRules  # noqa: E402
-from kvrescue_cli.smollm import smollm2_folder  # noqa: E402
+from kvrescue.data import BUNDLED  # noqa: E402
+from kvrescue.detect import DetectorConfig  # noqa: E402
+from kvrescue.engine.bounded import BoundedCache  # noqa: E402
+from kvrescue.engine.caches import FullCache  # noqa: E402
+from kvrescue.engine.loader import LoadedModel, load_model  # noqa: E402
+from kvrescue.engine.runner import Runner  # noqa: E402
+from kvrescue.engine.steps import StepRules  # noqa: E402
+from kvrescue.smollm import smollm2_folder  # noqa: E402
 from tests.oracles import generate_steps  # noqa: E402
 
 SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."

@@ -4,7 +4,7 @@ GPU's launch overhead (issue 40), measured without a GPU.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dispatch_bench.py [--baseline a82926b] [--methods bon,kvrescue,full]
         [--by-op K]
 
-`kvrescue_cli.dry_run` decodes each method's cell on one fake CUDA device (`fake_cuda`) at the paper's shapes
+`kvrescue.dry_run` decodes each method's cell on one fake CUDA device (`fake_cuda`) at the paper's shapes
 (Qwen2.5-Math-7B base, 1.5B helper, PRM-7B in bf16), CUDA graphs on, 2 problems, N = 8, B = 64, synthetic steps of
 8 tokens x 2, prefill, PRM scoring and commits included. A `TorchDispatchMode` around it counts every aten op the
 host dispatches: a CUDA graph's capture dispatches its step's ops once (counted, and shown apart), its replays
@@ -32,9 +32,9 @@ def measure(methods: list[str]) -> dict:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import kvrescue_cli
-    import kvrescue_cli.dry_run as dry
-    import kvrescue_cli.fake_cuda as fake_cuda
+    import kvrescue
+    import kvrescue.dry_run as dry
+    import kvrescue.fake_cuda as fake_cuda
 
     owners: dict[int, str] = {}  # id of a runner, static step or scorer -> its role
     engines: list = []
@@ -86,7 +86,7 @@ def measure(methods: list[str]) -> dict:
     dry._cell = counted_cell
     with Count() as count:
         dry.dry_run(tuple(methods), **SETTINGS)
-    return {"code": str(Path(kvrescue_cli.__file__).parents[1]), "torch": torch.__version__, "cells": cells}
+    return {"code": str(Path(kvrescue.__file__).parents[1]), "torch": torch.__version__, "cells": cells}
 
 
 def _owner(frame, owners: dict[int, str]) -> tuple[str, str]:
@@ -109,7 +109,7 @@ def _owner(frame, owners: dict[int, str]) -> tuple[str, str]:
 
 
 def run_worker(code: Path, methods: list[str]) -> dict:
-    """`measure` in a fresh process importing kvrescue_cli from `code`."""
+    """`measure` in a fresh process importing kvrescue from `code`."""
     return measured_in(code, "dispatch_bench", f"measure({methods!r})")
 
 

@@ -32,11 +32,11 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.oracles: the from-scratch PRM scores
 
-from kvrescue_cli.engine import FullCache, load_model  # noqa: E402
-from kvrescue_cli.engine.prm import PRMScorer  # noqa: E402
-from kvrescue_cli.random_checkpoints import SAMPLE_TEXT, write_random_checkpoint  # noqa: E402
-from kvrescue_cli.engine.sampling import SamplingParams, sample  # noqa: E402
-from kvrescue_cli.engine.steps import append_tokens  # noqa: E402
+from kvrescue.engine import FullCache, load_model  # noqa: E402
+from kvrescue.engine.prm import PRMScorer  # noqa: E402
+from kvrescue.random_checkpoints import SAMPLE_TEXT, write_random_checkpoint  # noqa: E402
+from kvrescue.engine.sampling import SamplingParams, sample  # noqa: E402
+from kvrescue.engine.steps import append_tokens  # noqa: E402
 from tests.oracles import prm_last_scores, prm_scores  # noqa: E402
 
 PARAMS = SamplingParams()
@@ -200,7 +200,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         qwen = write_random_checkpoint(Path(tmp) / "qwen2-100m", "qwen2", **QWEN_100M)
         if not args.skip_smollm:
-            from kvrescue_cli.smollm import smollm2_folder
+            from kvrescue.smollm import smollm2_folder
 
             bench_decode("SmolLM2-135M-Instruct", smollm2_folder(), args, bw, flops)
         bench_decode("random Qwen2 ~100M", qwen, args, bw, flops)

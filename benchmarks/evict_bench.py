@@ -32,13 +32,13 @@ import time
 
 import torch
 
-from kvrescue_cli.data import BUNDLED
-from kvrescue_cli.detect import gzip_ratio
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.caches import FullCache, block_size_for
-from kvrescue_cli.engine.evict import EVICTORS, MIN_BUDGET
-from kvrescue_cli.engine.model import CausalLM, ModelArgs
-from kvrescue_cli.shapes import BUFFER
+from kvrescue.data import BUNDLED
+from kvrescue.detect import gzip_ratio
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.caches import FullCache, block_size_for
+from kvrescue.engine.evict import EVICTORS, MIN_BUDGET
+from kvrescue.engine.model import CausalLM, ModelArgs
+from kvrescue.shapes import BUFFER
 
 MATH500 = BUNDLED / "math500.jsonl"
 QWEN_7B = dict(n_layers=28, n_kv_heads=4, head_dim=128, bytes=2)  # Qwen2.5-Math-7B, bf16

@@ -32,7 +32,7 @@ downloaded). Sections, in this order:
   against the dynamic eager step from the same state; `ok` under the dtype's tolerance, as for `logits`.
 - `memory`: two kvrescue cells, one after the other, with the cyclic garbage collector off: the second must leave
   no more bytes allocated than the first (growth is a leak); what the first left is reported as a one-time workspace
-  (on a CPU on fake CUDA, `kvrescue_cli.fake_cuda`).
+  (on a CPU on fake CUDA, `kvrescue.fake_cuda`).
 - `devices` (two or more GPUs; else a skip record): `kvrescue run`'s in-process executor given the last visible GPU
   loads small random checkpoints and decodes a kvrescue cell there: every parameter on that GPU, no other GPU gains
   allocated bytes.
@@ -91,10 +91,10 @@ from gpu_check_problems import problems_section
 from gpu_check_record import Check, interrupted_at, table  # noqa: F401 (Check, interrupted_at: tests/benchmarks/test_gpu_check.py)
 from gpu_check_setup import E2E_SHARE, FULL, SMALL
 from gpu_check_vllm import vllm_child, vllm_section
-from kvrescue_cli.devices import is_gpu
-from kvrescue_cli.engine.graphs import flash_attn_with_kvcache
-from kvrescue_cli.loading import indexed_gpu, use_device
-from kvrescue_cli.outputs import installed_version
+from kvrescue.devices import is_gpu
+from kvrescue.engine.graphs import flash_attn_with_kvcache
+from kvrescue.loading import indexed_gpu, use_device
+from kvrescue.outputs import installed_version
 
 
 def chosen_device(requested: str | None, tiny: bool) -> str:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-import kvrescue_cli.loading as loading
-import kvrescue_cli.runs as runs
-from kvrescue_cli.cli import app
-from kvrescue_cli.device_plan import memory_plan
+import kvrescue.loading as loading
+import kvrescue.runs as runs
+from kvrescue.cli import app
+from kvrescue.device_plan import memory_plan
 
 MEASURES = "GPU_CHECK_MEASURES"
 

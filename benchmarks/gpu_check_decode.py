@@ -12,12 +12,12 @@ import torch
 
 from gpu_check_record import Check
 from gpu_check_setup import DECODE_SHARE, PARAMS, QWEN25_MATH_7B, TINY, hf_model, sync, timed, too_big
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.caches import FullCache
-from kvrescue_cli.engine.graphs import StaticDecode
-from kvrescue_cli.engine.loader import _build
-from kvrescue_cli.engine.model import Transformer
-from kvrescue_cli.engine.sampling import sample
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.caches import FullCache
+from kvrescue.engine.graphs import StaticDecode
+from kvrescue.engine.loader import _build
+from kvrescue.engine.model import Transformer
+from kvrescue.engine.sampling import sample
 
 
 def device_limits(device: str, dtype: torch.dtype, tiny: bool) -> dict:

@@ -19,7 +19,7 @@ import orjson
 import torch
 
 from gpu_check_record import Check
-from kvrescue_cli.random_checkpoints import write_random_checkpoint
+from kvrescue.random_checkpoints import write_random_checkpoint
 
 PROBLEMS = {True: 4, False: 8}  # by --tiny; each run's problems are all at once at the larger --batch
 SHAPES = {True: dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),  # --tiny
@@ -31,7 +31,7 @@ RUN = ["--method", "kvrescue", "--n", "2", "--budget", "16", "--max-steps", "2",
 def run_traces(model: Path, problems: Path, out: Path, device: str, dtype: str, batch: int, deterministic: bool,
                timeout_s: float) -> list[tuple]:
     """Each problem's trace, as compared (idx, steps, candidates' texts, output), of one `kvrescue run`."""
-    command = [sys.executable, "-c", "import sys; from kvrescue_cli.cli import app; sys.argv[0] = 'kvrescue'; app()",
+    command = [sys.executable, "-c", "import sys; from kvrescue.cli import app; sys.argv[0] = 'kvrescue'; app()",
                "run", "--base", str(model), "--helper", str(model), "--bench", str(problems), *RUN, "--devices", device,
                "--dtype", dtype, "--batch", str(batch), "--out", str(out), *(["--deterministic"] if deterministic else [])]
     done = subprocess.run(command, capture_output=True, timeout=max(timeout_s, 1.0))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from gpu_check_setup import QWEN25_05B, TINY, hf_model
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.evict import MIN_BUDGET
-from kvrescue_cli.engine.graphs import StaticDecode
-from kvrescue_cli.engine.loader import _build
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.evict import MIN_BUDGET
+from kvrescue.engine.graphs import StaticDecode
+from kvrescue.engine.loader import _build
 
 
 def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:

@@ -12,12 +12,12 @@ import torch
 from gpu_check_logits import compare, verdict
 from gpu_check_record import Check
 from gpu_check_setup import QWEN25_05B, TINY, random_engine
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.caches import FullCache, block_size_for
-from kvrescue_cli.engine.evict import MIN_BUDGET
-from kvrescue_cli.engine.graphs import StaticDecode
-from kvrescue_cli.engine.model import Transformer
-from kvrescue_cli.shapes import BUFFER
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.caches import FullCache, block_size_for
+from kvrescue.engine.evict import MIN_BUDGET
+from kvrescue.engine.graphs import StaticDecode
+from kvrescue.engine.model import Transformer
+from kvrescue.shapes import BUFFER
 
 CANDIDATES = 4  # forks per problem
 STEPS = 6  # one-token decodes of every fork

@@ -13,17 +13,17 @@ import torch
 from gpu_check_profile import PhaseClock, profile_section
 from gpu_check_record import Check, interrupted_at
 from gpu_check_setup import PARAMS, PROBLEM_RUNS, PROFILE_WINDOW, QWEN25_MATH_7B, QWEN25_MATH_15B, QWEN25_MATH_PRM_7B, TINY, random_loaded
-from kvrescue_cli.data import Problem, ProblemSet
-from kvrescue_cli.cell_engine import build_cell
-from kvrescue_cli.cost import Architecture
-from kvrescue_cli.device_plan import device_kind, device_room
-from kvrescue_cli.memory_plan import headroom, largest_batch, plan_grid
-from kvrescue_cli.decoding import decode
-from kvrescue_cli.engine.loader import LoadedModel
-from kvrescue_cli.grid import Cell, GridOptions, grid_options
-from kvrescue_cli.outputs import Trace
-from kvrescue_cli.random_checkpoints import build_tokenizer
-from kvrescue_cli.search import SearchSettings
+from kvrescue.data import Problem, ProblemSet
+from kvrescue.cell_engine import build_cell
+from kvrescue.cost import Architecture
+from kvrescue.device_plan import device_kind, device_room
+from kvrescue.memory_plan import headroom, largest_batch, plan_grid
+from kvrescue.decoding import decode
+from kvrescue.engine.loader import LoadedModel
+from kvrescue.grid import Cell, GridOptions, grid_options
+from kvrescue.outputs import Trace
+from kvrescue.random_checkpoints import build_tokenizer
+from kvrescue.search import SearchSettings
 
 ROLES = ("base", "helper", "prm")
 PROFILE_SHARE = 0.3  # of the section's own window after the budget (PROFILE_WINDOW): the profile; MATH500 the rest

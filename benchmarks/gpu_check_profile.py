@@ -31,14 +31,14 @@ from typing import Any, Callable, Iterator
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import kvrescue_cli.engine.steps as steps_module
+import kvrescue.engine.steps as steps_module
 from gpu_check_record import Check
 from gpu_check_setup import sync
-from kvrescue_cli.cell_engine import CellEngine, build_cell
-from kvrescue_cli.data import ProblemSet
-from kvrescue_cli.decoding import decode
-from kvrescue_cli.engine.loader import LoadedModel
-from kvrescue_cli.grid import Cell, GridOptions
+from kvrescue.cell_engine import CellEngine, build_cell
+from kvrescue.data import ProblemSet
+from kvrescue.decoding import decode
+from kvrescue.engine.loader import LoadedModel
+from kvrescue.grid import Cell, GridOptions
 
 RUNNER_PHASES = {"start": "{role} decode", "advance": "{role} decode", "decode": "{role} decode",
                  "sample": "sampling and detector", "prefill": "prefill", "commit": "commits and compression",

@@ -19,7 +19,7 @@ import torch
 
 from gpu_check_record import Check, RecordLines
 from gpu_check_setup import QWEN25_MATH_7B, QWEN25_MATH_PRM_7B, TINY_VLLM, VLLM_MEMORY, VLLM_SHARE, hf_config, random_loaded
-from kvrescue_cli.random_checkpoints import build_tokenizer
+from kvrescue.random_checkpoints import build_tokenizer
 
 ENTRY = Path(__file__).with_name("gpu_check.py")  # the child runs the entry point with --vllm-child
 
@@ -38,8 +38,8 @@ def vllm_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan
     """This engine vs vLLM (`vllm_child`), in a child process of its own session: vLLM's start-up does not stop
     for an interrupt, so the child's whole process group is ended at VLLM_SHARE of the budget, keeping the
     records it wrote. Where vLLM is not importable, every record says so."""
-    from kvrescue_cli.errors import InputError
-    from kvrescue_cli.vllm_engine import require_vllm
+    from kvrescue.errors import InputError
+    from kvrescue.vllm_engine import require_vllm
 
     records = vllm_records(dtype, tiny, plan)
     try:
@@ -105,8 +105,8 @@ def vllm_child(out: Path, device: str, dtype: torch.dtype, tiny: bool, plan: dic
     on both sides (vLLM's own random weights, load_format "dummy"). One vLLM engine at a time."""
     from vs_vllm import best_of_interleaved, chat_prompt, decode_measures, prm_measures, prm_workload, vllm_memory
 
-    from kvrescue_cli.vllm_engine import require_vllm
-    from kvrescue_cli.vllm_engine.llm import start_llm
+    from kvrescue.vllm_engine import require_vllm
+    from kvrescue.vllm_engine.llm import start_llm
 
     vllm = require_vllm("gpu_check's vllm section")
     check = RecordLines(out)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from grader import BENCHES, grade_many, raw_answer, shutdown
-from kvrescue_cli.data import BUNDLED
+from kvrescue.data import BUNDLED
 
 VECTORS = Path(__file__).resolve().parents[1] / "tests" / "data" / "grader_vectors.jsonl"
 

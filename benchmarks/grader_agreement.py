@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grade_bench import VECTORS, load_items  # noqa: E402
 
 from grader import grade_many  # noqa: E402
-from kvrescue_cli.grading import check_grader  # noqa: E402
-from kvrescue_cli.report.numbers import agreement  # noqa: E402
+from kvrescue.grading import check_grader  # noqa: E402
+from kvrescue.report.numbers import agreement  # noqa: E402
 
 
 def main() -> None:

@@ -44,9 +44,9 @@ AIM_HOST_US, AIM_WHOLE_US = 5.0, 10.0  # the issue's aims, µs per candidate tok
 def _checkpoints(folder: Path) -> tuple[Path, Path]:
     """The random policy and PRM checkpoints (written by the code that imports this module)."""
     try:
-        from kvrescue_cli.random_checkpoints import write_random_checkpoint
+        from kvrescue.random_checkpoints import write_random_checkpoint
     except ImportError:  # a baseline from before that move
-        from kvrescue_cli.engine.random_checkpoints import write_random_checkpoint
+        from kvrescue.engine.random_checkpoints import write_random_checkpoint
     return (write_random_checkpoint(folder / "policy", "qwen2", seed=1, **SHAPE),
             write_random_checkpoint(folder / "prm", "prm", seed=2, **SHAPE))
 
@@ -62,11 +62,11 @@ def _op_split(profile) -> dict:
 def _cell_decoder(models: dict, settings, out: Path, items: list, scorer, grade):
     """The kvrescue cell of `items` built through the public seams (`build_cell` with a scorer in place of the
     grid's, `decode` with a grade function); a baseline from before them (no `cell_engine`) is patched as it was."""
-    from kvrescue_cli.data import ProblemSet
+    from kvrescue.data import ProblemSet
     try:
-        from kvrescue_cli.grid import Cell, grid_options
-        from kvrescue_cli.cell_engine import CellParts, build_cell
-        from kvrescue_cli.decoding import decode
+        from kvrescue.grid import Cell, grid_options
+        from kvrescue.cell_engine import CellParts, build_cell
+        from kvrescue.decoding import decode
     except ImportError:
         return _old_cell_decoder(models, settings, out, items, scorer, grade)
     options = grid_options({"base": "policy", "helper": "policy", "prm": "prm"}, settings, out,
@@ -78,10 +78,10 @@ def _cell_decoder(models: dict, settings, out: Path, items: list, scorer, grade)
 
 def _old_cell_decoder(models: dict, settings, out: Path, items: list, scorer, grade):
     """A baseline's cell decode, from before the seams: its module's scorer and grader replaced."""
-    import kvrescue_cli.runs as runs
-    from kvrescue_cli.data import ProblemSet
+    import kvrescue.runs as runs
+    from kvrescue.data import ProblemSet
     try:
-        import kvrescue_cli.decoding as decoding  # where `_scorer` lived since the grid was split for Ray
+        import kvrescue.decoding as decoding  # where `_scorer` lived since the grid was split for Ray
     except ImportError:  # a baseline from before that move
         decoding = runs  # `decode` lived in runs too
     if scorer is not None:
@@ -97,10 +97,10 @@ def _old_cell_decoder(models: dict, settings, out: Path, items: list, scorer, gr
 def measure(scorer: str, steps: int, problems: int, mode: str) -> dict:
     """One cell through `decode` (what `run_cell` calls, minus the run folder); returns µs per candidate
     token (model loading and grading excluded). mode: "wall", "ops" (under torch.profiler) or "cprofile"."""
-    import kvrescue_cli
-    from kvrescue_cli.data import Problem
-    from kvrescue_cli.engine.loader import load_model
-    from kvrescue_cli.search import SearchSettings
+    import kvrescue
+    from kvrescue.data import Problem
+    from kvrescue.engine.loader import load_model
+    from kvrescue.search import SearchSettings
 
     class ConstantScorer:
         """Every candidate scores 0.5 (the first one is committed): the decode loop without a scorer."""
@@ -153,21 +153,41 @@ def measure(scorer: str, steps: int, problems: int, mode: str) -> dict:
             run()
             seconds = time.perf_counter() - start
     tokens = sum(generated)
-    return {"code": str(Path(kvrescue_cli.__file__).parents[1]), "scorer": scorer, "seconds": seconds,
+    return {"code": str(Path(kvrescue.__file__).parents[1]), "scorer": scorer, "seconds": seconds,
             "candidate_tokens": tokens, "us_per_token": 1e6 * seconds / tokens, **result}
 
 
 def export_tree(ref: str, folder: Path) -> Path:
-    """The product's code (kvrescue_cli, grader) at git ref `ref`, exported to `folder` (made here)."""
+    """The product's code (kvrescue, grader) at git ref `ref`, exported to `folder` (made here)."""
     folder.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "kvrescue_cli", "grader"],
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", ref], capture_output=True, text=True,
+                            check=True).stdout.split()
+    package = "kvrescue" if "kvrescue" in listed else "kvrescue_cli"  # its name before 6 December 2026
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, package, "grader"],
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     return folder
 
 
+# A tree from before the package was renamed: `kvrescue.X` imports give the same module objects as `kvrescue_cli.X`.
+_OLD_NAME = """
+import importlib, importlib.abc, importlib.util, sys
+class OldName(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name == "kvrescue" or name.startswith("kvrescue."):
+            return importlib.util.spec_from_loader(name, self)
+    def create_module(self, spec):
+        return importlib.import_module("kvrescue_cli" + spec.name.removeprefix("kvrescue"))
+    def exec_module(self, module):
+        pass
+sys.meta_path.insert(0, OldName())
+"""
+
+
 def _python(code: Path, call: str, args: list[str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """A fresh Python process importing kvrescue_cli (and the grader) from `code` first."""
+    """A fresh Python process importing kvrescue (and the grader) from `code` first."""
+    if (code / "kvrescue_cli").is_dir():
+        call = _OLD_NAME + call
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join([str(code), str(ROOT / "benchmarks")])}
     return subprocess.run([sys.executable, "-c", call, *(args or [])], capture_output=True, text=True, env=env,
@@ -176,18 +196,18 @@ def _python(code: Path, call: str, args: list[str] | None = None, cwd: Path | No
 
 def measured_in(code: Path, bench: str, call: str) -> dict:
     """`bench.call` (a measurement returning a dict with the `code` it imported) in a fresh process importing
-    kvrescue_cli from `code` (a source tree); its result, checked to come from `code`."""
+    kvrescue from `code` (a source tree); its result, checked to come from `code`."""
     done = _python(code, f"import {bench}, json; print(json.dumps({bench}.{call}))")
     if done.returncode != 0:
         raise SystemExit(f"{bench}: the run with {code} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if Path(result["code"]).resolve() != code.resolve():
-        raise SystemExit(f"{bench}: imported kvrescue_cli from {result['code']}, not {code}")
+        raise SystemExit(f"{bench}: imported kvrescue from {result['code']}, not {code}")
     return result
 
 
 def run_worker(code: Path, scorer: str, mode: str, args) -> dict:
-    """`measure` in a fresh process importing kvrescue_cli from `code` (a source tree)."""
+    """`measure` in a fresh process importing kvrescue from `code` (a source tree)."""
     return measured_in(code, "host_bench", f"measure({scorer!r}, {args.steps}, {args.problems}, {mode!r})")
 
 
@@ -207,7 +227,7 @@ def whole_run(code: Path, steps: int, problems: int, folder: Path) -> dict:
                "--max-step-tokens", "32", "--bench", str(bench), "--base", policy, "--helper", policy, "--prm", prm,
                "--devices", "cpu", "--dtype", "float32", "--out", str(folder / "runs")]
     start = time.perf_counter()
-    done = _python(code, "import sys; from kvrescue_cli.cli import app; sys.argv[0] = 'kvrescue'; app()",
+    done = _python(code, "import sys; from kvrescue.cli import app; sys.argv[0] = 'kvrescue'; app()",
                    ["run", *command], cwd=folder)
     seconds = time.perf_counter() - start
     if done.returncode != 0:

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvrescue_cli.engine.model import GEMV_ROWS, linear
+from kvrescue.engine.model import GEMV_ROWS, linear
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): wqkv, wo, w13, w2
 LAYERS, HEAD = 30, (49152, 576)

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import orjson
 
-from kvrescue_cli.engine import load_model
-from kvrescue_cli.engine.loader import LoadedModel
-from kvrescue_cli.engine.prm import PRMScorer
-from kvrescue_cli.engine.prm_recipes import FORMATS
-from kvrescue_cli.random_checkpoints import write_random_checkpoint
-from kvrescue_cli.smollm import smollm2_folder
+from kvrescue.engine import load_model
+from kvrescue.engine.loader import LoadedModel
+from kvrescue.engine.prm import PRMScorer
+from kvrescue.engine.prm_recipes import FORMATS
+from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue.smollm import smollm2_folder
 
 KVRESCUE = str(Path(sys.executable).parent / "kvrescue")
 

@@ -25,13 +25,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvrescue_cli import workers
-from kvrescue_cli.data import Problem, ProblemSet
-from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.grid import Cell, grid_options
-from kvrescue_cli.in_process import InProcessGroup
-from kvrescue_cli.random_checkpoints import write_random_checkpoint
-from kvrescue_cli.search import SearchSettings
+from kvrescue import workers
+from kvrescue.data import Problem, ProblemSet
+from kvrescue.engine.sampling import SamplingParams
+from kvrescue.grid import Cell, grid_options
+from kvrescue.in_process import InProcessGroup
+from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue.search import SearchSettings
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, init_std=0.1)
 

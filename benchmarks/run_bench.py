@@ -24,14 +24,14 @@ from rich.progress import Progress
 from rich.table import Table
 
 from grader import grade
-from kvrescue_cli.engine.model import Transformer
-from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.grid import grid_options
-from kvrescue_cli.in_process import InProcessGroup
-from kvrescue_cli.runs import prepare_grid, run_cell
-from kvrescue_cli.scorers import HELPER_LOGLIK
-from kvrescue_cli.search import SearchSettings
-from kvrescue_cli.smollm import smollm2_folder
+from kvrescue.engine.model import Transformer
+from kvrescue.engine.sampling import SamplingParams
+from kvrescue.grid import grid_options
+from kvrescue.in_process import InProcessGroup
+from kvrescue.runs import prepare_grid, run_cell
+from kvrescue.scorers import HELPER_LOGLIK
+from kvrescue.search import SearchSettings
+from kvrescue.smollm import smollm2_folder
 
 SPENT = {"forward": 0.0, "grade": 0.0}
 

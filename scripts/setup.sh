@@ -7,7 +7,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "${KVRESCUE_TORCH:-torch==2.13.0}"
 stamp=.venv/.kvrescue-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! .venv/bin/python -c "import kvrescue_cli, grader" 2>/dev/null; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! .venv/bin/python -c "import kvrescue, grader" 2>/dev/null; then
     .venv/bin/pip install -q -e '.[dev]'
     touch "$stamp"
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-fetch the KaTeX that `kvrescue view` inlines into its page (kvrescue_cli/view/katex/) from the npm
+# Re-fetch the KaTeX that `kvrescue view` inlines into its page (kvrescue/view/katex/) from the npm
 # registry: the pinned version's tarball, checked against its SHA-256, unpacked, and only what the page needs
 # copied (katex.min.js, katex.min.css, the woff2 fonts, LICENSE). The same version gives the same files.
 #   bash scripts/vendor_katex.sh            # the pinned version
@@ -8,7 +8,7 @@ set -euo pipefail
 version="${KATEX_VERSION:-0.19.1}"
 sha256="${KATEX_SHA256:-24da5a599eb2fcede2e270b99a6ff48bca816beecc95feeb84e8cccbd1bb34fd}"
 url="https://registry.npmjs.org/katex/-/katex-${version}.tgz"
-dest="$(cd "$(dirname "$0")/.." && pwd)/kvrescue_cli/view/katex"
+dest="$(cd "$(dirname "$0")/.." && pwd)/kvrescue/view/katex"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 curl -fsSL -o "$tmp/katex.tgz" "$url"

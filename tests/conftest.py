@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvrescue_cli.random_checkpoints import build_tokenizer, write_random_checkpoint  # noqa: E402
+from kvrescue.random_checkpoints import build_tokenizer, write_random_checkpoint  # noqa: E402
 from tests import cuda_layouts  # noqa: E402
 from tests.helpers import tiny_problems  # noqa: E402
 
@@ -94,7 +94,7 @@ vllm_math_shepherd_dir = checkpoint_fixture("vllm_math_shepherd_dir", "math-shep
 def vllm_prm(vllm_prm_dir: Path):
     """One vLLM pooling engine on `vllm_prm_dir`, fp32, shared by the session (a start costs 20-30 s, minutes
     under load); its KV cache is kept small, since vLLM reserves it up front."""
-    from kvrescue_cli.vllm_engine.llm import start_llm
+    from kvrescue.vllm_engine.llm import start_llm
 
     llm = start_llm(vllm_prm_dir, dtype="float32", max_model_len=4096, runner="pooling", kv_cache_bytes=64 << 20,
                     enforce_eager=True)

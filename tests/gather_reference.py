@@ -4,8 +4,8 @@ row by row, an explicit softmax: no fused kernel, no paging)."""
 
 import torch
 
-from kvrescue_cli.engine.attention import attend_padded
-from kvrescue_cli.engine.caches import FullCache
+from kvrescue.engine.attention import attend_padded
+from kvrescue.engine.caches import FullCache
 
 
 def gather_attend(cache: FullCache, layer: int, rows: list[int], kv_lengths: list[int],

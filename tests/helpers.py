@@ -39,7 +39,7 @@ def kvrescue(*args: str, env: Mapping[str, str] | None = None, cwd: Path | None 
     shows (signals, the environment read at import, memory limits, the console script itself) run `KVRESCUE`."""
     from typer.testing import CliRunner
 
-    from kvrescue_cli.cli import app
+    from kvrescue.cli import app
 
     with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
         result = CliRunner().invoke(app, list(args), env=env)
@@ -81,7 +81,7 @@ def traces_of(out: Path, method: str = "kvrescue") -> list[dict]:
 
 def write_run(root: Path, cfg, traces: Iterable) -> Path:
     """A run folder of `cfg` (an `outputs.RunConfig`) under `root` holding `traces` and their summary."""
-    from kvrescue_cli.outputs import RunFolder, run_dir
+    from kvrescue.outputs import RunFolder, run_dir
 
     path = run_dir(root, cfg)
     traces = list(traces)
@@ -100,14 +100,14 @@ ONE_CELL = {"benches": ["t"], "methods": ["bon"], "budgets": [16], "ns": [2], "s
 def small_grid(out: Path | None, settings, **fields):
     """`GridOptions` of `ONE_CELL` writing under `out` with `settings` (a `SearchSettings`), `fields` replacing any
     of its axes or setting the rest of the options."""
-    from kvrescue_cli.grid import GridOptions
+    from kvrescue.grid import GridOptions
 
     return GridOptions(**{**ONE_CELL, "settings": settings, "out": out, **fields})
 
 
 def paper_grid(out: Path | None, models: dict[str, str], **fields):
     """`small_grid` at the paper's cell: MATH500, `kvrescue`, B 64, N 8, batch 8 in bf16, `fields` replacing any."""
-    from kvrescue_cli.search import SearchSettings
+    from kvrescue.search import SearchSettings
 
     return small_grid(out, SearchSettings(batch=8), **{"benches": ["math500"], "methods": ["kvrescue"],
                                                        "budgets": [64], "ns": [8], "models": models,
@@ -116,15 +116,15 @@ def paper_grid(out: Path | None, models: dict[str, str], **fields):
 
 def small_cell(problems: Iterable = (), method: str = "bon", budget: int | None = 16, n: int = 2):
     """A `Cell` of `problems` (`data.Problem`s) as bench "t", seed 0."""
-    from kvrescue_cli.data import ProblemSet
-    from kvrescue_cli.grid import Cell
+    from kvrescue.data import ProblemSet
+    from kvrescue.grid import Cell
 
     return Cell(ProblemSet("t", "generic", "t.jsonl", list(problems)), method, budget, n, 0)
 
 
 def sums(count: int, plus: int = 1, text: str = "") -> list:
     """`count` problems "What is i + `plus`?`text`" (answer i + plus), ids 0..count-1."""
-    from kvrescue_cli.data import Problem
+    from kvrescue.data import Problem
 
     return [Problem(i, f"What is {i} + {plus}?{text}", str(i + plus), {}) for i in range(count)]
 
@@ -132,7 +132,7 @@ def sums(count: int, plus: int = 1, text: str = "") -> list:
 def unset_allocator_settings(monkeypatch) -> None:
     """Neither of PyTorch's allocator variables set for this test (each set empty, which PyTorch and
     `cuda_allocator` read as unset), so that what a GPU run's `use_device` sets them to is undone after it."""
-    from kvrescue_cli.cuda_allocator import VARIABLES
+    from kvrescue.cuda_allocator import VARIABLES
 
     for variable in VARIABLES:
         monkeypatch.setenv(variable, "")

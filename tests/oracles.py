@@ -13,15 +13,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kvrescue_cli.detect import DetectorConfig, gzip_ratio
-from kvrescue_cli.engine.evict import RKV, SnapKV, Streaming, keep_top
-from kvrescue_cli.engine.loader import LoadedModel
-from kvrescue_cli.engine.prm import check_prm
-from kvrescue_cli.engine.prm_recipes import FORMATS, PRMRecipe, RecipeInputs
-from kvrescue_cli.engine.steps import CandidateStep, StepRules
-from kvrescue_cli.prompts import SYSTEM_PROMPT
-from kvrescue_cli.reasons import ENTROPY, REPETITION
-from kvrescue_cli.shapes import OBSERVATION_WINDOW
+from kvrescue.detect import DetectorConfig, gzip_ratio
+from kvrescue.engine.evict import RKV, SnapKV, Streaming, keep_top
+from kvrescue.engine.loader import LoadedModel
+from kvrescue.engine.prm import check_prm
+from kvrescue.engine.prm_recipes import FORMATS, PRMRecipe, RecipeInputs
+from kvrescue.engine.steps import CandidateStep, StepRules
+from kvrescue.prompts import SYSTEM_PROMPT
+from kvrescue.reasons import ENTROPY, REPETITION
+from kvrescue.shapes import OBSERVATION_WINDOW
 
 
 class Detector:

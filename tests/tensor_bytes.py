@@ -3,7 +3,7 @@
 `TensorBytes` is a TorchDispatchMode: every aten op's outputs pass through it, so it sees each new storage
 (an output whose storage none of the op's inputs hold) and counts its bytes until the last tensor viewing it
 is gone (a weak-reference finalizer per tensor). Storages that existed before it started (model weights)
-are never counted, nor are views of them. What the planner (`kvrescue_cli/memory_plan.py`) predicts for a
+are never counted, nor are views of them. What the planner (`kvrescue/memory_plan.py`) predicts for a
 cell is compared against `peak`.
 """
 

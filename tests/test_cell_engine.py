@@ -1,8 +1,8 @@
-"""A cell's caches (`kvrescue_cli/cell_engine.py`) take the contexts the run's caps allow, however long."""
+"""A cell's caches (`kvrescue/cell_engine.py`) take the contexts the run's caps allow, however long."""
 
 from __future__ import annotations
 
-from kvrescue_cli.random_checkpoints import write_random_checkpoint
+from kvrescue.random_checkpoints import write_random_checkpoint
 from tests.helpers import kvrescue_run, ok, traces_of, write_jsonl
 
 

@@ -10,16 +10,16 @@ import orjson
 import pytest
 from rich.progress import Progress
 
-from kvrescue_cli import in_process
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.caches import FullCache
-from kvrescue_cli.engine.prm import PRMScorer
-from kvrescue_cli.engine.runner import Runner
-from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.engine.scoring import HelperLoglik
-from kvrescue_cli.engine.steps import StepDecoder
-from kvrescue_cli.runs import run_grid
-from kvrescue_cli.search import Controller, SearchSettings
+from kvrescue import in_process
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.caches import FullCache
+from kvrescue.engine.prm import PRMScorer
+from kvrescue.engine.runner import Runner
+from kvrescue.engine.sampling import SamplingParams
+from kvrescue.engine.scoring import HelperLoglik
+from kvrescue.engine.steps import StepDecoder
+from kvrescue.runs import run_grid
+from kvrescue.search import Controller, SearchSettings
 from tests.helpers import small_grid
 
 TRACKED = (BoundedCache, FullCache, Runner, StepDecoder, PRMScorer, HelperLoglik, Controller)
@@ -70,7 +70,7 @@ def test_a_finished_cell_of_a_grid_is_freed_without_the_cyclic_collector(collect
 
 
 def in_cycles() -> list[str]:
-    """kvrescue_cli's objects and functions, and tensors, that only the cyclic collector would free now."""
+    """kvrescue's objects and functions, and tensors, that only the cyclic collector would free now."""
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         gc.collect()
@@ -79,4 +79,4 @@ def in_cycles() -> list[str]:
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
-    return [name for name in names if name.startswith(("kvrescue_cli.", "torch."))]
+    return [name for name in names if name.startswith(("kvrescue.", "torch."))]

@@ -3,9 +3,9 @@ the memory planner and the run folder's configuration."""
 
 from dataclasses import replace
 
-from kvrescue_cli.cell_plan import BOUNDED, FULL, NATIVE, VLLM, RolePlan, ScorerPlan
-from kvrescue_cli.search import SearchSettings
-from kvrescue_cli.shapes import BUFFER
+from kvrescue.cell_plan import BOUNDED, FULL, NATIVE, VLLM, RolePlan, ScorerPlan
+from kvrescue.search import SearchSettings
+from kvrescue.shapes import BUFFER
 from tests.helpers import small_grid
 
 

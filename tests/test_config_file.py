@@ -7,11 +7,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvrescue_cli import runs
-from kvrescue_cli.cli import app, run_option_kinds
-from kvrescue_cli.config_file import read_grid_file
-from kvrescue_cli.data import ProblemSet
-from kvrescue_cli.grid import GridOptions
+from kvrescue import runs
+from kvrescue.cli import app, run_option_kinds
+from kvrescue.config_file import read_grid_file
+from kvrescue.data import ProblemSet
+from kvrescue.grid import GridOptions
 from tests.helpers import ROOT, kvrescue_run, ok
 from tests.cli.test_run_options import MODELS, folders
 

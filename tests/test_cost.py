@@ -7,10 +7,10 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from kvrescue_cli.cli import app
-from kvrescue_cli.cost import Architecture, estimate
-from kvrescue_cli.model_config import ModelConfigError, load_config
-from kvrescue_cli.errors import InputError
+from kvrescue.cli import app
+from kvrescue.cost import Architecture, estimate
+from kvrescue.model_config import ModelConfigError, load_config
+from kvrescue.errors import InputError
 from tests.helpers import paper_grid, small_cell, small_grid
 
 # Values from each model's config.json on the Hugging Face Hub.
@@ -146,7 +146,7 @@ def test_a_run_that_does_not_fit_the_free_device_memory_is_refused(tmp_path):
     small, eight fit; the check reads only config.json files."""
     from dataclasses import replace
 
-    from kvrescue_cli.device_plan import refuse_what_does_not_fit
+    from kvrescue.device_plan import refuse_what_does_not_fit
 
     models = {}
     for role, cfg in (("base", QWEN_72B), ("helper", QWEN_MATH_1_5B), ("prm", QWEN_MATH_PRM_7B)):
@@ -166,10 +166,10 @@ def test_a_run_that_does_not_fit_the_free_device_memory_is_refused(tmp_path):
 
 def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir, tmp_path):
     """The K/V the plan counts per role is what the run's caches allocate, on the random checkpoints."""
-    from kvrescue_cli.cell_engine import build_cell
-    from kvrescue_cli.device_plan import memory_plan
-    from kvrescue_cli.loading import load_roles
-    from kvrescue_cli.search import SearchSettings
+    from kvrescue.cell_engine import build_cell
+    from kvrescue.device_plan import memory_plan
+    from kvrescue.loading import load_roles
+    from kvrescue.search import SearchSettings
 
     models = {"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}
     options = small_grid(tmp_path, SearchSettings(batch=3, max_step_tokens=64, context_cap=200), methods=["kvrescue"],
@@ -188,9 +188,9 @@ def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir,
 def test_vllm_gets_its_share_and_this_engine_the_rest(tmp_path):
     """--engine vllm: the helper and the PRM on vLLM, an even split of --vllm-memory each, holding its weights and
     one whole context; the evicted base's plan in the rest of the GPU; on a CPU, the share within free RAM."""
-    from kvrescue_cli.device_plan import memory_plan, vllm_memory
-    from kvrescue_cli.grid import GridOptions
-    from kvrescue_cli.search import SearchSettings
+    from kvrescue.device_plan import memory_plan, vllm_memory
+    from kvrescue.grid import GridOptions
+    from kvrescue.search import SearchSettings
 
     models = {}
     for role, cfg in (("base", QWEN_MATH_7B), ("helper", QWEN_MATH_1_5B), ("prm", QWEN_MATH_PRM_7B)):
@@ -231,7 +231,7 @@ def replace_engine(options):
 # Runs the `kvrescue` entry point (cli.app) with the given arguments, then says whether torch was imported.
 TORCH_IMPORTED = """
 import sys
-from kvrescue_cli.cli import app
+from kvrescue.cli import app
 try:
     app(sys.argv[1:])
 except SystemExit as end:

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.cuda._utils import _get_device_index
 
-from kvrescue_cli.cuda_allocator import SETTINGS, VARIABLES, allocator_settings, configure_allocator
-from kvrescue_cli.loading import use_device
-from kvrescue_cli.outputs import environment
+from kvrescue.cuda_allocator import SETTINGS, VARIABLES, allocator_settings, configure_allocator
+from kvrescue.loading import use_device
+from kvrescue.outputs import environment
 from tests.helpers import unset_allocator_settings
 
 

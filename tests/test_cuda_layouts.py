@@ -39,7 +39,7 @@ def test_flash_stand_ins_return_flash_attn_s_layouts():
 
 
 def test_the_fixture_puts_the_cuda_layouts_where_the_engine_calls_sdpa(kernel_layouts):
-    from kvrescue_cli.engine import attention, model
+    from kvrescue.engine import attention, model
 
     installed = F.scaled_dot_product_attention is cuda_layouts.sdpa
     assert installed == kernel_layouts.cuda

@@ -3,8 +3,8 @@
 
 import pytest
 
-from kvrescue_cli.data import BENCHES, BUNDLED, load_problems, source_of
-from kvrescue_cli.errors import InputError
+from kvrescue.data import BENCHES, BUNDLED, load_problems, source_of
+from kvrescue.errors import InputError
 from tests.helpers import ROOT
 
 SIZES = {"math500": 500, "gsm8k": 1319, "aime24": 30, "amc23": 40, "olympiadbench": 675}

@@ -3,10 +3,10 @@
 import threading
 
 from grader import grade
-from kvrescue_cli.cell_engine import build_cell
-from kvrescue_cli.decoding import decode
-from kvrescue_cli.loading import load_roles
-from kvrescue_cli.search import SearchSettings
+from kvrescue.cell_engine import build_cell
+from kvrescue.decoding import decode
+from kvrescue.loading import load_roles
+from kvrescue.search import SearchSettings
 from tests.helpers import small_cell, small_grid, sums
 
 
@@ -47,11 +47,11 @@ def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_pa
 def test_a_cell_is_built_from_the_parts_given(qwen2_dir, prm_dir, tmp_path):
     """`build_cell` takes the full-context cache's class and a scorer from `CellParts` (the benchmarks' seam), and
     the grid's own otherwise; `--prm helper-loglik` names the scorer, not a model."""
-    from kvrescue_cli.cell_engine import CellParts
-    from kvrescue_cli.engine.caches import FullCache
-    from kvrescue_cli.engine.prm import PRMScorer
-    from kvrescue_cli.engine.scoring import HelperLoglik
-    from kvrescue_cli.grid import grid_options
+    from kvrescue.cell_engine import CellParts
+    from kvrescue.engine.caches import FullCache
+    from kvrescue.engine.prm import PRMScorer
+    from kvrescue.engine.scoring import HelperLoglik
+    from kvrescue.grid import grid_options
 
     class Marked(FullCache):
         pass

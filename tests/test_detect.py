@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from kvrescue_cli.detect import DetectorConfig, gzip_ratio
-from kvrescue_cli.data import BUNDLED
+from kvrescue.detect import DetectorConfig, gzip_ratio
+from kvrescue.data import BUNDLED
 from tests.oracles import Detector
 
 

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrescue_cli import device_plan, in_process, loading, rank_group
-from kvrescue_cli.devices import device_groups
-from kvrescue_cli.errors import InputError
-from kvrescue_cli.grid import GridOptions
+from kvrescue import device_plan, in_process, loading, rank_group
+from kvrescue.devices import device_groups
+from kvrescue.errors import InputError
+from kvrescue.grid import GridOptions
 from tests.helpers import small_grid, unset_allocator_settings
-from kvrescue_cli.random_checkpoints import write_random_checkpoint
-from kvrescue_cli.search import SearchSettings
-from kvrescue_cli.workers import RayWorkers, actor_devices, actor_resources
+from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue.search import SearchSettings
+from kvrescue.workers import RayWorkers, actor_devices, actor_resources
 
 GiB = 2**30
 
@@ -67,7 +67,7 @@ def test_each_rank_of_a_tp_group_computes_on_its_named_device(gpus, models, monk
     leader = rank_group.RankGroup(grid, group)
     try:
         assert joined == [(0, "cuda:4")]
-        assert [argv[argv.index("kvrescue_cli.rank_follower") + 1:][1:3] for argv in started] == [
+        assert [argv[argv.index("kvrescue.rank_follower") + 1:][1:3] for argv in started] == [
             ["1", "cuda:5"], ["2", "cuda:6"], ["3", "cuda:7"]]
     finally:
         rank_group.shutil.rmtree(leader.folder)

@@ -1,4 +1,4 @@
-"""The fake-CUDA dry run (`kvrescue_cli.fake_cuda`, `kvrescue_cli.dry_run`): the engine's CUDA path at the paper's
+"""The fake-CUDA dry run (`kvrescue.fake_cuda`, `kvrescue.dry_run`): the engine's CUDA path at the paper's
 shapes (Qwen2.5-Math-7B base, 1.5B helper, PRM-7B) on fake tensors, without a GPU. Device, dtype, shape and stride
 mistakes raise on the CPU as they would on a GPU; the CPU suite's real kernels cannot show them (contiguous outputs,
 one device)."""
@@ -10,17 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrescue_cli.cost import Architecture
-from kvrescue_cli.dry_run import dry_run
-from kvrescue_cli.engine import bounded, graphs
-from kvrescue_cli.engine.attention import attend_masked
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.loader import load_model
-from kvrescue_cli.engine.transfer import Download, upload_all
-from kvrescue_cli import fake_cuda
-from kvrescue_cli.fake_cuda import CaptureError, FakeCuda
-from kvrescue_cli.memory_plan import CellShape, DeviceKind, plan_cell
-from kvrescue_cli.paper_shapes import PAPER_MODELS
+from kvrescue.cost import Architecture
+from kvrescue.dry_run import dry_run
+from kvrescue.engine import bounded, graphs
+from kvrescue.engine.attention import attend_masked
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.loader import load_model
+from kvrescue.engine.transfer import Download, upload_all
+from kvrescue import fake_cuda
+from kvrescue.fake_cuda import CaptureError, FakeCuda
+from kvrescue.memory_plan import CellShape, DeviceKind, plan_cell
+from kvrescue.paper_shapes import PAPER_MODELS
 
 CUDA = torch.device("cuda:0")
 
@@ -195,10 +195,10 @@ def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch):
 def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
     """Without flash-attn the full cache's step has a graph per row and block bucket: they write one logits buffer
     per row bucket (a 1.5B helper's logits at 512 rows take 155 MB), not one each."""
-    from kvrescue_cli.dry_run import fake_model
-    from kvrescue_cli.engine.caches import FullCache
-    from kvrescue_cli.engine.graphs import StaticDecode
-    from kvrescue_cli.random_checkpoints import build_tokenizer
+    from kvrescue.dry_run import fake_model
+    from kvrescue.engine.caches import FullCache
+    from kvrescue.engine.graphs import StaticDecode
+    from kvrescue.random_checkpoints import build_tokenizer
 
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)

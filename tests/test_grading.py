@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from grader import grade_many
-from kvrescue_cli import grading
-from kvrescue_cli.cli import app
-from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, Step, Tokens, Trace
+from kvrescue import grading
+from kvrescue.cli import app
+from kvrescue.outputs import Candidate, ModelRef, RunConfig, Step, Tokens, Trace
 from tests.helpers import paper_grid, write_run
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
@@ -97,9 +97,9 @@ def test_math_verify_missing_is_a_one_line_error_naming_the_extra(monkeypatch):
 
 
 def test_the_grader_is_part_of_a_runs_identity_and_qwen_keeps_old_folders():
-    from kvrescue_cli.data import ProblemSet
-    from kvrescue_cli.grid import Cell
-    from kvrescue_cli.runs import cell_config
+    from kvrescue.data import ProblemSet
+    from kvrescue.grid import Cell
+    from kvrescue.runs import cell_config
 
     def config(**kw) -> RunConfig:
         options = paper_grid(Path("runs"), {"base": "b", "prm": "p"}, methods=["bon"], dtype="float32", **kw)
@@ -114,7 +114,7 @@ def test_the_grader_is_part_of_a_runs_identity_and_qwen_keeps_old_folders():
 def test_the_last_steps_solutions_are_graded_for_the_prm_weighted_vote():
     """The committed candidate and every other of the last step that ended with EOS record their answer and verdict
     (each read from the steps before plus its own text); candidates that ended otherwise, and earlier steps', do not."""
-    from kvrescue_cli.data import Problem
+    from kvrescue.data import Problem
     from tests.test_search import run_all, steps_of
 
     script = steps_of(3, overrides={10: (1, "eos"), 11: (1, "eos"), 12: (2, "step")})  # step 1: "10", "11", "12 1"

@@ -12,10 +12,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvrescue_cli import hub
+from kvrescue import hub
 from tests.helpers import KVRESCUE
 
-SHIPPED_PRM = "Qwen/Qwen2.5-Math-PRM-7B"  # its config.json ships in kvrescue_cli/hub_configs/
+SHIPPED_PRM = "Qwen/Qwen2.5-Math-PRM-7B"  # its config.json ships in kvrescue/hub_configs/
 
 
 class DroppingHub:
@@ -127,7 +127,7 @@ def test_a_hub_that_cannot_be_reached_is_probed_once_and_named_in_one_line(dropp
 
 def test_the_shipped_config_files_are_whole_hub_configs():
     """Each shipped file is named after its Hub id and parses as a decoder config."""
-    from kvrescue_cli.cost import Architecture
+    from kvrescue.cost import Architecture
 
     files = sorted(hub.SHIPPED.glob("*.json"))
     assert files
@@ -139,8 +139,8 @@ def test_the_shipped_config_files_are_whole_hub_configs():
 def test_each_model_s_config_is_fetched_once_per_command(tmp_path):
     """The paper's three models on a Hub that serves their config.json: `run --plan`, then `cost` (the cache then
     holds them), each asks for each model's config.json once."""
-    from kvrescue_cli.cli import DEFAULT_MODELS
-    from kvrescue_cli.paper_shapes import PAPER_MODELS
+    from kvrescue.cli import DEFAULT_MODELS
+    from kvrescue.paper_shapes import PAPER_MODELS
 
     configs = {DEFAULT_MODELS[role]: {**shape, "model_type": "qwen2", "torch_dtype": "bfloat16", "architectures":
                                       ["Qwen2ForProcessRewardModel" if role == "prm" else "Qwen2ForCausalLM"]}

@@ -1,4 +1,4 @@
-"""kvrescue_cli's and grader's modules import one another without a circle (a circle makes import order matter and
+"""kvrescue's and grader's modules import one another without a circle (a circle makes import order matter and
 hides which layer depends on which).
 
 The graph is read statically with `ast`: every `import` and `from ... import` of a module of either package, at the
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.helpers import ROOT
 
-PACKAGES = ("kvrescue_cli", "grader")
+PACKAGES = ("kvrescue", "grader")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -65,23 +65,23 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_walk_finds_a_circle_and_reads_every_kind_of_import():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     graph = import_graph()
-    assert "kvrescue_cli.in_process" in graph["kvrescue_cli.runs"]  # from kvrescue_cli import in_process
-    assert "kvrescue_cli.engine.runner" in graph["kvrescue_cli.engine.scoring"]  # from kvrescue_cli.engine.runner import
-    assert "kvrescue_cli.engine.prm" in graph["kvrescue_cli.engine"]  # a package's own relative or absolute imports
-    assert "grader.sandbox" in graph["grader"] and "grader" in graph["kvrescue_cli.decoding"]  # the grader's too
+    assert "kvrescue.in_process" in graph["kvrescue.runs"]  # from kvrescue import in_process
+    assert "kvrescue.engine.runner" in graph["kvrescue.engine.scoring"]  # from kvrescue.engine.runner import
+    assert "kvrescue.engine.prm" in graph["kvrescue.engine"]  # a package's own relative or absolute imports
+    assert "grader.sandbox" in graph["grader"] and "grader" in graph["kvrescue.decoding"]  # the grader's too
 
 
 def test_a_circle_through_a_deferred_import_between_packages_is_found(tmp_path):
     """A function-level import that closes a circle across the two packages is one."""
-    for package in ("kvrescue_cli", "grader"):
+    for package in ("kvrescue", "grader"):
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "kvrescue_cli" / "errors.py").write_text("from grader import pipeline\n")
-    (tmp_path / "grader" / "pipeline.py").write_text("def late():\n    from kvrescue_cli import errors\n")
-    assert cycles(import_graph(tmp_path)) == [["grader.pipeline", "kvrescue_cli.errors", "grader.pipeline"]]
+    (tmp_path / "kvrescue" / "errors.py").write_text("from grader import pipeline\n")
+    (tmp_path / "grader" / "pipeline.py").write_text("def late():\n    from kvrescue import errors\n")
+    assert cycles(import_graph(tmp_path)) == [["grader.pipeline", "kvrescue.errors", "grader.pipeline"]]
 
 
-def test_no_module_of_kvrescue_cli_or_grader_imports_itself_through_others():
+def test_no_module_of_kvrescue_or_grader_imports_itself_through_others():
     assert cycles(import_graph()) == []
 
 
@@ -97,9 +97,9 @@ def reached(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_the_layers_below_the_grid_read_the_cell_plan_never_the_grid_options():
     """The engine, the memory planner, the cell plan and its builder, and the run folders never import
-    `kvrescue_cli.grid`, directly or through others: what runs where in a cell reaches them as a `CellPlan`."""
+    `kvrescue.grid`, directly or through others: what runs where in a cell reaches them as a `CellPlan`."""
     graph = import_graph()
-    below = [m for m in graph if m.startswith(("kvrescue_cli.engine", "kvrescue_cli.outputs"))
-             or m in ("kvrescue_cli.memory_plan", "kvrescue_cli.cell_plan", "kvrescue_cli.cell_engine")]
-    assert "kvrescue_cli.cell_engine" in below and "kvrescue_cli.outputs.folder" in below
-    assert {m: "kvrescue_cli.grid" in reached(graph, m) for m in below} == dict.fromkeys(below, False)
+    below = [m for m in graph if m.startswith(("kvrescue.engine", "kvrescue.outputs"))
+             or m in ("kvrescue.memory_plan", "kvrescue.cell_plan", "kvrescue.cell_engine")]
+    assert "kvrescue.cell_engine" in below and "kvrescue.outputs.folder" in below
+    assert {m: "kvrescue.grid" in reached(graph, m) for m in below} == dict.fromkeys(below, False)

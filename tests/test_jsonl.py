@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvrescue_cli.jsonl import dumps_line, read_jsonl
+from kvrescue.jsonl import dumps_line, read_jsonl
 
 # orjson reads -2**63 .. 2**64 - 1 as integers and anything past them as floats; the edges, and one past each
 EDGES = [2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 2 ** 64, -(2 ** 63), -(2 ** 63) - 1, -(10 ** 19), -(2 ** 64)]

@@ -8,16 +8,16 @@ from typing import Callable
 
 import pytest
 
-from kvrescue_cli import device_plan, in_process, memory_plan
-from kvrescue_cli.cell_engine import build_cell
-from kvrescue_cli.decoding import decode
-from kvrescue_cli.errors import InputError
-from kvrescue_cli.loading import load_roles
-from kvrescue_cli.data import Problem
-from kvrescue_cli.grid import GridOptions
-from kvrescue_cli.prompts import generation_prompt
-from kvrescue_cli.random_checkpoints import build_tokenizer, write_random_checkpoint
-from kvrescue_cli.search import SearchSettings
+from kvrescue import device_plan, in_process, memory_plan
+from kvrescue.cell_engine import build_cell
+from kvrescue.decoding import decode
+from kvrescue.errors import InputError
+from kvrescue.loading import load_roles
+from kvrescue.data import Problem
+from kvrescue.grid import GridOptions
+from kvrescue.prompts import generation_prompt
+from kvrescue.random_checkpoints import build_tokenizer, write_random_checkpoint
+from kvrescue.search import SearchSettings
 from tests.helpers import paper_grid, small_cell, small_grid, unset_allocator_settings
 from tests.tensor_bytes import TensorBytes, parameter_bytes
 
@@ -101,7 +101,7 @@ def run_cli(*args: str):
     """`kvrescue run ...` in this process (no weights are read by --plan)."""
     from typer.testing import CliRunner
 
-    from kvrescue_cli.cli import app
+    from kvrescue.cli import app
 
     return CliRunner().invoke(app, ["run", *args])
 
@@ -145,8 +145,8 @@ def test_batch_auto_is_the_largest_that_fits(tmp_path):
 
 def test_helper_loglik_counts_both_helper_caches(tmp_path):
     """kvrescue with --prm helper-loglik holds the sampled helper's cache and the scorer's: both are counted."""
-    from kvrescue_cli.cost import Architecture
-    from kvrescue_cli.model_config import load_config
+    from kvrescue.cost import Architecture
+    from kvrescue.model_config import load_config
 
     paths = write_paper_configs(tmp_path)
     archs = {role: Architecture.from_config(p, load_config(p)) for role, p in (("base", paths["base-7b"]),
@@ -161,9 +161,9 @@ def test_helper_loglik_counts_both_helper_caches(tmp_path):
 
 def test_h2o_counts_the_accumulator_its_cache_allocates(tmp_path):
     """--evictor h2o's cache holds each entry's received attention beside K/V: the plan counts those bytes."""
-    from kvrescue_cli.cost import Architecture
-    from kvrescue_cli.engine.bounded import BoundedCache
-    from kvrescue_cli.model_config import load_config
+    from kvrescue.cost import Architecture
+    from kvrescue.engine.bounded import BoundedCache
+    from kvrescue.model_config import load_config
 
     options = replace(gpu_options(tmp_path, ("cuda:0",)), evictor="h2o")
     shape = memory_plan.cell_shapes(options.cell_plans())[0]
@@ -184,7 +184,7 @@ def test_h2o_counts_the_accumulator_its_cache_allocates(tmp_path):
 def test_an_allocating_evictor_plans_and_allocates_what_rkv_does(tmp_path, evictor):
     """PyramidKV's and Ada-KV's ragged counts live in the same B'-wide pools (holes masked): the same plan, the same
     device bytes."""
-    from kvrescue_cli.engine.bounded import BoundedCache
+    from kvrescue.engine.bounded import BoundedCache
 
     options = replace(gpu_options(tmp_path, ("cuda:0",)), evictor=evictor)
     assert memory_plan.cell_shapes(options.cell_plans()) == memory_plan.cell_shapes(replace(options, evictor="rkv").cell_plans())
@@ -260,7 +260,7 @@ def test_cost_and_run_plan_alike(tmp_path):
     import orjson
     from typer.testing import CliRunner
 
-    from kvrescue_cli.cli import app
+    from kvrescue.cli import app
 
     options = gpu_options(tmp_path, ("cuda:0",))
     paths = options.models
@@ -282,9 +282,9 @@ def test_the_plan_cascades_where_the_full_cache_does(invariant, cuda):
     either, where cascade took 2.3x paged's time."""
     import contextlib
 
-    from kvrescue_cli.engine import invariance
-    from kvrescue_cli.engine.caches import FullCache
-    from kvrescue_cli.fake_cuda import FakeCuda
+    from kvrescue.engine import invariance
+    from kvrescue.engine.caches import FullCache
+    from kvrescue.fake_cuda import FakeCuda
 
     invariance.enable(invariant)
     try:

@@ -7,8 +7,8 @@ import struct
 import huggingface_hub.constants
 import orjson
 
-from kvrescue_cli import hub
-from kvrescue_cli.model_config import model_revision
+from kvrescue import hub
+from kvrescue.model_config import model_revision
 
 
 def expected_folder_revision(folder) -> str:
@@ -59,7 +59,7 @@ def test_unreadable_or_truncated_weights_give_no_revision(tmp_path):
 
 
 def test_llama3_rope_scaling_is_read_and_other_scalings_refused():
-    from kvrescue_cli.model_config import ModelArgs, unsupported
+    from kvrescue.model_config import ModelArgs, unsupported
 
     cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
            "intermediate_size": 8, "num_hidden_layers": 1,

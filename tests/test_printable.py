@@ -6,8 +6,8 @@ import io
 import pandas as pd
 from typer.testing import CliRunner
 
-from kvrescue_cli.cli import app
-from kvrescue_cli.printable import csv_text, printable
+from kvrescue.cli import app
+from kvrescue.printable import csv_text, printable
 from tests.report.test_report import write_run
 
 ESCAPES = "\x1b]0;pwned\x07\x1b[2J\x1b[31m"   # set the window title, clear the screen, turn red

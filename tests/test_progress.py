@@ -1,7 +1,7 @@
 """The progress display's rate and ETA: readable on a slow CPU, from this invocation's own problems."""
 
-from kvrescue_cli import progress
-from kvrescue_cli.progress import CellRate, rate
+from kvrescue import progress
+from kvrescue.progress import CellRate, rate
 
 
 def test_a_slow_rate_is_seconds_per_unit_never_zero():

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-import kvrescue_cli.search as search
-from kvrescue_cli.detect import DetectorConfig
-from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.engine.steps import CandidateStep
-from kvrescue_cli.methods import Method
-from kvrescue_cli.search import Controller, SearchSettings
+import kvrescue.search as search
+from kvrescue.detect import DetectorConfig
+from kvrescue.engine.sampling import SamplingParams
+from kvrescue.engine.steps import CandidateStep
+from kvrescue.methods import Method
+from kvrescue.search import Controller, SearchSettings
 
 EOS = 99
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvrescue_cli.engine import FullCache, load_model
-from kvrescue_cli.smollm import smollm2_folder, smollm2_gguf
+from kvrescue.engine import FullCache, load_model
+from kvrescue.smollm import smollm2_folder, smollm2_gguf
 
 
 @pytest.mark.slow
@@ -37,7 +37,7 @@ def test_a_folder_another_process_converted_meanwhile_is_taken(monkeypatch, tmp_
     (it did crash with "Directory not empty"). The conversion reads a random Llama checkpoint in the GGUF's place."""
     import transformers
 
-    from kvrescue_cli import smollm
+    from kvrescue import smollm
 
     monkeypatch.setenv("KVRESCUE_CACHE", str(tmp_path))
     folder = tmp_path / "SmolLM2-135M-Instruct"

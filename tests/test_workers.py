@@ -12,10 +12,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvrescue_cli.data import Problem
-from kvrescue_cli.devices import resolve_devices
-from kvrescue_cli.errors import InputError
-from kvrescue_cli.workers import WorkQueue
+from kvrescue.data import Problem
+from kvrescue.devices import resolve_devices
+from kvrescue.errors import InputError
+from kvrescue.workers import WorkQueue
 from tests.helpers import KVRESCUE, PAIRS, RUN_WAIT_S, kvrescue, small_cell, small_grid, tiny_problems, traces_of
 
 MANY = 20  # problems of `many_problems`
@@ -62,8 +62,8 @@ def test_devices_resolve_against_the_visible_gpus(monkeypatch, gpus):
 
 
 def test_groups_and_what_their_actors_ask_ray_for():
-    from kvrescue_cli.devices import device_groups
-    from kvrescue_cli.workers import actor_resources, named_gpus
+    from kvrescue.devices import device_groups
+    from kvrescue.workers import actor_resources, named_gpus
 
     groups = device_groups(("cuda:1", "cuda:3", "cuda:3", "cpu"))
     assert groups == [("cuda:1",), ("cuda:3",), ("cuda:3",), ("cpu",)]
@@ -79,7 +79,7 @@ def test_groups_and_what_their_actors_ask_ray_for():
 
 
 def test_an_actor_on_cpus_computes_on_the_threads_omp_num_threads_names_else_its_share_of_the_cores(monkeypatch):
-    from kvrescue_cli.workers import cpu_threads
+    from kvrescue.workers import cpu_threads
 
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     for named, one_group, two_groups in (("1", 1, 1), ("3", 3, 3), ("", 8, 4), ("0", 8, 4), ("x", 8, 4)):
@@ -295,9 +295,9 @@ def test_a_problem_that_kills_two_actors_is_recorded_as_failed_and_no_actor_left
                                                                                               tmp_path):
     import ray
 
-    from kvrescue_cli import workers
-    from kvrescue_cli.outputs import RunConfig, summarize
-    from kvrescue_cli.search import SearchSettings
+    from kvrescue import workers
+    from kvrescue.outputs import RunConfig, summarize
+    from kvrescue.search import SearchSettings
 
     roles = dict(zip(("base", "helper", "prm"), models[1::2]))
     options = small_grid(tmp_path, SearchSettings(batch=8), models=roles, ray_address=cluster.address)
@@ -345,8 +345,8 @@ def test_a_model_the_actors_cannot_load_or_a_cluster_without_gpus_is_a_one_line_
 def test_actors_report_their_running_totals_to_the_driver(models, cluster, tmp_path):
     import ray
 
-    from kvrescue_cli import workers
-    from kvrescue_cli.search import SearchSettings
+    from kvrescue import workers
+    from kvrescue.search import SearchSettings
 
     roles = dict(zip(("base", "helper", "prm"), models[1::2]))
     settings = SearchSettings(batch=1, synthetic_steps=(32, 16), max_step_tokens=32, context_cap=2048)

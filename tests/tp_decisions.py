@@ -11,11 +11,11 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from kvrescue_cli.cell_engine import build_cell
-from kvrescue_cli.decoding import decode
-from kvrescue_cli.loading import load_roles
-from kvrescue_cli.engine.prm import PRMScorer
-from kvrescue_cli.engine.runner import Runner
+from kvrescue.cell_engine import build_cell
+from kvrescue.decoding import decode
+from kvrescue.loading import load_roles
+from kvrescue.engine.prm import PRMScorer
+from kvrescue.engine.runner import Runner
 
 
 def disagree() -> None:

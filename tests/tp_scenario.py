@@ -12,11 +12,11 @@ from unittest.mock import patch
 import torch
 import torch.distributed as dist
 
-from kvrescue_cli.engine import FullCache, load_model
-from kvrescue_cli.engine import bounded
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.graphs import StaticDecode
-from kvrescue_cli.engine.prm import PRMScorer
+from kvrescue.engine import FullCache, load_model
+from kvrescue.engine import bounded
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.graphs import StaticDecode
+from kvrescue.engine.prm import PRMScorer
 from tests.oracles import prm_scores
 
 BUDGET, SLACK = 16, 8

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvrescue_cli.data import load_problems
-from kvrescue_cli.engine.loader import ModelLoadError, load_model
-from kvrescue_cli.errors import InputError
-from kvrescue_cli.outputs import CONFIG, ModelRef, RunConfig, RunFolder, RunFolderError
+from kvrescue.data import load_problems
+from kvrescue.engine.loader import ModelLoadError, load_model
+from kvrescue.errors import InputError
+from kvrescue.outputs import CONFIG, ModelRef, RunConfig, RunFolder, RunFolderError
 from tests.helpers import kvrescue, load_error, refusal_line
 OUTPUT = {"output": "so \\boxed{2}", "gt": "2"}
 

@@ -4,12 +4,12 @@ modules import): each equals its owner's."""
 import dataclasses
 import inspect
 
-from kvrescue_cli import cli
-from kvrescue_cli.cost import estimate
-from kvrescue_cli.dry_run import dry_run
-from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.devices import CPU, GPU
-from kvrescue_cli.grid import DEFAULT_BATCH, GridOptions
+from kvrescue import cli
+from kvrescue.cost import estimate
+from kvrescue.dry_run import dry_run
+from kvrescue.engine.sampling import SamplingParams
+from kvrescue.devices import CPU, GPU
+from kvrescue.grid import DEFAULT_BATCH, GridOptions
 
 
 def defaults(command) -> dict[str, object]:

@@ -6,7 +6,7 @@ import subprocess
 import orjson
 import pytest
 
-from kvrescue_cli.data import BUNDLED
+from kvrescue.data import BUNDLED
 from tests.helpers import KVRESCUE, ROOT
 
 EXAMPLE = ROOT / "examples" / "gsm8k_outputs.jsonl"

@@ -12,9 +12,9 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from kvrescue_cli.cli import app
-from kvrescue_cli.data import load_problems
-from kvrescue_cli.outputs import ModelRef, RunConfig, RunFolder, RunFolderError, run_dir
+from kvrescue.cli import app
+from kvrescue.data import load_problems
+from kvrescue.outputs import ModelRef, RunConfig, RunFolder, RunFolderError, run_dir
 from tests.cli.test_hostile_files import kvrescue, one_line_error
 from tests.outputs.test_outputs import config, trace
 
@@ -98,7 +98,7 @@ def test_cost_of_the_largest_config_and_options_writes_exact_counts(tmp_path: Pa
 
 
 def test_a_deeply_nested_tokenizer_json_is_a_load_error(tmp_path: Path, qwen2_dir: Path) -> None:
-    from kvrescue_cli.engine.loader import ModelLoadError, load_tokenizer
+    from kvrescue.engine.loader import ModelLoadError, load_tokenizer
 
     for f in qwen2_dir.iterdir():
         (tmp_path / f.name).symlink_to(f)
@@ -111,7 +111,7 @@ def test_a_deeply_nested_tokenizer_json_is_a_load_error(tmp_path: Path, qwen2_di
 
 @pytest.mark.parametrize("content", [os.urandom(4096), b"GGUF" + struct.pack("<I", 3) + b"\x01"])
 def test_a_mangled_gguf_file_is_a_load_error(tmp_path: Path, content: bytes) -> None:
-    from kvrescue_cli.engine.loader import ModelLoadError, load_model
+    from kvrescue.engine.loader import ModelLoadError, load_model
 
     (tmp_path / "m.gguf").write_bytes(content)
     with pytest.raises(ModelLoadError, match="m.gguf'?: not a readable GGUF file"):

@@ -6,8 +6,8 @@ import re
 
 from rich.console import Console
 
-from kvrescue_cli import cli
-from kvrescue_cli.outputs import RunConfig, Summary
+from kvrescue import cli
+from kvrescue.outputs import RunConfig, Summary
 from tests.helpers import kvrescue, ok
 
 EIGHTY = {"COLUMNS": "80"}

@@ -17,7 +17,7 @@ import orjson
 import pytest
 import torch
 
-from kvrescue_cli.outputs import RunFolder, RunFolderError, TornTraceWarning, run_dir
+from kvrescue.outputs import RunFolder, RunFolderError, TornTraceWarning, run_dir
 from tests.helpers import KVRESCUE, ROOT, load_error
 from tests.outputs.test_outputs import config, trace
 
@@ -188,7 +188,7 @@ def test_grade_refuses_a_fifo_and_proc_mem_in_one_line(tmp_path: Path) -> None:
 
 
 def test_load_model_refuses_a_special_file_in_a_model_folder(tmp_path: Path, qwen2_dir: Path) -> None:
-    from kvrescue_cli.engine.loader import ModelLoadError, load_model, load_tokenizer
+    from kvrescue.engine.loader import ModelLoadError, load_model, load_tokenizer
 
     model = tmp_path / "model"
     model.mkdir()
@@ -220,7 +220,7 @@ def test_a_pytorch_weight_file_that_would_run_code_is_refused_unrun(tmp_path: Pa
     import torch
     from safetensors.torch import load_file
 
-    from kvrescue_cli.engine.loader import ModelLoadError, load_model
+    from kvrescue.engine.loader import ModelLoadError, load_model
 
     model = shutil.copytree(qwen2_dir, tmp_path / "model")
     marker = tmp_path / "ran"
@@ -240,7 +240,7 @@ def test_a_pytorch_weight_file_that_would_run_code_is_refused_unrun(tmp_path: Pa
 FULL_DISK = textwrap.dedent("""
     import resource, signal, sys
     from pathlib import Path
-    from kvrescue_cli.outputs import RunFolder, RunFolderError
+    from kvrescue.outputs import RunFolder, RunFolderError
     from tests.outputs.test_outputs import config, trace
     folder = Path(sys.argv[1])
     run = RunFolder.open(folder, config())

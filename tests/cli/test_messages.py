@@ -7,7 +7,7 @@ from importlib.metadata import version
 import orjson
 import pytest
 
-from kvrescue_cli.errors import InputError
+from kvrescue.errors import InputError
 from tests.helpers import kvrescue, kvrescue_run, ok, paper_grid, write_jsonl, write_run
 
 
@@ -32,7 +32,7 @@ def test_cost_prints_its_table_on_stdout(qwen2_dir):
 
 @pytest.fixture(scope="module")
 def a_run(tmp_path_factory):
-    from kvrescue_cli.outputs import RunConfig, Trace
+    from kvrescue.outputs import RunConfig, Trace
 
     root = tmp_path_factory.mktemp("runs")
     config = RunConfig(bench="gsm8k", method="bon", budget=16, n=2, evictor="rkv", seed=0, models={}, scorer="prm")
@@ -89,7 +89,7 @@ def test_grading_nothing_is_an_error(tmp_path):
 
 
 def test_the_memory_refusal_at_batch_1_does_not_say_lower_the_batch(tmp_path):
-    from kvrescue_cli.device_plan import refuse_what_does_not_fit
+    from kvrescue.device_plan import refuse_what_does_not_fit
 
     models = {}
     for role in ("base", "helper", "prm"):

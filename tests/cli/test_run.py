@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvrescue_cli.engine.loader import resolve_dtype
+from kvrescue.engine.loader import resolve_dtype
 from tests.helpers import KVRESCUE, RUN_WAIT_S, blind_prm, kvrescue, kvrescue_run, ok, read_folder, small_grid
 
 METHODS = ("kvrescue", "interleave", "bon", "full", "helper")
@@ -269,7 +269,7 @@ def test_a_different_configuration_in_the_same_folder_is_refused(grid, problems,
 def test_a_folder_from_before_model_revisions_is_named_and_left_alone(grid, problems, qwen2_dir, prm_dir, tmp_path):
     """A run folder written before config.json recorded model revisions holds `revision: null`, so its configuration
     (and folder name) differs: the run says so in one line naming it and the field, and starts a new folder."""
-    from kvrescue_cli.outputs import RunConfig
+    from kvrescue.outputs import RunConfig
 
     config, _, _ = read_folder(grid, "bon")
     old_config = orjson.loads(orjson.dumps(config))
@@ -353,7 +353,7 @@ def test_default_models_without_the_hub_name_the_model_and_the_way_out(problems,
 @pytest.fixture(scope="module")
 def flat_dir(tmp_path_factory) -> Path:
     """A Qwen2 with a near-uniform next-token distribution over its 512 tokens (6.24 nats), 4096 embedding rows."""
-    from kvrescue_cli.random_checkpoints import write_random_checkpoint
+    from kvrescue.random_checkpoints import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("flat"), "qwen2", vocab_size=4096, init_std=0.002, seed=5,
                                    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -406,7 +406,7 @@ def test_steps_the_prm_sees_nothing_of_score_lowest_and_are_counted(problems, qw
 
 def test_an_error_inside_a_cell_is_one_line_naming_it_and_the_finished_problems_resume(monkeypatch, problems, qwen2_dir,
                                                                                         tmp_path):
-    from kvrescue_cli.engine.scoring import HelperLoglik
+    from kvrescue.engine.scoring import HelperLoglik
 
     score = HelperLoglik.score
 
@@ -441,10 +441,10 @@ def test_jsonl_without_the_problem_field_is_a_one_line_error(qwen2_dir, prm_dir,
 def test_full_and_helper_never_build_the_evicting_cache(monkeypatch, problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
     from rich.progress import Progress
 
-    from kvrescue_cli.engine import bounded
-    from kvrescue_cli.engine.sampling import SamplingParams
-    from kvrescue_cli.runs import run_grid
-    from kvrescue_cli.search import SearchSettings
+    from kvrescue.engine import bounded
+    from kvrescue.engine.sampling import SamplingParams
+    from kvrescue.runs import run_grid
+    from kvrescue.search import SearchSettings
 
     def refuse(*args, **kwargs):
         raise AssertionError("the evicting cache was built")

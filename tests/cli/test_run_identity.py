@@ -9,8 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvrescue_cli.outputs import CONFIG, RunFolder, RunFolderError, problem_checksum, run_dir
-from kvrescue_cli.report import load_runs
+from kvrescue.outputs import CONFIG, RunFolder, RunFolderError, problem_checksum, run_dir
+from kvrescue.report import load_runs
 from tests.helpers import kvrescue
 from tests.outputs.test_outputs import config, trace
 from tests.report.test_report import write_run

@@ -12,8 +12,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvrescue_cli.cli import num, pct
-from kvrescue_cli.report.load import load_run
+from kvrescue.cli import num, pct
+from kvrescue.report.load import load_run
 from tests.helpers import KVRESCUE, kvrescue, kvrescue_run, ok, write_jsonl
 from tests.prm_cards import CARDS
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from kvrescue_cli.engine.block_table import BlockTable, ranks
+from kvrescue.engine.block_table import BlockTable, ranks
 
 
 def test_ranks_count_within_runs():

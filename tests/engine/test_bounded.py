@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.caches import FullCache
-from kvrescue_cli.engine.graphs import StaticDecode
-from kvrescue_cli.engine.evict import RKV, AdaKV, PyramidKV, SnapKV, gather_positions, keep_positions
-from kvrescue_cli.shapes import OBSERVATION_WINDOW
-from kvrescue_cli.engine.loader import load_model
-from kvrescue_cli.random_checkpoints import write_random_checkpoint
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.caches import FullCache
+from kvrescue.engine.graphs import StaticDecode
+from kvrescue.engine.evict import RKV, AdaKV, PyramidKV, SnapKV, gather_positions, keep_positions
+from kvrescue.shapes import OBSERVATION_WINDOW
+from kvrescue.engine.loader import load_model
+from kvrescue.random_checkpoints import write_random_checkpoint
 from tests.conftest import TINY
 from tests.oracles import adakv_keep_past, rkv_keep, snapkv_keep, streaming_keep
 
@@ -510,8 +510,8 @@ def test_a_long_appended_row_is_compressed_within_the_plans_slices_of_its_simila
     """A row that reaches B' by a 5,000-token append (a long prompt, a long helper step) is compressed holding R-KV's
     similarity SIMILARITY_ROWS keys at a time: the measured peak is within the planner's figure and below one whole
     L x L similarity per layer and KV head (the old scoring's least)."""
-    from kvrescue_cli.memory_plan import compress_bytes
-    from kvrescue_cli.model_config import ModelArgs
+    from kvrescue.memory_plan import compress_bytes
+    from kvrescue.model_config import ModelArgs
     from tests.tensor_bytes import TensorBytes
 
     layers, heads, kv_heads, dim, length = 2, 4, 2, 16, 5000
@@ -537,9 +537,9 @@ def test_rows_too_long_for_one_call_are_compressed_by_layers_then_kv_heads_keepi
     slices of `compress_slice`: fewer rows, then one row's layers, then one layer's KV heads at a time. Bounds of
     `units` (row, layer, KV head) similarities take each slicing at a small length; each keeps exactly the
     positions scoring every row, layer and KV head in one call keeps, and peaks within the planner's figure."""
-    import kvrescue_cli.shapes as shapes
-    from kvrescue_cli.memory_plan import compress_bytes
-    from kvrescue_cli.model_config import ModelArgs
+    import kvrescue.shapes as shapes
+    from kvrescue.memory_plan import compress_bytes
+    from kvrescue.model_config import ModelArgs
     from tests.tensor_bytes import TensorBytes
 
     layers, heads, kv_heads, dim, length, budget = 2, 4, 2, 16, 600, 64
@@ -574,10 +574,10 @@ def test_a_32k_prompt_on_a_7b_base_is_compressed_two_kv_heads_at_a_time():
     """At R1-Distill-Qwen-7B's shapes (Qwen2.5-Math-7B's: 28 layers, 4 KV heads) a 32,768-token append's
     compression is planned at two (layer, KV head) similarities at once, under 1 GiB; scoring the row whole
     held 112 of them, 36 GiB."""
-    from kvrescue_cli.memory_plan import compress_bytes
-    from kvrescue_cli.model_config import ModelArgs
-    from kvrescue_cli.paper_shapes import QWEN25_MATH_7B as shape
-    from kvrescue_cli.shapes import compress_slice
+    from kvrescue.memory_plan import compress_bytes
+    from kvrescue.model_config import ModelArgs
+    from kvrescue.paper_shapes import QWEN25_MATH_7B as shape
+    from kvrescue.shapes import compress_slice
 
     layers, kv_heads = shape["num_hidden_layers"], shape["num_key_value_heads"]
     assert tuple(vars(compress_slice(layers, kv_heads, 32768)).values()) == (1, 1, 2)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvrescue_cli.engine import FullCache, load_model
-from kvrescue_cli.engine.attention import attend_padded
+from kvrescue.engine import FullCache, load_model
+from kvrescue.engine.attention import attend_padded
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 

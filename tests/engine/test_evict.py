@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 
-from kvrescue_cli.engine.evict import (
+from kvrescue.engine.evict import (
     EVICTORS, H2O, RKV, TOVA, AdaKV, KeyDiff, KNorm, PyramidKV, Random, SnapKV, Streaming, gather_positions,
     importance, keep_positions, keep_top, received_attention, redundancy,
 )
-from kvrescue_cli.shapes import OBSERVATION_WINDOW, SIMILARITY_ROWS
+from kvrescue.shapes import OBSERVATION_WINDOW, SIMILARITY_ROWS
 from tests.oracles import adakv_keep_past, rkv_keep, snapkv_keep, streaming_keep, streaming_scores
 
 
@@ -326,7 +326,7 @@ def test_received_attention_matches_loop_transcription(shape):
 
 
 def test_received_attention_slices_the_queries_within_score_bytes(monkeypatch):
-    from kvrescue_cli.engine import evict
+    from kvrescue.engine import evict
 
     keys, q = torch.randn(2, 2, 30, 8), torch.randn(2, 4, 12, 8)
     visible = torch.rand(2, 12, 30) < 0.7
@@ -361,7 +361,7 @@ def test_policies_are_frozen_dataclasses_of_their_parameters():
 
 
 def test_evictor_specs_name_typed_parameters_or_a_one_line_error():
-    from kvrescue_cli.engine.evict import make_evictor, parse_evictor
+    from kvrescue.engine.evict import make_evictor, parse_evictor
 
     assert parse_evictor("rkv") == ("rkv", {}) and parse_evictor("h3o") == ("h3o", {})  # the caller refuses h3o
     assert parse_evictor("rkv:lam=0.2,kernel=5") == ("rkv", {"lam": 0.2, "kernel": 5})
@@ -466,7 +466,7 @@ def loop_random(keys: torch.Tensor, seed: int) -> list[list[float]]:
 
 
 def test_the_random_press_hashes_as_its_transcription_with_splitmix64s_published_output():
-    from kvrescue_cli.engine.evict import _mix
+    from kvrescue.engine.evict import _mix
 
     golden = 0x9E3779B97F4A7C15  # splitmix64 seeded 0: its first state, whose output is 0xE220A8397B1DCDAF
     assert splitmix64_finaliser(golden) == 0xE220A8397B1DCDAF

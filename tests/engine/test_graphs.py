@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.caches import FullCache
-from kvrescue_cli.engine.evict import make_evictor, parse_evictor
-from kvrescue_cli.engine.graphs import StaticDecode, bucket
-from kvrescue_cli.engine.loader import load_model
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.caches import FullCache
+from kvrescue.engine.evict import make_evictor, parse_evictor
+from kvrescue.engine.graphs import StaticDecode, bucket
+from kvrescue.engine.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
@@ -23,7 +23,7 @@ def test_static_decode_matches_the_dynamic_step_through_compressions_forks_and_r
                                                                                         slots_per_row, monkeypatch):
     """Without flash-attn, the static step reads every slot's span in place or the rows' spans gathered; with an
     allocating evictor (ragged per-layer or per-head lengths, holes masked) gathered."""
-    from kvrescue_cli.engine import graphs
+    from kvrescue.engine import graphs
 
     monkeypatch.setattr(graphs, "IN_PLACE_SLOTS", slots_per_row)
     model = load_model(qwen2_dir)
@@ -82,7 +82,7 @@ def reference_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, cache_
 def test_the_flash_attn_call_matches_the_dynamic_step(qwen2_dir, monkeypatch, kernel_layouts):
     """The flash-attn path only runs on a GPU with flash-attn installed; its call (layouts, lengths, slots) is
     checked here against a plain-torch implementation of flash_attn_with_kvcache's semantics."""
-    from kvrescue_cli.engine import graphs
+    from kvrescue.engine import graphs
 
     monkeypatch.setattr(graphs, "flash_attn_with_kvcache", kernel_layouts.flash(reference_flash_attn_with_kvcache))
     monkeypatch.setattr(graphs, "use_flash", lambda q: True)
@@ -244,7 +244,7 @@ def test_the_full_caches_static_decode_matches_the_dynamic_step_through_forks_co
 def test_the_full_caches_flash_attn_call_matches_the_dynamic_step(qwen2_dir, monkeypatch, kernel_layouts):
     """With flash-attn the full cache's static step reads the whole block table in place (`attend_paged`'s paged
     call); checked against the dynamic step through a plain-torch implementation of its semantics."""
-    from kvrescue_cli.engine import attention, graphs
+    from kvrescue.engine import attention, graphs
     from tests.engine import test_attention
 
     monkeypatch.setattr(attention, "flash_attn_with_kvcache",

@@ -9,21 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrescue_cli.engine import invariance
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.caches import FullCache
-from kvrescue_cli.engine.evict import EVICTORS, AdaKV, PyramidKV, keep_positions, received_attention
-from kvrescue_cli.engine.loader import load_model
-from kvrescue_cli.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
-from kvrescue_cli.engine.prm import PRMScorer
-from kvrescue_cli.engine.runner import Runner
-from kvrescue_cli.engine.sampling import SamplingParams, entropy, sample
-from kvrescue_cli.engine.scoring import HelperLoglik
-from kvrescue_cli.errors import InputError
-from kvrescue_cli.fake_cuda import FakeCuda
-from kvrescue_cli.grid import grid_options
-from kvrescue_cli.search import SearchSettings
-from kvrescue_cli.smollm import smollm2_folder
+from kvrescue.engine import invariance
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.caches import FullCache
+from kvrescue.engine.evict import EVICTORS, AdaKV, PyramidKV, keep_positions, received_attention
+from kvrescue.engine.loader import load_model
+from kvrescue.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
+from kvrescue.engine.prm import PRMScorer
+from kvrescue.engine.runner import Runner
+from kvrescue.engine.sampling import SamplingParams, entropy, sample
+from kvrescue.engine.scoring import HelperLoglik
+from kvrescue.errors import InputError
+from kvrescue.fake_cuda import FakeCuda
+from kvrescue.grid import grid_options
+from kvrescue.search import SearchSettings
+from kvrescue.smollm import smollm2_folder
 from tests.helpers import KVRESCUE, kvrescue, ok, read_folder, tiny_problems, traces_of, write_jsonl
 from tests.test_workers import comparable, wait_for_traces
 
@@ -318,8 +318,8 @@ def test_every_flash_attn_call_takes_one_kv_split_with_the_mode_on(on, monkeypat
     """flash-attn's split-KV decode picks its number of splits from the batch (`num_splits=0`); with the mode on,
     every call (the paged caches' and the bounded cache's static decode step's) takes one. Checked through the
     plain-torch stand-ins of tests/engine/test_attention.py and test_graphs.py."""
-    from kvrescue_cli.engine import attention, graphs
-    from kvrescue_cli.engine.graphs import StaticDecode
+    from kvrescue.engine import attention, graphs
+    from kvrescue.engine.graphs import StaticDecode
     from tests.engine import test_attention, test_graphs
 
     splits = {"paged": [], "static": []}

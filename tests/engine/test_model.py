@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvrescue_cli.engine import FullCache, ModelLoadError, load_model
-from kvrescue_cli.engine.loader import cpu_has_native_bf16, resolve_dtype
-from kvrescue_cli.engine.model import linear
+from kvrescue.engine import FullCache, ModelLoadError, load_model
+from kvrescue.engine.loader import cpu_has_native_bf16, resolve_dtype
+from kvrescue.engine.model import linear
 from tests.gguf_files import write_gguf
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
@@ -124,7 +124,7 @@ def test_hub_id_without_network_fails_with_one_clear_line(monkeypatch) -> None:
 def test_a_hub_repo_s_pytorch_weight_files_are_fetched_only_where_it_has_no_safetensors(monkeypatch, tmp_path) -> None:
     import huggingface_hub
 
-    from kvrescue_cli.engine.loader import model_folder
+    from kvrescue.engine.loader import model_folder
 
     asked = []
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no probe of the Hub
@@ -147,7 +147,7 @@ def test_missing_path_is_refused(tmp_path) -> None:
 
 def test_random_checkpoint_with_a_larger_vocabulary_than_its_tokenizer(tmp_path) -> None:
     """Qwen2.5 pads its embedding past the tokenizer; the writer and both loaders agree on that too."""
-    from kvrescue_cli.random_checkpoints import write_random_checkpoint
+    from kvrescue.random_checkpoints import write_random_checkpoint
 
     folder = write_random_checkpoint(tmp_path, "qwen2", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                      intermediate_size=64, vocab_size=1000)

@@ -7,10 +7,10 @@ from safetensors.torch import load_file
 from tokenizers import Regex, pre_tokenizers
 from transformers import Qwen2Model
 
-from kvrescue_cli.engine import load_model
-from kvrescue_cli.engine.prm import SYSTEM_PROMPT, PRMScorer
-from kvrescue_cli.engine.prm_recipes import FORMATS
-from kvrescue_cli.random_checkpoints import build_tokenizer
+from kvrescue.engine import load_model
+from kvrescue.engine.prm import SYSTEM_PROMPT, PRMScorer
+from kvrescue.engine.prm_recipes import FORMATS
+from kvrescue.random_checkpoints import build_tokenizer
 from tests.helpers import blind_prm
 from tests.oracles import prm_last_scores, prm_scores
 
@@ -210,7 +210,7 @@ def test_where_flash_attn_serves_the_prm_it_reads_its_cache_through_the_paged_ke
     """On a device where flash-attn serves the PRM's tensors, its cache takes flash-attn's block size (the paged
     kernel takes no other) and every forward reads it through flash_attn_with_kvcache (a plain-torch stand-in
     here), the candidates' copied partial blocks too, with the from-scratch scores."""
-    from kvrescue_cli.engine import attention, caches
+    from kvrescue.engine import attention, caches
     from tests.engine.test_attention import reference_flash_attn_with_kvcache
 
     calls = []

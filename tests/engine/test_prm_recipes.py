@@ -8,18 +8,18 @@ import shutil
 import orjson
 import pytest
 
-from kvrescue_cli.loading import load_roles
-from kvrescue_cli.engine import load_model
-from kvrescue_cli.engine.loader import ModelLoadError, tensor_names
-from kvrescue_cli.engine.prm import PRMScorer, check_prm
-from kvrescue_cli.engine.prm_recipes import FORMATS, PRM_RECIPES, get_recipe
-from kvrescue_cli.engine.prm_recipes.choose import auto_recipe, weight_names
-from kvrescue_cli.grid import resolve_prm_recipe
-from kvrescue_cli.errors import InputError
-from kvrescue_cli.grid import GridOptions
-from kvrescue_cli.model_config import load_config
-from kvrescue_cli.random_checkpoints import write_random_checkpoint
-from kvrescue_cli.search import SearchSettings
+from kvrescue.loading import load_roles
+from kvrescue.engine import load_model
+from kvrescue.engine.loader import ModelLoadError, tensor_names
+from kvrescue.engine.prm import PRMScorer, check_prm
+from kvrescue.engine.prm_recipes import FORMATS, PRM_RECIPES, get_recipe
+from kvrescue.engine.prm_recipes.choose import auto_recipe, weight_names
+from kvrescue.grid import resolve_prm_recipe
+from kvrescue.errors import InputError
+from kvrescue.grid import GridOptions
+from kvrescue.model_config import load_config
+from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue.search import SearchSettings
 from tests.conftest import TINY
 from tests.helpers import small_grid
 from tests.oracles import prm_last_scores, prm_scores, trajectory_ids
@@ -123,7 +123,7 @@ def test_a_skywork_folder_of_pytorch_weight_files_scores_as_its_safetensors_one(
     import torch
     from safetensors.torch import load_file
 
-    from kvrescue_cli.model_config import model_revision
+    from kvrescue.model_config import model_revision
 
     def bin_copy(to, scale=1.0):
         folder = _copy(skywork_dir, tmp_path / to)

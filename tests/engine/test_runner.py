@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvrescue_cli.engine import FullCache, load_model
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.graphs import StaticDecode
-from kvrescue_cli.engine.runner import Runner
+from kvrescue.engine import FullCache, load_model
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.graphs import StaticDecode
+from kvrescue.engine.runner import Runner
 
 
 def _caches(net, kind: str):

@@ -2,7 +2,7 @@
 
 import torch
 
-from kvrescue_cli.engine.sampling import SamplingParams, counter_stages, entropy, sample, stream_key, uniforms
+from kvrescue.engine.sampling import SamplingParams, counter_stages, entropy, sample, stream_key, uniforms
 
 
 def _logits(rows: int, vocab: int = 300, seed: int = 0) -> torch.Tensor:

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvrescue_cli.engine import FullCache, load_model, scoring
-from kvrescue_cli.engine.runner import Runner
-from kvrescue_cli.engine.scoring import HelperLoglik
+from kvrescue.engine import FullCache, load_model, scoring
+from kvrescue.engine.runner import Runner
+from kvrescue.engine.scoring import HelperLoglik
 from tests.engine.test_syncs import counting
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts

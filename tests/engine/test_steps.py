@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
-from kvrescue_cli.detect import DetectorConfig, gzip_ratio
-from kvrescue_cli.engine import FullCache, load_model
-from kvrescue_cli.engine.runner import Runner
-from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.engine import steps as steps_module
-from kvrescue_cli.engine.steps import STEP_DELIMITER, StepRules, StepTable, step_table
+from kvrescue.detect import DetectorConfig, gzip_ratio
+from kvrescue.engine import FullCache, load_model
+from kvrescue.engine.runner import Runner
+from kvrescue.engine.sampling import SamplingParams
+from kvrescue.engine import steps as steps_module
+from kvrescue.engine.steps import STEP_DELIMITER, StepRules, StepTable, step_table
 from tests.oracles import Detector, generate_steps
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
@@ -299,7 +299,7 @@ def test_step_table_on_the_smollm2_tokenizer() -> None:
     """SmolLM2's real 49k vocabulary (its GGUF is fetched and converted once, ~100 MB)."""
     from transformers import AutoTokenizer
 
-    from kvrescue_cli.smollm import smollm2_folder
+    from kvrescue.smollm import smollm2_folder
     _check_table(AutoTokenizer.from_pretrained(str(smollm2_folder())))
 
 

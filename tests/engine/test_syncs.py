@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvrescue_cli.detect import DetectorConfig
-from kvrescue_cli.engine import FullCache, load_model
-from kvrescue_cli.engine.bounded import BoundedCache
-from kvrescue_cli.engine.runner import Runner
-from kvrescue_cli.engine.sampling import SamplingParams
-from kvrescue_cli.engine.steps import StepRules
+from kvrescue.detect import DetectorConfig
+from kvrescue.engine import FullCache, load_model
+from kvrescue.engine.bounded import BoundedCache
+from kvrescue.engine.runner import Runner
+from kvrescue.engine.sampling import SamplingParams
+from kvrescue.engine.steps import StepRules
 
 aten = torch.ops.aten
 SIZE_ON_DEVICE = (aten.nonzero.default, aten.masked_select.default, aten._local_scalar_dense.default)

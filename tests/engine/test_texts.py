@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from kvrescue_cli.engine.loader import load_model
-from kvrescue_cli.engine.texts import decoder, encoder
-from kvrescue_cli.random_checkpoints import build_tokenizer
+from kvrescue.engine.loader import load_model
+from kvrescue.engine.texts import decoder, encoder
+from kvrescue.random_checkpoints import build_tokenizer
 
 
 def _texts(tokenizer, n: int = 300) -> list[str]:
@@ -44,5 +44,5 @@ def test_direct_calls_on_the_smollm2_tokenizer() -> None:
     """SmolLM2's real 49k vocabulary (its GGUF is fetched and converted once, ~100 MB)."""
     from transformers import AutoTokenizer
 
-    from kvrescue_cli.smollm import smollm2_folder
+    from kvrescue.smollm import smollm2_folder
     _check(AutoTokenizer.from_pretrained(str(smollm2_folder())))

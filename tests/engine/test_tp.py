@@ -20,9 +20,9 @@ import orjson
 import pytest
 import torch
 
-from kvrescue_cli.model_config import ModelArgs
-from kvrescue_cli.random_checkpoints import write_random_checkpoint
-from kvrescue_cli.shapes import local_args, shard_degree
+from kvrescue.model_config import ModelArgs
+from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue.shapes import local_args, shard_degree
 from tests import tp_scenario
 
 TOL = 1e-5
@@ -119,7 +119,7 @@ def test_tp_check_tiny_runs_on_two_cpu_ranks(tmp_path):
 
 
 def test_tp_without_a_process_group_is_a_load_error(checkpoints):
-    from kvrescue_cli.engine.loader import ModelLoadError, load_model
+    from kvrescue.engine.loader import ModelLoadError, load_model
 
     with pytest.raises(ModelLoadError, match="--tp 2 needs torch.distributed initialised with 2 ranks"):
         load_model(checkpoints[0], tp=2, exact_heads=True)
@@ -181,7 +181,7 @@ def test_a_killed_rank_fails_its_group_which_is_restarted(one_device, problems, 
         assert time.time() < deadline and process.poll() is None, "no trace written"
         time.sleep(0.05)
     (follower,) = [pid for pid in descendants(os.getpid())
-                   if b"kvrescue_cli.rank_follower" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                   if b"kvrescue.rank_follower" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     os.kill(follower, signal.SIGKILL)
     _, err = process.communicate(timeout=RUN_WAIT_S)
     err = err.decode()
@@ -197,8 +197,8 @@ def test_the_other_ranks_wait_between_cells_as_long_as_rank_0_lives(models, monk
     slowest actor of a grid): rank 1 is still there for the second cell, and exits when told to."""
     from datetime import timedelta
 
-    from kvrescue_cli import in_process, rank_group
-    from kvrescue_cli.search import SearchSettings
+    from kvrescue import in_process, rank_group
+    from kvrescue.search import SearchSettings
 
     monkeypatch.setenv("KVRESCUE_TP_TIMEOUT_S", "10")  # rank 1's (it reads it when it starts)
     monkeypatch.setattr(rank_group, "TIMEOUT", timedelta(seconds=10))
@@ -225,8 +225,8 @@ def test_every_rank_takes_rank_0s_decisions_where_copies_of_a_model_disagree(che
     scores are moved by noise (tests/tp_decisions.py); both ranks still sample, finish and commit alike."""
     import pickle
 
-    from kvrescue_cli.engine.sampling import SamplingParams
-    from kvrescue_cli.search import SearchSettings
+    from kvrescue.engine.sampling import SamplingParams
+    from kvrescue.search import SearchSettings
 
     helper = write_random_checkpoint(tmp_path / "helper3", "llama", num_heads=3, num_kv_heads=1, seed=14,
                                      hidden_size=48, num_layers=2, intermediate_size=128, init_std=0.1)

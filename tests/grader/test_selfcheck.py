@@ -7,7 +7,7 @@ import json
 import pytest
 
 from grader import BENCHES, grade_many, raw_answer
-from kvrescue_cli.data import BUNDLED as BENCH_DIR
+from kvrescue.data import BUNDLED as BENCH_DIR
 
 SIZES = {"math500": 500, "gsm8k": 1319, "aime24": 30, "amc23": 40, "olympiadbench": 675}
 OUTPUT_STYLES = {

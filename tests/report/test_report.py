@@ -13,12 +13,12 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from kvrescue_cli.cli import app
-from kvrescue_cli.outputs import (
+from kvrescue.cli import app
+from kvrescue.outputs import (
     Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, run_dir,
 )
-from kvrescue_cli.report import QUANTILES, load_runs
-from kvrescue_cli.report.numbers import group_rows, quantiles
+from kvrescue.report import QUANTILES, load_runs
+from kvrescue.report.numbers import group_rows, quantiles
 from tests.helpers import kvrescue
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct"),
@@ -575,7 +575,7 @@ def test_oracle_goes_on_past_a_helper_run_it_cannot_pair(tmp_path, unpaired, rea
 def test_accuracy_axes_stay_within_0_and_100_percent(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    from kvrescue_cli.report.render import accuracy_limits
+    from kvrescue.report.render import accuracy_limits
 
     assert accuracy_limits(-0.04, 0.04) == (0.0, 10.0)  # every accuracy 0: matplotlib's default is -0.04..0.04
     assert accuracy_limits(96.0, 104.0) == (90.0, 100.0)
@@ -637,8 +637,8 @@ def voted(trace: Trace, voters: list[tuple[str, float, bool]]) -> Trace:
 
 
 def test_the_prm_weighted_vote_sums_each_answers_scores_as_search_and_learn_does(tmp_path):
-    from kvrescue_cli.outputs.summary import summarize, vote
-    from kvrescue_cli.report.tables import build_tables, vote_table
+    from kvrescue.outputs.summary import summarize, vote
+    from kvrescue.report.tables import build_tables, vote_table
 
     wrong_committed = voted(make_trace(0, False, "bh"), [("5", 0.5, False), ("4", 0.3, True), ("4", 0.3, True)])
     assert vote(wrong_committed, "prm") is True  # 0.6 for "4" beats 0.5 for "5"; the 0.99 step is no solution

@@ -9,11 +9,11 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from kvrescue_cli.cli import app
-from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, run_dir
-from kvrescue_cli.report import load_runs
-from kvrescue_cli.report.seeds import maj_at_k, majority_correct, pass_at_k
-from kvrescue_cli.view.data import page_data
+from kvrescue.cli import app
+from kvrescue.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, run_dir
+from kvrescue.report import load_runs
+from kvrescue.report.seeds import maj_at_k, majority_correct, pass_at_k
+from kvrescue.view.data import page_data
 
 
 def test_pass_at_k_equals_the_share_of_k_subsets_holding_a_correct_sample():
@@ -51,7 +51,7 @@ VOTES = {0: [("1", True), ("1", True), ("1", True)],
          1: [("1", True), ("0", False), ("0", False)],
          2: [("0", False), ("5", False), ("1", True)],
          3: [("0", False), ("0", False), ("0", False)]}
-# By hand (see the module docstring of kvrescue_cli.report.seeds for the rules):
+# By hand (see the module docstring of kvrescue.report.seeds for the rules):
 SEED_ACCURACY = [2 / 4, 1 / 4, 2 / 4]
 EXPECTED = {"pass@1": 5 / 12, "pass@2": 7 / 12, "pass@3": 3 / 4,
             "maj@1": 5 / 12, "maj@2": 5 / 12, "maj@3": 1 / 4}

@@ -14,9 +14,9 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from kvrescue_cli.cli import app
-from kvrescue_cli.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, read_traces, run_dir
-from kvrescue_cli.view.browser import chromium_paths, headless_chromium, open_view
+from kvrescue.cli import app
+from kvrescue.outputs import Candidate, ModelRef, RunConfig, RunFolder, Step, Tokens, Trace, read_traces, run_dir
+from kvrescue.view.browser import chromium_paths, headless_chromium, open_view
 
 MODELS = {"base": ModelRef("Qwen/Qwen2.5-Math-7B-Instruct"), "helper": ModelRef("Qwen/Qwen2.5-Math-1.5B-Instruct"),
           "prm": ModelRef("Qwen/Qwen2.5-Math-PRM-7B")}
@@ -452,11 +452,11 @@ def test_the_pages_files_are_package_data():
     import tomllib
     from fnmatch import fnmatch
 
-    import kvrescue_cli.view
+    import kvrescue.view
 
-    folder = Path(kvrescue_cli.view.__file__).parent
+    folder = Path(kvrescue.view.__file__).parent
     globs = tomllib.loads((folder.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     made_of = [p.relative_to(folder).as_posix() for p in folder.rglob("*")
                if p.is_file() and p.suffix not in (".py", ".pyc")]
     assert "katex/katex.min.js" in made_of and "katex/fonts/KaTeX_Main-Regular.woff2" in made_of
-    assert [f for f in made_of if not any(fnmatch(f, g) for g in globs["kvrescue_cli.view"])] == []
+    assert [f for f in made_of if not any(fnmatch(f, g) for g in globs["kvrescue.view"])] == []

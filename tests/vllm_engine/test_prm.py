@@ -5,13 +5,13 @@ and the committed prefix read from vLLM's prefix cache."""
 
 import pytest
 
-from kvrescue_cli.engine import load_model
-from kvrescue_cli.engine.loader import load_tokenizer
-from kvrescue_cli.engine.prm import PRMScorer
-from kvrescue_cli.engine.prm_recipes import FORMATS, get_recipe
-from kvrescue_cli.shapes import PRM_WINDOW
-from kvrescue_cli.vllm_engine.prm import VLLMPRMScorer
-from kvrescue_cli.vllm_engine.roles import EngineSpec, VllmEngines
+from kvrescue.engine import load_model
+from kvrescue.engine.loader import load_tokenizer
+from kvrescue.engine.prm import PRMScorer
+from kvrescue.engine.prm_recipes import FORMATS, get_recipe
+from kvrescue.shapes import PRM_WINDOW
+from kvrescue.vllm_engine.prm import VLLMPRMScorer
+from kvrescue.vllm_engine.roles import EngineSpec, VllmEngines
 from tests.engine.test_prm import PROBLEMS, STEPS, recipe_ids
 
 pytestmark = pytest.mark.vllm

@@ -10,15 +10,15 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvrescue_cli.engine import FullCache, load_model  # noqa: E402
-from kvrescue_cli.engine.prm import PRMScorer  # noqa: E402
-from kvrescue_cli.engine.prm_recipes import FORMATS  # noqa: E402
-from kvrescue_cli.engine.runner import Runner  # noqa: E402
-from kvrescue_cli.engine.steps import StepRules  # noqa: E402
-from kvrescue_cli.prompts import STEP_DELIMITER, generation_prompt  # noqa: E402
-from kvrescue_cli.search import Controller, SearchSettings  # noqa: E402
-from kvrescue_cli.vllm_engine.llm import start_llm  # noqa: E402
-from kvrescue_cli.vllm_engine.steps import SteppedEngine, VllmRunner  # noqa: E402
+from kvrescue.engine import FullCache, load_model  # noqa: E402
+from kvrescue.engine.prm import PRMScorer  # noqa: E402
+from kvrescue.engine.prm_recipes import FORMATS  # noqa: E402
+from kvrescue.engine.runner import Runner  # noqa: E402
+from kvrescue.engine.steps import StepRules  # noqa: E402
+from kvrescue.prompts import STEP_DELIMITER, generation_prompt  # noqa: E402
+from kvrescue.search import Controller, SearchSettings  # noqa: E402
+from kvrescue.vllm_engine.llm import start_llm  # noqa: E402
+from kvrescue.vllm_engine.steps import SteppedEngine, VllmRunner  # noqa: E402
 from tests.oracles import generate_steps  # noqa: E402
 
 pytestmark = pytest.mark.vllm

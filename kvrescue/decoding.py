@@ -1,0 +1,58 @@
+"""Decoding one cell: its problems' prompts through the controller on the cell's runners and scorer, each trace
+emitted once graded. The same code runs in the `kvrescue run` process, in every Ray worker and on every rank."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator
+
+from grader import grade as grade_answer
+from grader import normal_gt
+from kvrescue.cell_engine import CellEngine
+from kvrescue.data import Problem
+from kvrescue.grading import GradeFn, Grading
+from kvrescue.grid import Cell, GridOptions
+from kvrescue.outputs import Trace
+from kvrescue.prompts import generation_prompt
+from kvrescue.search import Controller, DecodeProgress, Finished
+
+
+def decode(options: GridOptions, cell: Cell, engine: CellEngine, problems: Iterable[Problem],
+           emit: Callable[[Trace, int], None], on_progress: Callable[[DecodeProgress], None] | None = None,
+           grade: GradeFn = grade_answer) -> None:
+    """Decode `problems` of one cell on `engine` (`cell_engine.build_cell`), pulled lazily (so they may come from a
+    shared queue), and `emit` each one's trace with the tokens it generated: skipped ones (a prompt as long as the
+    context cap) when pulled, decoded ones once `grade` (grader.grade) has graded them; `on_progress` gets running
+    totals every few seconds while problems are in flight."""
+    tokenizer, cap = engine.tokenizer, options.settings.context_cap
+    by_idx: dict[int, Problem] = {}
+
+    def work() -> Iterator[tuple[int, str, list[int]]]:
+        for problem in problems:
+            prompt = tokenizer.encode(generation_prompt(tokenizer, problem.problem, options.prompt),
+                                      add_special_tokens=False)
+            if len(prompt) >= cap:
+                gt_norm = normal_gt(problem.gt, cell.problems.grading_bench, options.grader)
+                emit(Trace.skipped(problem.idx, problem.problem, problem.gt, gt_norm,
+                                   f"prompt has {len(prompt)} tokens, context cap is {cap}"), 0)
+            else:
+                by_idx[problem.idx] = problem
+                yield problem.idx, problem.problem, prompt
+
+    grading = Grading(cell.problems.grading_bench, emit, options.grader, options.also_grade, grade)
+
+    def grade_finished(finished: Finished) -> None:
+        grading.submit(finished, by_idx.pop(finished.state.idx))
+        grading.emit_graded()
+
+    def progress(totals: DecodeProgress) -> None:
+        grading.emit_graded()
+        if on_progress is not None:
+            on_progress(totals)
+
+    controller = Controller(options.settings, engine.runners, engine.scorer, engine.eos_ids,
+                            method=cell.method, n=cell.n, seed=cell.seed)
+    try:
+        controller.run(work(), grade_finished, progress)
+        grading.emit_graded(wait=True)
+    finally:
+        grading.close()

@@ -1,0 +1,443 @@
+"""KV caches: the interface the decoder's attention talks to, and the full-context shared-prefix cache.
+
+A cache holds rows of K/V for many sequences in one batch. The controller creates, forks, adopts and
+releases rows; the model drives a forward through `begin` / `attend` (once per layer) / `end`.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kvrescue.engine.invariance as invariance
+from kvrescue.engine.attention import (FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys,
+                                           ROWS_PADDING, paged_layout, use_flash)
+from kvrescue.engine.block_table import BlockTable, ranks
+from kvrescue.engine.transfer import upload_all
+from kvrescue.shapes import CASCADE_FROM, GROUP_CASCADE_FROM, cascade_from_on
+
+
+class KVCache(ABC):
+    """Rows of K/V for many sequences in one batch; the decoder's attention reads and writes it."""
+
+    @abstractmethod
+    def create(self) -> int:
+        """A new empty row."""
+
+    @abstractmethod
+    def fork(self, row: int, n: int) -> list[int]:
+        """n children that see row's content; a child never changes its parent (nor the parent a child)."""
+
+    def fork_each(self, rows: Sequence[int], n: int) -> list[int]:
+        """n children of each of `rows`, row after row: `fork` of each row (a cache may do it in one pass)."""
+        return [child for row in rows for child in self.fork(row, n)]
+
+    @abstractmethod
+    def adopt(self, row: int, child: int) -> None:
+        """Row takes child's content (the committed step); child is released."""
+
+    @abstractmethod
+    def release(self, rows: Iterable[int]) -> None:
+        """Free rows and whatever only they referenced."""
+
+    @abstractmethod
+    def length(self, row: int) -> int:
+        """Logical length: tokens appended so far, which is also the next token's RoPE position."""
+
+    @abstractmethod
+    def peak_length(self, row: int) -> int:
+        """Largest physical length (entries held) the row reached, counting what it inherited through forks."""
+
+    @abstractmethod
+    def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
+        """Start a forward appending n_new[i] tokens to rows[i]; returns their logical positions [R, T].
+
+        T = max(n_new); shorter rows are right padded (positions past n_new are meaningless).
+        """
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store the valid new k/v of `layer` and attend: q [R,Hq,T,D], k/v [R,Hkv,T,D] post-RoPE.
+
+        Each new token attends to its row's cached keys and causally to the row's new keys.
+        Returns [R, Hq, T, D].
+        """
+
+    @abstractmethod
+    def end(self) -> None:
+        """The forward is finished (an evicting cache compresses rows here)."""
+
+
+# CASCADE_FROM (shapes.py): cascade when a forward's rows would otherwise re-read at least that many shared tokens
+# (each group's shared prefix once per row but one): below it the extra pass and merge cost more than they save on the CPU
+# (attention_bench, helper shape, N = 8, both passes in SDPA's CPU flash kernel: cascade 0.7x the paged time at
+# a 64-token prefix, i.e. 448 re-read per problem, 1.2x at 128 with one problem, 0.93x at 64 with 8 problems,
+# 1.4x at 128). On a GPU the extra kernels' fixed cost is what matters; gpu_check's attention section measures it.
+# With batch invariance on, whether a row cascades must not depend on the rows beside it, so each group decides
+# from its own rows: from GROUP_CASCADE_FROM (shapes.py) re-read, N = 8 over a 512-token prefix. On a CPU, whose
+# invariant attention reads whole 512-key blocks (a cascading row reads one block more), cascade ran at 1.0x the
+# paged speed there with 1 problem and 1.2x with 8; 0.6x and 1.0x at 256 tokens; 2.3x and 2.7x at 1,024
+# (attention_bench --deterministic, docs/benchmarks.md).
+
+
+TORCH_BLOCK = 16  # tokens per block of a full cache on the torch attention path
+
+
+def block_size_for(x: torch.Tensor) -> int:
+    """Tokens per block of a full cache holding tensors like `x`: FLASH_BLOCK when flash-attn serves them
+    (its paged cache needs it), else TORCH_BLOCK."""
+    return FLASH_BLOCK if use_flash(x) else TORCH_BLOCK
+
+
+@dataclass
+class _SharedPrefixes:
+    """Groups of a forward's rows that share their first blocks: each group's queries attend to the shared
+    blocks in one pass (cascade attention), which reads those blocks once for the whole group."""
+
+    keys: PagedKeys  # each group's shared blocks (whole blocks, all cached)
+    members: torch.Tensor  # [G, n] each group's rows (indices into the forward), padded with its first row
+    rows: torch.Tensor  # [M] every grouped row (index into the forward)
+    slots: torch.Tensor  # [M] its place in the groups' flattened members (group * n + member)
+
+
+@dataclass
+class _Groups:
+    """A forward's rows that share leading blocks, group after group (from `FullCache._shared_prefixes`)."""
+
+    rows: np.ndarray    # [M] the grouped rows (indices into the forward), each group's rows in forward order
+    sizes: np.ndarray   # [G] rows per group
+    shared: np.ndarray  # [G] full blocks all rows of the group hold in common
+
+    def select(self, keep: np.ndarray) -> "_Groups | None":
+        """The groups where `keep` [G] (None: none)."""
+        if not keep.any():
+            return None
+        return _Groups(self.rows[np.repeat(keep, self.sizes)], self.sizes[keep], self.shared[keep])
+
+
+@dataclass
+class _PagedForward:
+    """Metadata of the forward in progress, computed once in `begin` and read by every layer."""
+
+    own: PagedKeys  # each row's blocks past its group's shared prefix (all of them if ungrouped)
+    slots: torch.Tensor  # [N] flat slot (block * block_size + offset) of each valid new token
+    valid: torch.Tensor | None  # [N] flat (row * T + t) index of each valid new token; None when all are
+    shared: _SharedPrefixes | None  # None without cascade or when no two rows share a block
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None  # flat slots copied (from, to) in each layer once it
+    # is stored: a fork's copy of a block its parent fills in the same forward (`FullCache.reserve`)
+
+
+class FullCache(KVCache):
+    """Full-context cache in fixed-size blocks with reference counts (prefix sharing, nano-vllm style).
+
+    A fork shares all of its parent's blocks; the first write into a shared, partly filled last block
+    copies that block (copy-on-write), so memory per problem is O(context + candidates x step length).
+    K/V live in two preallocated pools [layers, blocks, block_size, kv_heads, head_dim]; the rows' blocks,
+    lengths and reference counts are host arrays (`block_table.BlockTable`): the host decides where every block
+    lies, so a forward's metadata is computed on the host and sent in one copy that does not wait for the device.
+
+    Attention reads the blocks in place through the block table (`attend_paged`: flash-attn on a GPU,
+    else torch), each row only its own blocks. With cascade, rows of a forward that share their first
+    blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
+    attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
+    another, and the two results are merged exactly by their log-sum-exp. `cascade_from`: the shared tokens
+    a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never, even with
+    batch invariance on; "device": the device's rule, `shapes.cascade_from_on`); with batch invariance on, each group
+    cascades alone when its rows would re-read `group_cascade_from`.
+    `rows_padding`: on a CPU, rows are read whole, padded to the longest, when that reads at most this many times
+    the blocks of the chunks (0: always in chunks; inf: always whole).
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        *,
+        max_rows: int = 1024,
+        max_row_tokens: int = 8192,
+        block_size: int = 16,
+        cascade_from: float | None | str = "device",
+        group_cascade_from: int = GROUP_CASCADE_FROM,
+        rows_padding: float = ROWS_PADDING,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.block_size = block_size
+        if cascade_from == "device":
+            cascade_from = cascade_from_on(torch.device(device).type == "cuda")
+        self.cascade_from = cascade_from
+        self.group_cascade_from = group_cascade_from
+        self.rows_padding = rows_padding
+        self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.block_table = BlockTable(num_blocks, block_size, max_rows, max_row_tokens)
+        self.fwd: _PagedForward | None = None
+        self.reserved: dict[int, tuple[int, int]] = {}  # row -> (its length before, tokens) that `reserve` made room for
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, max_tokens: int, **kw) -> "FullCache":
+        """A cache for `model` (a `Decoder` owner) with room for `max_tokens` tokens in all rows together."""
+        a = model.args
+        p = next(model.parameters())
+        block_size = kw.pop("block_size", block_size_for(p))
+        kw.setdefault("dtype", p.dtype)
+        kw.setdefault("device", p.device)
+        return cls(a.n_layers, a.n_kv_heads, a.head_dim, -(-max_tokens // block_size), block_size=block_size, **kw)
+
+    # -- rows ---------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.block_table.num_blocks
+
+    @property
+    def free_rows(self) -> list[int]:
+        """Row ids not in use."""
+        return self.block_table.free_rows
+
+    def create(self) -> int:
+        return self.block_table.create()
+
+    def fork(self, row: int, n: int) -> list[int]:
+        return self.block_table.fork_each([row], n)
+
+    def fork_each(self, rows: Sequence[int], n: int) -> list[int]:
+        return self.block_table.fork_each(rows, n)
+
+    def adopt(self, row: int, child: int) -> None:
+        self.block_table.adopt(row, child)
+
+    def release(self, rows: Iterable[int]) -> None:
+        self.block_table.release(rows)
+
+    def length(self, row: int) -> int:
+        return int(self.block_table.lengths[row])
+
+    def peak_length(self, row: int) -> int:
+        return self.length(row)  # a full cache never shrinks a row
+
+    def blocks(self, row: int) -> list[int]:
+        """The row's blocks, in order: its token i lies in blocks(row)[i // block_size]."""
+        return self.block_table.blocks(row)
+
+    def blocks_in_use(self) -> int:
+        """Physical blocks referenced by at least one row (or reserved)."""
+        return self.block_table.blocks_in_use()
+
+    # -- forward protocol ---------------------------------------------------------------------------
+    def reserve(self, rows: Sequence[int], n_new: Sequence[int]) -> None:
+        """Room for n_new[i] tokens of rows[i] that the next forward appends (with these rows among its own), made
+        now: forks made in between hold them too, and append their own tokens in that same forward (a PRM's
+        candidates, forked from the prefixes the forward feeds). Such a fork's copy of its parent's partly filled
+        last block is made in each layer once the layer's new K/V are stored."""
+        rows_np, n_np = np.asarray(rows, np.int64), np.asarray(n_new, np.int64)
+        before = self.block_table.lengths[rows_np].copy()
+        cow_src, cow_dst = self.block_table.append(rows_np, n_np)
+        if len(cow_src):
+            dev = upload_all({"src": cow_src, "dst": cow_dst}, self.k.device)
+            self._copy_blocks(dev["src"], dev["dst"])
+        self.reserved.update(zip(rows_np.tolist(), zip(before.tolist(), n_np.tolist())))
+
+    def begin(self, rows: Sequence[int], n_new: Sequence[int]) -> torch.Tensor:
+        rows_np, n_np = np.asarray(rows, np.int64), np.asarray(n_new, np.int64)
+        lengths = self.block_table.lengths[rows_np].copy()
+        held = np.array([row in self.reserved for row in rows_np.tolist()], bool)
+        for i in np.flatnonzero(held):
+            lengths[i], reserved = self.reserved.pop(int(rows_np[i]))
+            if reserved != n_np[i]:
+                raise RuntimeError(f"FullCache: row {rows_np[i]} reserved {reserved} tokens, the forward appends {n_np[i]}")
+        if self.reserved:
+            raise RuntimeError(f"FullCache: rows {sorted(self.reserved)} reserved tokens the forward does not append")
+        filled = self._filled_blocks(rows_np[held], lengths[held], n_np[held])
+        cow_src, cow_dst = self.block_table.append(rows_np[~held], n_np[~held])
+        groups = self._cascading(rows_np, lengths)
+        host = self._forward_arrays(rows_np, lengths, n_np, groups)
+        later = np.isin(cow_src, filled)  # their sources are filled in this forward: copied layer by layer
+        host["cow_src"], host["cow_dst"] = cow_src[~later], cow_dst[~later]
+        if later.any():
+            host["copy_from"], host["copy_to"] = self._slot_copies(rows_np[~held], lengths[~held], cow_src[later],
+                                                                   cow_dst[later])
+        dev = upload_all(host, self.k.device)  # the forward's one copy; nothing here waits for the device
+        self._copy_blocks(dev["cow_src"], dev["cow_dst"])
+        T = int(n_np.max())
+        pick = lambda prefix: {k[len(prefix):]: v for k, v in dev.items() if k.startswith(prefix)}  # noqa: E731
+        shared = None
+        if groups is not None:
+            members = dev["members"]
+            shared = _SharedPrefixes(paged_keys(self.k[0], pick("shared."), members.shape[1] * T, causal=False),
+                                     members, dev["grouped_rows"], dev["grouped_slots"])
+        copies = (dev["copy_from"], dev["copy_to"]) if "copy_from" in dev else None
+        self.fwd = _PagedForward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"),
+                                 shared, copies)
+        return dev["positions"]
+
+    def _filled_blocks(self, rows: np.ndarray, lengths: np.ndarray, n_new: np.ndarray) -> np.ndarray:
+        """The blocks that rows' next n_new tokens (after `lengths`) are written to."""
+        bs, table = self.block_size, self.block_table.table
+        return np.concatenate([table[r, a // bs: -(-(a + n) // bs)] for r, a, n in zip(rows, lengths, n_new)]
+                              + [np.zeros(0, np.int64)])
+
+    def _slot_copies(self, rows: np.ndarray, lengths: np.ndarray, src: np.ndarray,
+                     dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The flat slots to copy (from, to) for the block copies src[i] -> dst[i] of rows (with `lengths` before
+        the forward) that copy a block filled in the same forward: the slots before the row's own first token."""
+        bs = self.block_size
+        at = {int(self.block_table.table[r, a // bs]): a % bs for r, a in zip(rows, lengths) if a % bs}
+        offsets = [np.arange(at[int(d)]) for d in dst]
+        return (np.concatenate([s * bs + o for s, o in zip(src, offsets)]),
+                np.concatenate([d * bs + o for d, o in zip(dst, offsets)]))
+
+    def append_one(self, rows: Sequence[int]) -> np.ndarray:
+        """Make room for one more token in each row (a static decode step, `graphs`), copying a shared last block
+        first where the row writes into it; the rows' lengths before it (the new tokens' positions)."""
+        rows_np = np.asarray(rows, np.int64)
+        lengths = self.block_table.lengths[rows_np]
+        cow_src, cow_dst = self.block_table.append(rows_np, np.ones(len(rows_np), np.int64))
+        if len(cow_src):
+            dev = upload_all({"src": cow_src, "dst": cow_dst}, self.k.device)
+            self._copy_blocks(dev["src"], dev["dst"])
+        return lengths
+
+    @torch.inference_mode(False)  # pools made outside inference mode, as in __init__
+    def reserve_block(self) -> int:
+        """One more block, that no row will ever hold (static decode steps write their padding rows there). Before
+        any row holds a block: the pools are made again one block larger, the old ones dropped first (no copy, and
+        never both at once)."""
+        if self.blocks_in_use():
+            raise RuntimeError("FullCache.reserve_block: rows hold blocks already")
+        shape, dtype, device = list(self.k.shape), self.k.dtype, self.k.device
+        shape[1] += 1
+        self.k = self.v = None
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        return self.block_table.reserve()
+
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the pools' blocks src[i] to dst[i] (device index tensors) in every layer."""
+        if len(src):
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+
+    def _forward_arrays(self, rows: np.ndarray, lengths: np.ndarray, n_new: np.ndarray,
+                        groups: _Groups | None) -> dict[str, np.ndarray]:
+        """A forward's metadata, on the host: positions, the valid new tokens' slots, and the paged layouts of
+        each row's own blocks and of the groups' shared prefixes."""
+        bs, T = self.block_size, int(n_new.max())
+        skipped = np.zeros(len(rows), np.int64)  # shared blocks each row reads through its group
+        if groups is not None:
+            skipped[groups.rows] = np.repeat(groups.shared, groups.sizes)
+        table = self.block_table.table[rows, : int((-(-(lengths + n_new) // bs)).max())]
+        # Own blocks cover the padded queries' keys too (cached + T): a paged kernel may read that far.
+        own = skipped[:, None] + np.arange(int((-(-(lengths + T) // bs) - skipped).max()))
+        own_table = np.take_along_axis(table, np.minimum(own, table.shape[1] - 1), 1)
+        positions = lengths[:, None] + np.arange(T)
+        valid = np.arange(T)[None, :] < n_new[:, None]
+        row, _ = np.nonzero(valid)
+        pos = positions[valid]
+        host = {"positions": positions, "slots": table[row, pos // bs] * bs + pos % bs}
+        if n_new.min() < T:
+            host["valid"] = np.flatnonzero(valid)
+        own_layout = paged_layout(self.k[0], own_table, lengths - skipped * bs, T, True, self.rows_padding)
+        host.update(("own." + k, v) for k, v in own_layout.items())
+        if groups is not None:
+            n = int(groups.sizes.max())
+            starts = np.cumsum(groups.sizes) - groups.sizes
+            member = ranks(groups.sizes)  # index within its group
+            group = np.repeat(np.arange(len(groups.sizes)), groups.sizes)
+            members = np.repeat(groups.rows[starts], n).reshape(-1, n)  # padded with each group's first row
+            members[group, member] = groups.rows
+            layout = paged_layout(self.k[0], self.block_table.table[rows[groups.rows[starts]], : int(groups.shared.max())],
+                                  groups.shared * bs, n * T, False, self.rows_padding)
+            host.update(("shared." + k, v) for k, v in layout.items())
+            host["members"] = members
+            host["grouped_rows"] = groups.rows
+            host["grouped_slots"] = group * n + member
+        return host
+
+    def _cascading(self, rows: np.ndarray, lengths: np.ndarray) -> _Groups | None:
+        """The groups of the forward's rows (`_shared_prefixes`) that read their shared blocks in a pass of their
+        own: all of them when together they would otherwise re-read `cascade_from` shared tokens, or with batch
+        invariance on, each one whose own rows would (`group_cascade_from`), so that what a row computes depends on
+        its siblings alone (a problem's candidates), never on the other rows of the forward."""
+        groups = None if self.cascade_from is None else self._shared_prefixes(rows, lengths)
+        if groups is None:
+            return None
+        re_read = groups.shared * self.block_size * (groups.sizes - 1)
+        if invariance.on():
+            return groups.select(re_read >= self.group_cascade_from)
+        return groups if re_read.sum() >= self.cascade_from else None
+
+    def _shared_prefixes(self, rows: np.ndarray, lengths: np.ndarray) -> _Groups | None:
+        """Groups of the forward's rows (indices into `rows`) holding the same first block, in the order of their
+        first rows, each with the number of full cached blocks all its rows share, read from the host block
+        table (None: no group). A row's block list only changes at its end, so rows holding the same block at
+        index j hold the same blocks before it: the shared blocks are the leading run of equal table columns."""
+        eligible = np.flatnonzero(lengths >= self.block_size)
+        first = self.block_table.table[rows[eligible], 0]
+        order = np.argsort(first, kind="stable")  # by first block, each group's rows in forward order
+        grouped, first = eligible[order], first[order]
+        starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
+        sizes = np.diff(np.r_[starts, len(grouped)])
+        keep = sizes > 1
+        if not keep.any():
+            return None
+        by_row = np.argsort(grouped[starts[keep]])  # groups in the order of their first rows
+        starts, sizes = starts[keep][by_row], sizes[keep][by_row]
+        members = grouped[np.repeat(starts, sizes) + ranks(sizes)]
+        heads = np.cumsum(sizes) - sizes  # each group's first place in `members`
+        limit = np.minimum.reduceat(lengths[members], heads) // self.block_size
+        width = int(limit.max())
+        blocks = self.block_table.table[rows[members], :width]
+        leader = np.repeat(blocks[heads], sizes, axis=0)
+        parted = np.logical_or.reduceat(blocks != leader, heads, axis=0)
+        parted |= np.arange(width) >= limit[:, None]
+        shared = np.where(parted.any(1), parted.argmax(1), width)
+        return _Groups(members, sizes, shared)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots, then copy the slots of blocks
+        filled in this forward to the forks' copies of them."""
+        self.store_at(layer, self.fwd.slots, k, v, self.fwd.valid)
+        if self.fwd.copies is not None:
+            source, target = self.fwd.copies
+            heads_dim = self.k.shape[3:]
+            for pool in (self.k[layer], self.v[layer]):
+                flat = pool.view(-1, *heads_dim)
+                flat.index_copy_(0, target, flat.index_select(0, source))
+
+    def store_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 valid: torch.Tensor | None = None) -> None:
+        """Write new k/v [R, Hkv, T, D] of `layer` (those at flat indices `valid` of the R x T, or all) into their
+        flat pool slots (block * block_size + offset). The write of both decodes, the dynamic one and the static one
+        in `graphs`."""
+        R, _, T, _ = k.shape
+        heads_dim = self.k.shape[3:]
+        for new, pool in ((k, self.k[layer]), (v, self.v[layer])):
+            new = new.transpose(1, 2).reshape(R * T, *heads_dim)
+            if valid is not None:
+                new = new.index_select(0, valid)
+            pool.view(-1, *heads_dim).index_copy_(0, slots, new)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.store(layer, k, v)
+        f = self.fwd
+        _, Hq, T, D = q.shape
+        kp, vp = self.k[layer], self.v[layer]
+        out, lse = attend_paged(q, kp, vp, f.own)
+        s = f.shared
+        if s is None:
+            return out
+        G, n = s.members.shape
+        # Each group's rows' queries, side by side, attend to the group's shared blocks in one pass.
+        grouped = q[s.members].transpose(1, 2).reshape(G, Hq, n * T, D)
+        shared_out, shared_lse = attend_paged(grouped, kp, vp, s.keys)
+        shared_out = shared_out.view(G, Hq, n, T, D).transpose(1, 2).reshape(G * n, Hq, T, D)[s.slots]
+        shared_lse = shared_lse.view(G, Hq, n, T).transpose(1, 2).reshape(G * n, Hq, T)[s.slots]
+        out[s.rows] = merge_partials(out[s.rows], lse[s.rows], shared_out, shared_lse)
+        return out
+
+    def end(self) -> None:
+        self.fwd = None

@@ -1,0 +1,299 @@
+"""One-token decode steps with static shapes, captured in CUDA graphs on a GPU, for both caches.
+
+Shapes are fixed per bucket: the rows of a step are padded to the next power of two (the padding rows write to a
+reserved scratch slot or block). Per-step inputs (tokens, positions, and where each row's keys lie) live in one
+static device buffer refilled before each replay (the tokens device to device, the rest from the host without
+waiting for the device); the bookkeeping (lengths, blocks, compression) stays in Python, outside the graph. Without
+CUDA, or with graphs off, the same static step runs eagerly: that is how the CPU tests check it against the dynamic
+path. `StaticDecode` is the one mechanism; a cache's side of it (`_BoundedSide`, `_FullSide`) says what its
+buffer holds and what its attention reads.
+
+The bounded cache: attention covers a fixed span of every row's buffer, B' = budget + buffer (a row holds at most
+B' - 1 entries before a decode step, since it is compressed as soon as it reaches B'), through flash-attn's
+`flash_attn_with_kvcache` (per-row cache lengths, rows addressed by slot, no gather) when it is installed and the
+cache is on a GPU in half precision, else a masked torch SDPA over the span. Under H2O (an evictor that accumulates)
+the step also computes its queries' attention probabilities over the span (`BoundedCache.receive`), which flash-attn
+does not return.
+
+The full cache (vLLM's decode capture): the buffer also holds each row's block table, padded to the bucket; with
+flash-attn to the table's whole width (the kernel reads each row's blocks up to its length, in place), else to the
+next power of two of the blocks the longest row holds (a graph per row and block bucket; SDPA over those blocks,
+masked per row). Its steps never cascade: every row reads its own blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kvrescue.engine.invariance as invariance
+from kvrescue.engine.attention import (PagedKeys, attend_masked, attend_padded, attend_paged, flash_attn_with_kvcache,
+                                           use_flash)
+from kvrescue.engine.bounded import BoundedCache, hole_free
+from kvrescue.engine.caches import FullCache
+from kvrescue.engine.model import Transformer
+from kvrescue.engine.transfer import upload
+
+_CAPTURE_STREAMS: dict[tuple[type, int], torch.cuda.Stream] = {}
+
+
+def bucket(rows: int) -> int:
+    """The row bucket: the next power of two."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The side stream every capture on the current device warms up and captures on: one per device and process, as
+    PyTorch keeps a cuBLAS workspace per (handle, stream) and would keep one more for each new stream (issue 41).
+    Keyed by the stream class too, so that `fake_cuda`'s stand-in never serves real CUDA."""
+    key = (torch.cuda.Stream, torch.cuda.current_device())
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream()
+    return _CAPTURE_STREAMS[key]
+
+
+# Without flash-attn, a bounded cache's static step reads the span of every slot of the pools in place (a view, each
+# step's queries scattered to their slots) when the pools have at most this many slots per row of the bucket: a gather
+# reads the rows' spans, writes them and the attention reads them again, three passes over the bucket's rows.
+IN_PLACE_SLOTS = 3
+
+
+class _StaticView:
+    """What the decoder's attention layers see during a bounded cache's static step (the `KVCache.attend` call only).
+    Without flash-attn, attention reads every slot's span in place (`in_place`, where `IN_PLACE_SLOTS` says) or the
+    rows' spans gathered."""
+
+    def __init__(self, cache: BoundedCache, inputs: torch.Tensor, span: int) -> None:
+        self.cache, self.span = cache, span
+        self.slots, self.lengths = inputs[2], inputs[3]
+        self.holes = cache.evictor.allocates  # the rows' heads' holes masked (`bounded.hole_free`), gathered
+        if self.holes:
+            self.base, self.held = inputs[4], inputs[5:].view(cache.k.shape[0], cache.k.shape[2], -1)
+        slots = cache.k.shape[1]
+        self.in_place = not self.holes and not use_flash(cache.k) and slots <= IN_PLACE_SLOTS * inputs.shape[1]
+        if self.in_place:  # each slot's cached entries (0 for slots outside the step: they see their key 0 alone)
+            held = torch.zeros(slots, dtype=torch.long, device=inputs.device).index_copy_(0, self.slots, self.lengths)
+            self.visible = (torch.arange(span, device=inputs.device) <= held[:, None])[:, None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.store_token(layer, self.slots, self.lengths, q, k, v)
+        kp, vp = self.cache.k[layer], self.cache.v[layer]
+        if self.cache.received is not None:  # H2O: the step's query against the span's keys, once more
+            visible = (torch.arange(self.span, device=q.device) <= self.lengths[:, None])[:, None]
+            self.cache.receive(layer, self.slots, q, kp[self.slots, :, : self.span], visible, self.lengths)
+        if use_flash(q) and not self.holes:
+            out = flash_attn_with_kvcache(q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                                          cache_seqlens=(self.lengths + 1).int(), cache_batch_idx=self.slots.int(),
+                                          num_splits=invariance.flash_splits())
+            return out.transpose(1, 2)
+        if self.in_place:
+            queries = q.new_zeros(kp.shape[0], *q.shape[1:]).index_copy_(0, self.slots, q)
+            out = attend_masked(queries, kp[:, :, : self.span], vp[:, :, : self.span], self.visible)
+            return out.index_select(0, self.slots)
+        keys, values = kp[self.slots, :, : self.span], vp[self.slots, :, : self.span]
+        if self.holes:
+            visible = (torch.arange(self.span, device=q.device) <= self.lengths[:, None])[:, None, None]
+            held = self.held[layer].transpose(0, 1)  # [R, Hkv]
+            return attend_masked(q, keys, values, visible & hole_free(held, self.base, self.span))
+        return attend_padded(q, keys, values, self.lengths, torch.ones_like(self.lengths))
+
+
+class _BoundedSide:
+    """A bounded cache's side of a static step. Buffer rows: tokens, logical positions, slots, physical lengths, and
+    for an allocating evictor the rows' `base` and `held` (layer by layer, KV head by KV head)."""
+
+    def __init__(self, cache: BoundedCache) -> None:
+        self.cache = cache
+        self.scratch = cache.reserve_slot()
+
+    @property
+    def generation(self) -> int:
+        return self.cache.generation
+
+    def start(self, rows: Sequence[int]) -> tuple[tuple[int, ...], np.ndarray]:
+        """The step's bucket (the arguments of `padding`) and its buffer's rows past the tokens, on the host."""
+        cache, ids = self.cache, np.asarray(rows, np.int64)
+        host = self.padding(bucket(len(rows)))
+        host[:3, : len(rows)] = cache.row_logical[ids], cache.row_slot[ids], cache.row_physical[ids]
+        if cache.evictor.allocates:
+            host[3, : len(rows)] = cache.row_base[ids]
+            host[4:, : len(rows)] = cache.row_held[ids].reshape(len(rows), -1).T
+        return (host.shape[1],), host
+
+    def padding(self, size: int) -> np.ndarray:
+        """The buffer's rows past the tokens for `size` padding rows (no holes)."""
+        n_layers, _, h_kv = self.cache.k.shape[:3]
+        host = np.zeros((3 + (1 + n_layers * h_kv) * self.cache.evictor.allocates, size), np.int64)
+        host[1] = self.scratch
+        return host
+
+    def view(self, inputs: torch.Tensor) -> _StaticView:
+        return _StaticView(self.cache, inputs, self.cache.trigger)
+
+    def finish(self, rows: Sequence[int]) -> None:
+        self.cache.advance(rows)
+
+
+class _FullView:
+    """What the decoder's attention layers see during a full cache's static step: each row's new k/v written to its
+    slot, then attention over its blocks (flash-attn's paged kernel in place, else SDPA over the bucket's blocks)."""
+
+    def __init__(self, cache: FullCache, inputs: torch.Tensor) -> None:
+        self.cache = cache
+        self.cached, self.slots = inputs[1], inputs[2]
+        self.table = inputs[3:].T  # [size, width]
+        self.flash = use_flash(cache.k)
+        if not self.flash:
+            keys = self.table.shape[1] * cache.block_size
+            self.visible = (torch.arange(keys, device=inputs.device) <= self.cached[:, None])[:, None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        cache.store_at(layer, self.slots, k, v)
+        kp, vp = cache.k[layer], cache.v[layer]
+        if self.flash:
+            return attend_paged(q, kp, vp, PagedKeys(self.table.contiguous(), self.cached, causal=True))[0]
+        R, heads_dim = q.shape[0], kp.shape[2:]
+        blocks = self.table.reshape(-1)
+        keys, values = (pool.index_select(0, blocks).view(R, -1, *heads_dim).transpose(1, 2) for pool in (kp, vp))
+        return attend_masked(q, keys, values, self.visible)
+
+
+class _FullSide:
+    """A full cache's side of a static step. Buffer rows: tokens, positions (cached tokens), write slots, then the
+    block table (transposed), padded to the bucket's width."""
+
+    def __init__(self, cache: FullCache) -> None:
+        self.cache = cache
+        self.scratch = cache.reserve_block()
+        self.generation = 0  # the pools are never reallocated once the scratch block is there
+
+    def start(self, rows: Sequence[int]) -> tuple[tuple[int, ...], np.ndarray]:
+        cache, ids = self.cache, np.asarray(rows, np.int64)
+        cached = cache.append_one(rows)
+        host = self.padding(bucket(len(rows)), self._width(int(cache.block_table.n_blocks[ids].max())))
+        bs, width = cache.block_size, host.shape[0] - 2
+        table = cache.block_table.table[ids, : min(width, cache.block_table.table.shape[1])]
+        host[0, : len(rows)] = cached
+        host[1, : len(rows)] = table[np.arange(len(rows)), cached // bs] * bs + cached % bs
+        host[2: 2 + table.shape[1], : len(rows)] = table.T
+        return (host.shape[1], width), host
+
+    def padding(self, size: int, width: int) -> np.ndarray:
+        """The buffer's rows past the tokens for `size` padding rows of a `width`-block table."""
+        host = np.full((2 + width, size), self.scratch, np.int64)
+        host[0] = 0
+        host[1] = self.scratch * self.cache.block_size
+        return host
+
+    def _width(self, blocks: int) -> int:
+        """Table columns a step reads: the whole table for flash-attn, else the bucket of the rows' blocks (whole
+        KEY_GRANULE blocks of keys with batch invariance on)."""
+        cache = self.cache
+        if use_flash(cache.k):
+            return cache.block_table.table.shape[1]
+        if invariance.active(cache.k):
+            return invariance.padded_keys(blocks * cache.block_size) // cache.block_size
+        return bucket(blocks)
+
+    def view(self, inputs: torch.Tensor) -> _FullView:
+        return _FullView(self.cache, inputs)
+
+    def finish(self, rows: Sequence[int]) -> None:
+        pass  # `start` counted the tokens
+
+
+@dataclass
+class _Step:
+    inputs: torch.Tensor  # [fields, bucket]: tokens, positions, then the cache side's rows
+    logits: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class StaticDecode:
+    """`net.decode` over a `BoundedCache` or a `FullCache` with static shapes; captured once per bucket on CUDA."""
+
+    def __init__(self, net: Transformer, cache: BoundedCache | FullCache, graphs: bool = True) -> None:
+        self.net, self.cache = net, cache
+        self.side = _BoundedSide(cache) if isinstance(cache, BoundedCache) else _FullSide(cache)
+        self.graphs = graphs and cache.k.is_cuda
+        self.steps: dict[tuple[int, ...], _Step] = {}
+        self.pools_from = self.side.generation  # the pools the graphs read (their addresses and strides)
+        self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.outputs: dict[int, torch.Tensor] = {}  # each row bucket's logits, shared by its graphs (block buckets)
+
+    @property
+    def scratch(self) -> int:
+        """The slot (bounded cache) or block (full cache) the padding rows write to."""
+        return self.side.scratch
+
+    @torch.inference_mode()
+    def __call__(self, rows: list[int], tokens: torch.Tensor | list[int]) -> torch.Tensor:
+        """Append one token (tokens [R], best on the cache's device) to each row; the head outputs that
+        follow [R, out] (a fresh tensor)."""
+        tokens = torch.as_tensor(tokens, device=self.cache.k.device)
+        if self.side.generation != self.pools_from:  # reallocated: the graphs read the old pools (even at one address)
+            self.steps.clear()
+            self.pools_from = self.side.generation
+        key, host = self.side.start(rows)
+        key, host = self._captured_cover(key, host)
+        step = self.steps.get(key) or self._prepare(key, host)
+        step.inputs[1:].copy_(upload(host, step.inputs.device))  # no wait for the device
+        step.inputs[0, : len(rows)].copy_(tokens)
+        if step.graph is not None:
+            step.graph.replay()
+            logits = step.logits
+        else:
+            logits = self._forward(step.inputs)
+        self.side.finish(rows)
+        return logits[: len(rows)].clone()
+
+    def _captured_cover(self, key: tuple[int, ...], host: np.ndarray) -> tuple[tuple[int, ...], np.ndarray]:
+        """The smallest bucket prepared already that covers `key` (as many rows or more, as wide a table or wider),
+        with `host` padded to it: a step of few rows (a commit's) replays a graph of more rather than capturing
+        one of its own (a warm-up and a capture forward); `key` itself when none covers it."""
+        covers = [k for k in self.steps if k != key and all(a >= b for a, b in zip(k, key))]
+        if key in self.steps or not covers:
+            return key, host
+        cover = min(covers, key=lambda k: (int(np.prod(k)), k))
+        padded = self.side.padding(*cover)
+        padded[: host.shape[0], : host.shape[1]] = host
+        return cover, padded
+
+    def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        h = self.net.decoder(inputs[0][:, None], inputs[1][:, None], self.side.view(inputs))
+        return self.net.head(h[:, 0])
+
+    def _prepare(self, key: tuple[int, ...], host: np.ndarray) -> _Step:
+        inputs = torch.zeros(1 + host.shape[0], host.shape[1], dtype=torch.long, device=self.cache.k.device)
+        step = _Step(inputs)
+        if self.graphs:  # warm-up and capture write only to the scratch slot or block
+            inputs[1:].copy_(torch.from_numpy(self.side.padding(*key)))
+            step.graph, step.logits = self._capture(inputs)
+        self.steps[key] = step
+        return step
+
+    def _capture(self, inputs: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The step over `inputs` captured in a CUDA graph on the device's capture stream, after one warm-up forward
+        there (which makes what the kernels create on first use, the stream's cuBLAS workspace too, as nano-vllm's
+        capture does), and its logits buffer: the row bucket's, which every graph of that bucket writes (a full
+        cache has one per block bucket). The graph reads and writes the pools at their addresses and strides of
+        now."""
+        torch.cuda.set_device(inputs.device)  # the capture stream and graph are the current device's: the cache's
+        stream = capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            warm = self._forward(inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        size = inputs.shape[1]
+        if size not in self.outputs:
+            self.outputs[size] = torch.empty_like(warm)
+        del warm
+        logits = self.outputs[size]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory, stream=stream):
+            logits.copy_(self._forward(inputs))
+        return graph, logits

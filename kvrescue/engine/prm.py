@@ -1,0 +1,275 @@
+"""Process reward scoring (DESIGN section 5) with a cached committed prefix.
+
+The input and the score are a recipe's (engine/prm_recipes: Qwen2.5-Math-PRM's `paper` or `model-card`, RLHFlow,
+Math-Shepherd, Skywork), read at the last token of a candidate's piece. Each problem's committed prefix lives in one
+FullCache row; a candidate is scored as a suffix (fork, append its piece's tokens, read the head, release), all
+candidates of all problems in one forward.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+import kvrescue.engine.invariance as invariance
+from kvrescue.engine.caches import TORCH_BLOCK, FullCache, block_size_for
+from kvrescue.engine.loader import LoadedModel
+from kvrescue.engine.prm_recipes import FORMATS, HEADS, PRMRecipe, RecipeInputs
+from kvrescue.engine.scoring import Request
+from kvrescue.engine.steps import append_tokens
+from kvrescue.model_config import window_error
+from kvrescue.prompts import SYSTEM_PROMPT
+from kvrescue.scorers import PRM
+from kvrescue.shapes import PRM_WINDOW
+
+
+def no_prm_head(name: str) -> ValueError:
+    """The error for a checkpoint that is not a process reward model."""
+    return ValueError(
+        f"{name} has no process-reward head (score.0/score.2 weights), so it cannot score steps; "
+        "give a Qwen2ForProcessRewardModel checkpoint such as Qwen/Qwen2.5-Math-PRM-7B"
+    )
+
+
+def check_prm(prm: LoadedModel, recipe: PRMRecipe, window: int = PRM_WINDOW) -> RecipeInputs:
+    """The recipe bound to the PRM's tokenizer; a ValueError when the PRM lacks the recipe's head, its tokenizer
+    cannot take the recipe, or its attention cannot see the window in full."""
+    if prm.head_kind != recipe.head:
+        if recipe.head == "classes":
+            raise no_prm_head(prm.name)
+        raise ValueError(f"{prm.name} has {HEADS[prm.head_kind]}, but the {recipe.name} recipe reads "
+                         f"{HEADS[recipe.head]} ({recipe.architecture})")
+    reason = window_error(prm.config, window)
+    if reason:
+        raise ValueError(f"{prm.name}: {reason}")
+    return recipe.bind(prm.tokenizer, prm.name)
+
+
+def seen_candidates(suffixes: Sequence[list[int]]) -> list[int]:
+    """The indices of the candidates the PRM sees: those whose piece has a token. A step its tokenizer makes nothing
+    of (a whitespace-splitting tokenizer's, for a step of spaces and newlines) has no position to read a score at:
+    the scorers return None for it, and the controller gives it the lowest score (`scoring.UNSEEN_SCORE`)."""
+    return [i for i, suffix in enumerate(suffixes) if suffix]
+
+
+@dataclass
+class PRMTrajectory:
+    """One problem's PRM input as token ids: its prompt, then its committed steps' pieces (the recipe's)."""
+
+    prompt: list[int]
+    steps: list[list[int]] = field(default_factory=list)
+    kept_from: int = 0  # steps before this index were dropped to fit the window
+    unfed: list[int] = field(default_factory=list)  # prefix tokens the scorer's model has not processed yet
+    rebuilt: bool = True  # `unfed` is the whole prefix (just opened, or older steps were dropped since)
+    processed: int = 0  # tokens the scorer's model processed for this problem
+    truncations: int = 0  # scorings and commits that cut its input to the window
+
+    def prefix(self) -> list[int]:
+        """What the PRM sees before a candidate: the prompt and the kept committed steps."""
+        return self.prompt + [t for s in self.steps[self.kept_from :] for t in s]
+
+    def fit(self, need: int, window: int) -> bool:
+        """Drop the oldest committed steps until the prefix plus `need` tokens fits the window (the whole prefix is
+        then unfed again); True if any went."""
+        length, first = len(self.prefix()), self.kept_from
+        while self.kept_from < len(self.steps) and length + need > window:
+            length -= len(self.steps[self.kept_from])
+            self.kept_from += 1
+        if self.kept_from > first:
+            self.unfed, self.rebuilt = self.prefix(), True
+        return self.kept_from > first
+
+
+class PRMInputs:
+    """The PRM's input token ids of many problems, keyed by problem (no tensors: the scorers own the model).
+
+    Both scorers read their inputs here, so the engine's PRMScorer and vLLM's see the same token ids, the
+    same dropped steps and the same cut candidates, and count the same tokens: a committed prefix once, when it
+    is first fed (`take_unfed`), and every candidate's piece.
+    """
+
+    def __init__(self, tokenizer, recipe: PRMRecipe, window: int = PRM_WINDOW, system: str = SYSTEM_PROMPT,
+                 name: str = "the PRM") -> None:
+        """`name`: the PRM, for the ValueError raised when its tokenizer cannot take the recipe."""
+        self.codec = recipe.bind(tokenizer, name)  # the recipe on this tokenizer: ids in, scores out
+        self.window = window
+        self.system = system
+        self.problems: dict[int, PRMTrajectory] = {}
+
+    def open(self, key: int, problem: str) -> PRMTrajectory:
+        """Start a problem: its prompt's ids."""
+        ids = self.codec.prompt(problem, self.system)
+        self.problems[key] = PRMTrajectory(ids, unfed=list(ids))
+        return self.problems[key]
+
+    def step_ids(self, texts: Sequence[str], index: int = 0) -> list[list[int]]:
+        """Generated steps' pieces as candidates after `index` committed steps (one batched tokenizer call where the
+        recipe allows); each ends where its score is read."""
+        return self.codec.candidates(texts, [index] * len(texts))
+
+    def candidates(self, requests: Sequence[Request]) -> list[list[int]]:
+        """Each candidate's ids (a suffix of its problem's prefix), older steps dropped to make room for a
+        problem's longest candidate; counted as processed."""
+        suffixes = self.codec.candidates([text for _, text, _ in requests],
+                                         [len(self.problems[key].steps) for key, _, _ in requests])
+        need: dict[int, int] = {}
+        for (key, _, _), s in zip(requests, suffixes):
+            need[key] = max(need.get(key, 0), len(s))
+        room = {}
+        for key, n in need.items():
+            p = self.problems[key]
+            dropped = p.fit(n, self.window)
+            room[key] = self.window - len(p.prefix())
+            p.truncations += dropped or n > room[key]
+        # A candidate longer than the window left after dropping every step keeps its end (where it is scored).
+        cut = [s[-max(room[key], 1) :] for (key, _, _), s in zip(requests, suffixes)]
+        for (key, _, _), s in zip(requests, cut):
+            self.problems[key].processed += len(s)
+        return cut
+
+    def commit(self, key: int, text: str) -> None:
+        """The problem committed this step: its ids join the prefix (older steps dropped to fit it)."""
+        p = self.problems[key]
+        step = self.codec.committed(text, len(p.steps))
+        p.truncations += p.fit(len(step), self.window)
+        p.steps.append(step)
+        p.unfed += step
+
+    def take_unfed(self) -> list[tuple[int, list[int], bool]]:
+        """(key, tokens, rebuilt) of every problem whose prefix has tokens not processed yet (`rebuilt`: they are
+        the whole prefix), counted as processed from now on."""
+        fed = []
+        for key, p in self.problems.items():
+            if p.unfed:
+                fed.append((key, p.unfed, p.rebuilt))
+                p.processed += len(p.unfed)
+                p.unfed, p.rebuilt = [], False
+        return fed
+
+    def close(self, key: int) -> tuple[int, int]:
+        """Stop following a problem; returns (tokens processed, times its input was cut to the window)."""
+        p = self.problems.pop(key)
+        return p.processed, p.truncations
+
+
+class PRMScorer:
+    """Scores candidate steps of many problems as suffixes of each problem's cached committed prefix.
+
+    Follows the controller's scorer protocol: open / score / commit / close, keyed by problem. Opening and
+    committing only queue tokens: each `score` feeds every problem's queued tokens with the candidates, in one
+    forward (two where a prompt is among them; more only when the cache's room splits the candidates).
+    """
+
+    name = PRM
+
+    @staticmethod
+    def cache_tokens(max_problems: int, max_candidates: int, max_step_tokens: int, window: int = PRM_WINDOW,
+                     block_size: int = TORCH_BLOCK, candidate_tokens: int | None = None) -> int:
+        """Token room of a scorer's cache in blocks of `block_size` tokens: every open problem's full window, plus
+        candidate suffixes: `candidate_tokens`, by default max_candidates full-length steps (each with the partial
+        block it copies from its prefix)."""
+        room = max_candidates * (max_step_tokens + block_size + 1) if candidate_tokens is None else candidate_tokens
+        return max_problems * (window + block_size) + room
+
+    def __init__(
+        self,
+        prm: LoadedModel,
+        *,
+        max_problems: int = 32,
+        max_candidates: int = 512,
+        max_step_tokens: int = 512,
+        window: int = PRM_WINDOW,
+        candidate_tokens: int | None = None,
+        system: str = SYSTEM_PROMPT,
+        recipe: PRMRecipe = FORMATS["paper"],
+    ) -> None:
+        """Cache room as `cache_tokens` counts it; candidates beyond it are scored in several forwards. Blocks as
+        the device's attention path takes them (`block_size_for`: flash-attn's paged kernel on a GPU, whose
+        256-token blocks make each candidate copy up to 255 tokens of its prefix's partial last block, 15 with
+        the torch path's 16)."""
+        check_prm(prm, recipe, window)
+        self.prm = prm
+        self.inputs = PRMInputs(prm.tokenizer, recipe, window, system, prm.name)
+        bs = block_size_for(next(prm.net.parameters()))
+        self.cache = FullCache.for_model(
+            prm.net, self.cache_tokens(max_problems, max_candidates, max_step_tokens, window, bs, candidate_tokens),
+            block_size=bs, max_rows=max_problems + max_candidates, max_row_tokens=window + bs,
+        )
+        self.rows: dict[int, int] = {}  # each problem's cache row, holding its prefix
+
+    def _unfed(self) -> tuple[list[int], list[list[int]]]:
+        """Every problem's unfed tokens (prompts opened, steps committed since the last score) and the row they go to,
+        a new one where they are the whole prefix."""
+        unfed = self.inputs.take_unfed()
+        for key, _, rebuilt in unfed:
+            if rebuilt:
+                if key in self.rows:
+                    self.cache.release([self.rows[key]])
+                self.rows[key] = self.cache.create()
+        return [self.rows[key] for key, _, _ in unfed], [tokens for _, tokens, _ in unfed]
+
+    def open(self, key: int, problem: str, prompt: list[int] | None = None) -> None:
+        """Start following a problem: encode its prompt, fed by the next score (the
+        policy's `prompt` tokens are not needed)."""
+        self.inputs.open(key, problem)
+
+    @torch.inference_mode()
+    def score(self, requests: Sequence[Request]) -> list[float | None]:
+        """The recipe's score at each candidate's last token, all candidates of all problems in one forward, which
+        also feeds the problems' unfed tokens where none is longer than the longest candidate (a committed step:
+        the candidates are forked from the room made for them, `FullCache.reserve`; a longer one, a prompt, is fed
+        in a forward of its own rather than padding every candidate to it). With batch invariance on, always in a
+        forward of their own: whether a prefix shares its candidates' forward depends on the other problems', and
+        it would join their cascade group. None for a candidate whose piece the PRM's tokenizer makes no token of
+        (`seen_candidates`)."""
+        if not requests:
+            return []
+        suffixes = self.inputs.candidates(requests)
+        fed_rows, fed = self._unfed()
+        seen = seen_candidates(suffixes)
+        if fed and (not seen or invariance.on() or max(map(len, fed)) > max(len(suffixes[i]) for i in seen)):
+            append_tokens(self.prm, self.cache, fed_rows, fed)
+            fed_rows, fed = [], []
+        self.cache.reserve(fed_rows, [len(tokens) for tokens in fed])
+        scores: list[float | None] = [None] * len(suffixes)
+        for chunk in self._chunks([suffixes[i] for i in seen]):
+            picked = [seen[j] for j in chunk]
+            rows = self.cache.fork_each([self.rows[requests[i][0]] for i in picked], 1)
+            try:
+                head = append_tokens(self.prm, self.cache, fed_rows + rows, fed + [suffixes[i] for i in picked])
+            finally:
+                self.cache.release(rows)
+            for i, score in zip(picked, self.inputs.codec.read(head[len(fed_rows):]).tolist()):
+                scores[i] = score
+            fed_rows, fed = [], []
+        return scores
+
+    def _chunks(self, suffixes: list[list[int]]) -> list[list[int]]:
+        """Consecutive groups of candidates whose suffix blocks fit the free cache together."""
+        free, bs = self.cache.num_blocks - self.cache.blocks_in_use(), self.cache.block_size
+        free_rows = len(self.cache.free_rows)
+        chunks: list[list[int]] = [[]]
+        used = 0
+        for i, s in enumerate(suffixes):
+            need = -(-len(s) // bs) + 1  # + the copied partial block of the shared prefix
+            if chunks[-1] and (used + need > free or len(chunks[-1]) == free_rows):
+                chunks.append([])
+                used = 0
+            chunks[-1].append(i)
+            used += need
+        return chunks if suffixes else []
+
+    def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:
+        """The problem committed this step: its ids join the prefix, fed by the next score
+        (a problem closed before then never costs the forward)."""
+        self.inputs.commit(key, text)
+
+    def close(self, key: int) -> tuple[int, int]:
+        """Stop following a problem; returns (tokens the PRM processed, times its input was cut to the window)."""
+        if key in self.rows:
+            self.cache.release([self.rows.pop(key)])
+        return self.inputs.close(key)
+
+    def dropped_steps(self, key: int) -> int:
+        """How many of the oldest committed steps no longer fit the window."""
+        return self.inputs.problems[key].kept_from

@@ -1,0 +1,361 @@
+"""Step decoding: many rows (problems x candidates) sampled one token per iteration until each ends a step.
+
+This is the one decode loop of the tool (the controller drives it, tests/oracles.py's `generate_steps` too). Per-token
+work is done for all rows at once on the model's device: sampling from counter-based streams, step
+ends decided from token ids by per-vocabulary tables, the detector's entropy window. The host sees
+one small packed transfer per iteration (tokens, entropies, finish codes), writes it into its
+per-row buffers with array operations, and decodes text only where it is needed: once when a step
+ends, and for the gzip test only for rows that may hold enough characters.
+
+Convention shared with the `Runner`: when a row finishes, its cache holds every token of its step
+except the last one, whose logits nobody needs unless the row is committed; `Runner.commit` feeds it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvrescue.detect import DetectorConfig, gzip_ratio
+from kvrescue.engine.caches import KVCache
+from kvrescue.engine.sampling import SamplingParams, as_keys, counter_stages
+from kvrescue.engine.texts import decoder
+from kvrescue.engine.transfer import Download, upload
+from kvrescue.prompts import STEP_DELIMITER
+from kvrescue.reasons import DETECTOR_FINISHES, FINISHES
+from kvrescue.shapes import MAX_CONTEXT, MAX_STEP_TOKENS
+
+FINISH_CODES = (None, *FINISHES)  # finish codes 0..6 on the device (0: not finished)
+_STEP, _EOS, _LENGTH, _ENTROPY, _REPETITION, _NONFINITE = range(1, len(FINISH_CODES))
+
+
+@dataclass(frozen=True)
+class StepRules:
+    """How candidate steps are decoded: sampling, when a step ends, and the detector.
+
+    A step ends at EOS, at the delimiter `\\n\\n` in its decoded text, at `max_step_tokens`, or when
+    its context reaches `max_context`; `fixed_length` (synthetic throughput runs) ends every step
+    after that many tokens and ignores EOS and the delimiter. The detector (None: off) screens the rows
+    started with `screened=True`, every token including the last one.
+    """
+
+    eos: frozenset[int]
+    sampling: SamplingParams = SamplingParams()
+    max_step_tokens: int = MAX_STEP_TOKENS
+    max_context: int = MAX_CONTEXT
+    fixed_length: int | None = None
+    detector: DetectorConfig | None = None
+
+
+@dataclass
+class CandidateStep:
+    """One row's finished step: tokens, text = decode(tokens), entropies (none from vLLM), finish reason, detector
+    extremes."""
+
+    row: int
+    tokens: list[int]
+    text: str
+    entropies: list[float]
+    finish: str
+    max_mean_entropy: float | None = None
+    min_gzip_ratio: float | None = None
+    fired_at: int | None = None
+
+
+class StepTable:
+    """Per-vocabulary facts that decide step ends from token ids, computed once per tokenizer.
+
+    With `texts[t]` = decode([t]): the delimiter ends a step at token b after token a when texts[b]
+    contains `\\n\\n`, or texts[a] ends with `\\n` and texts[b] starts with `\\n`. That is exact when
+    decoding concatenates around newlines, which `exact` records after checking every token holding a
+    newline in context and every (ends with `\\n`, starts with `\\n`) pair. `chars[t]` bounds the
+    characters a token adds to a decoded text, so the gzip test decodes only rows that may have enough.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        n = len(tokenizer)
+        texts = _decode_all(tokenizer, [[t] for t in range(n)])
+        newline = [t for t, s in enumerate(texts) if "\n" in s]
+        ends = [t for t in newline if texts[t].endswith("\n")]
+        starts = [t for t in newline if texts[t].startswith("\n")]
+        self.exact = self._concatenates(tokenizer, texts, newline, ends, starts)
+        self.contains = torch.tensor([STEP_DELIMITER in s for s in texts])
+        self.ends = torch.zeros(n, dtype=torch.bool)
+        self.ends[ends] = True
+        self.starts = torch.zeros(n, dtype=torch.bool)
+        self.starts[starts] = True
+        self.newline = torch.zeros(n, dtype=torch.bool)
+        self.newline[newline + [t for t, s in enumerate(texts) if "\ufffd" in s]] = True
+        self.chars = torch.tensor([len(s) + (0 if self.exact else 1) for s in texts])
+
+    @staticmethod
+    def _concatenates(tokenizer, texts: list[str], newline: list[int], ends: list[int], starts: list[int]) -> bool:
+        """Whether decoding keeps every newline where the single-token texts put it."""
+        plain = next((t for t, s in enumerate(texts) if s.isalpha()), None)
+        if plain is None or any("\ufffd" in texts[t] for t in newline):
+            return False
+        strip = lambda s: s.replace(" ", "")  # noqa: E731  (some decoders drop a leading space)
+        in_context = _decode_all(tokenizer, [[plain, t, plain] for t in newline])
+        if any(strip(s) != strip(texts[plain] + texts[t] + texts[plain]) for s, t in zip(in_context, newline)):
+            return False
+        return all(STEP_DELIMITER in s for s in _decode_all(tokenizer, [[a, b] for a in ends for b in starts]))
+
+    def to(self, device: torch.device) -> "StepTable":
+        """The same table with its tensors on `device`."""
+        moved = object.__new__(StepTable)
+        moved.exact = self.exact
+        for name in ("contains", "ends", "starts", "newline", "chars"):
+            setattr(moved, name, getattr(self, name).to(device))
+        return moved
+
+
+def _decode_all(tokenizer, id_lists: list[list[int]]) -> list[str]:
+    """tokenizer.decode of every list, in one batched call of the Rust tokenizer when there is one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.batch_decode(id_lists)
+    return backend.decode_batch(id_lists, skip_special_tokens=False)
+
+
+_TABLES: dict[int, tuple[object, StepTable]] = {}
+
+
+def step_table(tokenizer) -> StepTable:
+    """The tokenizer's table, built on first use and kept (3 s for SmolLM2's 49k vocabulary on a busy 2-core box)."""
+    entry = _TABLES.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:
+        entry = _TABLES[id(tokenizer)] = (tokenizer, StepTable(tokenizer))
+        if not entry[1].exact:
+            warnings.warn(f"{type(tokenizer).__name__}: step ends can't be read from token ids exactly; rows whose "
+                          "token holds a newline are checked on decoded text instead", stacklevel=2)
+    return entry[1]
+
+
+@dataclass
+class _Lanes:
+    """Per-candidate state in lanes (indices reused as candidates finish), on the device and on the host."""
+
+    keys: torch.Tensor
+    count: torch.Tensor
+    prev_ends: torch.Tensor
+    ring: torch.Tensor      # the last `ent_window` entropies, float64
+    max_mean_entropy: torch.Tensor  # the largest window mean at checked positions, -inf before any
+    chars: torch.Tensor     # bound on the decoded characters so far
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    screened: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    context: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens before the step
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    entropies: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    min_gzip_ratio: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+
+class StepDecoder:
+    """The open candidate steps of one runner, advanced together one token per `advance(runner)`.
+
+    The runner (passed in, not kept: a runner holds its decoder, and a reference back would make a cycle that
+    keeps a finished cell's caches until a full garbage collection) provides `sample(rows, keys, counters,
+    params, stages)` and `decode(rows_tensor, rows, tokens)` (one token appended to each row, its logits kept).
+    """
+
+    def __init__(self, device: torch.device, tokenizer, rules: StepRules) -> None:
+        self.rules = rules
+        self.device = device
+        self.table = step_table(tokenizer).to(self.device)
+        self.decode_text = decoder(tokenizer)
+        self.eos = torch.zeros(len(self.table.contains), dtype=torch.bool, device=self.device)
+        eos = [t for t in rules.eos if t < len(self.eos)]
+        self.eos[eos] = True
+        self.width = rules.max_step_tokens
+        self.stages = counter_stages(self.width, self.device)  # a step's counters stay below max_step_tokens
+        self.window = rules.detector.ent_window if rules.detector else 1
+        self.lanes = self._allocate(0)
+        self.free: list[int] = []
+        self.live = np.zeros(0, np.int64)   # live lanes, in batch order
+        self.live_t: torch.Tensor | None = None
+        self.rows_t: torch.Tensor | None = None
+        self.pending: tuple[torch.Tensor, Download] | None = None  # `launch`'s tokens and their copy to the host
+
+    @property
+    def busy(self) -> bool:
+        """Whether any step is still being decoded."""
+        return len(self.live) > 0
+
+    def _allocate(self, size: int) -> _Lanes:
+        dev = self.device
+        return _Lanes(
+            keys=torch.zeros(size, dtype=torch.long, device=dev), count=torch.zeros(size, dtype=torch.long, device=dev),
+            prev_ends=torch.zeros(size, dtype=torch.bool, device=dev),
+            ring=torch.zeros(size, self.window, dtype=torch.float64, device=dev),
+            max_mean_entropy=torch.full((size,), -torch.inf, dtype=torch.float64, device=dev),
+            chars=torch.zeros(size, dtype=torch.long, device=dev),
+            rows=np.zeros(size, np.int64), screened=np.zeros(size, bool), counts=np.zeros(size, np.int64),
+            context=np.zeros(size, np.int64),
+            tokens=np.zeros((size, self.width), np.int64), entropies=np.zeros((size, self.width), np.float32),
+            min_gzip_ratio=np.full(size, np.inf),
+        )
+
+    def _grow(self, need: int) -> None:
+        old = len(self.lanes.rows)
+        new = self._allocate(max(need, 2 * old, 64))
+        for name, value in vars(self.lanes).items():
+            getattr(new, name)[:old] = value
+        self.lanes = new
+        self.free = list(range(len(new.rows) - 1, old - 1, -1)) + self.free
+
+    def start(self, rows: Sequence[int], keys: Sequence[Sequence[int] | int], contexts: Sequence[int],
+              screened: Sequence[bool]) -> None:
+        """Open a step on each row (its logits already in the runner): stream keys[i], contexts[i] tokens before it."""
+        if self.pending is not None:
+            raise RuntimeError("StepDecoder.start: a launched token not yet read (`advance` first)")
+        if len(self.free) < len(rows):
+            self._grow(len(self.lanes.rows) + len(rows) - len(self.free))
+        lanes = np.array([self.free.pop() for _ in rows], dtype=np.int64)
+        s = self.lanes
+        s.rows[lanes], s.screened[lanes], s.counts[lanes], s.min_gzip_ratio[lanes] = rows, screened, 0, np.inf
+        s.context[lanes] = contexts
+        at = upload(lanes, self.device)
+        s.keys[at] = upload(as_keys(keys), self.device)
+        s.count[at], s.prev_ends[at], s.ring[at], s.max_mean_entropy[at], s.chars[at] = 0, False, 0.0, -torch.inf, 0
+        self._set_live(np.concatenate([self.live, lanes]))
+
+    def _set_live(self, live: np.ndarray, index: np.ndarray | None = None) -> None:
+        """The live lanes; `index` (positions kept of the previous live lanes) narrows the device copies instead."""
+        if index is not None and self.live_t is not None:
+            at = upload(index, self.device)
+            self.live_t, self.rows_t = self.live_t[at], self.rows_t[at]
+        else:
+            self.live_t = upload(live, self.device)
+            self.rows_t = upload(self.lanes.rows[live], self.device)
+        self.live = live
+
+    def launch(self, runner) -> None:
+        """Sample one token for every live row of `runner` and start the copy of what the host reads of it (tokens,
+        entropies, finish codes), without waiting for it: `advance` reads it. A controller launches every runner's
+        sampling before it waits for any, so that one runner's sampling is not queued behind another's forward."""
+        if not self.busy or self.pending is not None:
+            return
+        rules, table, s = self.rules, self.table, self.lanes
+        lanes, live = self.live_t, self.live
+        tokens, entropies = runner.sample(self.rows_t, s.keys[lanes], s.count[lanes], rules.sampling, self.stages)
+        n = s.count[lanes] + 1
+        s.count[lanes] = n
+        code = torch.zeros_like(tokens)  # the ends read on the device; the length ends are the host's (counts)
+        if rules.fixed_length is None:
+            delimiter = table.contains[tokens] | (s.prev_ends[lanes] & table.starts[tokens])
+            s.prev_ends[lanes] = table.ends[tokens]
+            if table.exact:
+                code.masked_fill_(delimiter, _STEP)
+            code.masked_fill_(self.eos[tokens], _EOS)
+        check_text = torch.zeros_like(tokens, dtype=torch.bool)
+        cfg = rules.detector
+        if cfg is not None and s.screened[live].any():
+            screened = upload(s.screened[live], self.device)
+            ring = s.ring[lanes]
+            ring[torch.arange(len(live), device=self.device), (n - 1) % cfg.ent_window] = entropies.double()
+            s.ring[lanes] = ring
+            mean = ring.sum(-1) / n.clamp(max=cfg.ent_window)
+            checked = screened & (n >= cfg.min_tokens)
+            held = s.max_mean_entropy[lanes]
+            s.max_mean_entropy[lanes] = torch.where(checked, torch.maximum(held, mean), held)
+            code.masked_fill_(checked & (mean > cfg.tau_ent), _ENTROPY)
+            chars = s.chars[lanes] + table.chars[tokens]
+            s.chars[lanes] = chars
+            check_text = screened & (chars >= cfg.cmp_chars)
+        code.masked_fill_(entropies.isnan(), _NONFINITE)  # a NaN or +inf logit: its token is meaningless
+        if not table.exact:
+            check_text |= (code == 0) & table.newline[tokens]
+        packed = torch.stack([tokens.double(), entropies.double(), code.double(), s.max_mean_entropy[lanes],
+                              check_text.double()])
+        self.pending = (tokens, Download(packed))
+
+    def advance(self, runner) -> list[CandidateStep]:
+        """One token for every live row of `runner` (sampled by `launch`, or now), fed to the rows that go on; the
+        steps that ended."""
+        if not self.busy:
+            return []
+        self.launch(runner)
+        (tokens, download), self.pending = self.pending, None
+        rules, s, live = self.rules, self.lanes, self.live
+        packed = download.wait()  # the iteration's one synchronisation
+        tok = packed[0].astype(np.int64)
+        s.counts[live] += 1
+        s.tokens[live, s.counts[live] - 1] = tok
+        s.entropies[live, s.counts[live] - 1] = packed[1]
+        codes = packed[2].astype(np.int64)
+        n = s.counts[live]
+        if rules.fixed_length is not None:
+            codes[(codes == 0) & (n >= rules.fixed_length)] = _STEP
+        codes[(codes == 0) & ((n >= rules.max_step_tokens) | (s.context[live] + n >= rules.max_context))] = _LENGTH
+        for i in np.flatnonzero(packed[4]):
+            codes[i] = self._check_text(live[i], codes[i])
+        ended = codes != 0
+        finished = [(live[i], FINISH_CODES[codes[i]], packed[3][i]) for i in np.flatnonzero(ended)]
+        if ended.all():
+            self.free += live.tolist()
+            self._set_live(live[:0])
+        else:
+            if ended.any():
+                keep = np.flatnonzero(~ended)
+                self.free += live[ended].tolist()
+                self._set_live(live[keep], keep)
+                tokens = tokens[upload(keep, self.device)]
+            runner.decode(self.rows_t, s.rows[self.live].tolist(), tokens)
+        # Built after the forward is launched: on a GPU it runs while the host decodes the finished steps' texts
+        # (their lanes are free, but nothing reuses them before the next `start`).
+        return [self._finished(*f) for f in finished]
+
+    def _check_text(self, lane: int, code: int) -> int:
+        """Host checks on the decoded text of one row: the gzip test, and the delimiter for an inexact table."""
+        s, cfg = self.lanes, self.rules.detector
+        n = s.counts[lane]
+        text = self.decode_text(s.tokens[lane, :n].tolist())
+        if code == 0 and not self.table.exact and STEP_DELIMITER in text:
+            code = _STEP
+        if cfg is not None and s.screened[lane]:
+            text = text.rstrip("\ufffd")  # an incomplete character at the end is not text yet
+            if len(text) >= cfg.cmp_chars:
+                ratio = gzip_ratio(text[-cfg.cmp_chars:], cfg.gzip_level)
+                s.min_gzip_ratio[lane] = min(s.min_gzip_ratio[lane], ratio)
+                if ratio < cfg.tau_cmp and code not in (_ENTROPY, _NONFINITE):
+                    code = _REPETITION
+        return code
+
+    def _finished(self, lane: int, finish: str, max_mean_entropy: float) -> CandidateStep:
+        s = self.lanes
+        n = s.counts[lane]
+        tokens = s.tokens[lane, :n].tolist()
+        screened = bool(s.screened[lane])
+        return CandidateStep(
+            row=int(s.rows[lane]), tokens=tokens, text=self.decode_text(tokens),
+            entropies=s.entropies[lane, :n].tolist(), finish=finish,
+            max_mean_entropy=float(max_mean_entropy) if screened and max_mean_entropy > -np.inf else None,
+            min_gzip_ratio=float(s.min_gzip_ratio[lane]) if screened and s.min_gzip_ratio[lane] < np.inf else None,
+            fired_at=int(n) if finish in DETECTOR_FINISHES else None,
+        )
+
+
+@torch.inference_mode()
+def append_tokens(model, cache: KVCache, rows: Sequence[int], token_lists: Sequence[Sequence[int]],
+                  last_only: bool = True) -> torch.Tensor:
+    """Append token_lists[i] (non-empty) to rows[i] of a `LoadedModel`'s cache in one forward (right padded).
+
+    Returns fp32 head outputs after each row's last token [R, V], or at every position [R, T, V].
+    """
+    tokens, n_new = padded_tokens(token_lists, model.device)
+    return model.net.prefill(tokens, cache, list(rows), n_new, last_only).float()
+
+
+def padded_tokens(token_lists: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """The lists (each non-empty) right padded into one batch [R, T] on `device`, and their lengths."""
+    n_new = [len(t) for t in token_lists]
+    if min(n_new) < 1:
+        raise ValueError("append_tokens: every row needs at least one token")
+    batch = np.zeros((len(token_lists), max(n_new)), np.int64)
+    for i, tokens in enumerate(token_lists):
+        batch[i, : len(tokens)] = tokens
+    return upload(batch, device), n_new

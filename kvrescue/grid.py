@@ -1,0 +1,356 @@
+"""The grid `kvrescue run` was asked for: its validated options and its cells (configurations)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvrescue.cell_plan import BOUNDED, FULL, NATIVE, VLLM, CellPlan, RolePlan, ScorerPlan
+from kvrescue.data import GENERIC, ProblemSet
+from kvrescue.devices import CPU, GPU, device_groups, is_cpu
+from kvrescue.dtypes import NAMES as DTYPE_NAMES
+from kvrescue.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, make_evictor, parse_evictor
+from kvrescue.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES, PRMRecipe, get_recipe
+from kvrescue.engine.prm_recipes.choose import AUTO as PRM_AUTO
+from kvrescue.engine.prm_recipes.choose import auto_recipe, weight_names
+from kvrescue.errors import InputError
+from kvrescue.grading import check_grader
+from kvrescue.methods import METHODS
+from kvrescue.prompts import PROMPT_STYLES, resolve_style
+from kvrescue.scorers import HELPER_LOGLIK, PRM, SCORERS
+from kvrescue.search import SearchSettings
+from kvrescue.shapes import BUFFER
+
+MAX_CELLS = 100_000  # a grid's cells (run folders); the paper's largest grid has 400
+DEFAULT_BATCH = {CPU: 4, GPU: 64}  # --batch unless auto (a GPU's default, except on a Ray cluster)
+ENGINES = ("native", "vllm")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration of the grid."""
+
+    problems: ProblemSet
+    method: str
+    budget: int | None
+    n: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class GridAxes:
+    """One grid's axes: its cells are their product."""
+
+    benches: list[str]
+    methods: list[str]
+    budgets: list[int]
+    ns: list[int]
+    seeds: list[int]
+
+    def union(self, other: GridAxes) -> GridAxes:
+        """Every value of either, in order of first appearance."""
+        return GridAxes(*(list(dict.fromkeys([*a, *b])) for a, b in zip(vars(self).values(), vars(other).values())))
+
+
+@dataclass(frozen=True)
+class GridOptions:
+    """Everything `kvrescue run` was asked for, validated."""
+
+    benches: list[str]
+    methods: list[str]
+    budgets: list[int]
+    ns: list[int]
+    seeds: list[int]
+    evictor: str
+    models: dict[str, str]
+    scorer: str
+    settings: SearchSettings
+    out: Path
+    limit: int | None = None
+    data_dir: Path | None = None
+    problem_field: str | None = None
+    answer_field: str | None = None
+    overwrite: bool = False
+    devices: tuple[str, ...] = ("cpu",)  # one device decodes in this process; more, one Ray actor per group
+    ray_address: str | None = None  # a Ray cluster to run the actors on (else a private local instance)
+    dtype: str = "float32"
+    shard: tuple[int, int] | None = None  # (i, k): every k-th problem from the i-th
+    cuda_graphs: bool = True  # the one-token decode steps (evicted base, helper, full) as CUDA graphs (on a GPU)
+    deterministic: bool = False  # batch-invariant kernels (engine/invariance.py, docs/reproducibility.md)
+    tp: int = 1  # devices per group: every model is sharded over a group's K devices (rank_group.py)
+    engine: str = "native"  # vllm: the full-context roles on vLLM (vllm_roles), the rest on this engine
+    vllm_memory: float = 0.4  # with engine vllm: vLLM's share of the device (of RAM on a CPU)
+    device_memory: int | None = None  # --device-memory: each device's bytes, for the plan, in place of its free memory
+    batch_auto: bool = False  # settings.batch was chosen by --batch auto (the largest that fits)
+    prompt: str = "math"  # the prompt style (prompts.PROMPT_STYLES; `auto` resolved by `resolve_prompt`)
+    grader: str = "qwen"  # decides `correct` (grader.GRADERS)
+    also_grade: tuple[str, ...] = ()  # other graders whose verdicts the traces record too
+    grids: tuple[GridAxes, ...] = ()  # several grids (a --config file's [[grid]] tables); the axes above: their union
+    buffer: int = BUFFER  # W: entries an evicted row appends past the budget before a compression (B' = B + W)
+    prm_format: str = "paper"  # the qwen-math recipe's input format (engine/prm_recipes/qwen_math.py)
+    prm_recipe: str = "qwen-math"  # the PRM's recipe (engine/prm_recipes; `auto` resolved by `resolve_prm_recipe`)
+    evictor_params: dict[str, Any] = field(default_factory=dict)  # --evictor NAME:FIELD=VALUE,...: the fields given
+    revisions: dict[str, str] = field(default_factory=dict)  # --base-revision and the others: a role's Hub revision
+
+    def hub_revisions(self) -> dict[str, str]:
+        """{Hub id: revision} of the grid's roles given a revision (`hub.pin`)."""
+        return {self.models[role]: revision for role, revision in self.revisions.items() if role in self.models}
+
+    def prm_input_recipe(self) -> PRMRecipe:
+        """The PRM's recipe object: `prm_recipe`, in `prm_format` for qwen-math."""
+        return get_recipe(self.prm_recipe, self.prm_format)
+
+    def _on_vllm(self, role: str, method: str) -> bool:
+        """Whether `role` of `method` runs on vLLM: with `--engine vllm`, every full-context role (the helper, the
+        PRM, the base of `full`); never the evicted base, since vLLM cannot evict mid-generation."""
+        return self.engine == "vllm" and (role != "base" or not METHODS[method].budgeted)
+
+    def plan_of(self, cell: Cell) -> CellPlan:
+        """How `cell` runs (`cell_plan`)."""
+        return self.cell_plan(cell.method, cell.budget, cell.n)
+
+    def cell_plan(self, method: str, budget: int | None, n: int) -> CellPlan:
+        """How the cell of `method` at `budget` and `n` runs (`cell_plan.CellPlan`): the one place that decides it."""
+        spec, s = METHODS[method], self.settings
+        evicts = spec.budgeted and self.evictor != NO_EVICTION  # `--evictor none`: a full cache
+
+        def where(role: str, cache: str) -> RolePlan:
+            return RolePlan(VLLM, None) if self._on_vllm(role, method) else RolePlan(NATIVE, cache)
+
+        policy = make_evictor(self.evictor, self.evictor_params) if evicts else None
+        return CellPlan(
+            method=method, budget=budget if spec.budgeted else None, n=n, batch=s.batch,
+            max_step_tokens=s.max_step_tokens, context_cap=s.context_cap,
+            base=where("base", BOUNDED if evicts else FULL) if spec.base else None,
+            helper=where("helper", FULL) if spec.helper else None,
+            scorer=ScorerPlan(self.scorer, VLLM if self.scorer == PRM and self._on_vllm("prm", method) else NATIVE,
+                              self.prm_recipe, self.prm_format),
+            evictor=self.evictor if spec.budgeted else NO_EVICTION,
+            evictor_params=dict(self.evictor_params) if evicts else {},
+            # every parameter when one differs from the defaults (the default policies' folders keep their identity)
+            recorded_params=policy.params() if policy is not None and policy != EVICTORS[self.evictor] else None,
+            accumulates=policy is not None and policy.accumulates,
+            buffer=self.buffer if evicts else None,
+            cuda_graphs=self.cuda_graphs, deterministic=self.deterministic, tp=self.tp,
+        )
+
+    def cell_plans(self) -> list[CellPlan]:
+        """The plan of every distinct cell of the axes (`cell_plan`; of several grids, their union): each method at
+        each budget (one, None, for methods without an evicted cache) and N."""
+        keys = dict.fromkeys((method, budget if METHODS[method].budgeted else None, n)
+                             for method in self.methods for budget in self.budgets for n in self.ns)
+        return [self.cell_plan(method, budget, n) for method, budget, n in keys]
+
+    def vllm_roles(self, methods: list[str] | None = None) -> set[str]:
+        """The roles run on vLLM by `methods` (default: the grid's); none without `--engine vllm`."""
+        return {role for method in methods or self.methods for role in roles_needed([method], self.scorer)
+                if self._on_vllm(role, method) and (role != "helper" or METHODS[method].helper)}
+
+    def vllm_models(self) -> dict[str, str]:
+        """The model of each role the grid runs on vLLM (`vllm_roles`)."""
+        return {role: self.models[role] for role in self.vllm_roles()}
+
+    def native_models(self) -> dict[str, str]:
+        """The model of each role the grid runs on this engine (`native_roles`)."""
+        return {role: self.models[role] for role in self.native_roles()}
+
+    def native_roles(self) -> set[str]:
+        """The roles the grid runs on this engine: the rest, and the helper of the helper-loglik scorer."""
+        roles = {role for method in self.methods for role in roles_needed([method], self.scorer)
+                 if not self._on_vllm(role, method)}
+        return roles | ({"helper"} if self.scorer == HELPER_LOGLIK else set())
+
+    def axes(self) -> tuple[GridAxes, ...]:
+        """The grids whose cells the run executes: `grids`, else the one grid of the axes."""
+        return self.grids or (GridAxes(self.benches, self.methods, self.budgets, self.ns, self.seeds),)
+
+    def check(self) -> None:
+        """One-line errors for options that can't run."""
+        size = sum(math.prod(len(values) for values in vars(axes).values()) for axes in self.axes())
+        if size > MAX_CELLS:
+            raise InputError(f"the grid has {size} cells (benches x methods x budgets x n x seeds), more than "
+                             f"{MAX_CELLS}: each is a run folder; run it in parts")
+        for method in self.methods:
+            if method not in METHODS:
+                raise InputError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
+        if self.evictor not in CHOICES:
+            raise InputError(f"unknown evictor '{self.evictor}': use one of {', '.join(CHOICES)}")
+        if self.buffer < 1:
+            raise InputError(f"--buffer {self.buffer}: need at least 1 entry past the budget (B' = B + W)")
+        if self.scorer not in SCORERS:
+            raise InputError(f"unknown scorer '{self.scorer}': use a PRM, or one of {', '.join(SCORERS[1:])}")
+        if self.prm_format not in PRM_FORMATS:
+            raise InputError(f"--prm-format {self.prm_format!r}: expected {' or '.join(PRM_FORMATS)}")
+        if self.prm_recipe not in ("auto", *PRM_RECIPES):
+            raise InputError(f"unknown --prm-recipe {self.prm_recipe!r}: use one of auto, {', '.join(PRM_RECIPES)}")
+        cap = self.settings.context_cap
+        for budget in self.budgets:
+            if budget < MIN_BUDGET:
+                raise InputError(f"--budget {budget} is below the smallest supported budget {MIN_BUDGET}")
+            if budget > cap and any(METHODS[m].budgeted for m in self.methods):
+                raise InputError(f"--budget {budget} is above --context-cap {cap}: a cache that large never evicts")
+        refusal = self.settings.sampling.refusal() or self.settings.detector.refusal()
+        if refusal:
+            raise InputError(refusal)
+        if self.dtype not in DTYPE_NAMES:
+            raise InputError(f"unknown --dtype '{self.dtype}': use one of {', '.join(DTYPE_NAMES)} or auto")
+        for n in self.ns:
+            if n < 1:
+                raise InputError(f"--n {n}: need at least one candidate per model")
+        device_groups(self.devices, self.tp)
+        if self.engine not in ENGINES:
+            raise InputError(f"--engine {self.engine!r}: expected {' or '.join(ENGINES)}")
+        if self.engine == "vllm" and (len(self.devices) > 1 or self.ray_address is not None):
+            raise InputError(f"--engine vllm runs in this process on one device, not on --devices "
+                             f"{','.join(self.devices)}{' or a Ray cluster' if self.ray_address else ''}")
+        if self.deterministic and self.engine == "vllm" and any(map(is_cpu, self.devices)):
+            raise InputError("--deterministic with --engine vllm needs a GPU: vLLM's batch-invariant mode "
+                             "(VLLM_BATCH_INVARIANT) has no CPU attention backend (docs/reproducibility.md)")
+        if not 0 < self.vllm_memory < 1:
+            raise InputError(f"--vllm-memory {self.vllm_memory}: expected a share of the device between 0 and 1")
+        if self.prompt not in PROMPT_STYLES:
+            raise InputError(f"unknown --prompt '{self.prompt}': use one of {', '.join(PROMPT_STYLES)}")
+        for grader in (self.grader, *self.also_grade):
+            check_grader(grader, "--also-grade" if grader != self.grader else "--grader")
+        if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
+            raise InputError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 <= i < k")
+        unrecordable = self._unrecordable()
+        if unrecordable:
+            raise InputError(unrecordable)
+
+    def _unrecordable(self) -> str | None:
+        """Why a value config.json would record cannot be: an integer beyond 64 bits (torch and the run folders
+        take none), a text that is not UTF-8 (a file name's undecodable bytes); or None. Checked before any model
+        is loaded."""
+        s = self.settings
+        integers = {"--seed": self.seeds, "--budget": self.budgets, "--n": self.ns, "--limit": [self.limit],
+                    "--shard": list(self.shard or ()), "--top-k": [s.sampling.top_k],
+                    "--ent-window": [s.detector.ent_window], "--ent-min-tokens": [s.detector.min_tokens],
+                    "--cmp-chars": [s.detector.cmp_chars], "--max-step-tokens": [s.max_step_tokens],
+                    "--max-steps": [s.max_steps], "--context-cap": [s.context_cap], "--batch": [s.batch],
+                    "--buffer": [self.buffer], "--synthetic-steps": list(s.synthetic_steps or ()),
+                    "--device-memory": [self.device_memory]}
+        for option, values in integers.items():
+            for value in values:
+                if value is not None and not -(1 << 63) <= value < 1 << 63:
+                    return f"{option} {value}: beyond 64 bits"
+        texts = {"--bench": self.benches, **{f"--{role}": [model] for role, model in self.models.items()},
+                 "--problem-field": [self.problem_field], "--answer-field": [self.answer_field]}
+        for option, values in texts.items():
+            for value in values:
+                if value is not None and any("\ud800" <= c <= "\udfff" for c in value):  # undecodable bytes
+                    return f"{option} {value!r}: not valid UTF-8, which config.json records; rename it"
+        return None
+
+    def cells(self, problem_sets: list[ProblemSet]) -> list[Cell]:
+        """The grid (each of `grids` in turn), `problem_sets` those of `benches`; methods without an evicted cache
+        run once whatever the budget list. Two problem sets that would be one run folder's bench are refused."""
+        sets = dict(zip(self.benches, problem_sets))
+        by_identity: dict[str, str] = {}
+        for bench, problems in sets.items():
+            other = by_identity.setdefault(bench_identity(problems), bench)
+            if sets[other].source != problems.source:
+                raise InputError(f"--bench {other} and {bench} are different problem sets under one name, "
+                                 f"'{bench_identity(problems)}', which names their run folders: rename one file")
+        cells, seen = [], set()
+        for axes in self.axes():
+            for bench, method, budget, n, seed in itertools.product(
+                axes.benches, axes.methods, axes.budgets, axes.ns, axes.seeds
+            ):
+                cell = Cell(sets[bench], method, budget if METHODS[method].budgeted else None, n, seed)
+                key = (bench_identity(sets[bench]), method, cell.budget, n, seed)
+                if key not in seen:
+                    seen.add(key)
+                    cells.append(cell)
+        return cells
+
+
+def bench_identity(problems: ProblemSet) -> str:
+    """The bench a cell's run folder records: a benchmark's name (a file named after one is graded as it), else
+    the file's path."""
+    return problems.name if problems.grading_bench != GENERIC else problems.source
+
+
+def resolve_prompt(options: GridOptions) -> GridOptions:
+    """`options` with `--prompt auto` resolved from the policy model (the base, else the helper) and its config."""
+    if options.prompt != "auto":
+        return options
+    from kvrescue.model_config import ModelConfigError, load_config
+
+    model = options.models["base" if any(METHODS[m].base for m in options.methods) else "helper"]
+    try:
+        model_type = load_config(model).get("model_type")
+    except ModelConfigError:  # a GGUF file, or offline: the model's name decides
+        model_type = None
+    return replace(options, prompt=resolve_style("auto", model, model_type))
+
+
+def parse_shard(value: str | None) -> tuple[int, int] | None:
+    """--shard i/k as (i, k) (`GridOptions.check` refuses all but 0 <= i < k); a one-line error for another form."""
+    if value is None:
+        return None
+    parts = value.split("/")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise InputError(f"--shard {value!r}: expected i/k with 0 <= i < k, e.g. 0/4")
+    return int(parts[0]), int(parts[1])
+
+
+def split_scorer(models: dict[str, str]) -> tuple[dict[str, str], str]:
+    """--prm names a PRM checkpoint, or the named alternative scorer (`--prm helper-loglik`): the grid's models (no
+    `prm` role for the alternative) and its scorer (`scorers.SCORERS`)."""
+    if models.get("prm") in SCORERS[1:]:
+        return {role: model for role, model in models.items() if role != "prm"}, models["prm"]
+    return models, PRM
+
+
+def grid_options(models: dict[str, str], settings: SearchSettings, out: Path, **fields: Any) -> GridOptions:
+    """The grid as `kvrescue run` builds it from its options (the CLI, benchmarks): `models` by role as --base,
+    --helper and --prm give them (`prm` may name the alternative scorer: `split_scorer`); `fields`: the rest of
+    `GridOptions` (its axes, evictor, ...)."""
+    models, scorer = split_scorer(models)
+    if "evictor" in fields:
+        try:
+            fields["evictor"], fields["evictor_params"] = parse_evictor(fields["evictor"])
+        except ValueError as err:
+            raise InputError(str(err)) from None
+    return GridOptions(models=models, scorer=scorer, settings=settings, out=out, **fields)
+
+
+def roles_needed(methods: list[str], scorer: str) -> set[str]:
+    """Which models the grid needs: base, helper, prm."""
+    roles = set()
+    for method in methods:
+        spec = METHODS[method]
+        roles |= {"base"} if spec.base else set()
+        roles |= {"helper"} if spec.helper else set()
+    roles.add("prm" if scorer == PRM else "helper")
+    return roles
+
+
+def resolve_prm_recipe(options: GridOptions) -> GridOptions:
+    """`options` with `--prm-recipe auto` resolved from the PRM checkpoint; one-line errors for a PRM no recipe fits
+    and for a recipe `--engine vllm` cannot serve."""
+    if options.scorer != PRM:
+        return options
+    name = options.prm_recipe
+    if name == PRM_AUTO:
+        from kvrescue.model_config import ModelConfigError, load_config
+
+        model = options.models["prm"]
+        try:
+            cfg = load_config(model)
+        except ModelConfigError:  # a GGUF file, or offline: the weights and the name decide
+            cfg = {}
+        name = auto_recipe(model, cfg, weight_names(model))
+        if name is None:
+            raise InputError(f"--prm {model} has no PRM head (score.0/score.2 or v_head.summary weights) and neither "
+                             f"its name nor its config says which PRM it is (a {cfg.get('model_type')} model): give "
+                             f"--prm-recipe, one of {', '.join(PRM_RECIPES)}, or --prm {HELPER_LOGLIK} for the named "
+                             "alternative scorer")
+    recipe = get_recipe(name, options.prm_format)
+    if recipe.no_vllm and "prm" in options.vllm_roles():
+        raise InputError(f"--engine vllm: {recipe.no_vllm}")
+    return replace(options, prm_recipe=name)

@@ -1,0 +1,67 @@
+"""The executor without Ray: one device group decoding in this process (with `--tp K`, rank 0 of its K)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvrescue.cell_engine import CellParts, build_cell
+from kvrescue.data import Problem
+from kvrescue.decoding import decode
+from kvrescue.device_plan import batch_description, device_memory, vllm_memory, vllm_specs, wait_for_room
+from kvrescue.grading import GradeFn
+from kvrescue.grid import Cell, GridOptions
+from kvrescue.loading import check_policy_tokenizers, load_roles, use_device
+from kvrescue.outputs import Trace
+from kvrescue.rank_group import RankGroup
+from kvrescue.search import DecodeProgress
+from kvrescue.vllm_engine.roles import VllmEngines
+
+
+class InProcessGroup:
+    """One device group decoding in this process, its models loaded once. `parts`, `grade`: what its cells are
+    built and graded with (`cell_engine.CellParts`, grader.grade), for benchmarks that swap one."""
+
+    def __init__(self, options: GridOptions, group: tuple[str, ...], parts: CellParts = CellParts(),
+                 grade: GradeFn | None = None) -> None:
+        self.options, self.group, self.parts, self.grade = options, group, parts, grade
+        self.ranks: RankGroup | None = None
+        self.vllm: VllmEngines | None = None
+        device = group[0]  # a device of --devices, named as this process sees it
+        use_device(device)
+        # One-line errors before any group forms or weights are read (a refusal inside a group would hang its ranks).
+        shares = vllm_memory(options, device, *device_memory(device, options.device_memory))
+        if not shares:
+            wait_for_room(options, group)
+        try:
+            self.ranks = RankGroup(options, group) if len(group) > 1 else None
+            self.models = load_roles(options, device)
+            if options.engine == "vllm":
+                self.vllm = VllmEngines(vllm_specs(options), options.dtype, options.prm_input_recipe(), shares,
+                                        batch_invariant=options.deterministic)
+                check_policy_tokenizers({**{role: m.tokenizer for role, m in self.models.items()},
+                                         **{role: t for role, (t, _) in self.vllm.tokenizers.items()}})
+        except BaseException:
+            self.close()
+            raise
+
+    def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None],
+               on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
+        """Decode `problems` of `cell` here, emitting every problem's trace once (and running totals to
+        `on_progress` every few seconds)."""
+        if problems:
+            engine = build_cell(self.options.plan_of(cell), self.models, self.vllm, self.parts)
+            decode(self.options, cell, engine, self.ranks.lead(cell, problems) if self.ranks else problems, emit,
+                   on_progress, **({"grade": self.grade} if self.grade else {}))
+
+    def close(self) -> None:
+        """Stop the group's other ranks and the vLLM engines, if any."""
+        if self.ranks is not None:
+            self.ranks.close()
+        if self.vllm is not None:
+            self.vllm.close()
+
+    def describe(self) -> dict:
+        """The executor, for config.json."""
+        return {"kind": "in-process", "devices": list(self.group), **({"tp": self.options.tp} if self.ranks else {}),
+                **batch_description(self.options),
+                **({"vllm_memory": self.options.vllm_memory} if self.vllm else {})}

@@ -1,0 +1,59 @@
+"""A rank > 0 of a device group (`python -m kvrescue.rank_follower`, started by `rank_group.RankGroup`): it
+loads its shards of the grid's models, then decodes every cell rank 0 sends, dropping the traces."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from kvrescue.cell_engine import build_cell
+from kvrescue.decoding import decode
+from kvrescue.loading import load_roles
+from kvrescue.rank_group import join, receive
+
+if TYPE_CHECKING:
+    from kvrescue.data import Problem
+
+
+def _exit_with(parent: int) -> None:
+    """End this process soon after `parent` is gone (it may die without a word, SIGKILLed)."""
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> None:
+    """Load this rank's shards, then decode every cell rank 0 sends, until told to stop."""
+    _exit_with(parent)
+    options = pickle.loads((folder / "options.pickle").read_bytes())
+    join(folder / "rendezvous", rank, world, device)
+    models = load_roles(options, device)
+    pipe = sys.stdin.buffer  # rank 0's messages
+
+    def problems() -> Iterator[Problem]:
+        while (message := receive(pipe))[0] == "problem":
+            yield message[1]
+
+    while (message := receive(pipe))[0] == "cell":
+        decode(options, message[1], build_cell(options.plan_of(message[1]), models), problems(),
+               lambda trace, tokens: None)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    folder, rank, device, world, parent = sys.argv[1:]
+    follow(Path(folder), int(rank), device, int(world), int(parent))

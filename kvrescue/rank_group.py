@@ -1,0 +1,106 @@
+"""A device group of K devices under `--tp K`: K processes decoding in lockstep over torch.distributed.
+
+Rank 0 is the group's worker (the `kvrescue run` process, or the group's Ray actor). It starts ranks
+1..K-1 as child processes on the other devices of the group; every rank loads its shards of the grid's
+models (`loading.load_roles` with `options.tp`, gloo on the CPU, NCCL on CUDA). Rank 0 alone talks to
+the driver: it sends each cell it starts and each problem it pulls (then "end") down a pipe to each other rank
+(`rank_follower.py`), which runs the same `decoding.decode` on what it receives and drops its traces. The
+controller is deterministic given its problems, logits and scores, every rank holds the same logits (the LM head
+gathers them), and what copies of a model on different ranks could disagree on (sampled tokens, scores) comes
+from rank 0 (`tp.from_rank_0`, `cell_engine.RankZeroScores`), so every rank issues the same collectives.
+
+Between cells a rank > 0 waits on its pipe, without a timeout, as long as rank 0 lives (a Ray actor waits for the
+driver's next cell until the slowest actor has finished this one, hours maybe); collectives inside a cell fail
+the group after TIMEOUT. A rank that dies makes the next collective of the others fail (gloo), so rank 0 raises
+and its group is restarted like any dead worker; the other ranks exit when rank 0's process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+import torch.distributed as dist
+
+from kvrescue.devices import is_gpu
+from kvrescue.loading import use_device
+
+if TYPE_CHECKING:
+    from kvrescue.data import Problem
+    from kvrescue.grid import Cell
+
+# A collective that waits longer than this fails the group ($KVRESCUE_TP_TIMEOUT_S seconds, default 10 minutes).
+TIMEOUT = timedelta(seconds=float(os.environ.get("KVRESCUE_TP_TIMEOUT_S", "600")))
+
+
+def join(rendezvous: Path, rank: int, world: int, device: str) -> None:
+    """Join the group's process group."""
+    use_device(device)
+    backend = "nccl" if is_gpu(device) else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=TIMEOUT)
+
+
+class RankGroup:
+    """Rank 0 of a K-device group: starts the other ranks and leads them. Rank r computes on `group[r]`, a device
+    named as this process sees it (the run's `--devices` in the `kvrescue run` process; `workers.actor_devices`
+    in a Ray actor); the other ranks inherit this process's CUDA_VISIBLE_DEVICES, so the names hold there too."""
+
+    def __init__(self, options: object, group: tuple[str, ...]) -> None:
+        """`options`: what every rank loads its models and decodes with (`rank_follower` reads them, pickled)."""
+        self.folder = Path(tempfile.mkdtemp(prefix="kvrescue-tp-"))
+        (self.folder / "options.pickle").write_bytes(pickle.dumps(options))
+        rendezvous = self.folder / "rendezvous"
+        self.followers = [
+            subprocess.Popen([sys.executable, "-m", "kvrescue.rank_follower", str(self.folder), str(rank),
+                              group[rank], str(len(group)), str(os.getpid())], stdin=subprocess.PIPE)
+            for rank in range(1, len(group))
+        ]
+        join(rendezvous, 0, len(group), group[0])
+
+    def _send(self, message: tuple) -> None:
+        """`message` down every other rank's pipe (a dead rank's raises BrokenPipeError: the group has failed)."""
+        data = pickle.dumps(message)
+        for follower in self.followers:
+            follower.stdin.write(len(data).to_bytes(8, "little") + data)
+            follower.stdin.flush()
+
+    def lead(self, cell: Cell, problems: Iterable[Problem]) -> Iterator[Problem]:
+        """`problems`, each one sent to the other ranks as it is pulled (and `cell` first)."""
+        self._send(("cell", cell))
+        for problem in problems:
+            self._send(("problem", problem))
+            yield problem
+        self._send(("end",))
+
+    def close(self) -> None:
+        """Tell the other ranks to exit, and wait for them."""
+        try:
+            self._send(("stop",))
+        finally:
+            for follower in self.followers:
+                try:
+                    follower.stdin.close()
+                except OSError:  # it is gone already
+                    pass
+                try:
+                    follower.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    follower.kill()
+            dist.destroy_process_group()
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def receive(pipe: BinaryIO) -> tuple:
+    """A rank > 0: the next message rank 0 sent down `pipe`, waiting for it as long as rank 0 lives."""
+    head = pipe.read(8)
+    if len(head) < 8:
+        raise SystemExit("rank 0 of the group is gone")
+    return pickle.loads(pipe.read(int.from_bytes(head, "little")))

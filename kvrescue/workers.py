@@ -1,0 +1,398 @@
+"""Workers: one Ray actor per device group, each holding the grid's models, fed problem by problem by the driver.
+
+Two or more device groups (or `--ray-address`) run as Ray actors, on a private local Ray instance started
+here and shut down at the end, or on the cluster at `--ray-address`; one device decodes in the `kvrescue
+run` process itself (`in_process.InProcessGroup`). A group is one device today; with tensor parallelism it is K.
+
+An actor asks the driver for a problem whenever its controller has a free slot (work stealing: a fast
+actor simply asks more often) and streams each finished problem's trace back; the driver alone writes
+the run folder. Because the driver hands out every problem, it always knows what each actor holds:
+when an actor dies (killed, out of memory, CUDA error, lost node) its problems go back to the queue and
+a fresh actor is started for its group, at most GROUP_RESTARTS times. A problem that was in flight when
+an actor died is afterwards decoded alone on an actor, so a second death is its own: it is then recorded
+as failed with both errors. Ray's own actor restarts (`max_restarts`) stay off: the driver must see every
+death to requeue and count, and a fresh actor is what a restart would give anyway.
+
+Messages travel as the results and arguments of `GroupWorker.exchange`, one call always in flight per
+actor (so a death is seen whatever the actor is doing); `GroupWorker.begin(cell)` starts decoding a cell.
+Actor -> driver: ("ready", placement) models loaded; ("want",) a free slot; ("trace", Trace, tokens);
+("progress", steps, tokens) the running totals of its decode of the cell, every few seconds (the driver's
+progress bar sums them over the actors); ("idle",) the cell's problems are done here; ("error", message) a configuration error (stops the run);
+("crash", message) an exception (the driver then kills the actor). Driver -> actor: ("problem", Problem)
+or ("none",) the answer to "want".
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from grader import normal_gt
+from kvrescue.cell_engine import build_cell
+from kvrescue.decoding import decode
+from kvrescue.device_plan import batch_description, wait_for_room
+from kvrescue.loading import load_roles
+from kvrescue.data import Problem
+from kvrescue.devices import RAY_QUIET, device_groups, device_shares, gpu_index, is_cpu
+from kvrescue.errors import InputError
+from kvrescue.outputs import Trace
+from kvrescue.rank_group import RankGroup
+from kvrescue.search import DecodeProgress
+
+if TYPE_CHECKING:
+    from kvrescue.grid import Cell, GridOptions
+
+STRIKES = 2          # actor deaths a problem may be part of before it is recorded as failed
+GROUP_RESTARTS = 3   # deaths after which a device group gets no new actor
+RELEASE_WAIT_S = 60.0  # how long a restarted actor waits for its dead predecessor's device memory to be released
+OBJECT_STORE = 128 * 2**20  # a private instance's object store: problems and traces are small and travel inline
+
+
+class WorkersGone(RuntimeError):
+    """Every worker died; the run folder holds what finished and the run resumes when re-run."""
+
+
+def named_gpus(groups: list[tuple[str, ...]], visible: str | None) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entries of the GPUs named (`cuda:N` is the N-th of `visible`, if set)."""
+    indices = sorted({gpu_index(d) for group in groups for d in group if gpu_index(d) is not None})
+    ids = visible.split(",") if visible else [str(i) for i in range(max(indices, default=-1) + 1)]
+    return [ids[i] for i in indices]
+
+
+def actor_resources(groups: list[tuple[str, ...]], group: int) -> dict[str, float]:
+    """What the actor of `groups[group]` asks Ray for: a CPU, and its GPUs; a local GPU named by several
+    groups (`cuda:0,cuda:0`) is shared, each taking its fraction of it."""
+    devices = groups[group]
+    if is_cpu(devices[0]):
+        return {"num_cpus": 1, "num_gpus": 0}
+    shares = device_shares(groups, group)
+    if shares > 1 and len(devices) > 1:  # Ray gives a share below 1 of one GPU only
+        raise InputError(f"--devices {','.join(d for g in groups for d in g)}: the group {','.join(devices)} shares "
+                         f"its GPUs with another group; groups of --tp {len(devices)} need GPUs of their own")
+    return {"num_cpus": 1, "num_gpus": len(devices) / shares}
+
+
+def actor_devices(group: tuple[str, ...], gpu_ids: list, visible: str | None) -> tuple[str, ...]:
+    """The devices of `group` as its actor names them. Ray shows an actor only the GPUs it assigned it, setting
+    its CUDA_VISIBLE_DEVICES to their IDs (`ray.get_gpu_ids()`), so the actor's r-th GPU is `cuda:k`, k the place
+    of its ID in `visible` (the actor's CUDA_VISIBLE_DEVICES), or the ID itself where Ray left that unset
+    (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES). Which of the named GPUs a group gets is Ray's choice (its
+    placement is recorded in config.json)."""
+    if is_cpu(group[0]):
+        return group
+    ids = [str(i) for i in gpu_ids]
+    if len(ids) < len(group):
+        raise RuntimeError(f"Ray gave the actor of {','.join(group)} {len(ids)} GPU(s) for its {len(group)} ranks")
+    order = visible.split(",") if visible is not None else None
+    return tuple(f"cuda:{order.index(i) if order is not None else int(i)}" for i in ids[:len(group)])
+
+
+# -- the queue (pure bookkeeping, no processes) -----------------------------------------------------
+@dataclass
+class WorkQueue:
+    """Problems not yet handed out, those each worker holds, and the deaths each problem was part of."""
+
+    pending: deque[Problem]
+    held: dict[int, dict[int, Problem]] = field(default_factory=dict)
+    strikes: Counter = field(default_factory=Counter)
+    errors: dict[int, list[str]] = field(default_factory=dict)
+
+    def take(self, worker: int) -> Problem | None:
+        """The next problem for `worker`, or None: a suspect (part of a death) only to a worker holding
+        nothing, and nothing more to a worker holding a suspect."""
+        mine = self.held.setdefault(worker, {})
+        if any(self.strikes[idx] for idx in mine):
+            return None
+        suspect = next((p for p in self.pending if self.strikes[p.idx]), None)
+        choice = suspect if suspect is not None and not mine else next(
+            (p for p in self.pending if not self.strikes[p.idx]), None)
+        if choice is not None:
+            self.pending.remove(choice)
+            mine[choice.idx] = choice
+        return choice
+
+    def done(self, worker: int, idx: int) -> None:
+        self.held.get(worker, {}).pop(idx, None)
+
+    def lost(self, worker: int, error: str) -> list[Problem]:
+        """`worker` died: its problems go back to the front of the queue; those struck out are returned."""
+        failed = []
+        for problem in reversed(list(self.held.pop(worker, {}).values())):
+            self.strikes[problem.idx] += 1
+            self.errors.setdefault(problem.idx, []).append(error)
+            if self.strikes[problem.idx] >= STRIKES:
+                failed.append(problem)
+            else:
+                self.pending.appendleft(problem)
+        return failed
+
+    @property
+    def empty(self) -> bool:
+        return not self.pending and not any(self.held.values())
+
+
+def cpu_threads(groups: list[tuple[str, ...]]) -> int:
+    """Compute threads of an actor on a CPU group: `OMP_NUM_THREADS` where this process's environment sets it (as
+    every process of an in-process run computes), else an equal share of this machine's cores."""
+    named = os.environ.get("OMP_NUM_THREADS", "")
+    if named.isdigit() and int(named) > 0:
+        return int(named)
+    return max(1, (os.cpu_count() or 1) // max(sum(is_cpu(g[0]) for g in groups), 1))
+
+
+# -- the actor --------------------------------------------------------------------------------------
+class GroupWorker:
+    """A Ray actor: one device group's models, and a thread decoding the problems the driver hands out."""
+
+    def __init__(self, options: GridOptions, group: tuple[str, ...], threads: int, shares: int = 1,
+                 restarted: bool = False) -> None:
+        """`shares`: workers sharing this group's devices (each plans its share); `restarted`: a dead worker of the
+        group came before, whose memory the device may take a while to release (its check waits up to
+        RELEASE_WAIT_S for it)."""
+        import ray
+        import torch
+
+        self.options = options
+        self.outbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue = queue.Queue()
+        group = actor_devices(group, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        device = group[0]
+        if is_cpu(device):
+            torch.set_num_threads(threads)
+        placement = {"node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                     "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
+        self.ranks: RankGroup | None = None
+        try:  # the memory check before the group forms: a refusal inside it would hang its ranks
+            wait_for_room(options, group, shares, RELEASE_WAIT_S if restarted else 0.0)
+            self.ranks = RankGroup(options, group) if len(group) > 1 else None  # --tp: this actor is rank 0
+            self.models = load_roles(options, device)
+            self.outbox.put(("ready", placement))
+        except InputError as err:
+            self.outbox.put(("error", str(err)))
+
+    def begin(self, cell: Cell) -> None:
+        """Start decoding problems of `cell`, asking the driver for them."""
+        threading.Thread(target=self._decode, args=(cell,), daemon=True).start()
+
+    def exchange(self, replies: list[tuple]) -> list[tuple]:
+        """Take the driver's replies, then wait for this actor's next messages and return them all."""
+        for reply in replies:
+            self.inbox.put(reply)
+        messages = [self.outbox.get()]
+        while not self.outbox.empty():
+            messages.append(self.outbox.get())
+        return messages
+
+    def _pull(self) -> Iterator[Problem]:
+        while True:
+            self.outbox.put(("want",))
+            reply = self.inbox.get()
+            if reply[0] != "problem":
+                return
+            yield reply[1]
+
+    def _decode(self, cell: Cell) -> None:
+        try:
+            problems = self.ranks.lead(cell, self._pull()) if self.ranks else self._pull()
+            decode(self.options, cell, build_cell(self.options.plan_of(cell), self.models), problems,
+                   lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
+                   lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
+            self.outbox.put(("idle",))
+        except BaseException as err:
+            self.outbox.put(("crash", f"{type(err).__name__}: {err}"[:2000]))
+
+
+# -- the driver's side ------------------------------------------------------------------------------
+@dataclass
+class _Worker:
+    number: int
+    group: int
+    devices: tuple[str, ...]
+    actor: Any                # a Ray actor handle of GroupWorker
+    call: Any = None          # the exchange in flight (an ObjectRef)
+    state: str = "loading"    # loading | idle | running
+    placement: dict | None = None
+    last: int | None = None
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        where = self.placement
+        place = "not placed yet" if where is None else (
+            f"on node {where['node']} ({where['node_id'][:8]}), "
+            + (f"GPU {','.join(where['gpus'])}, " if where["gpus"] else "")
+            + f"pid {where['pid']}")
+        return f"worker {self.number} ({','.join(self.devices)} {place})"
+
+
+def _death(err: Exception) -> str:
+    """Ray's account of an actor's death, without its list of common causes."""
+    text = " ".join(str(err).split())
+    start = text.find("The actor is dead because")
+    return (text[start:] if start >= 0 else text).split(" Some common causes")[0][:500]
+
+
+class RayWorkers:
+    """One Ray actor per device group; `start` them before the first cell, use as a context manager."""
+
+    def __init__(self, options: GridOptions, say: Callable[[str], None]) -> None:
+        self.options = options
+        self.say = say
+        self.groups = device_groups(options.devices, options.tp)
+        self.resources = [actor_resources(self.groups, group) for group in range(len(self.groups))]
+        self.workers: list[_Worker] = []
+        self.deaths: Counter = Counter()
+        self.last_errors: dict[int, str] = {}
+        self.started = 0  # workers started so far (numbers them)
+        self.private = False  # this run started the Ray instance, and shuts it down
+        self.in_flight: dict[int, DecodeProgress] = {}  # each actor's running totals of the cell being decoded
+        self.on_progress: Callable[[DecodeProgress], None] | None = None
+
+    def __enter__(self) -> RayWorkers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker.actor, no_restart=True)
+        self.workers = []
+        if self.private:
+            ray.shutdown()
+
+    def _init(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        gpus = named_gpus(self.groups, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if gpus:  # Ray hands its actors exactly the GPUs it sees: those named
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        # "local": a new instance even where this node belongs to a cluster (joining one takes --ray-address)
+        ray.init(address="local", num_cpus=len(self.groups), num_gpus=len(gpus), object_store_memory=OBJECT_STORE,
+                 **RAY_QUIET)
+        self.private = True
+
+    def _start(self, group: int) -> None:
+        import ray
+
+        devices = self.groups[group]
+        actor = ray.remote(GroupWorker).options(
+            **self.resources[group], max_restarts=0,
+            max_concurrency=2,  # `begin` runs while `exchange` waits
+        ).remote(self.options, devices, cpu_threads(self.groups), device_shares(self.groups, group), self.deaths[group] > 0)
+        worker = _Worker(self.started, group, devices, actor)
+        worker.call = actor.exchange.remote([])
+        self.workers.append(worker)
+        self.started += 1
+
+    def start(self) -> None:
+        """Start one actor per group and wait until each holds the models: a configuration error (a
+        missing model, say) raises here, before any run folder is opened."""
+        self._init()
+        for group in range(len(self.groups)):
+            self._start(group)
+        idle = WorkQueue(deque())
+        while any(w.state == "loading" for w in self.workers):
+            self._wait(idle, None, lambda trace, tokens: None)
+        if not self.workers:
+            raise WorkersGone(f"no worker could start ({self._errors()})")
+
+    def describe(self) -> dict[str, Any]:
+        """The executor, for config.json: Ray's version, the cluster's nodes, where each worker runs."""
+        import ray
+
+        return {"kind": "ray", "ray": ray.__version__, "address": self.options.ray_address or "local",
+                **batch_description(self.options),
+                "nodes": sum(node["Alive"] for node in ray.nodes()),
+                "workers": [{"devices": list(w.devices), **(w.placement or {})} for w in self.workers]}
+
+    def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None],
+               on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
+        """Decode `problems` of `cell` on the actors, emitting every problem's trace exactly once, and the
+        actors' running totals, summed, to `on_progress` as they report them (every few seconds each)."""
+        self.in_flight, self.on_progress = {}, on_progress
+        queue = WorkQueue(deque(problems))
+        slim = replace(cell, problems=replace(cell.problems, problems=[]))
+        while True:
+            for worker in self.workers:
+                if worker.state == "idle" and queue.pending:
+                    worker.actor.begin.remote(slim)
+                    worker.state = "running"
+            if queue.empty and all(w.state != "running" for w in self.workers):
+                return
+            if not self.workers:
+                raise WorkersGone(f"every worker is gone ({self._errors()}); {len(queue.pending)} problems of this "
+                                  "cell are not done; what finished is written: run the same command again to resume")
+            self._wait(queue, cell, emit)
+
+    def _errors(self) -> str:
+        return "; ".join(f"group {group}: {error}" for group, error in self.last_errors.items())
+
+    def _wait(self, queue: WorkQueue, cell: Cell | None, emit: Callable[[Trace, int], None]) -> None:
+        """Wait for one actor's messages (or its death), answer them, and bury it if it died."""
+        import ray
+
+        calls = {w.call: w for w in self.workers}
+        (done,), _ = ray.wait(list(calls), num_returns=1)
+        worker = calls[done]
+        try:
+            messages = ray.get(done)
+        except ray.exceptions.RayError as err:
+            self._bury(worker, queue, cell, emit, worker.error or _death(err))
+            return
+        replies = []
+        for kind, *body in messages:
+            if kind == "want":
+                problem = queue.take(worker.number)
+                replies.append(("none",) if problem is None else ("problem", problem))
+                worker.last = worker.last if problem is None else problem.idx
+            elif kind == "trace":
+                trace, tokens = body
+                queue.done(worker.number, trace.idx)
+                emit(trace, tokens)
+            elif kind == "progress":
+                self.in_flight[worker.number] = DecodeProgress(*body)
+                if self.on_progress is not None:
+                    self.on_progress(DecodeProgress(sum(p.committed_steps for p in self.in_flight.values()),
+                                                    sum(p.generated_tokens for p in self.in_flight.values())))
+            elif kind == "ready":
+                worker.state, worker.placement = "idle", body[0]
+            elif kind == "idle":
+                worker.state = "idle"
+            elif kind == "crash":
+                worker.error = body[0]
+            elif kind == "error":
+                raise InputError(body[0])
+        if worker.error is not None:
+            self._bury(worker, queue, cell, emit, worker.error)
+        else:
+            worker.call = worker.actor.exchange.remote(replies)
+
+    def _bury(self, worker: _Worker, queue: WorkQueue, cell: Cell | None, emit: Callable[[Trace, int], None],
+              error: str) -> None:
+        """Record a dead actor: requeue its problems, fail those struck out, start a new one for its group."""
+        import ray
+
+        ray.kill(worker.actor, no_restart=True)  # crashed, or unreachable (a node lost): it must not come back
+        holding = sorted(queue.held.get(worker.number, {}))
+        failed = queue.lost(worker.number, error)
+        self.workers.remove(worker)
+        self.deaths[worker.group] += 1
+        self.last_errors[worker.group] = error
+        restart = self.deaths[worker.group] < GROUP_RESTARTS
+        self.say(f"{worker.name} died ({error}) holding problems {holding or 'none'}; last problem given: "
+                 f"{worker.last}; " + ("starting a new worker for its group" if restart
+                                       else f"its group died {self.deaths[worker.group]} times: no new worker"))
+        for problem in failed:  # a queue holding problems comes with their cell
+            errors = queue.errors[problem.idx]
+            gt_norm = normal_gt(problem.gt, cell.problems.grading_bench, self.options.grader)
+            emit(Trace.failed(problem.idx, problem.problem, problem.gt, gt_norm,
+                              f"killed {len(errors)} workers: " + "; ".join(errors)), 0)
+            self.say(f"problem {problem.idx} killed {len(errors)} workers: recorded as failed")
+        if restart:
+            self._start(worker.group)
