@@ -9,7 +9,7 @@ import torch
 from kvrescue.engine.loader import LoadedModel
 from kvrescue.engine.model import CausalLM, ModelArgs, ProcessRewardModel, Transformer
 from kvrescue.engine.sampling import SamplingParams
-from kvrescue.paper_shapes import (QWEN25_05B, QWEN25_MATH_7B, QWEN25_MATH_15B,  # noqa: F401 (the sections' shapes)
+from kvrescue_testkit.paper_shapes import (QWEN25_05B, QWEN25_MATH_7B, QWEN25_MATH_15B,  # noqa: F401 (the sections' shapes)
                                        QWEN25_MATH_PRM_7B, hf_config)
 
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

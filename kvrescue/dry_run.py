@@ -28,7 +28,7 @@ from kvrescue.decoding import decode
 from kvrescue.engine.loader import DTYPES, LoadedModel, _build
 from kvrescue.fake_cuda import FakeCuda, HostReads, peaks
 from kvrescue.grid import Cell, GridOptions, grid_options
-from kvrescue.paper_shapes import PAPER_MODELS, hf_config
+from kvrescue_testkit.paper_shapes import PAPER_MODELS, hf_config
 from kvrescue.random_checkpoints import build_tokenizer
 from kvrescue.search import SearchSettings
 

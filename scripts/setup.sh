@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv in the repository root and install kvrescue into it.
+# Create (or reuse) .venv in the repository root and install kvrescue into it (editable, with the dev extra), with the
+# repository root on its path (scripts/checkout_on_path.sh: the tests' and benchmarks' kit).
 # torch goes in first so the rest resolves against it; set KVRESCUE_TORCH to pick another build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,3 +12,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! .venv/bin/python -c
     .venv/bin/pip install -q -e '.[dev]'
     touch "$stamp"
 fi
+bash scripts/checkout_on_path.sh .venv

@@ -18,3 +18,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$venv/bin/python" 
     "$venv/bin/python" -c "import vllm"  # fail here, loudly, rather than in every vLLM test
     touch "$stamp"
 fi
+bash scripts/checkout_on_path.sh "$venv"

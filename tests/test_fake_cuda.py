@@ -20,7 +20,7 @@ from kvrescue.engine.transfer import Download, upload_all
 from kvrescue import fake_cuda
 from kvrescue.fake_cuda import CaptureError, FakeCuda
 from kvrescue.memory_plan import CellShape, DeviceKind, plan_cell
-from kvrescue.paper_shapes import PAPER_MODELS
+from kvrescue_testkit.paper_shapes import PAPER_MODELS
 
 CUDA = torch.device("cuda:0")
 

@@ -140,7 +140,7 @@ def test_each_model_s_config_is_fetched_once_per_command(tmp_path):
     """The paper's three models on a Hub that serves their config.json: `run --plan`, then `cost` (the cache then
     holds them), each asks for each model's config.json once."""
     from kvrescue.cli import DEFAULT_MODELS
-    from kvrescue.paper_shapes import PAPER_MODELS
+    from kvrescue_testkit.paper_shapes import PAPER_MODELS
 
     configs = {DEFAULT_MODELS[role]: {**shape, "model_type": "qwen2", "torch_dtype": "bfloat16", "architectures":
                                       ["Qwen2ForProcessRewardModel" if role == "prm" else "Qwen2ForCausalLM"]}

@@ -576,7 +576,7 @@ def test_a_32k_prompt_on_a_7b_base_is_compressed_two_kv_heads_at_a_time():
     held 112 of them, 36 GiB."""
     from kvrescue.memory_plan import compress_bytes
     from kvrescue.model_config import ModelArgs
-    from kvrescue.paper_shapes import QWEN25_MATH_7B as shape
+    from kvrescue_testkit.paper_shapes import QWEN25_MATH_7B as shape
     from kvrescue.shapes import compress_slice
 
     layers, kv_heads = shape["num_hidden_layers"], shape["num_key_value_heads"]
