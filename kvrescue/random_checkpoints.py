@@ -17,7 +17,7 @@ from transformers import (
     Qwen2ForCausalLM, Qwen2Model, Qwen3Config, Qwen3ForCausalLM,
 )
 
-from kvrescue.random_tokenizers import QWEN2_SPLIT, llama3_tokenizer, mistral_tokenizer, split_byte_level
+from kvrescue_testkit.random_tokenizers import QWEN2_SPLIT, llama3_tokenizer, mistral_tokenizer, split_byte_level
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<extra_0>"]
 CHAT_TEMPLATE = (

@@ -9,7 +9,7 @@ from kvrescue import chat_templates
 from kvrescue.chat_templates import ChatTemplateError, render_chat, render_chats
 from kvrescue.engine.loader import load_tokenizer
 from kvrescue.random_checkpoints import build_tokenizer
-from kvrescue.random_tokenizers import LLAMA31_CHAT_TEMPLATE
+from kvrescue_testkit.random_tokenizers import LLAMA31_CHAT_TEMPLATE
 from kvrescue.prompts import chat_messages
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
