@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.oracles: t
 
 from kvrescue.engine import FullCache, load_model  # noqa: E402
 from kvrescue.engine.prm import PRMScorer  # noqa: E402
-from kvrescue.random_checkpoints import SAMPLE_TEXT, write_random_checkpoint  # noqa: E402
+from kvrescue_testkit.random_checkpoints import SAMPLE_TEXT, write_random_checkpoint  # noqa: E402
 from kvrescue.engine.sampling import SamplingParams, sample  # noqa: E402
 from kvrescue.engine.steps import append_tokens  # noqa: E402
 from tests.oracles import prm_last_scores, prm_scores  # noqa: E402

@@ -28,7 +28,7 @@ import orjson
 import torch
 
 from gpu_check_record import Check, peaks
-from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 
 CLI = Path(__file__).with_name("gpu_check_cli.py")
 QWEN25_MATH_15B = dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,

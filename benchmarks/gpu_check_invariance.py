@@ -19,7 +19,7 @@ import orjson
 import torch
 
 from gpu_check_record import Check
-from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 
 PROBLEMS = {True: 4, False: 8}  # by --tiny; each run's problems are all at once at the larger --batch
 SHAPES = {True: dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),  # --tiny

@@ -22,7 +22,7 @@ from kvrescue.decoding import decode
 from kvrescue.dry_run import TokenScript, fake_model
 from kvrescue.fake_cuda import FakeCuda
 from kvrescue.grid import Cell
-from kvrescue.random_checkpoints import build_tokenizer
+from kvrescue_testkit.random_checkpoints import build_tokenizer
 
 
 def left_by_cells(before: int, after_first: int, after_second: int) -> dict:

@@ -22,7 +22,7 @@ from kvrescue.decoding import decode
 from kvrescue.engine.loader import LoadedModel
 from kvrescue.grid import Cell, GridOptions, grid_options
 from kvrescue.outputs import Trace
-from kvrescue.random_checkpoints import build_tokenizer
+from kvrescue_testkit.random_checkpoints import build_tokenizer
 from kvrescue.search import SearchSettings
 
 ROLES = ("base", "helper", "prm")

@@ -19,7 +19,7 @@ import torch
 
 from gpu_check_record import Check, RecordLines
 from gpu_check_setup import QWEN25_MATH_7B, QWEN25_MATH_PRM_7B, TINY_VLLM, VLLM_MEMORY, VLLM_SHARE, hf_config, random_loaded
-from kvrescue.random_checkpoints import build_tokenizer
+from kvrescue_testkit.random_checkpoints import build_tokenizer
 
 ENTRY = Path(__file__).with_name("gpu_check.py")  # the child runs the entry point with --vllm-child
 

@@ -42,11 +42,9 @@ AIM_HOST_US, AIM_WHOLE_US = 5.0, 10.0  # the issue's aims, µs per candidate tok
 
 
 def _checkpoints(folder: Path) -> tuple[Path, Path]:
-    """The random policy and PRM checkpoints (written by the code that imports this module)."""
-    try:
-        from kvrescue.random_checkpoints import write_random_checkpoint
-    except ImportError:  # a baseline from before that move
-        from kvrescue.engine.random_checkpoints import write_random_checkpoint
+    """The random policy and PRM checkpoints (written by this checkout's kit, whichever tree loads them)."""
+    from kvrescue_testkit.random_checkpoints import write_random_checkpoint
+
     return (write_random_checkpoint(folder / "policy", "qwen2", seed=1, **SHAPE),
             write_random_checkpoint(folder / "prm", "prm", seed=2, **SHAPE))
 
@@ -185,11 +183,12 @@ sys.meta_path.insert(0, OldName())
 
 
 def _python(code: Path, call: str, args: list[str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """A fresh Python process importing kvrescue (and the grader) from `code` first."""
+    """A fresh Python process importing kvrescue (and the grader) from `code` first, then the benchmarks and this
+    checkout's kit (kvrescue_testkit)."""
     if (code / "kvrescue_cli").is_dir():
         call = _OLD_NAME + call
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join([str(code), str(ROOT / "benchmarks")])}
+           "PYTHONPATH": os.pathsep.join([str(code), str(ROOT / "benchmarks"), str(ROOT)])}
     return subprocess.run([sys.executable, "-c", call, *(args or [])], capture_output=True, text=True, env=env,
                           cwd=cwd or code)
 

@@ -21,7 +21,7 @@ from kvrescue.engine import invariance, load_model  # noqa: E402
 from kvrescue.engine.bounded import BoundedCache  # noqa: E402
 from kvrescue.engine.sampling import SamplingParams, sample  # noqa: E402
 from kvrescue.engine.steps import append_tokens  # noqa: E402
-from kvrescue.random_checkpoints import write_random_checkpoint  # noqa: E402
+from kvrescue_testkit.random_checkpoints import write_random_checkpoint  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
                vocab_size=49152)

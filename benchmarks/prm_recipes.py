@@ -24,7 +24,7 @@ from kvrescue.engine import load_model
 from kvrescue.engine.loader import LoadedModel
 from kvrescue.engine.prm import PRMScorer
 from kvrescue.engine.prm_recipes import FORMATS
-from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from kvrescue.smollm import smollm2_folder
 
 KVRESCUE = str(Path(sys.executable).parent / "kvrescue")

@@ -30,7 +30,7 @@ from kvrescue.data import Problem, ProblemSet
 from kvrescue.engine.sampling import SamplingParams
 from kvrescue.grid import Cell, grid_options
 from kvrescue.in_process import InProcessGroup
-from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from kvrescue.search import SearchSettings
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, init_std=0.1)

@@ -39,7 +39,7 @@ TINY = dict(rows=4, context=64, budget=16, steps=3, rounds=1, prompt=24)
 def tp_section(tiny: bool, timeout_s: float = 300.0) -> dict:
     """Run the check over two ranks (GPUs 0 and 1, or two CPU processes with `tiny`); its JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
-        from kvrescue.random_checkpoints import write_random_checkpoint
+        from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 
         dtype = torch.float32 if tiny else torch.bfloat16
         write_random_checkpoint(Path(tmp) / "model", "qwen2", dtype=dtype, device="cpu" if tiny else "cuda:0",

@@ -238,7 +238,7 @@ def prm_section(args, vllm) -> None:
     import tempfile
 
     from kvrescue.engine import load_model
-    from kvrescue.random_checkpoints import write_random_checkpoint
+    from kvrescue_testkit.random_checkpoints import write_random_checkpoint
     from kvrescue.vllm_engine.llm import start_llm
 
     folder = write_random_checkpoint(tempfile.mkdtemp(prefix="vs_vllm-prm-"), "prm", **PRM_SHAPE)

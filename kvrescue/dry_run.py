@@ -29,7 +29,7 @@ from kvrescue.engine.loader import DTYPES, LoadedModel, _build
 from kvrescue.fake_cuda import FakeCuda, HostReads, peaks
 from kvrescue.grid import Cell, GridOptions, grid_options
 from kvrescue_testkit.paper_shapes import PAPER_MODELS, hf_config
-from kvrescue.random_checkpoints import build_tokenizer
+from kvrescue_testkit.random_checkpoints import build_tokenizer
 from kvrescue.search import SearchSettings
 
 

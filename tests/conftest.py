@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvrescue.random_checkpoints import build_tokenizer, write_random_checkpoint  # noqa: E402
+from kvrescue_testkit.random_checkpoints import build_tokenizer, write_random_checkpoint  # noqa: E402
 from tests import cuda_layouts  # noqa: E402
 from tests.helpers import tiny_problems  # noqa: E402
 

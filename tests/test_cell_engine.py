@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from tests.helpers import kvrescue_run, ok, traces_of, write_jsonl
 
 

@@ -8,7 +8,7 @@ import pytest
 from kvrescue import chat_templates
 from kvrescue.chat_templates import ChatTemplateError, render_chat, render_chats
 from kvrescue.engine.loader import load_tokenizer
-from kvrescue.random_checkpoints import build_tokenizer
+from kvrescue_testkit.random_checkpoints import build_tokenizer
 from kvrescue_testkit.random_tokenizers import LLAMA31_CHAT_TEMPLATE
 from kvrescue.prompts import chat_messages
 

@@ -12,7 +12,7 @@ from kvrescue.devices import device_groups
 from kvrescue.errors import InputError
 from kvrescue.grid import GridOptions
 from tests.helpers import small_grid, unset_allocator_settings
-from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from kvrescue.search import SearchSettings
 from kvrescue.workers import RayWorkers, actor_devices, actor_resources
 

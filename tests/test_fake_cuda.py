@@ -198,7 +198,7 @@ def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
     from kvrescue.dry_run import fake_model
     from kvrescue.engine.caches import FullCache
     from kvrescue.engine.graphs import StaticDecode
-    from kvrescue.random_checkpoints import build_tokenizer
+    from kvrescue_testkit.random_checkpoints import build_tokenizer
 
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)

@@ -16,7 +16,7 @@ from kvrescue.loading import load_roles
 from kvrescue.data import Problem
 from kvrescue.grid import GridOptions
 from kvrescue.prompts import generation_prompt
-from kvrescue.random_checkpoints import build_tokenizer, write_random_checkpoint
+from kvrescue_testkit.random_checkpoints import build_tokenizer, write_random_checkpoint
 from kvrescue.search import SearchSettings
 from tests.helpers import paper_grid, small_cell, small_grid, unset_allocator_settings
 from tests.tensor_bytes import TensorBytes, parameter_bytes

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvrescue.prompts import SYSTEM_PROMPT, answer_part, generation_prompt, resolve_style
-from kvrescue.random_checkpoints import QWEN3_CHAT_TEMPLATE, build_tokenizer, write_random_checkpoint
+from kvrescue_testkit.random_checkpoints import QWEN3_CHAT_TEMPLATE, build_tokenizer, write_random_checkpoint
 from tests.conftest import TINY
 from tests.helpers import kvrescue, kvrescue_run, read_folder
 from tests.cli.test_run import SMALL

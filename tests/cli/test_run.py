@@ -353,7 +353,7 @@ def test_default_models_without_the_hub_name_the_model_and_the_way_out(problems,
 @pytest.fixture(scope="module")
 def flat_dir(tmp_path_factory) -> Path:
     """A Qwen2 with a near-uniform next-token distribution over its 512 tokens (6.24 nats), 4096 embedding rows."""
-    from kvrescue.random_checkpoints import write_random_checkpoint
+    from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("flat"), "qwen2", vocab_size=4096, init_std=0.002, seed=5,
                                    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)

@@ -14,7 +14,7 @@ from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.evict import RKV, AdaKV, PyramidKV, SnapKV, gather_positions, keep_positions
 from kvrescue.shapes import OBSERVATION_WINDOW
 from kvrescue.engine.loader import load_model
-from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from tests.conftest import TINY
 from tests.oracles import adakv_keep_past, rkv_keep, snapkv_keep, streaming_keep
 

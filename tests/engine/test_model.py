@@ -147,7 +147,7 @@ def test_missing_path_is_refused(tmp_path) -> None:
 
 def test_random_checkpoint_with_a_larger_vocabulary_than_its_tokenizer(tmp_path) -> None:
     """Qwen2.5 pads its embedding past the tokenizer; the writer and both loaders agree on that too."""
-    from kvrescue.random_checkpoints import write_random_checkpoint
+    from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 
     folder = write_random_checkpoint(tmp_path, "qwen2", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                      intermediate_size=64, vocab_size=1000)

@@ -10,7 +10,7 @@ from transformers import Qwen2Model
 from kvrescue.engine import load_model
 from kvrescue.engine.prm import SYSTEM_PROMPT, PRMScorer
 from kvrescue.engine.prm_recipes import FORMATS
-from kvrescue.random_checkpoints import build_tokenizer
+from kvrescue_testkit.random_checkpoints import build_tokenizer
 from tests.helpers import blind_prm
 from tests.oracles import prm_last_scores, prm_scores
 

@@ -18,7 +18,7 @@ from kvrescue.grid import resolve_prm_recipe
 from kvrescue.errors import InputError
 from kvrescue.grid import GridOptions
 from kvrescue.model_config import load_config
-from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from kvrescue.search import SearchSettings
 from tests.conftest import TINY
 from tests.helpers import small_grid

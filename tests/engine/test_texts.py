@@ -6,7 +6,7 @@ import pytest
 
 from kvrescue.engine.loader import load_model
 from kvrescue.engine.texts import decoder, encoder
-from kvrescue.random_checkpoints import build_tokenizer
+from kvrescue_testkit.random_checkpoints import build_tokenizer
 
 
 def _texts(tokenizer, n: int = 300) -> list[str]:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvrescue.model_config import ModelArgs
-from kvrescue.random_checkpoints import write_random_checkpoint
+from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from kvrescue.shapes import local_args, shard_degree
 from tests import tp_scenario
 
