@@ -34,7 +34,7 @@ def measure(methods: list[str]) -> dict:
 
     import kvrescue
     import kvrescue.dry_run as dry
-    import kvrescue.fake_cuda as fake_cuda
+    import kvrescue_testkit.fake_cuda as fake_cuda
 
     owners: dict[int, str] = {}  # id of a runner, static step or scorer -> its role
     engines: list = []

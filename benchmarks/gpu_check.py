@@ -32,7 +32,7 @@ downloaded). Sections, in this order:
   against the dynamic eager step from the same state; `ok` under the dtype's tolerance, as for `logits`.
 - `memory`: two kvrescue cells, one after the other, with the cyclic garbage collector off: the second must leave
   no more bytes allocated than the first (growth is a leak); what the first left is reported as a one-time workspace
-  (on a CPU on fake CUDA, `kvrescue.fake_cuda`).
+  (on a CPU on fake CUDA, `kvrescue_testkit.fake_cuda`).
 - `devices` (two or more GPUs; else a skip record): `kvrescue run`'s in-process executor given the last visible GPU
   loads small random checkpoints and decodes a kvrescue cell there: every parameter on that GPU, no other GPU gains
   allocated bytes.

@@ -4,7 +4,7 @@ device's allocated bytes are read before the first, after it and after the secon
 the first left is a leak (a cycle among a cell's objects would keep its caches until a full collection, and every
 cell of a grid would add its own); what the first left and the second does not add to is a one-time workspace (cuBLAS
 and cuBLASLt keep one per handle and stream on a GPU: 32 MiB + 1 MiB on Hopper), which the check reports and does not
-fail on. On a CPU the cells run on fake CUDA (`kvrescue.fake_cuda`), whose allocated bytes are those of its fake
+fail on. On a CPU the cells run on fake CUDA (`kvrescue_testkit.fake_cuda`), whose allocated bytes are those of its fake
 tensors."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from gpu_check_setup import QWEN25_05B, TINY, random_loaded
 from kvrescue.cell_engine import build_cell
 from kvrescue.decoding import decode
 from kvrescue.dry_run import TokenScript, fake_model
-from kvrescue.fake_cuda import FakeCuda
+from kvrescue_testkit.fake_cuda import FakeCuda
 from kvrescue.grid import Cell
 from kvrescue_testkit.random_checkpoints import build_tokenizer
 

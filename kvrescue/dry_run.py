@@ -26,7 +26,7 @@ from kvrescue.data import Problem, ProblemSet
 from kvrescue.cell_engine import build_cell
 from kvrescue.decoding import decode
 from kvrescue.engine.loader import DTYPES, LoadedModel, _build
-from kvrescue.fake_cuda import FakeCuda, HostReads, peaks
+from kvrescue_testkit.fake_cuda import FakeCuda, HostReads, peaks
 from kvrescue.grid import Cell, GridOptions, grid_options
 from kvrescue_testkit.paper_shapes import PAPER_MODELS, hf_config
 from kvrescue_testkit.random_checkpoints import build_tokenizer

@@ -284,7 +284,7 @@ def test_the_plan_cascades_where_the_full_cache_does(invariant, cuda):
 
     from kvrescue.engine import invariance
     from kvrescue.engine.caches import FullCache
-    from kvrescue.fake_cuda import FakeCuda
+    from kvrescue_testkit.fake_cuda import FakeCuda
 
     invariance.enable(invariant)
     try:

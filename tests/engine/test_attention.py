@@ -188,7 +188,7 @@ def test_cascade_only_where_it_saves_enough_re_reading() -> None:
 def test_on_cuda_the_default_cache_never_cascades() -> None:
     """Where an H200 measured cascade at 2.3x paged's time (8 problems x N = 8 over 1k-2k tokens, no flash-attn), the
     default cache on a CUDA device (fake: the decision is the host's) reads paged."""
-    from kvrescue.fake_cuda import FakeCuda
+    from kvrescue_testkit.fake_cuda import FakeCuda
 
     with FakeCuda():
         cache = FullCache(1, HKV, D, 2048, max_rows=80, max_row_tokens=2048, block_size=16, device="cuda:0")

@@ -20,7 +20,7 @@ from kvrescue.engine.runner import Runner
 from kvrescue.engine.sampling import SamplingParams, entropy, sample
 from kvrescue.engine.scoring import HelperLoglik
 from kvrescue.errors import InputError
-from kvrescue.fake_cuda import FakeCuda
+from kvrescue_testkit.fake_cuda import FakeCuda
 from kvrescue.grid import grid_options
 from kvrescue.search import SearchSettings
 from kvrescue.smollm import smollm2_folder

@@ -1,4 +1,4 @@
-"""The fake-CUDA dry run (`kvrescue.fake_cuda`, `kvrescue.dry_run`): the engine's CUDA path at the paper's
+"""The fake-CUDA dry run (`kvrescue_testkit.fake_cuda`, `kvrescue.dry_run`): the engine's CUDA path at the paper's
 shapes (Qwen2.5-Math-7B base, 1.5B helper, PRM-7B) on fake tensors, without a GPU. Device, dtype, shape and stride
 mistakes raise on the CPU as they would on a GPU; the CPU suite's real kernels cannot show them (contiguous outputs,
 one device)."""
@@ -17,8 +17,8 @@ from kvrescue.engine.attention import attend_masked
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.loader import load_model
 from kvrescue.engine.transfer import Download, upload_all
-from kvrescue import fake_cuda
-from kvrescue.fake_cuda import CaptureError, FakeCuda
+from kvrescue_testkit import fake_cuda
+from kvrescue_testkit.fake_cuda import CaptureError, FakeCuda
 from kvrescue.memory_plan import CellShape, DeviceKind, plan_cell
 from kvrescue_testkit.paper_shapes import PAPER_MODELS
 
