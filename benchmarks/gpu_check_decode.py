@@ -15,7 +15,7 @@ from gpu_check_setup import DECODE_SHARE, PARAMS, QWEN25_MATH_7B, TINY, hf_model
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache
 from kvrescue.engine.graphs import StaticDecode
-from kvrescue.engine.loader import _build
+from kvrescue.engine.loader import build_network
 from kvrescue.engine.model import Transformer
 from kvrescue.engine.sampling import sample
 
@@ -152,7 +152,8 @@ def decode_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, pl
     def models() -> tuple[Any, Transformer, int]:
         if not built:
             built["hf"] = hf = hf_model(shape, device, dtype, seed=2)
-            built["net"] = _build(dict(hf.state_dict()), {**hf.config.to_dict(), "model_type": "qwen2"}, dtype, device)
+            config = {**hf.config.to_dict(), "model_type": "qwen2"}
+            built["net"] = build_network(dict(hf.state_dict()), config, dtype, device)
             built["weight_bytes"] = sum(p.numel() * p.element_size() for p in built["net"].parameters())
         return built["hf"], built["net"], built["weight_bytes"]
 

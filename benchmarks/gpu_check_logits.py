@@ -8,7 +8,7 @@ from gpu_check_setup import QWEN25_05B, TINY, hf_model
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.evict import MIN_BUDGET
 from kvrescue.engine.graphs import StaticDecode
-from kvrescue.engine.loader import _build
+from kvrescue.engine.loader import build_network
 
 
 def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -32,7 +32,8 @@ def check_logits(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dic
     """Engine vs transformers logits: a plain forward, then prefill + static decode steps."""
     shape = TINY if tiny else QWEN25_05B
     hf = hf_model(shape, device, dtype, seed=0)
-    net = _build(dict(hf.state_dict()), {**hf.config.to_dict(), "model_type": "qwen2"}, dtype, device)
+    config = {**hf.config.to_dict(), "model_type": "qwen2"}
+    net = build_network(dict(hf.state_dict()), config, dtype, device)
     tokens = plan["logit_tokens"]
     ids = torch.randint(0, shape["vocab_size"], (2, tokens), device=device, generator=torch.Generator(device).manual_seed(1))
     with torch.inference_mode():

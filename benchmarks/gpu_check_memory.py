@@ -19,7 +19,7 @@ from gpu_check_record import Check
 from gpu_check_setup import QWEN25_05B, TINY, random_loaded
 from kvrescue.cell_engine import build_cell
 from kvrescue.decoding import decode
-from kvrescue.dry_run import TokenScript, fake_model
+from kvrescue_testkit.dry_run import TokenScript, fake_model
 from kvrescue_testkit.fake_cuda import FakeCuda
 from kvrescue.grid import Cell
 from kvrescue_testkit.random_checkpoints import build_tokenizer

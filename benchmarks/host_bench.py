@@ -156,12 +156,14 @@ def measure(scorer: str, steps: int, problems: int, mode: str) -> dict:
 
 
 def export_tree(ref: str, folder: Path) -> Path:
-    """The product's code (kvrescue, grader) at git ref `ref`, exported to `folder` (made here)."""
+    """The product's code (kvrescue, grader) and the kit that drives it (kvrescue_testkit, where the ref has one) at
+    git ref `ref`, exported to `folder` (made here)."""
     folder.mkdir()
     listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", ref], capture_output=True, text=True,
                             check=True).stdout.split()
     package = "kvrescue" if "kvrescue" in listed else "kvrescue_cli"  # its name before 6 December 2026
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, package, "grader"],
+    kit = ["kvrescue_testkit"] if "kvrescue_testkit" in listed else []
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, package, "grader", *kit],
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     return folder

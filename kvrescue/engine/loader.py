@@ -199,7 +199,7 @@ class _RankWeights(Mapping):
         return len(self.sources)
 
 
-def _build(
+def build_network(
     sources: Mapping[str, Any], cfg: dict[str, Any], dtype: torch.dtype, device: str, tp: int = 1,
     exact_heads: bool = False, name: str = "model",
 ) -> Transformer:
@@ -236,7 +236,7 @@ def _load_folder(folder: Path, name: str, **place: Any) -> LoadedModel:
     cfg = _read_json(cfg_path, name)
     sources = _weight_sources(folder, name)
     try:
-        net = _build(sources, cfg, **place, name=name)
+        net = build_network(sources, cfg, **place, name=name)
     except ModelLoadError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:
@@ -319,7 +319,7 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
         raise ModelLoadError(f"model {str(path)!r}: not a readable GGUF file ({type(e).__name__}: {reason})") from None
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)
-    net = _build(dict(hf.state_dict()), cfg, **place, name=str(path))
+    net = build_network(dict(hf.state_dict()), cfg, **place, name=str(path))
     gen_cfg = hf.generation_config.to_dict()
     del hf
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

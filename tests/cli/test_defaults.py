@@ -6,7 +6,7 @@ import inspect
 
 from kvrescue import cli
 from kvrescue.cost import estimate
-from kvrescue.dry_run import dry_run
+from kvrescue_testkit.dry_run import dry_run
 from kvrescue.engine.sampling import SamplingParams
 from kvrescue.devices import CPU, GPU
 from kvrescue.grid import DEFAULT_BATCH, GridOptions

@@ -1,7 +1,7 @@
-"""The fake-CUDA dry run (`kvrescue_testkit.fake_cuda`, `kvrescue.dry_run`): the engine's CUDA path at the paper's
-shapes (Qwen2.5-Math-7B base, 1.5B helper, PRM-7B) on fake tensors, without a GPU. Device, dtype, shape and stride
-mistakes raise on the CPU as they would on a GPU; the CPU suite's real kernels cannot show them (contiguous outputs,
-one device)."""
+"""The fake-CUDA dry run (`kvrescue_testkit.fake_cuda`, `kvrescue_testkit.dry_run`): the engine's CUDA path at the
+paper's shapes (Qwen2.5-Math-7B base, 1.5B helper, PRM-7B) on fake tensors, without a GPU. Device, dtype, shape and
+stride mistakes raise on the CPU as they would on a GPU; the CPU suite's real kernels cannot show them (contiguous
+outputs, one device)."""
 
 import gc
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrescue.cost import Architecture
-from kvrescue.dry_run import dry_run
+from kvrescue_testkit.dry_run import dry_run
 from kvrescue.engine import bounded, graphs
 from kvrescue.engine.attention import attend_masked
 from kvrescue.engine.bounded import BoundedCache
@@ -122,7 +122,7 @@ def test_the_memory_log_counts_storages_per_device_and_part_until_freed():
 def test_a_dry_run_of_bon_and_kvrescue_at_the_paper_shapes():
     """Two problems of each method, N = 2, two synthetic steps of 2 tokens, at the paper's caps (512-token steps,
     4,096-token contexts) and budget 64, through `decoding.decode` with CUDA graphs, on fake Qwen2.5-Math-7B,
-    1.5B and PRM-7B weights built by the loader's `_build`."""
+    1.5B and PRM-7B weights built by the loader's `build_network`."""
     run = dry_run(("bon", "kvrescue"), n=2, batch=2, synthetic=(2, 2))
     assert run.weights == {"base": weight_bytes(PAPER_MODELS["base"]), "helper": weight_bytes(PAPER_MODELS["helper"]),
                            "prm": weight_bytes(PAPER_MODELS["prm"], prm=True)}
@@ -195,7 +195,7 @@ def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch):
 def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
     """Without flash-attn the full cache's step has a graph per row and block bucket: they write one logits buffer
     per row bucket (a 1.5B helper's logits at 512 rows take 155 MB), not one each."""
-    from kvrescue.dry_run import fake_model
+    from kvrescue_testkit.dry_run import fake_model
     from kvrescue.engine.caches import FullCache
     from kvrescue.engine.graphs import StaticDecode
     from kvrescue_testkit.random_checkpoints import build_tokenizer

@@ -1,7 +1,7 @@
 """A dry run of `kvrescue run`'s decode code on fake CUDA (`fake_cuda`), at the paper's shapes, without a GPU.
 
-The models are built from their configs through the loader's real model-building code (`loader._build`) with fake
-weights, each tensor made when the loader reads it; the cells decode through `decoding.decode` (the Controller, the
+The models are built from their configs through the loader's real model-building code (`loader.build_network`) with
+fake weights, each tensor made when the loader reads it; the cells decode through `decoding.decode` (the Controller, the
 Runners, the caches, the PRM scorer, CUDA graphs) with the paper's settings but synthetic steps, so that a few
 steps of a `bon` and a `kvrescue` cell run every CUDA-path forward (prefill, one-token decode as captured graphs,
 multi-token commits, PRM scoring) in seconds. Device, dtype, shape and stride mistakes raise as on a GPU. The
@@ -25,7 +25,7 @@ import torch
 from kvrescue.data import Problem, ProblemSet
 from kvrescue.cell_engine import build_cell
 from kvrescue.decoding import decode
-from kvrescue.engine.loader import DTYPES, LoadedModel, _build
+from kvrescue.engine.loader import DTYPES, LoadedModel, build_network
 from kvrescue_testkit.fake_cuda import FakeCuda, HostReads, peaks
 from kvrescue.grid import Cell, GridOptions, grid_options
 from kvrescue_testkit.paper_shapes import PAPER_MODELS, hf_config
@@ -81,12 +81,12 @@ def checkpoint_shapes(shape: dict, prm: bool) -> dict[str, torch.Size]:
 
 
 def fake_model(shape: dict, role: str, tokenizer, dtype: torch.dtype, device: str) -> LoadedModel:
-    """A model of `shape` (a PRM for role "prm") with fake weights on `device`, built by the loader's `_build`. Call
-    it inside `FakeCuda`."""
+    """A model of `shape` (a PRM for role "prm") with fake weights on `device`, built by the loader's
+    `build_network`. Call it inside `FakeCuda`."""
     prm = role == "prm"
     config = {**hf_config(shape, tokenizer).to_dict(), "model_type": "qwen2",
               **({"architectures": ["Qwen2ForProcessRewardModel"]} if prm else {})}
-    net = _build(FakeWeights(checkpoint_shapes(shape, prm), dtype, device), config, dtype, device)
+    net = build_network(FakeWeights(checkpoint_shapes(shape, prm), dtype, device), config, dtype, device)
     return LoadedModel(net, tokenizer, config, f"fake-{role}", [tokenizer.eos_token_id])
 
 
