@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from kvrescue.cost import Architecture
 from kvrescue.data import BUNDLED
 from kvrescue.detect import gzip_ratio
 from kvrescue.engine.bounded import BoundedCache
@@ -234,7 +235,7 @@ def main() -> None:
             print(f"  check, rkv B={b} over a real 128-token cycle: {evicted_cycle(net, b, args.batch, args.device) * 1e3:.3f} ms")
 
     print("\ncompression (all rows at once, all layers) and memory")
-    per_entry = BoundedCache.for_model(net, budget=64).bytes_per_entry()
+    per_entry = Architecture("bench", net.args, next(net.parameters()).element_size()).kv_bytes_per_token
     per_entry_7b = 2 * QWEN_7B["n_layers"] * QWEN_7B["n_kv_heads"] * QWEN_7B["head_dim"] * QWEN_7B["bytes"]
     for b in budgets:
         peak = b + BUFFER

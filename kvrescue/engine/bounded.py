@@ -123,11 +123,6 @@ class BoundedCache(KVCache):
     def capacity(self) -> int:
         return self.k.shape[3]
 
-    def bytes_per_entry(self) -> int:
-        """K + V bytes of one cached token over all layers."""
-        n_layers, _, h_kv, _, d = self.k.shape
-        return 2 * n_layers * h_kv * d * self.k.element_size()
-
     def physical_length(self, row: int) -> int:
         """Entries the row holds now."""
         return int(self.row_physical[row])
@@ -135,10 +130,6 @@ class BoundedCache(KVCache):
     def peak_length(self, row: int) -> int:
         """Largest physical length the row held, counting the history it inherited through forks."""
         return int(self.row_peak[row])
-
-    def rows_in_use(self) -> list[int]:
-        """The ids of the rows created and not released."""
-        return sorted(set(range(self.next_id)) - set(self.free_ids))
 
     # -- rows ---------------------------------------------------------------------------------------
     def create(self) -> int:

@@ -269,7 +269,3 @@ class PRMScorer:
         if key in self.rows:
             self.cache.release([self.rows.pop(key)])
         return self.inputs.close(key)
-
-    def dropped_steps(self, key: int) -> int:
-        """How many of the oldest committed steps no longer fit the window."""
-        return self.inputs.problems[key].kept_from

@@ -135,7 +135,7 @@ def test_window_drops_oldest_steps_and_records_it(prm) -> None:
         scorer.commit(0, text, [])
         assert len(scorer.inputs.problems[0].prefix()) <= 120
     (score,) = scorer.score([(0, STEPS[0][1], [])])
-    kept = scorer.dropped_steps(0)
+    kept = scorer.inputs.problems[0].kept_from  # the oldest committed steps cut to fit the window
     assert kept > 0
     committed = (STEPS[0] * 3)[kept:]
     assert abs(score - prm_scores(prm, PROBLEMS[0], committed + [STEPS[0][1]])[-1]) < 1e-4
@@ -243,7 +243,7 @@ def test_a_candidate_cut_to_the_window_with_no_step_left_to_drop_is_a_truncation
     assert scorer.close(0) == (window, 0)
     scorer.open(0, PROBLEMS[0], [])
     scorer.score([(0, long, [])])  # nothing to drop: the candidate keeps its last window - prompt tokens
-    assert scorer.dropped_steps(0) == 0
+    assert scorer.inputs.problems[0].kept_from == 0
     assert scorer.close(0) == (window, 1)
 
 
