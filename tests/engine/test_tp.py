@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from kvrescue.model_config import ModelArgs
-from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from kvrescue.shapes import local_args, shard_degree
+from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from tests import tp_scenario
 
 TOL = 1e-5
@@ -107,10 +107,9 @@ def test_shard_degrees_of_the_papers_setting() -> None:
 
 
 def test_tp_check_tiny_runs_on_two_cpu_ranks(tmp_path):
-    """benchmarks/tp_check.py (gpu_check's `tp` section) end to end over gloo: fp32 logits agree, both rates measured."""
+    """benchmarks/gpu_check/tp_check.py (gpu_check's `tp` section) end to end over gloo: fp32 logits agree, both rates measured."""
     out = tmp_path / "tp.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tp_check.py"), "--tiny", "--out", str(out)],
-                          capture_output=True, timeout=600)
+    done = benchmark("gpu_check/tp_check.py", "--tiny", "--out", str(out), capture_output=True, timeout=600)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     report = json.loads(out.read_text())
     assert report["logits"]["max_abs"] < TOL and report["logits"]["top1_agreement"] == 1.0
@@ -126,7 +125,7 @@ def test_tp_without_a_process_group_is_a_load_error(checkpoints):
 
 
 # -- whole runs: `--devices cpu,cpu --tp 2` is one group of two ranks ------------------------------------
-from tests.helpers import ROOT, RUN_WAIT_S, kvrescue, small_cell, small_grid, sums, traces_of  # noqa: E402
+from tests.helpers import ROOT, RUN_WAIT_S, benchmark, kvrescue, small_cell, small_grid, sums, traces_of  # noqa: E402
 from tests.test_workers import command, comparable, descendants, models, problems  # noqa: E402,F401
 
 METHODS = ["--method", "kvrescue,bon,full", "--dtype", "float32"]  # exact up to float rounding in fp32
