@@ -10,8 +10,8 @@ window on the device, the gzip test on the host only for rows that may hold `cmp
 is screened, a step's last one too. tests/oracles.py transcribes the rules token by token, and
 tests/engine/test_steps.py checks the decode loop against it.
 
-Cost: one gzip of ``cmp_chars`` characters per token once the text is that long: about 40-55 us
-per token on one CPU core (benchmarks/speed/evict_bench.py); no host work per token before that.
+Cost: one gzip of ``cmp_chars`` characters per token once the text is that long (docs/benchmarks.md); no host
+work per token before that.
 """
 
 from __future__ import annotations

@@ -31,8 +31,7 @@ LOGITS_BYTES = 1 << 28  # bound on the fp32 logits helper-loglik's log-likelihoo
 def cascade_from_on(cuda: bool) -> float:
     """The shared tokens a forward's rows must otherwise re-read for the full cache to cascade, outside
     --deterministic (inf: never). On a CPU, CASCADE_FROM; on CUDA never: cascade costs more than the reads it saves
-    there (on an H200 without flash-attn, 30.4 ms a step against 13.0 paged at 8 problems x N = 8 over 1k-2k
-    tokens, about 84k tokens re-read; docs/gpus.md)."""
+    there (an H200 measured it slower than paged: docs/benchmarks.md)."""
     return math.inf if cuda else CASCADE_FROM
 
 

@@ -72,14 +72,12 @@ class KVCache(ABC):
 
 # CASCADE_FROM (shapes.py): cascade when a forward's rows would otherwise re-read at least that many shared tokens
 # (each group's shared prefix once per row but one): below it the extra pass and merge cost more than they save on the CPU
-# (attention_bench, helper shape, N = 8, both passes in SDPA's CPU flash kernel: cascade 0.7x the paged time at
-# a 64-token prefix, i.e. 448 re-read per problem, 1.2x at 128 with one problem, 0.93x at 64 with 8 problems,
-# 1.4x at 128). On a GPU the extra kernels' fixed cost is what matters; gpu_check's attention section measures it.
+# (docs/benchmarks.md, "Cascade attention"). On a GPU the extra kernels' fixed cost is what matters; gpu_check's
+# attention section measures it.
 # With batch invariance on, whether a row cascades must not depend on the rows beside it, so each group decides
 # from its own rows: from GROUP_CASCADE_FROM (shapes.py) re-read, N = 8 over a 512-token prefix. On a CPU, whose
-# invariant attention reads whole 512-key blocks (a cascading row reads one block more), cascade ran at 1.0x the
-# paged speed there with 1 problem and 1.2x with 8; 0.6x and 1.0x at 256 tokens; 2.3x and 2.7x at 1,024
-# (attention_bench --deterministic, docs/benchmarks.md).
+# invariant attention reads whole 512-key blocks, a cascading row reads one block more, which a shorter prefix does
+# not repay (docs/benchmarks.md, "Cascade attention under `--deterministic` on a CPU").
 
 
 TORCH_BLOCK = 16  # tokens per block of a full cache on the torch attention path

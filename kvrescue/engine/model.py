@@ -25,7 +25,7 @@ from kvrescue.shapes import local_args
 VALUE_HEAD = "v_head.summary.weight"  # a value-head checkpoint's head weight (and its .bias)
 
 # Rows up to which a bf16 linear layer on a CPU computes W @ xT (matrix-vector products) rather than x @ WT: there
-# MKL/oneDNN read a SmolLM2-sized weight 1.3-1.45x faster at 1-32 rows; fp32 gains nothing (benchmarks/speed/linear_bench.py).
+# MKL/oneDNN read the weight faster; fp32 gains nothing (docs/benchmarks.md, benchmarks/speed/linear_bench.py).
 GEMV_ROWS = 32
 
 

@@ -125,7 +125,7 @@ _TABLES: dict[int, tuple[object, StepTable]] = {}
 
 
 def step_table(tokenizer) -> StepTable:
-    """The tokenizer's table, built on first use and kept (3 s for SmolLM2's 49k vocabulary on a busy 2-core box)."""
+    """The tokenizer's table, built on first use and kept (seconds for a large vocabulary: docs/benchmarks.md)."""
     entry = _TABLES.get(id(tokenizer))
     if entry is None or entry[0] is not tokenizer:
         entry = _TABLES[id(tokenizer)] = (tokenizer, StepTable(tokenizer))

@@ -1,8 +1,8 @@
 """Tokenizer calls on the decode path, straight to the Rust tokenizer where the transformers wrapper adds nothing.
 
 `tokenizer.decode(ids)` and `tokenizer.encode(text, add_special_tokens=False)` spend most of their time in the
-wrapper (argument handling, type checks of every id) for the short texts of a step: a 32-token step decodes in
-about 4 µs through the Rust tokenizer and 18 µs through the wrapper. The direct calls are used only where they
+wrapper (argument handling, type checks of every id) for the short texts of a step, which the Rust tokenizer
+decodes several times faster (docs/benchmarks.md). The direct calls are used only where they
 give the wrapper's result: a fast tokenizer without space clean-up or split special tokens, checked once on a
 probe text.
 """
@@ -37,7 +37,7 @@ def decoder(tokenizer) -> Callable[[Sequence[int]], str]:
 def encoder(tokenizer) -> Callable[[Sequence[str]], list[list[int]]]:
     """A function equal to `[tokenizer.encode(text, add_special_tokens=False) for text in texts]`: one batched call
     of the Rust tokenizer, without the character offsets nobody reads (`encode_batch_fast`), spread over its threads
-    (about 1.3 µs per token on one thread for a step's text, against 2.2 one text at a time)."""
+    (faster per token than one text at a time: docs/benchmarks.md)."""
     backend = _backend(tokenizer)
     if backend is not None:
         batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
