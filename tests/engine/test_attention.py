@@ -164,7 +164,7 @@ def test_the_flash_attn_call_equals_the_gather_path(group, monkeypatch, kernel_l
 def test_attention_bench_counts_the_blocks_each_variant_reads() -> None:
     """benchmarks/speed/attention_bench.py at a tiny shape: 2 problems with prefixes of 40 tokens (2 full blocks of 16
     and 8 tokens), 3 candidates each 5 tokens into their step, one decode step."""
-    from benchmarks.attention_bench import HELPER, measure_shape
+    from benchmarks.speed.attention_bench import HELPER, measure_shape
 
     shape = measure_shape("cpu", torch.float32, context=40, problems=2, n=3, step=5, repeats=1)
     block = 2 * 16 * HELPER["kv_heads"] * HELPER["head_dim"] * 4 * HELPER["layers"]
