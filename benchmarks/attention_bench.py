@@ -49,7 +49,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.gather_reference: the former path, kept as test code
 
-from kvrescue.cell_engine import CellParts  # noqa: E402
+from kvrescue.cell_runners import CellParts  # noqa: E402
 from kvrescue.engine import invariance  # noqa: E402
 from kvrescue.engine.caches import FullCache, block_size_for  # noqa: E402
 from kvrescue.engine.sampling import SamplingParams  # noqa: E402

@@ -120,7 +120,7 @@ class GridOptions:
         def where(role: str, cache: str) -> RolePlan:
             return RolePlan(VLLM, None) if self._on_vllm(role, method) else RolePlan(NATIVE, cache)
 
-        policy = make_evictor(self.evictor, self.evictor_params) if evicts else None
+        evictor = make_evictor(self.evictor, self.evictor_params) if evicts else None
         return CellPlan(
             method=method, budget=budget if spec.budgeted else None, n=n, batch=s.batch,
             max_step_tokens=s.max_step_tokens, context_cap=s.context_cap,
@@ -130,9 +130,9 @@ class GridOptions:
                               self.prm_recipe, self.prm_format),
             evictor=self.evictor if spec.budgeted else NO_EVICTION,
             evictor_params=dict(self.evictor_params) if evicts else {},
-            # every parameter when one differs from the defaults (the default policies' folders keep their identity)
-            recorded_params=policy.params() if policy is not None and policy != EVICTORS[self.evictor] else None,
-            accumulates=policy is not None and policy.accumulates,
+            # every parameter when one differs from the defaults (the default evictors' folders keep their identity)
+            recorded_params=evictor.params() if evictor is not None and evictor != EVICTORS[self.evictor] else None,
+            accumulates=evictor is not None and evictor.accumulates,
             buffer=self.buffer if evicts else None,
             cuda_graphs=self.cuda_graphs, deterministic=self.deterministic, tp=self.tp,
         )

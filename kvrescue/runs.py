@@ -11,7 +11,7 @@ from rich.progress import Progress
 from kvrescue import in_process, workers
 from kvrescue.cell_plan import CellPlan, ScorerPlan
 from kvrescue.data import data_dir, load_problems
-from kvrescue.device_plan import memory_plan
+from kvrescue.device_plan import plan_for_device
 from kvrescue.devices import device_groups
 from kvrescue.engine.sampling import STREAM_VERSION
 from kvrescue.errors import InputError
@@ -133,7 +133,7 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
 
         try:
             if executor is not None:
-                executor.decode(cell, pending, record, in_flight)
+                executor.decode_cell(cell, pending, record, in_flight)
         except BaseException as err:
             with suppress(RunFolderError):  # a full disk: the error that stopped the run is the one to show
                 folder.write_summary()
@@ -178,7 +178,7 @@ def prepare_grid(options: GridOptions) -> tuple[GridOptions, list[Cell]]:
         i, k = options.shard
         sets = [replace(problems, problems=problems.problems[i::k]) for problems in sets]
     cells = options.cells(sets)
-    memory_plan(options, options.devices[0])  # a base whose heads --tp does not split: an error before loading
+    plan_for_device(options, options.devices[0])  # a base whose heads --tp does not split: an error before loading
     return options, cells
 
 

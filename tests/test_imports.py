@@ -100,6 +100,6 @@ def test_the_layers_below_the_grid_read_the_cell_plan_never_the_grid_options():
     `kvrescue.grid`, directly or through others: what runs where in a cell reaches them as a `CellPlan`."""
     graph = import_graph()
     below = [m for m in graph if m.startswith(("kvrescue.engine", "kvrescue.outputs"))
-             or m in ("kvrescue.memory_plan", "kvrescue.cell_plan", "kvrescue.cell_engine")]
-    assert "kvrescue.cell_engine" in below and "kvrescue.outputs.folder" in below
+             or m in ("kvrescue.memory_plan", "kvrescue.cell_plan", "kvrescue.cell_runners")]
+    assert "kvrescue.cell_runners" in below and "kvrescue.outputs.folder" in below
     assert {m: "kvrescue.grid" in reached(graph, m) for m in below} == dict.fromkeys(below, False)

@@ -51,7 +51,7 @@ def print_plan(options) -> bool:
     for g, group in enumerate(groups):
         shares = device_shares(groups, g)
         for rank, device in enumerate(group):  # rank r of a group computes on its r-th device
-            plan = device_plan.memory_plan(options, device)
+            plan = device_plan.plan_for_device(options, device)
             if plan is None:
                 raise InputError("--plan: a model has no readable config.json")
             room = device_plan.device_room(options, device, shares)

@@ -71,7 +71,7 @@ def run(
     n: str = typer.Option("8", "--n", help="candidates per model per step (comma list)"),
     seed: str = typer.Option("0", help="seeds (comma list)"),
     evictor: str = typer.Option("rkv", help="rkv, snapkv, streaming, tova, h2o, knorm, keydiff, random, pyramidkv, "
-                                "adakv or none; NAME:FIELD=VALUE,... sets the policy's parameters "
+                                "adakv or none; NAME:FIELD=VALUE,... sets the evictor's parameters "
                                 "(rkv:lam=0.2,kernel=5; streaming:sinks=2; random:seed=1; pyramidkv:beta=10; "
                                 "adakv:scores=snapkv)"),
     buffer: int = typer.Option(BUFFER, help="W: entries an evicted row appends past the budget before it is "

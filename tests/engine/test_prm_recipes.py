@@ -8,7 +8,7 @@ import shutil
 import orjson
 import pytest
 
-from kvrescue.loading import load_roles
+from kvrescue.group_models import load_roles
 from kvrescue.engine import load_model
 from kvrescue.engine.loader import ModelLoadError, tensor_names
 from kvrescue.engine.prm import PRMScorer, check_prm
