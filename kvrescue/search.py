@@ -30,7 +30,7 @@ PROGRESS_EVERY_S = env_seconds("KVRESCUE_PROGRESS_EVERY_S", 2.0)
 @dataclass(frozen=True)
 class SearchSettings:
     """The run's settings the controller decides with (a cell's method, N and seed come with the cell); defaults are
-    the paper's. `batch`, problems in flight, has none here: the grid's (`grid.DEFAULT_BATCH`) depends on the
+    the paper's. `batch`, problems in flight, has none here: the grid's (`run_options.DEFAULT_BATCH`) depends on the
     device."""
 
     sampling: SamplingParams = SamplingParams()

@@ -7,6 +7,8 @@ the packages around it).
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.helpers import ROOT
@@ -103,3 +105,24 @@ def test_the_layers_below_the_grid_read_the_cell_plan_never_the_grid_options():
              or m in ("kvrescue.memory_plan", "kvrescue.cell_plan", "kvrescue.cell_runners")]
     assert "kvrescue.cell_runners" in below and "kvrescue.outputs.folder" in below
     assert {m: "kvrescue.grid" in reached(graph, m) for m in below} == dict.fromkeys(below, False)
+
+
+def test_the_options_by_concern_load_neither_the_grid_nor_the_engine():
+    """`run_options` (each concern's options and the defaults `kvrescue run` shows, read before anything is loaded)
+    loads no module of the engine, nor torch, nor the grid that unites them."""
+    loaded = subprocess.run([sys.executable, "-c", "import sys, kvrescue.run_options; print(*sorted(sys.modules))"],
+                            capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    assert "kvrescue.run_options" in loaded
+    assert [m for m in loaded if m.startswith(("kvrescue.engine", "kvrescue.grid", "torch"))] == []
+
+
+def test_only_the_cli_and_the_executors_read_the_grid_options():
+    """The modules that import `kvrescue.grid` (the grid's options, its cells, the cell plans' builder): the `run`
+    command, the grid's driver (runs), the executors (in this process, Ray workers, a --tp group, the dry run) and
+    the parts every executor runs (a group's models, the plan against its devices, a cell's decoding). A new reader
+    is a choice made here."""
+    graph = import_graph()
+    readers = {m for m, imports in graph.items() if "kvrescue.grid" in imports}
+    assert readers == {"kvrescue.cli.run_command", "kvrescue.runs", "kvrescue.in_process", "kvrescue.workers",
+                       "kvrescue.rank_group", "kvrescue.dry_run", "kvrescue.group_models", "kvrescue.device_plan",
+                       "kvrescue.decoding"}

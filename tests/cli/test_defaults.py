@@ -1,4 +1,5 @@
-"""`kvrescue run` and `kvrescue cost` write their defaults as literals (the CLI starts without torch, which the owners'
+"""`kvrescue run` reads its defaults from the options by concern (`run_options`, torch-free) and the detector's
+config; the sampling defaults and `kvrescue cost`'s are literals (the CLI starts without torch, which their owners'
 modules import): each equals its owner's."""
 
 import dataclasses
@@ -9,7 +10,8 @@ from kvrescue.cost import estimate
 from kvrescue.dry_run import dry_run
 from kvrescue.engine.sampling import SamplingParams
 from kvrescue.devices import CPU, GPU
-from kvrescue.grid import DEFAULT_BATCH, GridOptions
+from kvrescue.grid import GridOptions
+from kvrescue.run_options import DEFAULT_BATCH
 
 
 def defaults(command) -> dict[str, object]:
