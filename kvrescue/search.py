@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
 from kvrescue.detect import DetectorConfig
-from kvrescue.engine.sampling import SamplingParams
 from kvrescue.engine.scoring import UNSEEN_SCORE, Scorer
 from kvrescue.engine.steps import CandidateStep, StepRules
 from kvrescue.errors import env_seconds
 from kvrescue.methods import METHODS
 from kvrescue.outputs import Step
 from kvrescue.reasons import CONTEXT, DETECTOR_FINISHES, EOS, NONFINITE, STEPS
+from kvrescue.sampling_params import SamplingParams
 from kvrescue.shapes import MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 
 # Seconds between running-total reports (progress bars); $KVRESCUE_PROGRESS_EVERY_S overrides (0: every iteration).

@@ -107,12 +107,13 @@ def test_the_layers_below_the_grid_read_the_cell_plan_never_the_grid_options():
     assert {m: "kvrescue.grid" in reached(graph, m) for m in below} == dict.fromkeys(below, False)
 
 
-def test_the_options_by_concern_load_neither_the_grid_nor_the_engine():
-    """`run_options` (each concern's options and the defaults `kvrescue run` shows, read before anything is loaded)
-    loads no module of the engine, nor torch, nor the grid that unites them."""
-    loaded = subprocess.run([sys.executable, "-c", "import sys, kvrescue.run_options; print(*sorted(sys.modules))"],
+def test_the_owners_of_runs_defaults_load_neither_the_grid_nor_the_engine():
+    """`run_options` (each concern's options), `sampling_params` and `detect`: the owners of the defaults `kvrescue
+    run` shows, read before anything is loaded, load no module of the engine, nor torch, nor the grid."""
+    owners = "kvrescue.run_options, kvrescue.sampling_params, kvrescue.detect"
+    loaded = subprocess.run([sys.executable, "-c", f"import sys, {owners}; print(*sorted(sys.modules))"],
                             capture_output=True, text=True, check=True, timeout=120).stdout.split()
-    assert "kvrescue.run_options" in loaded
+    assert {"kvrescue.run_options", "kvrescue.sampling_params"} <= set(loaded)
     assert [m for m in loaded if m.startswith(("kvrescue.engine", "kvrescue.grid", "torch"))] == []
 
 

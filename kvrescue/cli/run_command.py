@@ -22,6 +22,7 @@ from kvrescue.errors import InputError
 from kvrescue.run_options import (
     AUTO, DEFAULT_BATCH, EngineOptions, GradingOptions, ModelOptions, Placement, RunIO, parse_shard,
 )
+from kvrescue.sampling_params import SamplingParams
 from kvrescue.scorers import HELPER_LOGLIK
 from kvrescue.shapes import MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 
@@ -94,9 +95,9 @@ def run(
     preset: Optional[str] = typer.Option(None, is_eager=True, callback=preset_defaults, help=PRESET_HELP),
     limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
     out: Path = typer.Option(Path("runs"), "--out", "-o", help="root folder of run folders"),
-    temperature: float = typer.Option(0.8, min=0.0),
-    top_p: float = typer.Option(0.95, min=0.0, max=1.0),
-    top_k: int = typer.Option(20, min=0),
+    temperature: float = typer.Option(SamplingParams.temperature, min=0.0),
+    top_p: float = typer.Option(SamplingParams.top_p, min=0.0, max=1.0),
+    top_k: int = typer.Option(SamplingParams.top_k, min=0),
     tau_ent: float = typer.Option(DetectorConfig.tau_ent, help="detector: mean-entropy threshold (nats)"),
     tau_cmp: float = typer.Option(DetectorConfig.tau_cmp, help="detector: gzip-ratio threshold"),
     ent_window: int = typer.Option(DetectorConfig.ent_window, min=1, help="detector: tokens whose entropies are averaged"),
@@ -162,7 +163,6 @@ def run(
 
     from kvrescue.dtypes import NAMES
     from kvrescue.engine.loader import resolve_dtype
-    from kvrescue.engine.sampling import SamplingParams
     from kvrescue.grid import grid_options
     from kvrescue.progress import LogLines
     from kvrescue.runs import CellFailed, run_grid

@@ -1,6 +1,5 @@
-"""`kvrescue run` reads its defaults from the options by concern (`run_options`, torch-free) and the detector's
-config; the sampling defaults and `kvrescue cost`'s are literals (the CLI starts without torch, which their owners'
-modules import): each equals its owner's."""
+"""`kvrescue run` reads its defaults from their owners, torch-free (the options by concern in `run_options`, the
+sampling parameters, the detector's config); `kvrescue cost`'s are literals: each equals its owner's."""
 
 import dataclasses
 import inspect
