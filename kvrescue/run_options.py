@@ -67,8 +67,13 @@ class Placement:
     tp: int = 1  # devices per group: every model is sharded over a group's K devices (rank_group.py)
     device_memory: int | None = None  # --device-memory: each device's bytes, for the plan, in place of its free memory
 
+    def groups(self) -> list[tuple[str, ...]]:
+        """The device groups, one worker each (`devices.device_groups`: one-line errors for devices `tp` can't
+        group)."""
+        return device_groups(self.devices, self.tp)
+
     def check(self) -> None:
-        device_groups(self.devices, self.tp)
+        self.groups()
 
 
 @dataclass(frozen=True, kw_only=True)

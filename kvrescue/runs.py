@@ -12,7 +12,6 @@ from kvrescue import in_process, workers
 from kvrescue.cell_plan import CellPlan, ScorerPlan
 from kvrescue.data import data_dir, load_problems
 from kvrescue.device_plan import plan_for_device
-from kvrescue.devices import device_groups
 from kvrescue.engine.sampling import STREAM_VERSION
 from kvrescue.errors import InputError
 from kvrescue.grid import (
@@ -200,7 +199,7 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
         say(f"  {cell_label(config)}: {run_dir(options.out, config).relative_to(options.out)}")
     if not work:
         return run_all(None)
-    groups = device_groups(options.devices, options.tp)
+    groups = options.groups()
     if len(groups) == 1 and options.ray_address is None:
         roles = ", ".join(f"{role} {options.models[role]}" for role in sorted(options.native_roles()))
         say(f"loading {roles} on {','.join(groups[0])}")

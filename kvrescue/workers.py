@@ -37,7 +37,7 @@ from kvrescue.decoding import decode_cell
 from kvrescue.device_plan import batch_description, wait_for_room
 from kvrescue.group_models import load_roles
 from kvrescue.data import Problem
-from kvrescue.devices import RAY_QUIET, device_groups, device_shares, gpu_index, is_cpu
+from kvrescue.devices import RAY_QUIET, device_shares, gpu_index, is_cpu
 from kvrescue.errors import InputError
 from kvrescue.outputs import Trace
 from kvrescue.rank_group import RankGroup
@@ -242,7 +242,7 @@ class RayWorkers:
     def __init__(self, options: GridOptions, say: Callable[[str], None]) -> None:
         self.options = options
         self.say = say
-        self.groups = device_groups(options.devices, options.tp)
+        self.groups = options.groups()
         self.resources = [actor_resources(self.groups, group) for group in range(len(self.groups))]
         self.workers: list[_Worker] = []
         self.deaths: Counter = Counter()
