@@ -26,7 +26,8 @@ def device_kind(options: GridOptions, device: str) -> planner.DeviceKind:
     return planner.DeviceKind(cuda, size, flash, options.cuda_graphs, options.tp, options.deterministic)
 
 
-def plan_for_device(options: GridOptions, device: str = "cuda:0", batch: int | None = None) -> planner.DevicePlan | None:
+def plan_for_device(options: GridOptions, device: str = "cuda:0",
+                    batch: int | None = None) -> planner.DevicePlan | None:
     """One device's plan for the grid's largest cell (`batch`: in place of --batch); None when a model has no
     readable config (the loader then says why)."""
     return planner.readable_plan(options.cell_plans(), options.native_models(), device_kind(options, device), batch)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +15,10 @@ from kvrescue.devices import is_cpu
 from kvrescue.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, make_evictor, parse_evictor
 from kvrescue.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES, PRMRecipe, get_recipe
 from kvrescue.engine.prm_recipes.choose import AUTO as PRM_AUTO
-from kvrescue.engine.prm_recipes.choose import auto_recipe, weight_names
 from kvrescue.errors import InputError
 from kvrescue.methods import METHODS
-from kvrescue.prompts import resolve_style
 from kvrescue.run_options import (
-    AUTO, CONCERNS, EngineOptions, GradingOptions, GridAxes, ModelOptions, Placement, RunIO, split_scorer,
+    CONCERNS, EngineOptions, GradingOptions, GridAxes, ModelOptions, Placement, RunIO, split_scorer,
 )
 from kvrescue.scorers import HELPER_LOGLIK, PRM
 from kvrescue.search import SearchSettings
@@ -213,20 +211,6 @@ def bench_identity(problems: ProblemSet) -> str:
     return problems.name if problems.grading_bench != GENERIC else problems.source
 
 
-def resolve_prompt(options: GridOptions) -> GridOptions:
-    """`options` with `--prompt auto` resolved from the policy model (the base, else the helper) and its config."""
-    if options.prompt != AUTO:
-        return options
-    from kvrescue.model_config import ModelConfigError, load_config
-
-    model = options.models["base" if any(METHODS[m].base for m in options.methods) else "helper"]
-    try:
-        model_type = load_config(model).get("model_type")
-    except ModelConfigError:  # a GGUF file, or offline: the model's name decides
-        model_type = None
-    return replace(options, prompt=resolve_style(AUTO, model, model_type))
-
-
 def grid_options(models: dict[str, str], settings: SearchSettings, out: Path, **fields: Any) -> GridOptions:
     """The grid as `kvrescue run` builds it from its options (the CLI, benchmarks): `models` by role as --base,
     --helper and --prm give them (`prm` may name the alternative scorer: `split_scorer`); `fields`: the rest of
@@ -249,29 +233,3 @@ def roles_needed(methods: list[str], scorer: str) -> set[str]:
         roles |= {"helper"} if spec.helper else set()
     roles.add("prm" if scorer == PRM else "helper")
     return roles
-
-
-def resolve_prm_recipe(options: GridOptions) -> GridOptions:
-    """`options` with `--prm-recipe auto` resolved from the PRM checkpoint; one-line errors for a PRM no recipe fits
-    and for a recipe `--engine vllm` cannot serve."""
-    if options.scorer != PRM:
-        return options
-    name = options.prm_recipe
-    if name == PRM_AUTO:
-        from kvrescue.model_config import ModelConfigError, load_config
-
-        model = options.models["prm"]
-        try:
-            cfg = load_config(model)
-        except ModelConfigError:  # a GGUF file, or offline: the weights and the name decide
-            cfg = {}
-        name = auto_recipe(model, cfg, weight_names(model))
-        if name is None:
-            raise InputError(f"--prm {model} has no PRM head (score.0/score.2 or v_head.summary weights) and neither "
-                             f"its name nor its config says which PRM it is (a {cfg.get('model_type')} model): give "
-                             f"--prm-recipe, one of {', '.join(PRM_RECIPES)}, or --prm {HELPER_LOGLIK} for the named "
-                             "alternative scorer")
-    recipe = get_recipe(name, options.prm_format)
-    if recipe.no_vllm and "prm" in options.vllm_roles():
-        raise InputError(f"--engine vllm: {recipe.no_vllm}")
-    return replace(options, prm_recipe=name)

@@ -106,7 +106,7 @@ class ModelOptions:
     models: dict[str, str]  # by role: base, helper, prm (a PRM scorer's)
     scorer: str  # scorers.SCORERS
     revisions: dict[str, str] = field(default_factory=dict)  # --base-revision and the others: a role's Hub revision
-    prompt: str = "math"  # the prompt style (prompts.PROMPT_STYLES; `auto` resolved by `grid.resolve_prompt`)
+    prompt: str = "math"  # the prompt style (prompts.PROMPT_STYLES; `auto` resolved by `auto_options.resolve_prompt`)
     prm_recipe: str = "qwen-math"  # the PRM's recipe (engine/prm_recipes; `auto` resolved by `resolve_prm_recipe`)
     prm_format: str = "paper"  # the qwen-math recipe's input format (engine/prm_recipes/qwen_math.py)
 

@@ -9,14 +9,13 @@ from dataclasses import replace
 from rich.progress import Progress
 
 from kvrescue import in_process, workers
+from kvrescue.auto_options import resolve_prm_recipe, resolve_prompt
 from kvrescue.cell_plan import CellPlan, ScorerPlan
 from kvrescue.data import data_dir, load_problems
 from kvrescue.device_plan import plan_for_device
 from kvrescue.engine.sampling import STREAM_VERSION
 from kvrescue.errors import InputError
-from kvrescue.grid import (
-    Cell, GridOptions, bench_identity, resolve_prm_recipe, resolve_prompt,
-)
+from kvrescue.grid import Cell, GridOptions, bench_identity
 from kvrescue.methods import METHODS
 from kvrescue.model_config import model_revision
 from kvrescue.scorers import PRM

@@ -119,11 +119,11 @@ def test_the_owners_of_runs_defaults_load_neither_the_grid_nor_the_engine():
 
 def test_only_the_cli_and_the_executors_read_the_grid_options():
     """The modules that import `kvrescue.grid` (the grid's options, its cells, the cell plans' builder): the `run`
-    command and its --plan table, the grid's driver (runs), the executors (in this process, Ray workers, a --tp group, the dry run) and
-    the parts every executor runs (a group's models, the plan against its devices, a cell's decoding). A new reader
-    is a choice made here."""
+    command and its --plan table, what resolves `auto` from the models before the plans are built, the grid's driver
+    (runs), the executors (in this process, Ray workers, a --tp group, the dry run) and the parts every executor runs
+    (a group's models, the plan against its devices, a cell's decoding). A new reader is a choice made here."""
     graph = import_graph()
     readers = {m for m, imports in graph.items() if "kvrescue.grid" in imports}
-    assert readers == {"kvrescue.cli.run_command", "kvrescue.cli.plan_table", "kvrescue.runs", "kvrescue.in_process", "kvrescue.workers",
-                       "kvrescue.rank_group", "kvrescue.dry_run", "kvrescue.group_models", "kvrescue.device_plan",
-                       "kvrescue.decoding"}
+    assert readers == {"kvrescue.cli.run_command", "kvrescue.cli.plan_table", "kvrescue.auto_options", "kvrescue.runs",
+                       "kvrescue.in_process", "kvrescue.workers", "kvrescue.rank_group", "kvrescue.dry_run",
+                       "kvrescue.group_models", "kvrescue.device_plan", "kvrescue.decoding"}
