@@ -14,6 +14,7 @@ from kvrescue import memory_plan as planner
 from kvrescue.devices import is_gpu
 from kvrescue.dtypes import dtype_bytes
 from kvrescue.grid import GridOptions
+from kvrescue.run_options import Placement
 from kvrescue.vllm_engine.roles import EngineSpec, engine_specs
 from kvrescue.vllm_engine.shares import engine_shares
 
@@ -62,7 +63,7 @@ def group_room(options: GridOptions, group: tuple[str, ...], shares: int = 1, co
     return device, room
 
 
-def checks_memory(options: GridOptions, device: str) -> bool:
+def checks_memory(options: Placement, device: str) -> bool:
     """Whether a worker on `device` is refused a plan that does not fit: on CUDA, or wherever --device-memory says."""
     return is_gpu(device) or options.device_memory is not None
 

@@ -24,6 +24,7 @@ from kvrescue.outputs import (
 )
 from kvrescue.outputs.summary import run_accuracy
 from kvrescue.progress import CellRate
+from kvrescue.run_options import RunIO
 from kvrescue.search import DecodeProgress
 
 
@@ -85,7 +86,7 @@ def _checksums(cell: Cell) -> dict[int, str]:
     return {p.idx: problem_checksum(p.problem, p.gt) for p in cell.problems.problems}
 
 
-def has_work(options: GridOptions, cells: list[Cell], configs: list[RunConfig]) -> bool:
+def has_work(options: RunIO, cells: list[Cell], configs: list[RunConfig]) -> bool:
     """Whether some cell has a problem left to decode, each cell's run folder (its `configs` entry) read as
     `run_cell` opens it but nothing written (`RunFolder.done_in`): every cell is read, so a folder `run_cell` would
     refuse (another configuration, a changed problem) is its one-line error here, before any model is loaded."""
