@@ -1,7 +1,7 @@
 """What one cell runs where, decided once (`grid.GridOptions.cell_plan`): for each role the engine it runs on (this
 one or vLLM) and its cache (bounded or full), the cell's sizes, and its scorer.
 
-Torch-free and free of the grid's options: `cell_engine.build_cell` builds the cell from it, the memory planner plans
+Torch-free and free of the grid's options: `cell_runners.build_cell` builds the cell from it, the memory planner plans
 it (`memory_plan.cell_shapes`) and the run folder records it (`runs.cell_config`); none of them asks the options
 these questions.
 """

@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Iterator
 
 from grader import grade as grade_answer
 from grader import normal_gt
-from kvrescue.cell_engine import CellEngine
+from kvrescue.cell_runners import CellRunners
 from kvrescue.data import Problem
 from kvrescue.grading import GradeFn, Grading
 from kvrescue.grid import Cell, GridOptions
@@ -16,10 +16,10 @@ from kvrescue.prompts import generation_prompt
 from kvrescue.search import Controller, DecodeProgress, Finished
 
 
-def decode(options: GridOptions, cell: Cell, engine: CellEngine, problems: Iterable[Problem],
+def decode_cell(options: GridOptions, cell: Cell, engine: CellRunners, problems: Iterable[Problem],
            emit: Callable[[Trace, int], None], on_progress: Callable[[DecodeProgress], None] | None = None,
            grade: GradeFn = grade_answer) -> None:
-    """Decode `problems` of one cell on `engine` (`cell_engine.build_cell`), pulled lazily (so they may come from a
+    """Decode `problems` of one cell on `engine` (`cell_runners.build_cell`), pulled lazily (so they may come from a
     shared queue), and `emit` each one's trace with the tokens it generated: skipped ones (a prompt as long as the
     context cap) when pulled, decoded ones once `grade` (grader.grade) has graded them; `on_progress` gets running
     totals every few seconds while problems are in flight."""

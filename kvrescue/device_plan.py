@@ -14,6 +14,7 @@ from kvrescue import memory_plan as planner
 from kvrescue.devices import is_gpu
 from kvrescue.dtypes import dtype_bytes
 from kvrescue.grid import GridOptions
+from kvrescue.run_options import Placement
 from kvrescue.vllm_engine.roles import EngineSpec, engine_specs
 from kvrescue.vllm_engine.shares import engine_shares
 
@@ -26,7 +27,8 @@ def device_kind(options: GridOptions, device: str) -> planner.DeviceKind:
     return planner.DeviceKind(cuda, size, flash, options.cuda_graphs, options.tp, options.deterministic)
 
 
-def memory_plan(options: GridOptions, device: str = "cuda:0", batch: int | None = None) -> planner.DevicePlan | None:
+def plan_for_device(options: GridOptions, device: str = "cuda:0",
+                    batch: int | None = None) -> planner.DevicePlan | None:
     """One device's plan for the grid's largest cell (`batch`: in place of --batch); None when a model has no
     readable config (the loader then says why)."""
     return planner.readable_plan(options.cell_plans(), options.native_models(), device_kind(options, device), batch)
@@ -61,7 +63,7 @@ def group_room(options: GridOptions, group: tuple[str, ...], shares: int = 1, co
     return device, room
 
 
-def checks_memory(options: GridOptions, device: str) -> bool:
+def checks_memory(options: Placement, device: str) -> bool:
     """Whether a worker on `device` is refused a plan that does not fit: on CUDA, or wherever --device-memory says."""
     return is_gpu(device) or options.device_memory is not None
 
@@ -72,7 +74,7 @@ def refuse_what_does_not_fit(options: GridOptions, free_bytes: int, beside_vllm:
     `device` (with `beside_vllm`: what is left beside vLLM's share)."""
     hints = [h for h, on in (("--dtype bfloat16", dtype_bytes(options.dtype) > 2),
                              ("--vllm-memory", beside_vllm)) if on]
-    planner.refuse_what_does_not_fit(memory_plan(options, device), free_bytes, device, beside_vllm, hints)
+    planner.refuse_what_does_not_fit(plan_for_device(options, device), free_bytes, device, beside_vllm, hints)
 
 
 def wait_for_room(options: GridOptions, group: tuple[str, ...], shares: int = 1, wait_s: float = 0.0,
@@ -81,7 +83,7 @@ def wait_for_room(options: GridOptions, group: tuple[str, ...], shares: int = 1,
     that long for memory to be released (a restarted worker: its dead predecessor's memory may not be yet)."""
     if not checks_memory(options, group[0]):
         return
-    plan, deadline = memory_plan(options, group[0]), clock() + wait_s
+    plan, deadline = plan_for_device(options, group[0]), clock() + wait_s
     device, room = group_room(options, group, shares)
     while plan is not None and plan.total > room - planner.headroom(room) and clock() < deadline:
         sleep(1.0)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvrescue.cell_engine import CellParts, build_cell
+from kvrescue.cell_runners import CellParts, build_cell
 from kvrescue.data import Problem
-from kvrescue.decoding import decode
+from kvrescue.decoding import decode_cell
 from kvrescue.device_plan import batch_description, device_memory, vllm_memory, vllm_specs, wait_for_room
 from kvrescue.grading import GradeFn
 from kvrescue.grid import Cell, GridOptions
-from kvrescue.loading import check_policy_tokenizers, load_roles, use_device
+from kvrescue.group_models import check_policy_tokenizers, load_roles, use_device
 from kvrescue.outputs import Trace
 from kvrescue.rank_group import RankGroup
 from kvrescue.search import DecodeProgress
@@ -19,7 +19,7 @@ from kvrescue.vllm_engine.roles import VllmEngines
 
 class InProcessGroup:
     """One device group decoding in this process, its models loaded once. `parts`, `grade`: what its cells are
-    built and graded with (`cell_engine.CellParts`, grader.grade), for benchmarks that swap one."""
+    built and graded with (`cell_runners.CellParts`, grader.grade), for benchmarks that swap one."""
 
     def __init__(self, options: GridOptions, group: tuple[str, ...], parts: CellParts = CellParts(),
                  grade: GradeFn | None = None) -> None:
@@ -44,13 +44,13 @@ class InProcessGroup:
             self.close()
             raise
 
-    def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None],
+    def decode_cell(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None],
                on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
         """Decode `problems` of `cell` here, emitting every problem's trace once (and running totals to
         `on_progress` every few seconds)."""
         if problems:
             engine = build_cell(self.options.plan_of(cell), self.models, self.vllm, self.parts)
-            decode(self.options, cell, engine, self.ranks.lead(cell, problems) if self.ranks else problems, emit,
+            decode_cell(self.options, cell, engine, self.ranks.lead(cell, problems) if self.ranks else problems, emit,
                    on_progress, **({"grade": self.grade} if self.grade else {}))
 
     def close(self) -> None:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from kvrescue.cell_engine import build_cell
-from kvrescue.decoding import decode
-from kvrescue.loading import load_roles
+from kvrescue.cell_runners import build_cell
+from kvrescue.decoding import decode_cell
+from kvrescue.group_models import load_roles
 from kvrescue.rank_group import join, receive
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> Non
             yield message[1]
 
     while (message := receive(pipe))[0] == "cell":
-        decode(options, message[1], build_cell(options.plan_of(message[1]), models), problems(),
+        decode_cell(options, message[1], build_cell(options.plan_of(message[1]), models), problems(),
                lambda trace, tokens: None)
     dist.destroy_process_group()
 

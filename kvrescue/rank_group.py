@@ -2,12 +2,12 @@
 
 Rank 0 is the group's worker (the `kvrescue run` process, or the group's Ray actor). It starts ranks
 1..K-1 as child processes on the other devices of the group; every rank loads its shards of the grid's
-models (`loading.load_roles` with `options.tp`, gloo on the CPU, NCCL on CUDA). Rank 0 alone talks to
+models (`group_models.load_roles` with `options.tp`, gloo on the CPU, NCCL on CUDA). Rank 0 alone talks to
 the driver: it sends each cell it starts and each problem it pulls (then "end") down a pipe to each other rank
-(`rank_follower.py`), which runs the same `decoding.decode` on what it receives and drops its traces. The
+(`rank_follower.py`), which runs the same `decoding.decode_cell` on what it receives and drops its traces. The
 controller is deterministic given its problems, logits and scores, every rank holds the same logits (the LM head
 gathers them), and what copies of a model on different ranks could disagree on (sampled tokens, scores) comes
-from rank 0 (`tp.from_rank_0`, `cell_engine.RankZeroScores`), so every rank issues the same collectives.
+from rank 0 (`tp.from_rank_0`, `cell_runners.RankZeroScores`), so every rank issues the same collectives.
 
 Between cells a rank > 0 waits on its pipe, without a timeout, as long as rank 0 lives (a Ray actor waits for the
 driver's next cell until the slowest actor has finished this one, hours maybe); collectives inside a cell fail
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch.distributed as dist
 
 from kvrescue.devices import is_gpu
-from kvrescue.loading import use_device
+from kvrescue.group_models import use_device
 
 if TYPE_CHECKING:
     from kvrescue.data import Problem

@@ -9,15 +9,13 @@ from dataclasses import replace
 from rich.progress import Progress
 
 from kvrescue import in_process, workers
+from kvrescue.auto_options import resolve_prm_recipe, resolve_prompt
 from kvrescue.cell_plan import CellPlan, ScorerPlan
 from kvrescue.data import data_dir, load_problems
-from kvrescue.device_plan import memory_plan
-from kvrescue.devices import device_groups
+from kvrescue.device_plan import plan_for_device
 from kvrescue.engine.sampling import STREAM_VERSION
 from kvrescue.errors import InputError
-from kvrescue.grid import (
-    Cell, GridOptions, bench_identity, resolve_prm_recipe, resolve_prompt,
-)
+from kvrescue.grid import Cell, GridOptions, bench_identity
 from kvrescue.methods import METHODS
 from kvrescue.model_config import model_revision
 from kvrescue.scorers import PRM
@@ -26,6 +24,7 @@ from kvrescue.outputs import (
 )
 from kvrescue.outputs.summary import run_accuracy
 from kvrescue.progress import CellRate
+from kvrescue.run_options import RunIO
 from kvrescue.search import DecodeProgress
 
 
@@ -87,7 +86,7 @@ def _checksums(cell: Cell) -> dict[int, str]:
     return {p.idx: problem_checksum(p.problem, p.gt) for p in cell.problems.problems}
 
 
-def has_work(options: GridOptions, cells: list[Cell], configs: list[RunConfig]) -> bool:
+def has_work(options: RunIO, cells: list[Cell], configs: list[RunConfig]) -> bool:
     """Whether some cell has a problem left to decode, each cell's run folder (its `configs` entry) read as
     `run_cell` opens it but nothing written (`RunFolder.done_in`): every cell is read, so a folder `run_cell` would
     refuse (another configuration, a changed problem) is its one-line error here, before any model is loaded."""
@@ -133,7 +132,7 @@ def run_cell(options: GridOptions, cell: Cell, executor: in_process.InProcessGro
 
         try:
             if executor is not None:
-                executor.decode(cell, pending, record, in_flight)
+                executor.decode_cell(cell, pending, record, in_flight)
         except BaseException as err:
             with suppress(RunFolderError):  # a full disk: the error that stopped the run is the one to show
                 folder.write_summary()
@@ -178,7 +177,7 @@ def prepare_grid(options: GridOptions) -> tuple[GridOptions, list[Cell]]:
         i, k = options.shard
         sets = [replace(problems, problems=problems.problems[i::k]) for problems in sets]
     cells = options.cells(sets)
-    memory_plan(options, options.devices[0])  # a base whose heads --tp does not split: an error before loading
+    plan_for_device(options, options.devices[0])  # a base whose heads --tp does not split: an error before loading
     return options, cells
 
 
@@ -200,7 +199,7 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
         say(f"  {cell_label(config)}: {run_dir(options.out, config).relative_to(options.out)}")
     if not work:
         return run_all(None)
-    groups = device_groups(options.devices, options.tp)
+    groups = options.groups()
     if len(groups) == 1 and options.ray_address is None:
         roles = ", ".join(f"{role} {options.models[role]}" for role in sorted(options.native_roles()))
         say(f"loading {roles} on {','.join(groups[0])}")

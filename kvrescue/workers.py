@@ -32,12 +32,12 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from grader import normal_gt
-from kvrescue.cell_engine import build_cell
-from kvrescue.decoding import decode
+from kvrescue.cell_runners import build_cell
+from kvrescue.decoding import decode_cell
 from kvrescue.device_plan import batch_description, wait_for_room
-from kvrescue.loading import load_roles
+from kvrescue.group_models import load_roles
 from kvrescue.data import Problem
-from kvrescue.devices import RAY_QUIET, device_groups, device_shares, gpu_index, is_cpu
+from kvrescue.devices import RAY_QUIET, device_shares, gpu_index, is_cpu
 from kvrescue.errors import InputError
 from kvrescue.outputs import Trace
 from kvrescue.rank_group import RankGroup
@@ -198,7 +198,7 @@ class GroupWorker:
     def _decode(self, cell: Cell) -> None:
         try:
             problems = self.ranks.lead(cell, self._pull()) if self.ranks else self._pull()
-            decode(self.options, cell, build_cell(self.options.plan_of(cell), self.models), problems,
+            decode_cell(self.options, cell, build_cell(self.options.plan_of(cell), self.models), problems,
                    lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
                    lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
             self.outbox.put(("idle",))
@@ -242,7 +242,7 @@ class RayWorkers:
     def __init__(self, options: GridOptions, say: Callable[[str], None]) -> None:
         self.options = options
         self.say = say
-        self.groups = device_groups(options.devices, options.tp)
+        self.groups = options.groups()
         self.resources = [actor_resources(self.groups, group) for group in range(len(self.groups))]
         self.workers: list[_Worker] = []
         self.deaths: Counter = Counter()
@@ -311,7 +311,7 @@ class RayWorkers:
                 "nodes": sum(node["Alive"] for node in ray.nodes()),
                 "workers": [{"devices": list(w.devices), **(w.placement or {})} for w in self.workers]}
 
-    def decode(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None],
+    def decode_cell(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None],
                on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
         """Decode `problems` of `cell` on the actors, emitting every problem's trace exactly once, and the
         actors' running totals, summed, to `on_progress` as they report them (every few seconds each)."""

@@ -1,7 +1,7 @@
 """A dry run of `kvrescue run`'s decode code on fake CUDA (`fake_cuda`), at the paper's shapes, without a GPU.
 
 The models are built from their configs through the loader's real model-building code (`loader.build_network`) with
-fake weights, each tensor made when the loader reads it; the cells decode through `decoding.decode` (the Controller, the
+fake weights, each tensor made when the loader reads it; the cells decode through `decoding.decode_cell` (the Controller, the
 Runners, the caches, the PRM scorer, CUDA graphs) with the paper's settings but synthetic steps, so that a few
 steps of a `bon` and a `kvrescue` cell run every CUDA-path forward (prefill, one-token decode as captured graphs,
 multi-token commits, PRM scoring) in seconds. Device, dtype, shape and stride mistakes raise as on a GPU. The
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from kvrescue.data import Problem, ProblemSet
-from kvrescue.cell_engine import build_cell
-from kvrescue.decoding import decode
+from kvrescue.cell_runners import build_cell
+from kvrescue.decoding import decode_cell
 from kvrescue.engine.loader import DTYPES, LoadedModel, build_network
 from kvrescue_testkit.fake_cuda import FakeCuda, HostReads, peaks
 from kvrescue.grid import Cell, GridOptions, grid_options
@@ -152,7 +152,7 @@ def _cell(cuda: FakeCuda, options: GridOptions, cell: Cell, models: dict[str, Lo
     gc.disable()
     try:
         one = replace(options, methods=[cell.method])
-        decode(one, cell, build_cell(one.plan_of(cell), models), iter(cell.problems.problems),
+        decode_cell(one, cell, build_cell(one.plan_of(cell), models), iter(cell.problems.problems),
                lambda trace, _: traces.append(trace))
         left = {d: b - before.get(d, 0) for d, b in cuda.memory.device_live.items() if b - before.get(d, 0)}
     finally:

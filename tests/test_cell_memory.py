@@ -47,14 +47,14 @@ def test_a_finished_cell_of_a_grid_is_freed_without_the_cyclic_collector(collect
             made.append((cell[0], type(self).__name__, weakref.ref(self)))
         monkeypatch.setattr(kind, "__init__", init)
     alive_at_start: list[list[str]] = []  # what earlier cells still hold when each cell starts
-    decode = in_process.decode
+    decode = in_process.decode_cell
 
     def decode_one_cell(*args, **kwargs):
         alive_at_start.append([name for c, name, ref in made if c < cell[0] and ref() is not None])
         decode(*args, **kwargs)
         cell[0] += 1
 
-    monkeypatch.setattr(in_process, "decode", decode_one_cell)
+    monkeypatch.setattr(in_process, "decode_cell", decode_one_cell)
     settings = SearchSettings(sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0), max_step_tokens=8,
                               max_steps=2, context_cap=256, batch=2)
     options = small_grid(tmp_path / "out", settings, benches=[str(problems)], methods=["kvrescue", "bon", "full", "helper"],

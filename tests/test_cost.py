@@ -166,9 +166,9 @@ def test_a_run_that_does_not_fit_the_free_device_memory_is_refused(tmp_path):
 
 def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir, tmp_path):
     """The K/V the plan counts per role is what the run's caches allocate, on the random checkpoints."""
-    from kvrescue.cell_engine import build_cell
-    from kvrescue.device_plan import memory_plan
-    from kvrescue.loading import load_roles
+    from kvrescue.cell_runners import build_cell
+    from kvrescue.device_plan import plan_for_device
+    from kvrescue.group_models import load_roles
     from kvrescue.search import SearchSettings
 
     models = {"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}
@@ -179,7 +179,7 @@ def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir,
     engine = build_cell(options.plan_of(cell), loaded)
     caches = {role: runner.cache for role, runner in engine.runners.items()}
     caches["prm"] = engine.scorer.cache
-    plan = memory_plan(options, "cpu")
+    plan = plan_for_device(options, "cpu")
     for role, cache in caches.items():
         built = cache.k.nbytes + cache.v.nbytes + (cache.q.nbytes if hasattr(cache, "q") else 0)
         assert plan.bytes(role, "kv") == built, role
@@ -188,7 +188,7 @@ def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir,
 def test_vllm_gets_its_share_and_this_engine_the_rest(tmp_path):
     """--engine vllm: the helper and the PRM on vLLM, an even split of --vllm-memory each, holding its weights and
     one whole context; the evicted base's plan in the rest of the GPU; on a CPU, the share within free RAM."""
-    from kvrescue.device_plan import memory_plan, vllm_memory
+    from kvrescue.device_plan import plan_for_device, vllm_memory
     from kvrescue.grid import GridOptions
     from kvrescue.search import SearchSettings
 
@@ -206,7 +206,7 @@ def test_vllm_gets_its_share_and_this_engine_the_rest(tmp_path):
     assert options(0.4).vllm_roles() == {"helper", "prm"} and options(0.4).native_roles() == {"base"}
     assert options(0.4, ("full", "bon")).vllm_roles() == {"base", "prm"}
     assert options(0.4, ("full", "bon")).native_roles() == {"base"}  # bon's evicted base stays here
-    assert memory_plan(options(0.4)).roles == ["base"]
+    assert plan_for_device(options(0.4)).roles == ["base"]
     assert vllm_memory(options(0.4), "cuda:0", 80 * gib, 80 * gib) == [{"memory": 0.2}, {"memory": 0.2}]
     with pytest.raises(InputError, match=r"--vllm-memory 0.1: vLLM's 8.00 GiB of cuda:0 over its 2 engine\(s\) "
                                          r"leaves 4.00 GiB for the prm model, whose weights and one 4096-token "

@@ -8,7 +8,7 @@ import torch
 from torch.cuda._utils import _get_device_index
 
 from kvrescue.cuda_allocator import SETTINGS, VARIABLES, allocator_settings, configure_allocator
-from kvrescue.loading import use_device
+from kvrescue.group_models import use_device
 from kvrescue.outputs import environment
 from tests.helpers import unset_allocator_settings
 

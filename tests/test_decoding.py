@@ -3,9 +3,9 @@
 import threading
 
 from grader import grade
-from kvrescue.cell_engine import build_cell
-from kvrescue.decoding import decode
-from kvrescue.loading import load_roles
+from kvrescue.cell_runners import build_cell
+from kvrescue.decoding import decode_cell
+from kvrescue.group_models import load_roles
 from kvrescue.search import SearchSettings
 from tests.helpers import small_cell, small_grid, sums
 
@@ -33,7 +33,7 @@ def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_pa
         return grade(output, gt, bench, **options)
 
     emitted = []
-    decode(options, cell, build_cell(options.plan_of(cell), load_roles(options, "cpu")), pulled(),
+    decode_cell(options, cell, build_cell(options.plan_of(cell), load_roles(options, "cpu")), pulled(),
            lambda trace, tokens: emitted.append((trace, tokens, threading.current_thread())), grade=grade_slowly)
     assert [trace.idx for trace, _, _ in emitted] == [0, 1, 2, 3]  # in the order they finished, each once
     assert all(thread is threading.current_thread() for _, _, thread in emitted)
@@ -47,7 +47,7 @@ def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_pa
 def test_a_cell_is_built_from_the_parts_given(qwen2_dir, prm_dir, tmp_path):
     """`build_cell` takes the full-context cache's class and a scorer from `CellParts` (the benchmarks' seam), and
     the grid's own otherwise; `--prm helper-loglik` names the scorer, not a model."""
-    from kvrescue.cell_engine import CellParts
+    from kvrescue.cell_runners import CellParts
     from kvrescue.engine.caches import FullCache
     from kvrescue.engine.prm import PRMScorer
     from kvrescue.engine.scoring import HelperLoglik

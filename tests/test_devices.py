@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrescue import device_plan, in_process, loading, rank_group
+from kvrescue import device_plan, group_models, in_process, rank_group
 from kvrescue.devices import device_groups
 from kvrescue.errors import InputError
 from kvrescue.grid import GridOptions
@@ -77,7 +77,7 @@ def test_each_rank_of_a_tp_group_computes_on_its_named_device(gpus, models, monk
     assert {d for _, d in gpus} == set(group) and all(("mem_get_info", device) in gpus for device in group)
     for device in group:
         gpus.clear()
-        loading.use_device(device)  # what each rank's load_roles does first, on the device it was started with
+        group_models.use_device(device)  # what each rank's load_roles does first, on the device it was started with
         assert gpus == [("set_device", device)]
 
 

@@ -7,6 +7,8 @@ the packages around it).
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.helpers import ROOT
@@ -100,6 +102,28 @@ def test_the_layers_below_the_grid_read_the_cell_plan_never_the_grid_options():
     `kvrescue.grid`, directly or through others: what runs where in a cell reaches them as a `CellPlan`."""
     graph = import_graph()
     below = [m for m in graph if m.startswith(("kvrescue.engine", "kvrescue.outputs"))
-             or m in ("kvrescue.memory_plan", "kvrescue.cell_plan", "kvrescue.cell_engine")]
-    assert "kvrescue.cell_engine" in below and "kvrescue.outputs.folder" in below
+             or m in ("kvrescue.memory_plan", "kvrescue.cell_plan", "kvrescue.cell_runners")]
+    assert "kvrescue.cell_runners" in below and "kvrescue.outputs.folder" in below
     assert {m: "kvrescue.grid" in reached(graph, m) for m in below} == dict.fromkeys(below, False)
+
+
+def test_the_owners_of_runs_defaults_load_neither_the_grid_nor_the_engine():
+    """`run_options` (each concern's options), `sampling_params` and `detect`: the owners of the defaults `kvrescue
+    run` shows, read before anything is loaded, load no module of the engine, nor torch, nor the grid."""
+    owners = "kvrescue.run_options, kvrescue.sampling_params, kvrescue.detect"
+    loaded = subprocess.run([sys.executable, "-c", f"import sys, {owners}; print(*sorted(sys.modules))"],
+                            capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    assert {"kvrescue.run_options", "kvrescue.sampling_params"} <= set(loaded)
+    assert [m for m in loaded if m.startswith(("kvrescue.engine", "kvrescue.grid", "torch"))] == []
+
+
+def test_only_the_cli_and_the_executors_read_the_grid_options():
+    """The modules that import `kvrescue.grid` (the grid's options, its cells, the cell plans' builder): the `run`
+    command and its --plan table, what resolves `auto` from the models before the plans are built, the grid's driver
+    (runs), the executors (in this process, Ray workers, a --tp group) and the parts every executor runs
+    (a group's models, the plan against its devices, a cell's decoding). A new reader is a choice made here."""
+    graph = import_graph()
+    readers = {m for m, imports in graph.items() if "kvrescue.grid" in imports}
+    assert readers == {"kvrescue.cli.run_command", "kvrescue.cli.plan_table", "kvrescue.auto_options", "kvrescue.runs",
+                       "kvrescue.in_process", "kvrescue.workers", "kvrescue.rank_group",
+                       "kvrescue.group_models", "kvrescue.device_plan", "kvrescue.decoding"}

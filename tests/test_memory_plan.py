@@ -9,10 +9,10 @@ from typing import Callable
 import pytest
 
 from kvrescue import device_plan, in_process, memory_plan
-from kvrescue.cell_engine import build_cell
-from kvrescue.decoding import decode
+from kvrescue.cell_runners import build_cell
+from kvrescue.decoding import decode_cell
 from kvrescue.errors import InputError
-from kvrescue.loading import load_roles
+from kvrescue.group_models import load_roles
 from kvrescue.data import Problem
 from kvrescue.grid import GridOptions
 from kvrescue.prompts import generation_prompt
@@ -63,7 +63,7 @@ def measured_cell(policy: Path, prm: Path, method: str, scorer: str, batch: int,
     cell = small_cell(problems, method, n=n)
     mode = TensorBytes()
     with torch.inference_mode(), mode:
-        decode(options, cell, build_cell(options.plan_of(cell), loaded), problems, lambda trace, tokens: None)
+        decode_cell(options, cell, build_cell(options.plan_of(cell), loaded), problems, lambda trace, tokens: None)
     shape = replace(memory_plan.cell_shapes(options.cell_plans())[0], prompt_tokens=prompt)
     plan = memory_plan.plan_cell(memory_plan.grid_models(options.native_models()), shape,
                                  memory_plan.DeviceKind(dtype_bytes=4))
@@ -137,7 +137,7 @@ def test_batch_auto_is_the_largest_that_fits(tmp_path):
                          devices=("cuda:0",), device_memory=80 * 10**9)
     batch = device_plan.auto_batch(options, [("cuda:0",)])
     room = 80 * 10**9 - memory_plan.headroom(80 * 10**9)
-    assert device_plan.memory_plan(options, "cuda:0", batch).total <= room < device_plan.memory_plan(
+    assert device_plan.plan_for_device(options, "cuda:0", batch).total <= room < device_plan.plan_for_device(
         options, "cuda:0", batch + 1).total
     shared = device_plan.auto_batch(replace(options, devices=("cuda:0", "cuda:0")), [("cuda:0",), ("cuda:0",)], 2)
     assert shared < batch  # two workers on one GPU: each plans its half
@@ -230,7 +230,7 @@ def test_workers_sharing_a_gpu_each_plan_their_share(tmp_path, monkeypatch):
     """--devices cuda:0,cuda:0: each of the two workers plans half of the GPU, not the whole of it."""
     fake_gpus(monkeypatch, lambda device: 80 * 2**30)
     options = gpu_options(tmp_path, ("cuda:0", "cuda:0"))
-    need = device_plan.memory_plan(options, "cuda:0").total
+    need = device_plan.plan_for_device(options, "cuda:0").total
     assert 40 * 2**30 < need < 75 * 2**30  # fits the GPU, not half of it
     device_plan.wait_for_room(options, ("cuda:0",), shares=1)
     with pytest.raises(InputError, match=r"but 40\.0 GiB is free"):
@@ -268,7 +268,7 @@ def test_cost_and_run_plan_alike(tmp_path):
                                       paths["prm"], "--batch", "8", "--format", "json"])
     assert result.exit_code == 0, result.output
     cost = orjson.loads(result.stdout)
-    plan = device_plan.memory_plan(options, "cuda:0")
+    plan = device_plan.plan_for_device(options, "cuda:0")
     assert cost["device_bytes"] == plan.total
     assert {m["role"]: m["kv_bytes"] for m in cost["devices"]} == {role: plan.bytes(role, "kv") for role in plan.roles}
 

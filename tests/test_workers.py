@@ -327,7 +327,7 @@ def test_a_problem_that_kills_two_actors_is_recorded_as_failed_and_no_actor_left
     config = RunConfig("t", "bon", 16, 2, "rkv", 0, {}, "prm")
     assert summarize(emitted, config).failed == 1
     with pytest.raises(workers.WorkersGone, match="every worker is gone .group 0: The actor is dead.*; 1 problems"):
-        pool.decode(cell, [problem(8)], lambda trace, tokens: None)
+        pool.decode_cell(cell, [problem(8)], lambda trace, tokens: None)
 
 
 def test_a_model_the_actors_cannot_load_or_a_cluster_without_gpus_is_a_one_line_error_before_any_run_folder(
@@ -359,7 +359,7 @@ def test_actors_report_their_running_totals_to_the_driver(models, cluster, tmp_p
     try:
         pool = workers.RayWorkers(options, lambda message: None)
         pool.start()
-        pool.decode(cell, [problem(1), problem(2)], lambda trace, tokens: emitted.append((trace, tokens)),
+        pool.decode_cell(cell, [problem(1), problem(2)], lambda trace, tokens: emitted.append((trace, tokens)),
                     reported.append)
     finally:
         ray.shutdown()

@@ -11,9 +11,9 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from kvrescue.cell_engine import build_cell
-from kvrescue.decoding import decode
-from kvrescue.loading import load_roles
+from kvrescue.cell_runners import build_cell
+from kvrescue.decoding import decode_cell
+from kvrescue.group_models import load_roles
 from kvrescue.engine.prm import PRMScorer
 from kvrescue.engine.runner import Runner
 
@@ -51,7 +51,7 @@ if __name__ == "__main__":
         disagree()
     made = []
     try:
-        decode(options, cell, build_cell(options.plan_of(cell), models), cell.problems.problems,
+        decode_cell(options, cell, build_cell(options.plan_of(cell), models), cell.problems.problems,
                lambda trace, tokens: made.append(decisions(trace)))
     finally:
         Path(out).write_bytes(orjson.dumps(made))

@@ -91,7 +91,7 @@ from benchmarks.gpu_check.gpu_check_setup import E2E_SHARE, FULL, SMALL
 from benchmarks.gpu_check.gpu_check_vllm import vllm_child, vllm_section
 from kvrescue.devices import is_gpu
 from kvrescue.engine.graphs import flash_attn_with_kvcache
-from kvrescue.loading import indexed_gpu, use_device
+from kvrescue.group_models import indexed_gpu, use_device
 from kvrescue.outputs import installed_version
 
 

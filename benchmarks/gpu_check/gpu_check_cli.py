@@ -2,7 +2,7 @@
 CLI in this process with the user's arguments and, at its end (also when it fails or is interrupted), writes to the
 file named by $GPU_CHECK_MEASURES what the run itself does not record: its memory plan (the largest cell at the batch
 it ran, as `run --plan` computes it), the GPU's peak allocated and reserved bytes, and how many models it loaded. An
-instrument on the benchmark side: it wraps `runs.run_grid` and `loading.load_model` to see the options and the loads,
+instrument on the benchmark side: it wraps `runs.run_grid` and `group_models.load_model` to see the options and the loads,
 and changes nothing they do."""
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from pathlib import Path
 
 import torch
 
-import kvrescue.loading as loading
+from kvrescue import group_models
 import kvrescue.runs as runs
 from kvrescue.cli import app
-from kvrescue.device_plan import memory_plan
+from kvrescue.device_plan import plan_for_device
 
 MEASURES = "GPU_CHECK_MEASURES"
 
 
 def main() -> None:
     seen: dict = {"options": None, "models_loaded": 0}
-    run_grid, load_model = runs.run_grid, loading.load_model
+    run_grid, load_model = runs.run_grid, group_models.load_model
 
     def run_grid_seen(options, *args, **kwargs):
         seen["options"] = options
@@ -34,13 +34,13 @@ def main() -> None:
         seen["models_loaded"] += 1
         return load_model(*args, **kwargs)
 
-    runs.run_grid, loading.load_model = run_grid_seen, load_model_seen
+    runs.run_grid, group_models.load_model = run_grid_seen, load_model_seen
     sys.argv[0] = "kvrescue"
     try:
         app()
     finally:
         options = seen["options"]
-        plan = memory_plan(options, options.devices[0]) if options is not None else None
+        plan = plan_for_device(options, options.devices[0]) if options is not None else None
         measures = {"models_loaded": seen["models_loaded"],
                     "batch": options.settings.batch if options is not None else None,
                     "planned_bytes": plan.total if plan is not None else None}

@@ -33,7 +33,7 @@ def device_mapping(device: str, plan: dict) -> dict:
         executor = InProcessGroup(options, (device,))
         try:
             traces: list = []
-            executor.decode(Cell(problems, "kvrescue", plan["budget"], plan["n"], 0), problems.problems,
+            executor.decode_cell(Cell(problems, "kvrescue", plan["budget"], plan["n"], 0), problems.problems,
                             lambda trace, _: traces.append(trace))
             placed = {role: sorted({str(p.device) for p in model.net.parameters()})
                       for role, model in executor.models.items()}

@@ -15,11 +15,11 @@ from benchmarks.gpu_check.gpu_check_record import Check, interrupted_at
 from benchmarks.gpu_check.gpu_check_setup import (PARAMS, PROBLEM_RUNS, PROFILE_WINDOW, QWEN25_MATH_7B,
     QWEN25_MATH_15B, QWEN25_MATH_PRM_7B, TINY, random_loaded)
 from kvrescue.data import Problem, ProblemSet
-from kvrescue.cell_engine import build_cell
+from kvrescue.cell_runners import build_cell
 from kvrescue.cost import Architecture
 from kvrescue.device_plan import device_kind, device_room
 from kvrescue.memory_plan import headroom, largest_batch, plan_grid
-from kvrescue.decoding import decode
+from kvrescue.decoding import decode_cell
 from kvrescue.engine.loader import LoadedModel
 from kvrescue.grid import Cell, GridOptions, grid_options
 from kvrescue.outputs import Trace
@@ -45,7 +45,7 @@ def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems
     engine = build_cell(options.plan_of(cell), models)
     start = time.perf_counter()
     with interrupted_at(stop_at) as cut, clock.instrument(engine) if clock is not None else nullcontext():
-        decode(options, cell, engine, iter(problems.problems),
+        decode_cell(options, cell, engine, iter(problems.problems),
                lambda trace, _: finished.append((trace, time.perf_counter())))
     result: dict[str, Any] = {"problems": len(finished), "batch": options.settings.batch,
                               "cut": cut(), "cut_after_s": time.perf_counter() - start if cut() else None}

@@ -34,9 +34,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import kvrescue.engine.steps as steps_module
 from benchmarks.gpu_check.gpu_check_record import Check
 from benchmarks.gpu_check.gpu_check_setup import sync
-from kvrescue.cell_engine import CellEngine, build_cell
+from kvrescue.cell_runners import CellRunners, build_cell
 from kvrescue.data import ProblemSet
-from kvrescue.decoding import decode
+from kvrescue.decoding import decode_cell
 from kvrescue.engine.loader import LoadedModel
 from kvrescue.grid import Cell, GridOptions
 
@@ -82,7 +82,7 @@ class PhaseClock:
         return call
 
     @contextmanager
-    def instrument(self, engine: CellEngine) -> Iterator[None]:
+    def instrument(self, engine: CellRunners) -> Iterator[None]:
         """Time the engine's runners, scorer and the detector while the body runs (the scorer under a `--tp` group's
         `RankZeroScores` is timed at that wrapper)."""
         for role, runner in engine.runners.items():
@@ -115,7 +115,7 @@ def run_cell(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], p
     finished: list = []
     start = time.perf_counter()
     with clock.instrument(engine) if clock is not None else nullcontext():
-        decode(options, cell, engine, iter(problems.problems), lambda trace, _: finished.append(trace))
+        decode_cell(options, cell, engine, iter(problems.problems), lambda trace, _: finished.append(trace))
     sync(options.devices[0])
     return finished, time.perf_counter() - start
 

@@ -45,7 +45,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvrescue.cell_engine import CellParts
+from kvrescue.cell_runners import CellParts
 from kvrescue.engine import invariance
 from kvrescue.engine.caches import FullCache, block_size_for
 from kvrescue.engine.sampling import SamplingParams

@@ -69,7 +69,7 @@ def ray_costs_s(problem: Problem, trace, calls: int) -> tuple[float, float, floa
 def decode_s(executor, cell: Cell, problems: list[Problem]) -> tuple[float, list]:
     traces = []
     start = time.perf_counter()
-    executor.decode(cell, problems, lambda trace, tokens: traces.append(trace))
+    executor.decode_cell(cell, problems, lambda trace, tokens: traces.append(trace))
     seconds = time.perf_counter() - start
     assert sorted(t.idx for t in traces) == [p.idx for p in problems]
     return seconds, traces

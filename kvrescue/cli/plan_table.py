@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.markup import escape
 from rich.table import Table
 
 from kvrescue.cli.shared import console
 from kvrescue.errors import InputError
 
+if TYPE_CHECKING:  # the grid imports torch, which `kvrescue run --help` does without
+    from kvrescue.grid import GridOptions
 
-def sized_batch(options, auto: bool):
+
+def sized_batch(options: GridOptions, auto: bool) -> GridOptions:
     """The options with --batch auto resolved (printed); others as they are. Configs only: no weights are read."""
     from dataclasses import replace
 
     from kvrescue import device_plan
-    from kvrescue.devices import device_groups, device_shares
+    from kvrescue.devices import device_shares
 
     options.check()
     if not auto:
@@ -22,7 +27,7 @@ def sized_batch(options, auto: bool):
     if options.ray_address is not None and options.device_memory is None:
         raise InputError("--batch auto on a Ray cluster needs --device-memory (this process does not see the "
                          "workers' GPUs), or give --batch N")
-    groups = device_groups(options.devices, options.tp)
+    groups = options.groups()
     shares = max(device_shares(groups, g) for g in range(len(groups)))
     # Workers in other processes (Ray): plan from the GPUs' total memory, without a CUDA context here; each worker's
     # own check then refuses what its device's free memory cannot hold.
@@ -32,15 +37,15 @@ def sized_batch(options, auto: bool):
     return replace(options, settings=replace(options.settings, batch=batch), batch_auto=True)
 
 
-def print_plan(options) -> bool:
+def print_plan(options: GridOptions) -> bool:
     """`run --plan`: each device's weights, KV, buffers and activation peak for the grid's largest cell, the device
     each rank computes on, and whether it fits (its free memory, or --device-memory, less the headroom)."""
     from rich import box
 
     from kvrescue import device_plan, memory_plan
-    from kvrescue.devices import device_groups, device_shares
+    from kvrescue.devices import device_shares
 
-    groups = device_groups(options.devices, options.tp)
+    groups = options.groups()
     table = Table(title=f"kvrescue run --plan: batch {options.settings.batch}"
                   + (" (auto)" if options.batch_auto else "") + f", --tp {options.tp}", box=box.SIMPLE_HEAD)
     for column in ("device\n(worker,\nrank)", "role", "weights", "KV", "buffers", "activ.\npeak", "total"):
@@ -51,7 +56,7 @@ def print_plan(options) -> bool:
     for g, group in enumerate(groups):
         shares = device_shares(groups, g)
         for rank, device in enumerate(group):  # rank r of a group computes on its r-th device
-            plan = device_plan.memory_plan(options, device)
+            plan = device_plan.plan_for_device(options, device)
             if plan is None:
                 raise InputError("--plan: a model has no readable config.json")
             room = device_plan.device_room(options, device, shares)

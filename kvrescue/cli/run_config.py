@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, get_args, get_type_hints
+from typing import Optional, get_args, get_type_hints
 
 import typer
 
 from kvrescue.cli.shared import comma_list, fail
 from kvrescue.config_file import read_grid_file
 from kvrescue.errors import InputError
+from kvrescue.run_options import GridAxes
 from kvrescue.scorers import HELPER_LOGLIK
-
-if TYPE_CHECKING:
-    from kvrescue.grid import GridAxes
 
 GRIDS = "kvrescue.grids"  # ctx.meta key: a --config file's [[grid]] tables
 
@@ -63,8 +61,6 @@ def grids_of(ctx: typer.Context, axes: dict[str, str]) -> tuple[GridAxes, ...]:
 
 def axes_of(values: dict[str, str]) -> GridAxes:
     """One grid's axes from its comma lists (`--bench`, `--method`, `--budget`, `--n`, `--seed`)."""
-    from kvrescue.grid import GridAxes
-
     return GridAxes(comma_list(values["bench"], str, "--bench"), comma_list(values["method"], str, "--method"),
                     comma_list(values["budget"], int, "--budget"), comma_list(values["n"], int, "--n"),
                     comma_list(values["seed"], int, "--seed"))

@@ -223,10 +223,10 @@ def test_the_memory_section_tells_a_one_time_workspace_from_a_leak(monkeypatch):
                 cycle["self"] = cycle
             return real_decode(*args, **kwargs)
 
-        monkeypatch.setattr(gpu_check_memory, "decode", decode)
+        monkeypatch.setattr(gpu_check_memory, "decode_cell", decode)
         return gpu_check_memory.cell_memory("cpu", torch.float32, True, SMALL)
 
-    real_decode = gpu_check_memory.decode
+    real_decode = gpu_check_memory.decode_cell
     clean = run([], leak=False)
     assert clean["fake_cuda"] and clean["problems"] == 4 and clean["cells"] == 2
     assert clean["ok"] and clean["growth_bytes"] == 0 and clean["workspace_bytes"] == 4096

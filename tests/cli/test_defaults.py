@@ -1,5 +1,5 @@
-"""`kvrescue run` and `kvrescue cost` write their defaults as literals (the CLI starts without torch, which the owners'
-modules import): each equals its owner's."""
+"""`kvrescue run` reads its defaults from their owners, torch-free (the options by concern in `run_options`, the
+sampling parameters, the detector's config); `kvrescue cost`'s are literals: each equals its owner's."""
 
 import dataclasses
 import inspect
@@ -9,7 +9,8 @@ from kvrescue.cost import estimate
 from kvrescue_testkit.dry_run import dry_run
 from kvrescue.engine.sampling import SamplingParams
 from kvrescue.devices import CPU, GPU
-from kvrescue.grid import DEFAULT_BATCH, GridOptions
+from kvrescue.grid import GridOptions
+from kvrescue.run_options import DEFAULT_BATCH
 
 
 def defaults(command) -> dict[str, object]:

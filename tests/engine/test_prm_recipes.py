@@ -8,13 +8,13 @@ import shutil
 import orjson
 import pytest
 
-from kvrescue.loading import load_roles
+from kvrescue.group_models import load_roles
 from kvrescue.engine import load_model
 from kvrescue.engine.loader import ModelLoadError, tensor_names
 from kvrescue.engine.prm import PRMScorer, check_prm
 from kvrescue.engine.prm_recipes import FORMATS, PRM_RECIPES, get_recipe
 from kvrescue.engine.prm_recipes.choose import auto_recipe, weight_names
-from kvrescue.grid import resolve_prm_recipe
+from kvrescue.auto_options import resolve_prm_recipe
 from kvrescue.errors import InputError
 from kvrescue.grid import GridOptions
 from kvrescue.model_config import load_config

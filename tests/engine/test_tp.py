@@ -209,10 +209,10 @@ def test_the_other_ranks_wait_between_cells_as_long_as_rank_0_lives(models, monk
     traces = []
     group = in_process.InProcessGroup(options, ("cpu", "cpu"))
     try:
-        group.decode(cell, problems[:1], lambda trace, tokens: traces.append(trace))
+        group.decode_cell(cell, problems[:1], lambda trace, tokens: traces.append(trace))
         time.sleep(25)
         assert group.ranks.followers[0].poll() is None, "rank 1 is gone"
-        group.decode(cell, problems[1:], lambda trace, tokens: traces.append(trace))
+        group.decode_cell(cell, problems[1:], lambda trace, tokens: traces.append(trace))
     finally:
         group.close()
     assert [t.idx for t in traces] == [0, 1] and all(t.n_steps == 2 for t in traces)

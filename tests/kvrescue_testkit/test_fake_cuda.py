@@ -121,7 +121,7 @@ def test_the_memory_log_counts_storages_per_device_and_part_until_freed():
 
 def test_a_dry_run_of_bon_and_kvrescue_at_the_paper_shapes():
     """Two problems of each method, N = 2, two synthetic steps of 2 tokens, at the paper's caps (512-token steps,
-    4,096-token contexts) and budget 64, through `decoding.decode` with CUDA graphs, on fake Qwen2.5-Math-7B,
+    4,096-token contexts) and budget 64, through `decoding.decode_cell` with CUDA graphs, on fake Qwen2.5-Math-7B,
     1.5B and PRM-7B weights built by the loader's `build_network`."""
     run = dry_run(("bon", "kvrescue"), n=2, batch=2, synthetic=(2, 2))
     assert run.weights == {"base": weight_bytes(PAPER_MODELS["base"]), "helper": weight_bytes(PAPER_MODELS["helper"]),

@@ -1,6 +1,6 @@
 """Which recipe a PRM checkpoint takes under `--prm-recipe auto`: where it is unambiguous, from its head weights or
-its name (`grid.resolve_prm_recipe` applies it to a run, with the one-line errors where none fits or vLLM cannot
-serve it)."""
+its name (`auto_options.resolve_prm_recipe` applies it to a run, with the one-line errors where none fits or vLLM
+cannot serve it)."""
 
 from __future__ import annotations
 

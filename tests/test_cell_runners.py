@@ -1,4 +1,4 @@
-"""A cell's caches (`kvrescue/cell_engine.py`) take the contexts the run's caps allow, however long."""
+"""A cell's caches (`kvrescue/cell_runners.py`) take the contexts the run's caps allow, however long."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ class CellParts:
 
 
 @dataclass
-class CellEngine:
+class CellRunners:
     """One cell's runners (by role), its scorer, and the policy's tokenizer and EOS ids."""
 
     runners: dict[str, StepRunner]
@@ -112,7 +112,7 @@ def _scorer(plan: CellPlan, models: dict[str, LoadedModel], vllm: VllmEngines | 
 
 
 def build_cell(plan: CellPlan, models: dict[str, LoadedModel], vllm: VllmEngines | None = None,
-               parts: CellParts = CellParts()) -> CellEngine:
+               parts: CellParts = CellParts()) -> CellRunners:
     """The runners, scorer and policy tokenizer of the cell `plan` (`GridOptions.cell_plan`), on `models`
     (`load_roles`) and the engines of the roles on vLLM (`--engine vllm`); with `--tp K` every rank takes rank 0's
     scores. Turns this process's batch invariance on or off (`--deterministic`)."""
@@ -122,4 +122,4 @@ def build_cell(plan: CellPlan, models: dict[str, LoadedModel], vllm: VllmEngines
         (models[role].tokenizer, models[role].eos_ids)
     scorer = parts.scorer or _scorer(plan, models, vllm, parts.full_cache)
     runners = _runners(plan, models, vllm, parts.full_cache)
-    return CellEngine(runners, RankZeroScores(scorer) if plan.tp > 1 else scorer, tokenizer, set(eos_ids))
+    return CellRunners(runners, RankZeroScores(scorer) if plan.tp > 1 else scorer, tokenizer, set(eos_ids))
