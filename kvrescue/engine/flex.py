@@ -1,0 +1,119 @@
+"""Decode attention over the caches' pools in place, with PyTorch's FlexAttention: a block mask names the blocks each
+row reads and a mask function its length, so no row's keys are gathered and copied before the kernel reads them.
+
+On CUDA with Triton, where flash-attn does not serve, it is compiled (Triton kernels, no other dependency) and serves
+the one-token steps: the full cache's decode (paged, as `torch.nn.attention.experimental._paged_attention` lays a
+pool out) and the bounded cache's static step (each slot its own batch entry). Elsewhere SDPA serves; `SERVES` forces
+the choice (the tests, gpu_check's comparison). Off CUDA, FlexAttention runs eagerly: PyTorch's reference
+implementation, which scores every key of the pool; the tests check the block masks and mask functions with it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import kvrescue.engine.invariance as invariance
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+except ImportError:  # a torch without FlexAttention: SDPA serves
+    flex_attention = None
+
+SERVES: bool | None = None  # None: on CUDA with Triton; True/False: wherever FlexAttention exists / nowhere
+QUERY_BLOCK = 128  # the block mask's query tile (one tile: decode steps have one query a row)
+RECOMPILES = 64  # shapes the compiled kernel is specialised for (row buckets x models x pools) before dynamo gives up
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether FlexAttention serves attention over pools like `x` (not with batch invariance on: its split of the
+    keys follows the batch)."""
+    if flex_attention is None or invariance.on():
+        return False
+    if SERVES is not None:
+        return SERVES
+    from torch.utils._triton import has_triton
+    return x.is_cuda and has_triton()
+
+
+@functools.cache
+def _compiled():
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, lse: bool = False):
+    """FlexAttention, compiled on CUDA, else eager. Inference only: detached inputs (a pool written outside
+    inference mode requires grad, which FlexAttention refuses on a CPU)."""
+    kernel = _compiled() if q.is_cuda else flex_attention
+    return kernel(q.detach(), k.detach(), v.detach(), block_mask=mask, enable_gqa=True,
+                  return_aux=AuxRequest(lse=True) if lse else None)
+
+
+def paged_mask(table: torch.Tensor, cached: torch.Tensor, pool_blocks: int, block_size: int) -> BlockMask:
+    """The block mask of one query a sequence over a paged pool of `pool_blocks` blocks of `block_size` tokens:
+    sequence s's key j lies in block table[s, j // block_size] (table [S, W], entries past its blocks any of its own
+    or another's), and its query sees keys 0 .. cached[s]. The kernel reads each sequence's blocks through the table;
+    the mask function maps a pool position back to the sequence's key index (the least index of its block in the
+    table, W where it holds none) and hides what lies past `cached`. Built once a step, read by every layer."""
+    S, W = table.shape
+    table = table.long()
+    logical = torch.full((S, pool_blocks), W, dtype=torch.long, device=table.device)
+    logical.scatter_reduce_(1, table, torch.arange(W, device=table.device).expand(S, W), "amin")
+
+    def visible(b, h, q, kv):
+        return logical[b, kv // block_size] * block_size + kv % block_size <= cached[b] + q
+
+    # The indices padded to the pool's width, as PagedAttention pads them (the CPU kernel reads that far).
+    indices = torch.zeros(S, 1, 1, pool_blocks, dtype=torch.int32, device=table.device)
+    indices[:, 0, 0, :W] = table
+    counts = ((cached + block_size) // block_size).to(torch.int32)  # blocks holding keys 0 .. cached
+    return BlockMask.from_kv_blocks(counts.view(S, 1, 1), indices, BLOCK_SIZE=(QUERY_BLOCK, block_size),
+                                    mask_mod=visible, seq_lengths=(1, pool_blocks * block_size),
+                                    compute_q_blocks=False)
+
+
+def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query a sequence, q [S, Hq, 1, D], over pools [blocks, block_size, Hkv, D] read in place through `mask`
+    (`paged_mask`). Returns out [S, Hq, 1, D] and lse [S, Hq, 1] (fp32, natural log)."""
+    keys, values = (pool.flatten(0, 1).transpose(0, 1)[None] for pool in (k_pool, v_pool))  # [1, Hkv, N, D] views
+    out, aux = _attend(q, keys, values, mask, lse=True)
+    return out, aux.lse
+
+
+def span_tiles(span: int, capacity: int) -> tuple[int, int] | None:
+    """The keys `slots_mask` covers for a span of `span` entries in slots of `capacity` (the span rounded up to 16)
+    and its key tile (the widest of 128, 64, 32 and 16 that divides them); None when they exceed the slots."""
+    keys = -(-span // 16) * 16
+    if keys > capacity:
+        return None
+    return keys, next(size for size in (128, 64, 32, 16) if keys % size == 0)
+
+
+def slots_mask(held: torch.Tensor, span: int, block: int, holes: tuple[torch.Tensor, torch.Tensor] | None = None,
+               group: int = 1) -> BlockMask:
+    """The block mask of one query a slot over the first `span` (a multiple of `block`) entries of each slot of a
+    bounded cache's pools: slot b sees entries 0 .. held[b] (held [slots]: its entries before the step's token, which
+    is the last); with `holes` (kept [slots, Hkv] and base [slots], an allocating evictor's, `bounded.hole_free`)
+    not those of KV head h between kept[b, h] and base[b] (`group` query heads a KV head)."""
+    slots, width = held.shape[0], span // block
+    counts = (held // block + 1).to(torch.int32).view(slots, 1, 1)
+    indices = torch.arange(width, dtype=torch.int32, device=held.device).repeat(slots, 1, 1, 1)
+    if holes is None:
+        def visible(b, h, q, kv):
+            return kv <= held[b]
+    else:
+        kept, base = holes
+
+        def visible(b, h, q, kv):
+            return (kv <= held[b]) & ((kv < kept[b, h // group]) | (kv >= base[b]))
+    return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(QUERY_BLOCK, block), mask_mod=visible,
+                                    seq_lengths=(1, span), compute_q_blocks=False)
+
+
+def attend_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    """One query a slot, q [slots, Hq, 1, D], over k, v [slots, Hkv, span, D] (views of the pools) through `mask`
+    (`slots_mask`); [slots, Hq, 1, D]."""
+    return _attend(q, k, v, mask)
