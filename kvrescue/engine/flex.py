@@ -59,8 +59,8 @@ def paged_mask(table: torch.Tensor, cached: torch.Tensor, pool_blocks: int, bloc
     table, W where it holds none) and hides what lies past `cached`. Built once a step, read by every layer."""
     S, W = table.shape
     table = table.long()
-    logical = torch.full((S, pool_blocks), W, dtype=torch.long, device=table.device)
-    logical.scatter_reduce_(1, table, torch.arange(W, device=table.device).expand(S, W), "amin")
+    logical = torch.full((S, pool_blocks), W, dtype=torch.int32, device=table.device)
+    logical.scatter_reduce_(1, table, torch.arange(W, dtype=torch.int32, device=table.device).expand(S, W), "amin")
 
     def visible(b, h, q, kv):
         return logical[b, kv // block_size] * block_size + kv % block_size <= cached[b] + q
