@@ -33,8 +33,9 @@ def serves(x: torch.Tensor) -> bool:
         return False
     if SERVES is not None:
         return SERVES
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._triton import has_triton
-    return x.is_cuda and has_triton()
+    return x.is_cuda and has_triton() and not isinstance(x, FakeTensor)  # fake tensors (a dry run) have no kernel
 
 
 @functools.cache
@@ -56,9 +57,12 @@ def paged_mask(table: torch.Tensor, cached: torch.Tensor, pool_blocks: int, bloc
     sequence s's key j lies in block table[s, j // block_size] (table [S, W], entries past its blocks any of its own
     or another's), and its query sees keys 0 .. cached[s]. The kernel reads each sequence's blocks through the table;
     the mask function maps a pool position back to the sequence's key index (the least index of its block in the
-    table, W where it holds none) and hides what lies past `cached`. Built once a step, read by every layer."""
+    table, W where it holds none) and hides what lies past `cached`. Built once a step, read by every layer. The
+    sequences are padded to a power of two (each padding one sees key 0), so that a compiled kernel serves few shapes."""
+    padding = (1 << (table.shape[0] - 1).bit_length()) - table.shape[0]
+    table = torch.nn.functional.pad(table.long(), (0, 0, 0, padding))
+    cached = torch.nn.functional.pad(cached, (0, padding))
     S, W = table.shape
-    table = table.long()
     logical = torch.full((S, pool_blocks), W, dtype=torch.int32, device=table.device)
     logical.scatter_reduce_(1, table, torch.arange(W, dtype=torch.int32, device=table.device).expand(S, W), "amin")
 
@@ -78,9 +82,11 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
     """One query a sequence, q [S, Hq, 1, D], over pools [blocks, block_size, Hkv, D] read in place through `mask`
     (`paged_mask`). Returns out [S, Hq, 1, D] and lse [S, Hq, 1] (fp32, natural log)."""
+    S = q.shape[0]
     keys, values = (pool.flatten(0, 1).transpose(0, 1)[None] for pool in (k_pool, v_pool))  # [1, Hkv, N, D] views
+    q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, 0, 0, mask.kv_num_blocks.shape[0] - S))  # the mask's padding
     out, aux = _attend(q, keys, values, mask, lse=True)
-    return out, aux.lse
+    return out[:S], aux.lse[:S]
 
 
 def span_tiles(span: int, capacity: int) -> tuple[int, int] | None:

@@ -49,13 +49,13 @@ class PoolGathers(TorchDispatchMode):
 
 def test_paged_attention_reads_each_rows_blocks_through_its_table(flex_on) -> None:
     """Rows sharing leading blocks (forks), ragged lengths (an empty row's one key to a row of six blocks), tables
-    padded with the row's own last block or with other rows' blocks: output and log-sum-exp equal SDPA's over each row's
-    keys gathered, with GQA."""
+    padded with the row's own last block or with other rows' blocks, rows padded to a power of two: output and
+    log-sum-exp equal SDPA's over each row's keys gathered, with GQA."""
     generator = torch.Generator().manual_seed(0)
     bs, pool_blocks = 4, 24
     k_pool, v_pool = torch.randn(2, pool_blocks, bs, HKV, D, generator=generator)
-    blocks = [[5, 9, 2], [5, 9, 11, 3, 7, 1], [5, 9], [8]]  # rows 0-2 share blocks 5 and 9
-    cached = torch.tensor([10, 22, 7, 0])  # keys 0 .. cached: the last is the step's own
+    blocks = [[5, 9, 2], [5, 9, 11, 3, 7, 1], [5, 9], [8], [4, 6]]  # rows 0-2 share blocks 5 and 9
+    cached = torch.tensor([10, 22, 7, 0, 4])  # keys 0 .. cached: the last is the step's own (5 rows: 3 padding)
     width = 7
     table = torch.tensor([b + [b[-1] if i % 2 else 11] * (width - len(b)) for i, b in enumerate(blocks)])
     q = torch.randn(len(blocks), HQ, 1, D, generator=generator)
