@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kvrescue.engine.flex as flex
 import kvrescue.engine.invariance as invariance
 from kvrescue.engine.attention import attend_masked, padded_visibility
 from kvrescue.engine.caches import KVCache
@@ -37,6 +38,7 @@ class _BoundedForward:
     visible: torch.Tensor        # [R, T, length] the keys each new token attends to (`padded_visibility`)
     held: torch.Tensor | None    # [R, layers, Hkv] (an allocating evictor) entries each kept at its last compression
     base: torch.Tensor | None    # [R] its physical length then; the entries between are holes (`hole_free`)
+    in_place: flex.SlotSteps | None = None  # a one-token step through FlexAttention, where it serves
 
 
 def hole_free(held: torch.Tensor, base: torch.Tensor, length: int) -> torch.Tensor:
@@ -268,9 +270,20 @@ class BoundedCache(KVCache):
             visible=padded_visibility(dev["kv_lengths"], dev["new_lengths"], len(t), need),
             held=dev.get("held"),
             base=dev.get("base"),
+            in_place=self._in_place(dev) if len(t) == 1 else None,
         )
         self._appended(rows, new)
         return dev["positions"]
+
+    def _in_place(self, dev: dict[str, torch.Tensor]) -> flex.SlotSteps | None:
+        """A one-token forward's attention through FlexAttention (each row's slot read in place), where it serves and
+        the evictor does not accumulate attention (H2O's reads the rows' keys gathered)."""
+        serves = self.received is None and flex.serves(self.k)
+        tiles = flex.span_tiles(self.trigger, self.capacity) if serves else None
+        if tiles is None:
+            return None
+        return flex.SlotSteps(self.k.shape[1], dev["slots"], dev["kv_lengths"], tiles, dev.get("base"),
+                              self.q.shape[2] // self.k.shape[2])
 
     def store_token(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor) -> None:
@@ -294,6 +307,8 @@ class BoundedCache(KVCache):
             joined = torch.cat([qp[f.slots], q], dim=2)
             idx = (f.new_lengths[:, None] + torch.arange(OBSERVATION_WINDOW, device=q.device))[:, None, :, None]
             qp[f.slots] = joined.gather(2, idx.expand(-1, q.shape[1], -1, q.shape[3]))
+        if f.in_place is not None:
+            return f.in_place.attend(q, kp, vp, None if f.held is None else f.held[:, layer])
         keys = kp[f.slots, :, : f.length]
         if self.received is not None:
             real = torch.arange(q.shape[2], device=q.device) < f.new_lengths[:, None]

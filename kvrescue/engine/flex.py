@@ -58,7 +58,7 @@ def paged_mask(table: torch.Tensor, cached: torch.Tensor, pool_blocks: int, bloc
     or another's), and its query sees keys 0 .. cached[s]. The kernel reads each sequence's blocks through the table;
     the mask function maps a pool position back to the sequence's key index (the least index of its block in the
     table, W where it holds none) and hides what lies past `cached`. Built once a step, read by every layer. The
-    sequences are padded to a power of two (each padding one sees key 0), so that a compiled kernel serves few shapes."""
+    sequences are padded to a power of two (each padding one sees key 0): a compiled kernel serves few shapes."""
     padding = (1 << (table.shape[0] - 1).bit_length()) - table.shape[0]
     table = torch.nn.functional.pad(table.long(), (0, 0, 0, padding))
     cached = torch.nn.functional.pad(cached, (0, padding))
@@ -123,3 +123,31 @@ def attend_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockM
     """One query a slot, q [slots, Hq, 1, D], over k, v [slots, Hkv, span, D] (views of the pools) through `mask`
     (`slots_mask`); [slots, Hq, 1, D]."""
     return _attend(q, k, v, mask)
+
+
+class SlotSteps:
+    """A one-token step's attention over a bounded cache's pools in place: every pool slot a batch entry of its own
+    (the step's queries scattered to their rows' slots), slot b seeing its entries 0 .. held (the step's token last);
+    slots outside the step see their entry 0. Built once a step, read by every layer."""
+
+    def __init__(self, pool_slots: int, slots: torch.Tensor, held: torch.Tensor, tiles: tuple[int, int],
+                 base: torch.Tensor | None = None, group: int = 1) -> None:
+        """slots, held [R]: the rows' slots and entries before the step; `tiles` from `span_tiles`; an allocating
+        evictor's rows' `base` [R] (their holes then come per layer, `attend`'s `kept`)."""
+        self.slots, self.tiles, self.group = slots, tiles, group
+        self.held = held.new_zeros(pool_slots).index_copy_(0, slots, held)
+        self.base = None if base is None else base.new_zeros(pool_slots).index_copy_(0, slots, base)
+        self.mask = slots_mask(self.held, *tiles) if base is None else None
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               kept: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows' queries q [R, Hq, 1, D] over their slots of pools [slots, Hkv, capacity, D], without the holes
+        between kept [R, Hkv] (the rows' KV heads' entries kept at their last compression) and `base`."""
+        mask = self.mask
+        if mask is None:
+            kept = kept.new_zeros(self.held.shape[0], kept.shape[1]).index_copy_(0, self.slots, kept)
+            mask = slots_mask(self.held, *self.tiles, holes=(kept, self.base), group=self.group)
+        keys = self.tiles[0]
+        queries = q.new_zeros(k_pool.shape[0], *q.shape[1:]).index_copy_(0, self.slots, q)
+        return attend_slots(queries, k_pool[:, :, :keys], v_pool[:, :, :keys], mask).index_select(0, self.slots)
+

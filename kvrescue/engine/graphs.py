@@ -77,16 +77,15 @@ class _StaticView:
             self.base, self.held = inputs[4], inputs[5:].view(cache.k.shape[0], cache.k.shape[2], -1)
         slots = cache.k.shape[1]
         self.flash = use_flash(cache.k) and not self.holes
-        self.tiles = None if self.flash or not flex.serves(cache.k) else flex.span_tiles(span, cache.capacity)
-        self.in_place = (not self.holes and not self.flash and self.tiles is None
+        tiles = None if self.flash or not flex.serves(cache.k) else flex.span_tiles(span, cache.capacity)
+        self.flex = None if tiles is None else flex.SlotSteps(slots, self.slots, self.lengths, tiles,
+                                                               self.base if self.holes else None,
+                                                               cache.q.shape[2] // cache.k.shape[2])
+        self.in_place = (not self.holes and not self.flash and tiles is None
                          and slots <= IN_PLACE_SLOTS * inputs.shape[1])
-        if self.in_place or self.tiles is not None:  # each slot's cached entries (0 for slots outside the step)
-            self.slot_lengths = torch.zeros(slots, dtype=torch.long, device=inputs.device).index_copy_(
-                0, self.slots, self.lengths)
-        if self.in_place:  # slots outside the step see their key 0 alone
-            self.visible = (torch.arange(span, device=inputs.device) <= self.slot_lengths[:, None])[:, None]
-        if self.tiles is not None and not self.holes:
-            self.mask = flex.slots_mask(self.slot_lengths, *self.tiles)
+        if self.in_place:  # each slot's cached entries (0 for slots outside the step: they see their key 0 alone)
+            held = torch.zeros(slots, dtype=torch.long, device=inputs.device).index_copy_(0, self.slots, self.lengths)
+            self.visible = (torch.arange(span, device=inputs.device) <= held[:, None])[:, None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.store_token(layer, self.slots, self.lengths, q, k, v)
@@ -99,11 +98,8 @@ class _StaticView:
                                           cache_seqlens=(self.lengths + 1).int(), cache_batch_idx=self.slots.int(),
                                           num_splits=invariance.flash_splits())
             return out.transpose(1, 2)
-        if self.tiles is not None:
-            keys = self.tiles[0]
-            queries = q.new_zeros(kp.shape[0], *q.shape[1:]).index_copy_(0, self.slots, q)
-            out = flex.attend_slots(queries, kp[:, :, :keys], vp[:, :, :keys], self._mask(layer))
-            return out.index_select(0, self.slots)
+        if self.flex is not None:
+            return self.flex.attend(q, kp, vp, self.held[layer].T if self.holes else None)
         if self.in_place:
             queries = q.new_zeros(kp.shape[0], *q.shape[1:]).index_copy_(0, self.slots, q)
             out = attend_masked(queries, kp[:, :, : self.span], vp[:, :, : self.span], self.visible)
@@ -114,16 +110,6 @@ class _StaticView:
             held = self.held[layer].transpose(0, 1)  # [R, Hkv]
             return attend_masked(q, keys, values, visible & hole_free(held, self.base, self.span))
         return attend_padded(q, keys, values, self.lengths, torch.ones_like(self.lengths))
-
-    def _mask(self, layer: int) -> flex.BlockMask:
-        """FlexAttention's block mask of `layer`: the step's, or with holes the layer's own (its heads' `held`)."""
-        if not self.holes:
-            return self.mask
-        slots = self.slot_lengths.shape[0]
-        kept = self.held.new_zeros(slots, self.held.shape[1]).index_copy_(0, self.slots, self.held[layer].T)
-        base = self.base.new_zeros(slots).index_copy_(0, self.slots, self.base)
-        group = self.cache.q.shape[2] // self.cache.k.shape[2]
-        return flex.slots_mask(self.slot_lengths, *self.tiles, holes=(kept, base), group=group)
 
 
 class _BoundedSide:

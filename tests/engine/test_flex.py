@@ -15,6 +15,8 @@ from kvrescue.engine.evict import make_evictor, parse_evictor
 from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.loader import load_model
 
+# The eager form is the point here: the reference implementation of the kernel CUDA compiles.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 HQ, HKV, D = 6, 2, 8
 GATHERS = {torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default, torch.ops.aten.gather.default}
 
@@ -133,10 +135,12 @@ def _decode_steps(net, cache, steps: int, generator, graphs: bool) -> list[torch
     return logits
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("evictor", ["rkv", "adakv:scores=snapkv"])
-def test_the_bounded_caches_static_step_through_flex_equals_the_dynamic_step(qwen2_dir, evictor, monkeypatch) -> None:
-    """Through compressions (B' = 24: every few steps), forks and releases, holes with an allocating evictor, and the
-    bucket's padding rows (3 and 4 rows in a bucket of 4): the same logits and greedy tokens as the eager SDPA step."""
+def test_the_bounded_caches_decode_through_flex_equals_sdpa(qwen2_dir, evictor, graphs, monkeypatch) -> None:
+    """The eager one-token forward and the static step, through compressions (B' = 24: every few steps), forks and
+    releases, holes with an allocating evictor, and the static step's padding rows (3 and 4 rows in a bucket of 4):
+    the same logits and greedy tokens as the eager SDPA step."""
     net = load_model(qwen2_dir).net
     policy = make_evictor(*parse_evictor(evictor))
     calls = _flex_calls(monkeypatch)
@@ -144,7 +148,7 @@ def test_the_bounded_caches_static_step_through_flex_equals_the_dynamic_step(qwe
     for on in (False, True):
         monkeypatch.setattr(flex, "SERVES", on)
         cache = BoundedCache.for_model(net, budget=16, buffer=8, evictor=policy, max_append=40, rows=4)
-        logits[on] = _decode_steps(net, cache, 30, torch.Generator().manual_seed(2), graphs=on)
+        logits[on] = _decode_steps(net, cache, 30, torch.Generator().manual_seed(2), graphs=graphs and on)
         assert any(cache.row_held.ravel() != cache.row_held.max()) if policy.allocates else True  # holes
     assert len(calls) == 30 * net.args.n_layers
     for got, want in zip(logits[True], logits[False]):
@@ -170,10 +174,12 @@ def test_the_full_caches_decode_through_flex_equals_sdpa(qwen2_dir, graphs, monk
         assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("kind", ["bounded", "full"])
-def test_decode_steps_read_the_pools_in_place(qwen2_dir, kind, monkeypatch) -> None:
-    """A step's attention through FlexAttention gathers nothing out of the K/V pools; through SDPA it gathers every
-    row's keys (the path the flex one replaces: pools of more than IN_PLACE_SLOTS slots a row of the bucket)."""
+def test_decode_steps_read_the_pools_in_place(qwen2_dir, kind, graphs, monkeypatch) -> None:
+    """A one-token step's attention through FlexAttention gathers nothing out of the K/V pools; through SDPA it
+    gathers every row's keys (the paths the flex one replaces: rows in slots apart, in pools of more than
+    IN_PLACE_SLOTS slots a row of the bucket)."""
     from torch.nn.attention import flex_attention
 
     # The kernel's operation called as it is (eager FlexAttention otherwise traces it, which no dispatch mode allows).
@@ -184,16 +190,18 @@ def test_decode_steps_read_the_pools_in_place(qwen2_dir, kind, monkeypatch) -> N
         monkeypatch.setattr(flex, "SERVES", on)
         if kind == "bounded":
             cache = BoundedCache.for_model(net, budget=16, buffer=40, max_append=40, rows=16)  # > IN_PLACE_SLOTS x 4
-            span = cache.trigger
+            span = cache.trigger if graphs else 34  # the static step's span; the rows' entries
         else:
             cache = FullCache.for_model(net, 1024, max_rows=8, max_row_tokens=128, block_size=16)
             span = 48  # the rows' blocks
-        step = StaticDecode(net, cache, graphs=True)
+        step = StaticDecode(net, cache, graphs=True) if graphs else None
         prompt = torch.randint(0, net.args.vocab_size, (3, 33), generator=torch.Generator().manual_seed(4))
-        rows = [cache.create() for _ in range(3)]
+        rows = [cache.create() for _ in range(4)]
+        cache.release([rows.pop(1)])  # rows in slots or blocks apart
         net.prefill(prompt, cache, rows, [33] * 3)
+        tokens = torch.zeros(3, dtype=torch.long)
         with PoolGathers(cache) as counter, torch.inference_mode():
-            step(rows, torch.zeros(3, dtype=torch.long))
+            step(rows, tokens) if graphs else net.decode(tokens, cache, rows)
         largest[on] = counter.largest
         assert counter.flex_calls == (net.args.n_layers if on else 0)
     spans = 3 * net.args.n_kv_heads * span * net.args.head_dim  # three rows' keys of one layer
