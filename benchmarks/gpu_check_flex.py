@@ -1,8 +1,8 @@
 """gpu_check's `flex` section: decode tokens/s with attention through FlexAttention (the pools read in place,
 `kvrescue/engine/flex.py`) against SDPA (the rows' keys gathered), each pair measured back to back in this run, at
-issue 40's shapes: rows 64 / 256 / 512, the bounded cache at B = 64 and 512 through its static step (CUDA graphs),
-the full cache at 1k tokens of context eagerly and through its static step; with the logits of one step of each from
-equal caches compared. On a CPU (--tiny) FlexAttention runs eagerly, PyTorch's reference implementation: the section's
+issue 40's shapes: rows 64 / 256 / 512, the bounded cache at B = 64 and 512 and the full cache at 1k tokens of
+context, each eagerly and through its static step (CUDA graphs); with the logits of one step of each from equal
+caches compared. On a CPU (--tiny) FlexAttention runs eagerly, PyTorch's reference implementation: the section's
 code runs, its rates mean nothing."""
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def flex_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     entry = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * dtype.itemsize
     context = plan["contexts"][0] if tiny else FULL_CONTEXT
-    caches = [("rkv", b, True) for b in plan["budgets"]] + [("none", None, False), ("none", None, True)]
+    caches = [("rkv", b, static) for b in plan["budgets"] for static in (False, True)]
+    caches += [("none", None, False), ("none", None, True)]
     deadline = check.deadline(DECODE_SHARE)
     for rows in plan["rows"][:1] if tiny else plan["rows"]:  # on a CPU, once: the eager reference is slow
         for policy, budget, static in caches:
