@@ -11,6 +11,7 @@ implementation, which scores every key of the pool; the tests check the block ma
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -35,7 +36,34 @@ def serves(x: torch.Tensor) -> bool:
         return SERVES
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._triton import has_triton
-    return x.is_cuda and has_triton() and not isinstance(x, FakeTensor)  # fake tensors (a dry run) have no kernel
+    if not x.is_cuda or isinstance(x, FakeTensor) or not has_triton():  # fake tensors (a dry run) have no kernel
+        return False
+    return runs_on(x.device, x.dtype)
+
+
+@functools.cache
+def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs on `device` in `dtype` and agrees with SDPA on a small paged decode step: checked once
+    a process, on first use (before any capture: a static step warms up first). If not, one line on stderr says why
+    and SDPA serves."""
+    generator = torch.Generator(device).manual_seed(0)
+    k_pool, v_pool = torch.randn(2, 6, 16, 2, 64, generator=generator, device=device).to(dtype)
+    q = torch.randn(3, 4, 1, 64, generator=generator, device=device).to(dtype)
+    table = torch.tensor([[4, 1], [4, 2], [0, 0]], device=device)
+    cached = torch.tensor([20, 31, 3], device=device)
+    try:
+        got = attend_paged(q, k_pool, v_pool, paged_mask(table, cached, 6, 16))[0].float()
+    except Exception as error:  # noqa: BLE001 (whatever the compiler raises: SDPA serves instead)
+        print(f"kvrescue: FlexAttention does not run on {device} ({type(error).__name__}: {error}); SDPA serves",
+              file=sys.stderr)
+        return False
+    for row, n in enumerate((cached + 1).tolist()):
+        keys, values = (pool[table[row]].flatten(0, 1)[:n].transpose(0, 1)[None] for pool in (k_pool, v_pool))
+        want = torch.nn.functional.scaled_dot_product_attention(q[row: row + 1], keys, values, enable_gqa=True)
+        if not torch.allclose(got[row: row + 1], want.float(), atol=2e-2, rtol=2e-2):
+            print(f"kvrescue: FlexAttention disagrees with SDPA on {device} in {dtype}; SDPA serves", file=sys.stderr)
+            return False
+    return True
 
 
 @functools.cache

@@ -5,6 +5,7 @@ shared by several rows, compressed pools with holes and the static step's padded
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import AuxOutput
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvrescue.engine.flex as flex
@@ -106,6 +107,24 @@ def test_flex_serves_on_cuda_with_triton_and_never_with_batch_invariance(monkeyp
     assert flex.serves(torch.zeros(1))
     monkeypatch.setattr(invariance, "on", lambda: True)
     assert not flex.serves(torch.zeros(1))
+
+
+def test_the_kernel_is_checked_once_against_sdpa_and_sdpa_serves_where_it_fails(monkeypatch, capsys) -> None:
+    """`runs_on` (the first use on a CUDA device): a kernel that runs and agrees serves; one that raises (a compiler
+    that cannot build it) or disagrees does not, and says so in one line on stderr."""
+    check = flex.runs_on.__wrapped__  # uncached
+    assert check(torch.device("cpu"), torch.float32) and capsys.readouterr().err == ""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no ptxas")
+
+    monkeypatch.setattr(flex, "_attend", broken)
+    assert not check(torch.device("cpu"), torch.float32)
+    assert capsys.readouterr().err == ("kvrescue: FlexAttention does not run on cpu (RuntimeError: no ptxas); "
+                                       "SDPA serves\n")
+    monkeypatch.setattr(flex, "_attend", lambda q, *args, lse=False: (torch.zeros_like(q), AuxOutput(lse=q[..., 0])))
+    assert not check(torch.device("cpu"), torch.float32)
+    assert capsys.readouterr().err == "kvrescue: FlexAttention disagrees with SDPA on cpu in torch.float32; SDPA serves\n"
 
 
 def _flex_calls(monkeypatch) -> list[int]:
