@@ -2,9 +2,9 @@
 row reads and a mask function its length, so no row's keys are gathered and copied before the kernel reads them.
 
 On CUDA with Triton, where flash-attn does not serve, it is compiled (Triton kernels, no other dependency) and serves
-the one-token steps: the full cache's decode (paged, as `torch.nn.attention.experimental._paged_attention` lays a
-pool out) and the bounded cache's static step (each slot its own batch entry). Elsewhere SDPA serves; `SERVES` forces
-the choice (the tests, gpu_check's comparison). Off CUDA, FlexAttention runs eagerly: PyTorch's reference
+the one-token steps, eager and static: the full cache's (paged, as `torch.nn.attention.experimental._paged_attention`
+lays a pool out) and the bounded cache's (each slot its own batch entry). Elsewhere SDPA serves; `SERVES` forces the
+choice (the tests, gpu_check's comparison). Off CUDA, FlexAttention runs eagerly: PyTorch's reference
 implementation, which scores every key of the pool; the tests check the block masks and mask functions with it.
 """
 
