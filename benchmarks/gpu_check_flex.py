@@ -46,8 +46,8 @@ def _cache(net, policy: str, budget: int | None, rows: int, context: int, steps:
 def compare(net, device: str, policy: str, budget: int | None, rows: int, context: int, steps: int,
             static: bool) -> dict:
     """Tokens/s of `steps` greedy one-token steps through SDPA, then through FlexAttention, each from an equal cache
-    (the same seed) after one warm-up step (capture and compilation), whose logits are compared."""
-    rates, first = {}, {}
+    (the same seed) after one warm-up step (capture and compilation: its seconds kept), whose logits are compared."""
+    rates, first, warm_up = {}, {}, {}
     chosen = flex.SERVES
     try:
         for kernel in ("sdpa", "flex"):
@@ -60,9 +60,11 @@ def compare(net, device: str, policy: str, budget: int | None, rows: int, contex
                 return step(ids, tokens) if step is not None else net.decode(tokens, cache, ids)
 
             with torch.inference_mode():
+                start = time.perf_counter()
                 first[kernel] = decode(tokens).float()
                 tokens = first[kernel].argmax(-1)
                 sync(device)
+                warm_up[kernel] = time.perf_counter() - start
                 start = time.perf_counter()
                 for _ in range(steps):
                     tokens = decode(tokens).argmax(-1)
@@ -74,7 +76,8 @@ def compare(net, device: str, policy: str, budget: int | None, rows: int, contex
     diff = (first["flex"] - first["sdpa"]).abs()
     agree = (first["flex"].argmax(-1) == first["sdpa"].argmax(-1)).float().mean().item()
     return {"sdpa_tokens_per_s": rates["sdpa"], "flex_tokens_per_s": rates["flex"],
-            "flex_over_sdpa": rates["flex"] / rates["sdpa"], "max_abs": diff.max().item(), "top1_agreement": agree}
+            "flex_over_sdpa": rates["flex"] / rates["sdpa"], "max_abs": diff.max().item(), "top1_agreement": agree,
+            "sdpa_first_step_s": warm_up["sdpa"], "flex_first_step_s": warm_up["flex"]}
 
 
 def flex_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> None:

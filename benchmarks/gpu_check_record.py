@@ -223,7 +223,8 @@ def describe_result(section: str, r: dict) -> str:
                 f"(engine / vLLM {r['engine_over_vllm']:.2f})")
     if section == "flex":
         return (f"{what}: {r['flex_tokens_per_s']:.1f} vs {r['sdpa_tokens_per_s']:.1f} tokens/s "
-                f"(flex / SDPA {r['flex_over_sdpa']:.2f}), max|d| {r['max_abs']:.2e} top1={r['top1_agreement']:.3f}")
+                f"(flex / SDPA {r['flex_over_sdpa']:.2f}), max|d| {r['max_abs']:.2e} top1={r['top1_agreement']:.3f}, "
+                f"first step {r['flex_first_step_s']:.1f} vs {r['sdpa_first_step_s']:.1f} s")
     if section == "decode":
         share = (f" ({100 * r['of_roofline']:.1f}% of roofline, {r['bound_by']}-bound)" if r["of_roofline"] is not None
                  else "")
