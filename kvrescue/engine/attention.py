@@ -102,7 +102,7 @@ def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @dataclass
 class PagedKeys:
     """Where S sequences' keys lie in pool blocks, for `attend_paged`; built once per forward (`paged_keys`)
-    and read by every layer. flash-attn reads `table` in place, FlexAttention through `mask`; the torch path reads
+    and read by every layer. flash-attn reads `table` in place, FlexAttention through `flex`; the torch path reads
     chunks of whole blocks, or on a CPU each row's blocks padded to the longest row's (`bias` set, `owner` None)."""
 
     table: torch.Tensor  # [S, W] sequence s's key j is in block table[s, j // block_size] (past its keys: any id)
@@ -112,7 +112,7 @@ class PagedKeys:
     owner: torch.Tensor | None = None  # [P] the sequence of each chunk
     hidden: torch.Tensor | None = None  # [P, T, L] key l of chunk p is invisible to query t of its sequence
     bias: torch.Tensor | None = None  # whole rows: [S, T or 1, L] 0 where key l of sequence s is visible to query t
-    mask: "flex.BlockMask | None" = None  # FlexAttention's (`flex.paged_mask`): one query a sequence, in place
+    flex: "flex.PagedSteps | None" = None  # FlexAttention's block mask: one query a sequence, read in place
 
 
 def _flex_serves(k_pool: torch.Tensor, queries: int, causal: bool) -> bool:
@@ -162,7 +162,7 @@ def paged_keys(k_pool: torch.Tensor, layout: dict[str, torch.Tensor], queries: i
     other sizes take the torch path; FlexAttention, where `paged_layout` chose it, reads the table in place."""
     table, cached = layout["table"], layout["cached"]
     if _flex_serves(k_pool, queries, causal):
-        return PagedKeys(table, cached, causal, mask=flex.paged_mask(table, cached, k_pool.shape[0], k_pool.shape[1]))
+        return PagedKeys(table, cached, causal, flex=flex.PagedSteps(table, cached, k_pool.shape[0], k_pool.shape[1]))
     if "blocks" not in layout:
         return PagedKeys(table, cached, causal)
     if "owner" not in layout:  # whole rows
@@ -190,8 +190,8 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     (Hq a multiple of Hkv), read through the block table (in chunks: with no padding to the longest sequence).
     Returns out [S, Hq, T, D] and lse [S, Hq, T] (fp32 log of each query's softmax denominator), so that
     results over disjoint key sets merge exactly (`merge_partials`)."""
-    if keys.mask is not None:
-        return flex.attend_paged(q, k_pool, v_pool, keys.mask)
+    if keys.flex is not None:
+        return keys.flex.attend(q, k_pool, v_pool)
     if keys.blocks is None:
         out, lse = flash_attn_with_kvcache(
             q.transpose(1, 2), k_pool, v_pool, cache_seqlens=(keys.cached + q.shape[2] * keys.causal).int(),

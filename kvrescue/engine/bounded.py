@@ -282,8 +282,8 @@ class BoundedCache(KVCache):
         tiles = flex.span_tiles(self.trigger, self.capacity) if serves else None
         if tiles is None:
             return None
-        return flex.SlotSteps(self.k.shape[1], dev["slots"], dev["kv_lengths"], tiles, dev.get("base"),
-                              self.q.shape[2] // self.k.shape[2])
+        return flex.SlotSteps(self.k.shape[1], dev["slots"], dev["kv_lengths"], tiles,
+                              self.q.shape[2] // self.k.shape[2], dev.get("base"))
 
     def store_token(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor) -> None:

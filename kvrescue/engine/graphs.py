@@ -79,8 +79,8 @@ class _StaticView:
         self.flash = use_flash(cache.k) and not self.holes
         tiles = None if self.flash or not flex.serves(cache.k) else flex.span_tiles(span, cache.capacity)
         self.flex = None if tiles is None else flex.SlotSteps(slots, self.slots, self.lengths, tiles,
-                                                               self.base if self.holes else None,
-                                                               cache.q.shape[2] // cache.k.shape[2])
+                                                               cache.q.shape[2] // cache.k.shape[2],
+                                                               self.base if self.holes else None)
         self.in_place = (not self.holes and not self.flash and tiles is None
                          and slots <= IN_PLACE_SLOTS * inputs.shape[1])
         if self.in_place:  # each slot's cached entries (0 for slots outside the step: they see their key 0 alone)
@@ -158,9 +158,9 @@ class _FullView:
         self.cached, self.slots = inputs[1], inputs[2]
         self.table = inputs[3:].T  # [size, width]
         self.flash = use_flash(cache.k)
-        self.mask = None
+        self.flex = None
         if not self.flash and flex.serves(cache.k):
-            self.mask = flex.paged_mask(self.table, self.cached, cache.k.shape[1], cache.block_size)
+            self.flex = flex.PagedSteps(self.table, self.cached, cache.k.shape[1], cache.block_size)
         elif not self.flash:
             keys = self.table.shape[1] * cache.block_size
             self.visible = (torch.arange(keys, device=inputs.device) <= self.cached[:, None])[:, None]
@@ -171,8 +171,8 @@ class _FullView:
         kp, vp = cache.k[layer], cache.v[layer]
         if self.flash:
             return attend_paged(q, kp, vp, PagedKeys(self.table.contiguous(), self.cached, causal=True))[0]
-        if self.mask is not None:
-            return flex.attend_paged(q, kp, vp, self.mask)[0]
+        if self.flex is not None:
+            return self.flex.attend(q, kp, vp)[0]
         R, heads_dim = q.shape[0], kp.shape[2:]
         blocks = self.table.reshape(-1)
         keys, values = (pool.index_select(0, blocks).view(R, -1, *heads_dim).transpose(1, 2) for pool in (kp, vp))

@@ -18,7 +18,7 @@ from kvrescue.engine.loader import load_model
 
 # The eager form is the point here: the reference implementation of the kernel CUDA compiles.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-HQ, HKV, D = 6, 2, 8
+HQ, HKV, D = 14, 2, 8  # 7 query heads a KV head, as Qwen2.5-7B has
 GATHERS = {torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default, torch.ops.aten.gather.default}
 
 
@@ -62,7 +62,7 @@ def test_paged_attention_reads_each_rows_blocks_through_its_table(flex_on) -> No
     width = 7
     table = torch.tensor([b + [b[-1] if i % 2 else 11] * (width - len(b)) for i, b in enumerate(blocks)])
     q = torch.randn(len(blocks), HQ, 1, D, generator=generator)
-    out, lse = flex.attend_paged(q, k_pool, v_pool, flex.paged_mask(table, cached, pool_blocks, bs))
+    out, lse = flex.PagedSteps(table, cached, pool_blocks, bs).attend(q, k_pool, v_pool)
     for row, (ids, n) in enumerate(zip(blocks, (cached + 1).tolist())):
         keys, values = (pool[ids].flatten(0, 1)[:n].transpose(0, 1)[None] for pool in (k_pool, v_pool))
         want = torch.nn.functional.scaled_dot_product_attention(q[row: row + 1], keys, values, enable_gqa=True)
@@ -88,8 +88,7 @@ def test_slot_attention_sees_each_slots_entries_and_not_its_holes(flex_on, holes
         kept, base = torch.tensor([[20, 30], [0, 0], [9, 12], [3, 5], [10, 16]]), torch.tensor([30, 0, 12, 5, 16])
         visible = visible & hole_free(kept, base, keys)
         mask_holes = (kept, base)
-    got = flex.attend_slots(q, k[:, :, :keys], v[:, :, :keys],
-                            flex.slots_mask(held, keys, block, mask_holes, group=HQ // HKV))
+    got = flex.attend_slots(q, k[:, :, :keys], v[:, :, :keys], flex.slots_mask(held, keys, block, HQ // HKV, mask_holes))
     torch.testing.assert_close(got, attend_masked(q, k[:, :, :keys], v[:, :, :keys], visible), atol=1e-6, rtol=1e-5)
 
 
