@@ -159,7 +159,7 @@ def attention_bytes(a: ModelArgs, b: int, rows: int, tokens: int, k: Keys, cuda:
 
 def cascade_shared(groups: int, group: int, invariant: bool, cuda: bool = False) -> int | None:
     """The fewest shared tokens from which a forward of `groups` groups of `group` candidates each reads their shared
-    prefixes through cascade attention (engine/caches.py's `FullCache._cascading`; None: never): re-read
+    prefixes through cascade attention (engine/paged_forward.py's `cascading`; None: never): re-read
     `cascade_from_on(cuda)` times over the forward, or with `invariant` (--deterministic) GROUP_CASCADE_FROM times by
     each group alone."""
     whole = cascade_from_on(cuda)

@@ -20,6 +20,9 @@ downloaded). Sections, in this order:
   logits, and top-k/top-p sampling at the paper's settings (this engine also pays its entropy). Each
   with its roofline, the longer of a step's reads (weights and each row's cached K/V, over the copy bandwidth) and
   its FLOPs (over the matrix-product rate), which of the two binds, and the share of it reached. Shapes that don't fit in memory are listed with the reason.
+- `flex`: decode tokens/s with attention through FlexAttention (the pools read in place) vs SDPA (gathered), back to
+  back, rows 64/256/512: rkv at B = 64 and 512 and the full cache at 1k, eagerly and through the static step (CUDA
+  graphs); with the logits of one step of each compared (`gpu_check_flex`).
 - `vllm`: this engine vs vLLM as benchmarks/speed/vs_vllm.py compares them (its functions), in the 7B shapes with
   random weights (vLLM's own, load_format "dummy"), same dtype: decode tokens/s at batch 1/8/32 (the Runner
   vs `generate` with `ignore_eos`, 64 new tokens) and PRM candidates scored per second (PRMScorer vs
@@ -65,7 +68,7 @@ JSON, so a killed check keeps what it measured; a table of every result ends the
 
 Each section is a module beside this entry point: gpu_check_setup (plans, shapes, random models), gpu_check_record
 (deadlines, the report, one line per result), gpu_check_logits, gpu_check_numerics, gpu_check_decode (roofline,
-attention, decode), gpu_check_vllm, gpu_check_memory, gpu_check_devices, gpu_check_invariance, gpu_check_problems,
+attention, decode), gpu_check_flex, gpu_check_vllm, gpu_check_memory, gpu_check_devices, gpu_check_invariance, gpu_check_problems,
 gpu_check_profile and gpu_check_e2e (with gpu_check_cli, the CLI it runs).
 """
 
@@ -81,6 +84,7 @@ import torch
 from benchmarks.gpu_check.gpu_check_decode import attention_section, decode_section, device_limits
 from benchmarks.gpu_check.gpu_check_devices import devices_section
 from benchmarks.gpu_check.gpu_check_e2e import e2e_section
+from benchmarks.gpu_check.gpu_check_flex import flex_section
 from benchmarks.gpu_check.gpu_check_invariance import invariance_section
 from benchmarks.gpu_check.gpu_check_logits import check_logits
 from benchmarks.gpu_check.gpu_check_memory import memory_section
@@ -112,7 +116,7 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (always cpu with --tiny)")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--skip", default="",
-                        help="comma list of sections to leave out: logits,numerics,attention,decode,vllm,memory,"
+                        help="comma list of sections to leave out: logits,numerics,attention,decode,flex,vllm,memory,"
                              "devices,invariance,problems,e2e,tp")
     parser.add_argument("--budget-s", type=float, default=240.0,
                         help="seconds from the start within which every measurement starts and ends, then windows "
@@ -141,6 +145,8 @@ def main() -> None:
         attention_section(check, device, dtype, args.tiny)
     if "decode" not in skip:
         decode_section(check, device, dtype, args.tiny, plan)
+    if "flex" not in skip:
+        flex_section(check, device, dtype, args.tiny, plan)
     if "vllm" not in skip:
         vllm_section(check, device, dtype, args.tiny, plan)
     if "numerics" not in skip:

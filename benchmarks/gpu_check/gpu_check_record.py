@@ -176,6 +176,10 @@ def describe_result(section: str, r: dict) -> str:
         what = f"{r['step']}" + (f" ({r['shape']})" if "shape" in r else "")
     elif section == "profile":
         what = f"{r['method']} cell profile, {r['problems_in']} problems graphs={'on' if r['cuda_graphs'] else 'off'}"
+    elif section == "flex":
+        budget = f" B={r['budget']}" if r.get("budget") else ""
+        what = (f"FlexAttention vs SDPA rows={r['rows']} ctx={r['context']} {r['evictor']}{budget} {r['step']}"
+                if "rows" in r else "FlexAttention vs SDPA")
     elif section == "decode":
         budget = f" B={r['budget']}" if r["budget"] else ""
         what = (f"{r['engine']} rows={r['rows']} ctx={r['context']} {r['evictor']}{budget}"
@@ -217,6 +221,10 @@ def describe_result(section: str, r: dict) -> str:
         unit = "tokens_per_s" if r["measure"] == "decode" else "candidates_per_s"
         return (f"{what}: {r[f'engine_{unit}']:.1f} vs {r[f'vllm_{unit}']:.1f} {unit.replace('_per_s', '/s')} "
                 f"(engine / vLLM {r['engine_over_vllm']:.2f})")
+    if section == "flex":
+        return (f"{what}: {r['flex_tokens_per_s']:.1f} vs {r['sdpa_tokens_per_s']:.1f} tokens/s "
+                f"(flex / SDPA {r['flex_over_sdpa']:.2f}), max|d| {r['max_abs']:.2e} top1={r['top1_agreement']:.3f}, "
+                f"first step {r['flex_first_step_s']:.1f} vs {r['sdpa_first_step_s']:.1f} s")
     if section == "decode":
         share = (f" ({100 * r['of_roofline']:.1f}% of roofline, {r['bound_by']}-bound)" if r["of_roofline"] is not None
                  else "")
@@ -276,7 +284,7 @@ def describe_tp(r: dict) -> str:
 def table(report: dict) -> str:
     """Every result, one line each, grouped by section."""
     lines = ["", f"gpu_check on {report['device']} ({report['dtype']}), {report.get('elapsed_s', 0):.0f} s:"]
-    for section in ("roofline", "logits", "numerics", "attention", "decode", "vllm", "memory", "devices", "invariance", "problems", "profile", "e2e",
+    for section in ("roofline", "logits", "numerics", "attention", "decode", "flex", "vllm", "memory", "devices", "invariance", "problems", "profile", "e2e",
                     "tp"):
         found = report.get(section)
         if found is None:

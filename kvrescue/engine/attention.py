@@ -7,6 +7,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import kvrescue.engine.flex as flex
 import kvrescue.engine.invariance as invariance
 from kvrescue.shapes import CHUNK_TOKENS, FLASH_BLOCK, SCORE_BYTES
 
@@ -101,8 +102,8 @@ def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @dataclass
 class PagedKeys:
     """Where S sequences' keys lie in pool blocks, for `attend_paged`; built once per forward (`paged_keys`)
-    and read by every layer. flash-attn reads `table` in place; the torch path reads chunks of whole blocks, or on a
-    CPU each row's blocks padded to the longest row's (`bias` set, `owner` None)."""
+    and read by every layer. flash-attn reads `table` in place, FlexAttention through `flex`; the torch path reads
+    chunks of whole blocks, or on a CPU each row's blocks padded to the longest row's (`bias` set, `owner` None)."""
 
     table: torch.Tensor  # [S, W] sequence s's key j is in block table[s, j // block_size] (past its keys: any id)
     cached: torch.Tensor  # [S] cached keys of each sequence
@@ -111,6 +112,13 @@ class PagedKeys:
     owner: torch.Tensor | None = None  # [P] the sequence of each chunk
     hidden: torch.Tensor | None = None  # [P, T, L] key l of chunk p is invisible to query t of its sequence
     bias: torch.Tensor | None = None  # whole rows: [S, T or 1, L] 0 where key l of sequence s is visible to query t
+    flex: "flex.PagedSteps | None" = None  # FlexAttention's block mask: one query a sequence, read in place
+
+
+def _flex_serves(k_pool: torch.Tensor, queries: int, causal: bool) -> bool:
+    """Whether FlexAttention reads the keys in place (decode steps: one causal query a sequence)."""
+    flash = use_flash(k_pool) and k_pool.shape[1] % FLASH_BLOCK == 0
+    return queries == 1 and causal and not flash and flex.serves(k_pool)
 
 
 def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, queries: int,
@@ -119,11 +127,14 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
     cached [S]); for the torch path also the blocks it reads: the chunks of whole blocks of each sequence (owner
     and index of every chunk, and its blocks), or on a CPU, when it costs at most `rows_padding` times the chunks'
     reads, every sequence's blocks padded to the longest's (with batch invariance on, always, to whole
-    KEY_GRANULE blocks: block ids past a table's end are 0). Send the arrays to the device (`transfer.upload_all`)
+    KEY_GRANULE blocks: block ids past a table's end are 0). One causal query a sequence where FlexAttention serves
+    (`flex.serves`): the table alone, read in place. Send the arrays to the device (`transfer.upload_all`)
     and build the keys there with `paged_keys`: nothing waits for the device."""
     layout = {"table": table, "cached": cached}
     block_size = k_pool.shape[1]
     if use_flash(k_pool) and block_size % FLASH_BLOCK == 0:
+        return layout
+    if _flex_serves(k_pool, queries, causal):
         return layout
     per_chunk = max(1, CHUNK_TOKENS // block_size)
     n_chunks = -(-(cached + queries * causal) // (per_chunk * block_size))
@@ -148,8 +159,10 @@ def paged_keys(k_pool: torch.Tensor, layout: dict[str, torch.Tensor], queries: i
     (flash_attn_with_kvcache's semantics), from `paged_layout`'s arrays on the device. Causal: sequence s has
     cached[s] + queries keys and query t sees keys 0..cached[s] + t (the last `queries` keys are the queries'
     own). Not causal: every query sees keys 0..cached[s] - 1. flash-attn serves FLASH_BLOCK-token blocks;
-    other sizes take the torch path."""
+    other sizes take the torch path; FlexAttention, where `paged_layout` chose it, reads the table in place."""
     table, cached = layout["table"], layout["cached"]
+    if _flex_serves(k_pool, queries, causal):
+        return PagedKeys(table, cached, causal, flex=flex.PagedSteps(table, cached, k_pool.shape[0], k_pool.shape[1]))
     if "blocks" not in layout:
         return PagedKeys(table, cached, causal)
     if "owner" not in layout:  # whole rows
@@ -177,6 +190,8 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     (Hq a multiple of Hkv), read through the block table (in chunks: with no padding to the longest sequence).
     Returns out [S, Hq, T, D] and lse [S, Hq, T] (fp32 log of each query's softmax denominator), so that
     results over disjoint key sets merge exactly (`merge_partials`)."""
+    if keys.flex is not None:
+        return keys.flex.attend(q, k_pool, v_pool)
     if keys.blocks is None:
         out, lse = flash_attn_with_kvcache(
             q.transpose(1, 2), k_pool, v_pool, cache_seqlens=(keys.cached + q.shape[2] * keys.causal).int(),

@@ -2,7 +2,7 @@
 
 Every forward attends over everything appended so far; afterwards each row whose physical length
 reached B' = budget + buffer is compressed to exactly `budget` entries, per layer and KV head, by the
-run's evictor (`evict.keep_positions`). A row's peak is B' - 1 + its largest append; in steady decoding
+run's evictor (`compression.compress`). A row's peak is B' - 1 + its largest append; in steady decoding
 it cycles budget -> B' -> budget. Tokens keep their logical positions: RoPE is applied before caching
 and new tokens are placed at the row's logical length, never at its physical length.
 """
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kvrescue.engine.flex as flex
 import kvrescue.engine.invariance as invariance
 from kvrescue.engine.attention import attend_masked, padded_visibility
 from kvrescue.engine.caches import KVCache
-from kvrescue.engine.evict import (
-    EVICTORS, MIN_BUDGET, Evictor, evictor_named, gather_positions, keep_positions, received_attention,
-)
-from kvrescue.engine.transfer import upload, upload_all
-from kvrescue.shapes import BUFFER, OBSERVATION_WINDOW, compress_slice
+from kvrescue.engine.compression import compress
+from kvrescue.engine.evict import EVICTORS, MIN_BUDGET, Evictor, evictor_named, received_attention
+from kvrescue.engine.transfer import upload_all
+from kvrescue.shapes import BUFFER, OBSERVATION_WINDOW
 
 
 @dataclass
@@ -38,6 +38,7 @@ class _BoundedForward:
     visible: torch.Tensor        # [R, T, length] the keys each new token attends to (`padded_visibility`)
     held: torch.Tensor | None    # [R, layers, Hkv] (an allocating evictor) entries each kept at its last compression
     base: torch.Tensor | None    # [R] its physical length then; the entries between are holes (`hole_free`)
+    in_place: flex.SlotSteps | None = None  # a one-token step through FlexAttention, where it serves
 
 
 def hole_free(held: torch.Tensor, base: torch.Tensor, length: int) -> torch.Tensor:
@@ -260,9 +261,20 @@ class BoundedCache(KVCache):
             visible=padded_visibility(dev["kv_lengths"], dev["new_lengths"], len(t), need),
             held=dev.get("held"),
             base=dev.get("base"),
+            in_place=self._in_place(dev) if len(t) == 1 else None,
         )
         self._appended(rows, new)
         return dev["positions"]
+
+    def _in_place(self, dev: dict[str, torch.Tensor]) -> flex.SlotSteps | None:
+        """A one-token forward's attention through FlexAttention (each row's slot read in place), where it serves and
+        the evictor does not accumulate attention (H2O's reads the rows' keys gathered)."""
+        serves = self.received is None and flex.serves(self.k)
+        tiles = flex.span_tiles(self.trigger, self.capacity) if serves else None
+        if tiles is None:
+            return None
+        return flex.SlotSteps(self.k.shape[1], dev["slots"], dev["kv_lengths"], tiles,
+                              self.q.shape[2] // self.k.shape[2], dev.get("base"))
 
     def store_token(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor) -> None:
@@ -286,6 +298,8 @@ class BoundedCache(KVCache):
             joined = torch.cat([qp[f.slots], q], dim=2)
             idx = (f.new_lengths[:, None] + torch.arange(OBSERVATION_WINDOW, device=q.device))[:, None, :, None]
             qp[f.slots] = joined.gather(2, idx.expand(-1, q.shape[1], -1, q.shape[3]))
+        if f.in_place is not None:
+            return f.in_place.attend(q, kp, vp, None if f.held is None else f.held[:, layer])
         keys = kp[f.slots, :, : f.length]
         if self.received is not None:
             real = torch.arange(q.shape[2], device=q.device) < f.new_lengths[:, None]
@@ -309,79 +323,5 @@ class BoundedCache(KVCache):
         self.compress(rows[self.row_physical[rows] >= self.trigger])
 
     def compress(self, rows: Sequence[int]) -> None:
-        """Compress each row to `budget` entries per layer and KV head (an allocating policy: `_allocate`). Rows of
-        equal length are scored together, all layers in one call, as many rows at once as `compress_slice` lets fit
-        in COMPRESS_BYTES; a row longer than that (a long prompt or step) some layers, or some KV heads of a layer,
-        at a time. Each (layer, KV head) is scored on its own entries and queries alone, so the slicing changes no
-        kept position."""
-        rows = np.asarray(rows, np.int64)
-        n_layers, _, h_kv, _, _ = self.k.shape
-        lengths = self.row_physical[rows]
-        for length in np.unique(lengths).tolist():
-            equal = rows[lengths == length]
-            cut = compress_slice(n_layers, h_kv, length)
-            for start in range(0, len(equal), cut.rows):
-                part = equal[start:start + cut.rows]
-                slots = upload(self.row_slot[part], self.k.device)
-                if self.evictor.allocates:
-                    self._allocate(part, slots, length, cut.layers * cut.kv_heads * cut.rows)
-                    continue
-                for layer in range(0, n_layers, cut.layers):
-                    for head in range(0, h_kv, cut.kv_heads):
-                        layers, heads = slice(layer, layer + cut.layers), slice(head, head + cut.kv_heads)
-                        self._compress(slots, length, layers, heads)
-                self.row_physical[part] = self.row_base[part] = self.budget
-                self.row_held[part] = self.budget
-
-    def _compress(self, slots: torch.Tensor, length: int, layers: slice, heads: slice) -> None:
-        """Keep `budget` of the first `length` entries of these slots' layers and KV heads (scored with the queries
-        of their query heads)."""
-        group = self.q.shape[2] // self.k.shape[2]  # query heads per KV head
-        queries = slice(heads.start * group, heads.stop * group)
-        keys = self.k[layers, slots, heads, :length]
-        received = None if self.received is None else self.received[layers, slots, heads, :length]
-        kept = keep_positions(self.evictor, keys, self.q[layers, slots, queries], self.budget, received)
-        self.k[layers, slots, heads, : self.budget] = gather_positions(keys, kept)
-        self.v[layers, slots, heads, : self.budget] = gather_positions(self.v[layers, slots, heads, :length], kept)
-        if received is not None:
-            self.received[layers, slots, heads, : self.budget] = received.gather(-1, kept)
-
-    def _allocate(self, rows: np.ndarray, slots: torch.Tensor, length: int, at_once: int) -> None:
-        """An allocating policy's compression of rows of physical `length`: each (layer, row, KV head) scored on the
-        entries it holds (`held` then those from `base` on, gathered), `at_once` of equal count together; each layer
-        keeps the past positions its policy's `keep_past` picks within its budget, and the last OBSERVATION_WINDOW.
-        The host reads the counts kept back (a wait for the device). No allocating policy `accumulates`."""
-        n_layers, _, h_kv, _, d = self.k.shape
-        group = self.q.shape[2] // h_kv
-        held = self.row_held[rows].transpose(1, 0, 2)  # [layers, R, Hkv]
-        holes = self.row_base[rows, None] - held  # between the kept entries and those appended since
-        counts = held + length - self.row_base[rows, None]  # entries held
-        scores = torch.full((n_layers, len(rows), h_kv, length - OBSERVATION_WINDOW), -torch.inf, device=self.k.device)
-        compact = torch.arange(length, device=self.k.device)
-        dev = upload_all({"held": held, "holes": holes, "counts": counts}, self.k.device)
-        physical = compact + (compact >= dev["held"][..., None]) * dev["holes"][..., None]  # [layers, R, Hkv, length]
-        for n in np.unique(counts).tolist():
-            where = np.argwhere(counts == n)
-            for start in range(0, len(where), at_once):
-                layer, row, head = upload(where[start:start + at_once].T.copy(), self.k.device)
-                at = physical[layer, row, head, :n]
-                keys = self.k[layer, slots[row], head, :length].gather(1, at[..., None].expand(-1, -1, d))
-                queries = self.q[layer[:, None], slots[row][:, None],
-                                 head[:, None] * group + torch.arange(group, device=self.k.device)]
-                past = self.evictor.score(keys[:, None], queries)[:, 0]
-                scores[layer, row, head, : n - OBSERVATION_WINDOW] = past.to(scores.dtype)
-        keep = torch.zeros(n_layers, len(rows), h_kv, length, dtype=torch.bool, device=self.k.device)
-        for layer, budget in enumerate(self.layer_budgets):
-            keep[layer, ..., : length - OBSERVATION_WINDOW] = self.evictor.keep_past(scores[layer], budget,
-                                                                                    self.trigger - OBSERVATION_WINDOW)
-        n = dev["counts"][..., None]
-        keep |= (compact >= n - OBSERVATION_WINDOW) & (compact < n)
-        kept = keep.sum(-1)
-        widest = int(kept.max())
-        order = torch.sort(~keep, dim=-1, stable=True).indices[..., :widest]  # kept compact positions, ascending
-        at = physical.gather(-1, order)  # [layers, R, Hkv, widest]
-        for pool in (self.k, self.v):
-            pool[:, slots, :, :widest] = gather_positions(pool[:, slots, :, :length], at)
-        kept = kept.cpu().numpy().transpose(1, 0, 2)
-        self.row_held[rows] = kept
-        self.row_physical[rows] = self.row_base[rows] = kept.max(axis=(1, 2))
+        """Compress each row to `budget` entries per layer and KV head (`compression.compress`)."""
+        compress(self, np.asarray(rows, np.int64))

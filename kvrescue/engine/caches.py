@@ -6,17 +6,16 @@ releases rows; the model drives a forward through `begin` / `attend` (once per l
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-import kvrescue.engine.invariance as invariance
-from kvrescue.engine.attention import (FLASH_BLOCK, PagedKeys, attend_paged, merge_partials, paged_keys,
-                                           ROWS_PADDING, paged_layout, use_flash)
-from kvrescue.engine.block_table import BlockTable, ranks
+from kvrescue.engine.attention import FLASH_BLOCK, ROWS_PADDING, attend_paged, merge_partials, paged_keys, use_flash
+from kvrescue.engine.block_table import BlockTable
+from kvrescue.engine.paged_forward import (Groups, PagedForward, SharedPrefixes, cascading, filled_blocks,
+                                           forward_arrays, slot_copies)
 from kvrescue.engine.transfer import upload_all
-from kvrescue.shapes import CASCADE_FROM, GROUP_CASCADE_FROM, cascade_from_on
+from kvrescue.shapes import GROUP_CASCADE_FROM, cascade_from_on
 
 
 class KVCache(ABC):
@@ -70,16 +69,6 @@ class KVCache(ABC):
         """The forward is finished (an evicting cache compresses rows here)."""
 
 
-# CASCADE_FROM (shapes.py): cascade when a forward's rows would otherwise re-read at least that many shared tokens
-# (each group's shared prefix once per row but one): below it the extra pass and merge cost more than they save on the CPU
-# (docs/benchmarks.md, "Cascade attention"). On a GPU the extra kernels' fixed cost is what matters; gpu_check's
-# attention section measures it.
-# With batch invariance on, whether a row cascades must not depend on the rows beside it, so each group decides
-# from its own rows: from GROUP_CASCADE_FROM (shapes.py) re-read, N = 8 over a 512-token prefix. On a CPU, whose
-# invariant attention reads whole 512-key blocks, a cascading row reads one block more, which a shorter prefix does
-# not repay (docs/benchmarks.md, "Cascade attention under `--deterministic` on a CPU").
-
-
 TORCH_BLOCK = 16  # tokens per block of a full cache on the torch attention path
 
 
@@ -87,44 +76,6 @@ def block_size_for(x: torch.Tensor) -> int:
     """Tokens per block of a full cache holding tensors like `x`: FLASH_BLOCK when flash-attn serves them
     (its paged cache needs it), else TORCH_BLOCK."""
     return FLASH_BLOCK if use_flash(x) else TORCH_BLOCK
-
-
-@dataclass
-class _SharedPrefixes:
-    """Groups of a forward's rows that share their first blocks: each group's queries attend to the shared
-    blocks in one pass (cascade attention), which reads those blocks once for the whole group."""
-
-    keys: PagedKeys  # each group's shared blocks (whole blocks, all cached)
-    members: torch.Tensor  # [G, n] each group's rows (indices into the forward), padded with its first row
-    rows: torch.Tensor  # [M] every grouped row (index into the forward)
-    slots: torch.Tensor  # [M] its place in the groups' flattened members (group * n + member)
-
-
-@dataclass
-class _Groups:
-    """A forward's rows that share leading blocks, group after group (from `FullCache._shared_prefixes`)."""
-
-    rows: np.ndarray    # [M] the grouped rows (indices into the forward), each group's rows in forward order
-    sizes: np.ndarray   # [G] rows per group
-    shared: np.ndarray  # [G] full blocks all rows of the group hold in common
-
-    def select(self, keep: np.ndarray) -> "_Groups | None":
-        """The groups where `keep` [G] (None: none)."""
-        if not keep.any():
-            return None
-        return _Groups(self.rows[np.repeat(keep, self.sizes)], self.sizes[keep], self.shared[keep])
-
-
-@dataclass
-class _PagedForward:
-    """Metadata of the forward in progress, computed once in `begin` and read by every layer."""
-
-    own: PagedKeys  # each row's blocks past its group's shared prefix (all of them if ungrouped)
-    slots: torch.Tensor  # [N] flat slot (block * block_size + offset) of each valid new token
-    valid: torch.Tensor | None  # [N] flat (row * T + t) index of each valid new token; None when all are
-    shared: _SharedPrefixes | None  # None without cascade or when no two rows share a block
-    copies: tuple[torch.Tensor, torch.Tensor] | None = None  # flat slots copied (from, to) in each layer once it
-    # is stored: a fork's copy of a block its parent fills in the same forward (`FullCache.reserve`)
 
 
 class FullCache(KVCache):
@@ -173,7 +124,7 @@ class FullCache(KVCache):
         self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.block_table = BlockTable(num_blocks, block_size, max_rows, max_row_tokens)
-        self.fwd: _PagedForward | None = None
+        self.fwd: PagedForward | None = None
         self.reserved: dict[int, tuple[int, int]] = {}  # row -> (its length before, tokens) that `reserve` made room for
 
     @classmethod
@@ -249,15 +200,15 @@ class FullCache(KVCache):
                 raise RuntimeError(f"FullCache: row {rows_np[i]} reserved {reserved} tokens, the forward appends {n_np[i]}")
         if self.reserved:
             raise RuntimeError(f"FullCache: rows {sorted(self.reserved)} reserved tokens the forward does not append")
-        filled = self._filled_blocks(rows_np[held], lengths[held], n_np[held])
+        filled = filled_blocks(self.block_table, rows_np[held], lengths[held], n_np[held])
         cow_src, cow_dst = self.block_table.append(rows_np[~held], n_np[~held])
         groups = self._cascading(rows_np, lengths)
-        host = self._forward_arrays(rows_np, lengths, n_np, groups)
+        host = forward_arrays(self.block_table, self.k[0], rows_np, lengths, n_np, groups, self.rows_padding)
         later = np.isin(cow_src, filled)  # their sources are filled in this forward: copied layer by layer
         host["cow_src"], host["cow_dst"] = cow_src[~later], cow_dst[~later]
         if later.any():
-            host["copy_from"], host["copy_to"] = self._slot_copies(rows_np[~held], lengths[~held], cow_src[later],
-                                                                   cow_dst[later])
+            host["copy_from"], host["copy_to"] = slot_copies(self.block_table, rows_np[~held], lengths[~held],
+                                                             cow_src[later], cow_dst[later])
         dev = upload_all(host, self.k.device)  # the forward's one copy; nothing here waits for the device
         self._copy_blocks(dev["cow_src"], dev["cow_dst"])
         T = int(n_np.max())
@@ -265,28 +216,12 @@ class FullCache(KVCache):
         shared = None
         if groups is not None:
             members = dev["members"]
-            shared = _SharedPrefixes(paged_keys(self.k[0], pick("shared."), members.shape[1] * T, causal=False),
-                                     members, dev["grouped_rows"], dev["grouped_slots"])
+            shared = SharedPrefixes(paged_keys(self.k[0], pick("shared."), members.shape[1] * T, causal=False),
+                                    members, dev["grouped_rows"], dev["grouped_slots"])
         copies = (dev["copy_from"], dev["copy_to"]) if "copy_from" in dev else None
-        self.fwd = _PagedForward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"),
-                                 shared, copies)
+        self.fwd = PagedForward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"),
+                                shared, copies)
         return dev["positions"]
-
-    def _filled_blocks(self, rows: np.ndarray, lengths: np.ndarray, n_new: np.ndarray) -> np.ndarray:
-        """The blocks that rows' next n_new tokens (after `lengths`) are written to."""
-        bs, table = self.block_size, self.block_table.table
-        return np.concatenate([table[r, a // bs: -(-(a + n) // bs)] for r, a, n in zip(rows, lengths, n_new)]
-                              + [np.zeros(0, np.int64)])
-
-    def _slot_copies(self, rows: np.ndarray, lengths: np.ndarray, src: np.ndarray,
-                     dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The flat slots to copy (from, to) for the block copies src[i] -> dst[i] of rows (with `lengths` before
-        the forward) that copy a block filled in the same forward: the slots before the row's own first token."""
-        bs = self.block_size
-        at = {int(self.block_table.table[r, a // bs]): a % bs for r, a in zip(rows, lengths) if a % bs}
-        offsets = [np.arange(at[int(d)]) for d in dst]
-        return (np.concatenate([s * bs + o for s, o in zip(src, offsets)]),
-                np.concatenate([d * bs + o for d, o in zip(dst, offsets)]))
 
     def append_one(self, rows: Sequence[int]) -> np.ndarray:
         """Make room for one more token in each row (a static decode step, `graphs`), copying a shared last block
@@ -319,81 +254,9 @@ class FullCache(KVCache):
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]
 
-    def _forward_arrays(self, rows: np.ndarray, lengths: np.ndarray, n_new: np.ndarray,
-                        groups: _Groups | None) -> dict[str, np.ndarray]:
-        """A forward's metadata, on the host: positions, the valid new tokens' slots, and the paged layouts of
-        each row's own blocks and of the groups' shared prefixes."""
-        bs, T = self.block_size, int(n_new.max())
-        skipped = np.zeros(len(rows), np.int64)  # shared blocks each row reads through its group
-        if groups is not None:
-            skipped[groups.rows] = np.repeat(groups.shared, groups.sizes)
-        table = self.block_table.table[rows, : int((-(-(lengths + n_new) // bs)).max())]
-        # Own blocks cover the padded queries' keys too (cached + T): a paged kernel may read that far.
-        own = skipped[:, None] + np.arange(int((-(-(lengths + T) // bs) - skipped).max()))
-        own_table = np.take_along_axis(table, np.minimum(own, table.shape[1] - 1), 1)
-        positions = lengths[:, None] + np.arange(T)
-        valid = np.arange(T)[None, :] < n_new[:, None]
-        row, _ = np.nonzero(valid)
-        pos = positions[valid]
-        host = {"positions": positions, "slots": table[row, pos // bs] * bs + pos % bs}
-        if n_new.min() < T:
-            host["valid"] = np.flatnonzero(valid)
-        own_layout = paged_layout(self.k[0], own_table, lengths - skipped * bs, T, True, self.rows_padding)
-        host.update(("own." + k, v) for k, v in own_layout.items())
-        if groups is not None:
-            n = int(groups.sizes.max())
-            starts = np.cumsum(groups.sizes) - groups.sizes
-            member = ranks(groups.sizes)  # index within its group
-            group = np.repeat(np.arange(len(groups.sizes)), groups.sizes)
-            members = np.repeat(groups.rows[starts], n).reshape(-1, n)  # padded with each group's first row
-            members[group, member] = groups.rows
-            layout = paged_layout(self.k[0], self.block_table.table[rows[groups.rows[starts]], : int(groups.shared.max())],
-                                  groups.shared * bs, n * T, False, self.rows_padding)
-            host.update(("shared." + k, v) for k, v in layout.items())
-            host["members"] = members
-            host["grouped_rows"] = groups.rows
-            host["grouped_slots"] = group * n + member
-        return host
-
-    def _cascading(self, rows: np.ndarray, lengths: np.ndarray) -> _Groups | None:
-        """The groups of the forward's rows (`_shared_prefixes`) that read their shared blocks in a pass of their
-        own: all of them when together they would otherwise re-read `cascade_from` shared tokens, or with batch
-        invariance on, each one whose own rows would (`group_cascade_from`), so that what a row computes depends on
-        its siblings alone (a problem's candidates), never on the other rows of the forward."""
-        groups = None if self.cascade_from is None else self._shared_prefixes(rows, lengths)
-        if groups is None:
-            return None
-        re_read = groups.shared * self.block_size * (groups.sizes - 1)
-        if invariance.on():
-            return groups.select(re_read >= self.group_cascade_from)
-        return groups if re_read.sum() >= self.cascade_from else None
-
-    def _shared_prefixes(self, rows: np.ndarray, lengths: np.ndarray) -> _Groups | None:
-        """Groups of the forward's rows (indices into `rows`) holding the same first block, in the order of their
-        first rows, each with the number of full cached blocks all its rows share, read from the host block
-        table (None: no group). A row's block list only changes at its end, so rows holding the same block at
-        index j hold the same blocks before it: the shared blocks are the leading run of equal table columns."""
-        eligible = np.flatnonzero(lengths >= self.block_size)
-        first = self.block_table.table[rows[eligible], 0]
-        order = np.argsort(first, kind="stable")  # by first block, each group's rows in forward order
-        grouped, first = eligible[order], first[order]
-        starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
-        sizes = np.diff(np.r_[starts, len(grouped)])
-        keep = sizes > 1
-        if not keep.any():
-            return None
-        by_row = np.argsort(grouped[starts[keep]])  # groups in the order of their first rows
-        starts, sizes = starts[keep][by_row], sizes[keep][by_row]
-        members = grouped[np.repeat(starts, sizes) + ranks(sizes)]
-        heads = np.cumsum(sizes) - sizes  # each group's first place in `members`
-        limit = np.minimum.reduceat(lengths[members], heads) // self.block_size
-        width = int(limit.max())
-        blocks = self.block_table.table[rows[members], :width]
-        leader = np.repeat(blocks[heads], sizes, axis=0)
-        parted = np.logical_or.reduceat(blocks != leader, heads, axis=0)
-        parted |= np.arange(width) >= limit[:, None]
-        shared = np.where(parted.any(1), parted.argmax(1), width)
-        return _Groups(members, sizes, shared)
+    def _cascading(self, rows: np.ndarray, lengths: np.ndarray) -> Groups | None:
+        """The groups of the forward's rows that cascade, by this cache's rule (`paged_forward.cascading`)."""
+        return cascading(self.block_table, rows, lengths, self.cascade_from, self.group_cascade_from)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots, then copy the slots of blocks

@@ -11,14 +11,15 @@ buffer holds and what its attention reads.
 The bounded cache: attention covers a fixed span of every row's buffer, B' = budget + buffer (a row holds at most
 B' - 1 entries before a decode step, since it is compressed as soon as it reaches B'), through flash-attn's
 `flash_attn_with_kvcache` (per-row cache lengths, rows addressed by slot, no gather) when it is installed and the
-cache is on a GPU in half precision, else a masked torch SDPA over the span. Under H2O (an evictor that accumulates)
-the step also computes its queries' attention probabilities over the span (`BoundedCache.receive`), which flash-attn
-does not return.
+cache is on a GPU in half precision, else through FlexAttention where it serves (`flex`: compiled on CUDA, each
+slot read in place to its length, holes masked), else a masked torch SDPA over the span. Under H2O (an evictor that
+accumulates) the step also computes its queries' attention probabilities over the span (`BoundedCache.receive`), which
+neither kernel returns.
 
 The full cache (vLLM's decode capture): the buffer also holds each row's block table, padded to the bucket; with
 flash-attn to the table's whole width (the kernel reads each row's blocks up to its length, in place), else to the
-next power of two of the blocks the longest row holds (a graph per row and block bucket; SDPA over those blocks,
-masked per row). Its steps never cascade: every row reads its own blocks.
+next power of two of the blocks the longest row holds (a graph per row and block bucket; FlexAttention reading those
+blocks in place, or SDPA over them gathered, masked per row). Its steps never cascade: every row reads its own blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kvrescue.engine.flex as flex
 import kvrescue.engine.invariance as invariance
 from kvrescue.engine.attention import (PagedKeys, attend_masked, attend_padded, attend_paged, flash_attn_with_kvcache,
                                            use_flash)
@@ -63,17 +65,24 @@ IN_PLACE_SLOTS = 3
 
 class _StaticView:
     """What the decoder's attention layers see during a bounded cache's static step (the `KVCache.attend` call only).
-    Without flash-attn, attention reads every slot's span in place (`in_place`, where `IN_PLACE_SLOTS` says) or the
+    Without flash-attn, attention reads every slot's span in place: through FlexAttention where it serves (`flex`,
+    each slot its own batch entry, holes masked), else where `IN_PLACE_SLOTS` says SDPA over a view; otherwise the
     rows' spans gathered."""
 
     def __init__(self, cache: BoundedCache, inputs: torch.Tensor, span: int) -> None:
         self.cache, self.span = cache, span
         self.slots, self.lengths = inputs[2], inputs[3]
-        self.holes = cache.evictor.allocates  # the rows' heads' holes masked (`bounded.hole_free`), gathered
+        self.holes = cache.evictor.allocates  # the rows' heads' holes masked (`bounded.hole_free`)
         if self.holes:
             self.base, self.held = inputs[4], inputs[5:].view(cache.k.shape[0], cache.k.shape[2], -1)
         slots = cache.k.shape[1]
-        self.in_place = not self.holes and not use_flash(cache.k) and slots <= IN_PLACE_SLOTS * inputs.shape[1]
+        self.flash = use_flash(cache.k) and not self.holes
+        tiles = None if self.flash or not flex.serves(cache.k) else flex.span_tiles(span, cache.capacity)
+        self.flex = None if tiles is None else flex.SlotSteps(slots, self.slots, self.lengths, tiles,
+                                                               cache.q.shape[2] // cache.k.shape[2],
+                                                               self.base if self.holes else None)
+        self.in_place = (not self.holes and not self.flash and tiles is None
+                         and slots <= IN_PLACE_SLOTS * inputs.shape[1])
         if self.in_place:  # each slot's cached entries (0 for slots outside the step: they see their key 0 alone)
             held = torch.zeros(slots, dtype=torch.long, device=inputs.device).index_copy_(0, self.slots, self.lengths)
             self.visible = (torch.arange(span, device=inputs.device) <= held[:, None])[:, None]
@@ -84,11 +93,13 @@ class _StaticView:
         if self.cache.received is not None:  # H2O: the step's query against the span's keys, once more
             visible = (torch.arange(self.span, device=q.device) <= self.lengths[:, None])[:, None]
             self.cache.receive(layer, self.slots, q, kp[self.slots, :, : self.span], visible, self.lengths)
-        if use_flash(q) and not self.holes:
+        if self.flash:
             out = flash_attn_with_kvcache(q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                                           cache_seqlens=(self.lengths + 1).int(), cache_batch_idx=self.slots.int(),
                                           num_splits=invariance.flash_splits())
             return out.transpose(1, 2)
+        if self.flex is not None:
+            return self.flex.attend(q, kp, vp, self.held[layer].T if self.holes else None)
         if self.in_place:
             queries = q.new_zeros(kp.shape[0], *q.shape[1:]).index_copy_(0, self.slots, q)
             out = attend_masked(queries, kp[:, :, : self.span], vp[:, :, : self.span], self.visible)
@@ -139,14 +150,18 @@ class _BoundedSide:
 
 class _FullView:
     """What the decoder's attention layers see during a full cache's static step: each row's new k/v written to its
-    slot, then attention over its blocks (flash-attn's paged kernel in place, else SDPA over the bucket's blocks)."""
+    slot, then attention over its blocks (flash-attn's paged kernel or FlexAttention in place, else SDPA over the
+    bucket's blocks gathered)."""
 
     def __init__(self, cache: FullCache, inputs: torch.Tensor) -> None:
         self.cache = cache
         self.cached, self.slots = inputs[1], inputs[2]
         self.table = inputs[3:].T  # [size, width]
         self.flash = use_flash(cache.k)
-        if not self.flash:
+        self.flex = None
+        if not self.flash and flex.serves(cache.k):
+            self.flex = flex.PagedSteps(self.table, self.cached, cache.k.shape[1], cache.block_size)
+        elif not self.flash:
             keys = self.table.shape[1] * cache.block_size
             self.visible = (torch.arange(keys, device=inputs.device) <= self.cached[:, None])[:, None]
 
@@ -156,6 +171,8 @@ class _FullView:
         kp, vp = cache.k[layer], cache.v[layer]
         if self.flash:
             return attend_paged(q, kp, vp, PagedKeys(self.table.contiguous(), self.cached, causal=True))[0]
+        if self.flex is not None:
+            return self.flex.attend(q, kp, vp)[0]
         R, heads_dim = q.shape[0], kp.shape[2:]
         blocks = self.table.reshape(-1)
         keys, values = (pool.index_select(0, blocks).view(R, -1, *heads_dim).transpose(1, 2) for pool in (kp, vp))

@@ -39,6 +39,9 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     assert attention["cascade"]["kv_bytes_read"] < attention["paged"]["kv_bytes_read"]
     measured = [d for d in report["decode"] if "skipped" not in d]
     assert {d["engine"] for d in measured} == {"kvrescue", "transformers-generate"}
+    flex = report["flex"]  # FlexAttention (eager on a CPU) vs SDPA: both caches, eager and static steps
+    assert [(f["evictor"], f["step"]) for f in flex] == [(e, s) for e in ("rkv", "none") for s in ("eager", "static")]
+    assert all(f["top1_agreement"] == 1.0 and f["max_abs"] < 1e-4 and f["flex_tokens_per_s"] > 0 for f in flex)
     assert {d["evictor"] for d in measured} == {"rkv", "none"}
     assert len(measured) == 2 * 2 * 3  # rows x contexts x (rkv, none, generate)
     flop_rate = report["roofline"]["matmul_flop_per_s"]
@@ -115,7 +118,8 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     progress = [line for line in lines if line.startswith("[")]
     assert len(progress) == (2 + len(report["numerics"]) + len(report["attention"]) + len(report["decode"])
                              + len(report["vllm"]) + len(report["memory"]) + len(report["devices"])
-                             + len(report["invariance"]) + len(report["problems"]) + len(report["profile"]))
+                             + len(report["invariance"]) + len(report["problems"]) + len(report["profile"])
+                             + len(report["flex"]))
     table = lines[len(progress):]
     assert sum(" tok/s " in line for line in table) == len(measured)
     assert any("full graphs=off: 4 problems" in line for line in table)
@@ -128,7 +132,8 @@ def test_budget_bounds_every_section(tmp_path):
     report, lines = gpu_check(tmp_path, "--budget-s", "0")
     records = [report["roofline"], report["logits"], *report["decode"], *report["problems"]]
     assert len(records) == 2 + 20 + 6 + 3  # the problems section's synthetic runs and warm-up, then MATH500's
-    records += [*report["numerics"], *report["memory"], *report["invariance"], *report["profile"], *report["e2e"]]
+    records += [*report["numerics"], *report["memory"], *report["invariance"], *report["profile"], *report["e2e"],
+                *report["flex"]]
     reasons = {r["skipped"].split(":")[0] for r in records}
     assert reasons == {"not started", "CUDA graphs need a GPU"}
     assert all(r["of_roofline"] is None for r in report["decode"] if "of_roofline" in r)
@@ -138,7 +143,7 @@ def test_budget_bounds_every_section(tmp_path):
 def test_the_e2e_section_runs_what_a_user_types(tmp_path):
     """Random checkpoints on disk, then each `kvrescue` command in its own process: the plan, bon, kvrescue and full
     at a fixed batch and at --batch auto, the rerun that loads nothing, report and view."""
-    skip = "logits,attention,decode,vllm,numerics,memory,devices,invariance,problems"
+    skip = "logits,attention,decode,flex,vllm,numerics,memory,devices,invariance,problems"
     report, lines = gpu_check(tmp_path, "--budget-s", "400", "--skip", skip)
     steps = report["e2e"]
     assert [r["step"] for r in steps] == ["checkpoints", "plan", "run", "run", "rerun", "report", "view"]

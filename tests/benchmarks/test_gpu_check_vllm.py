@@ -5,7 +5,7 @@ import pytest
 
 from tests.benchmarks.test_gpu_check import gpu_check
 
-VLLM_ONLY = "logits,attention,decode,numerics,memory,devices,invariance,problems,e2e"  # every section but vllm
+VLLM_ONLY = "logits,attention,decode,flex,numerics,memory,devices,invariance,problems,e2e"  # every section but vllm
 
 pytestmark = pytest.mark.vllm
 

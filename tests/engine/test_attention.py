@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvrescue.engine import attention, caches
-from kvrescue.engine.caches import CASCADE_FROM, FullCache
+from kvrescue.engine.caches import FullCache
+from kvrescue.shapes import CASCADE_FROM
 from tests.gather_reference import exact_attend, gather_attend
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts

@@ -6,6 +6,7 @@ import torch
 
 from kvrescue.engine import FullCache, load_model
 from kvrescue.engine.attention import attend_padded
+from kvrescue.engine.paged_forward import shared_prefixes
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
@@ -172,7 +173,7 @@ def test_shared_prefixes_are_the_rows_common_leading_blocks() -> None:
     }
     for rows, (sizes, shared) in cases.items():
         expected, lengths = reference(list(rows))
-        groups = cache._shared_prefixes(np.array(rows), np.array(lengths))
+        groups = shared_prefixes(cache.block_table, np.array(rows), np.array(lengths))
         got = [(m.tolist(), int(s)) for m, s in zip(np.split(groups.rows, np.cumsum(groups.sizes)[:-1]), groups.shared)]
         assert got == expected
         assert [len(m) for m, _ in got] == sizes and [s for _, s in got] == shared

@@ -1,0 +1,226 @@
+"""FlexAttention's decode paths (engine/flex.py), run eagerly on the CPU (PyTorch's reference implementation of the
+kernel that CUDA compiles, with the same block masks and mask functions): equal to SDPA over ragged lengths, blocks
+shared by several rows, compressed pools with holes and the static step's padded rows; and reading the pools in place
+(no gather of any row's keys), where the SDPA paths gather them."""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import AuxOutput
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kvrescue.engine.flex as flex
+from kvrescue.engine.attention import attend_masked
+from kvrescue.engine.bounded import BoundedCache, hole_free
+from kvrescue.engine.caches import FullCache
+from kvrescue.engine.evict import make_evictor, parse_evictor
+from kvrescue.engine.graphs import StaticDecode
+from kvrescue.engine.loader import load_model
+
+# The eager form is the point here: the reference implementation of the kernel CUDA compiles.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+HQ, HKV, D = 14, 2, 8  # 7 query heads a KV head, as Qwen2.5-7B has
+GATHERS = {torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default, torch.ops.aten.gather.default}
+
+
+@pytest.fixture
+def flex_on(monkeypatch):
+    monkeypatch.setattr(flex, "SERVES", True)
+
+
+class PoolGathers(TorchDispatchMode):
+    """The most elements one indexing op (a gather: `index`, `index_select`, `gather`) read out of the K/V pools of
+    `cache` into a new tensor, outside the attention kernel (FlexAttention's operation passes through as one), and
+    the kernel's calls."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, cache) -> None:
+        super().__init__()
+        self.pools = {cache.k.untyped_storage().data_ptr(), cache.v.untyped_storage().data_ptr()}
+        self.largest, self.flex_calls = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            self.flex_calls += func.name() == "flex_attention"
+            with torch._C._DisableTorchDispatch():
+                return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func in GATHERS and args[0].untyped_storage().data_ptr() in self.pools:
+            self.largest = max(self.largest, out.numel())
+        return out
+
+
+def test_paged_attention_reads_each_rows_blocks_through_its_table(flex_on) -> None:
+    """Rows sharing leading blocks (forks), ragged lengths (an empty row's one key to a row of six blocks), tables
+    padded with the row's own last block or with other rows' blocks, rows padded to a power of two: output and
+    log-sum-exp equal SDPA's over each row's keys gathered, with GQA."""
+    generator = torch.Generator().manual_seed(0)
+    bs, pool_blocks = 4, 24
+    k_pool, v_pool = torch.randn(2, pool_blocks, bs, HKV, D, generator=generator)
+    blocks = [[5, 9, 2], [5, 9, 11, 3, 7, 1], [5, 9], [8], [4, 6]]  # rows 0-2 share blocks 5 and 9
+    cached = torch.tensor([10, 22, 7, 0, 4])  # keys 0 .. cached: the last is the step's own (5 rows: 3 padding)
+    width = 7
+    table = torch.tensor([b + [b[-1] if i % 2 else 11] * (width - len(b)) for i, b in enumerate(blocks)])
+    q = torch.randn(len(blocks), HQ, 1, D, generator=generator)
+    out, lse = flex.PagedSteps(table, cached, pool_blocks, bs).attend(q, k_pool, v_pool)
+    for row, (ids, n) in enumerate(zip(blocks, (cached + 1).tolist())):
+        keys, values = (pool[ids].flatten(0, 1)[:n].transpose(0, 1)[None] for pool in (k_pool, v_pool))
+        want = torch.nn.functional.scaled_dot_product_attention(q[row: row + 1], keys, values, enable_gqa=True)
+        scores = q[row] @ keys[0].repeat_interleave(HQ // HKV, 0).transpose(1, 2) * D**-0.5  # [Hq, 1, n]
+        torch.testing.assert_close(out[row: row + 1], want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(lse[row, :, 0], scores[:, 0].logsumexp(-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("holes", [False, True])
+def test_slot_attention_sees_each_slots_entries_and_not_its_holes(flex_on, holes) -> None:
+    """A bounded cache's pools: each slot its own length (0 for slots outside the step), and with an allocating
+    evictor's holes, per KV head, those masked (`bounded.hole_free`): equal to masked SDPA over the slots."""
+    generator = torch.Generator().manual_seed(1)
+    slots, capacity, span = 5, 48, 40
+    k, v = torch.randn(2, slots, HKV, capacity, D, generator=generator)
+    held = torch.tensor([39, 0, 17, 5, 24])
+    keys, block = flex.span_tiles(span, capacity)
+    assert (keys, block) == (48, 16)
+    q = torch.randn(slots, HQ, 1, D, generator=generator)
+    visible = (torch.arange(keys) <= held[:, None])[:, None, None]  # [slots, 1, 1, keys]
+    mask_holes = None
+    if holes:
+        kept, base = torch.tensor([[20, 30], [0, 0], [9, 12], [3, 5], [10, 16]]), torch.tensor([30, 0, 12, 5, 16])
+        visible = visible & hole_free(kept, base, keys)
+        mask_holes = (kept, base)
+    got = flex.attend_slots(q, k[:, :, :keys], v[:, :, :keys], flex.slots_mask(held, keys, block, HQ // HKV, mask_holes))
+    torch.testing.assert_close(got, attend_masked(q, k[:, :, :keys], v[:, :, :keys], visible), atol=1e-6, rtol=1e-5)
+
+
+def test_span_tiles_round_the_span_up_to_whole_tiles() -> None:
+    assert [flex.span_tiles(span, 512) for span in (144, 128, 100, 40)] == [(144, 16), (128, 128), (112, 16),
+                                                                           (48, 16)]
+    assert flex.span_tiles(100, 110) is None  # 112 keys do not fit slots of 110: SDPA serves
+
+
+def test_flex_serves_on_cuda_with_triton_and_never_with_batch_invariance(monkeypatch) -> None:
+    from kvrescue.engine import invariance
+
+    assert not flex.serves(torch.zeros(1))  # a CPU: SDPA
+    monkeypatch.setattr(flex, "SERVES", True)
+    assert flex.serves(torch.zeros(1))
+    monkeypatch.setattr(invariance, "on", lambda: True)
+    assert not flex.serves(torch.zeros(1))
+
+
+def test_the_kernel_is_checked_once_against_sdpa_and_sdpa_serves_where_it_fails(monkeypatch, capsys) -> None:
+    """`runs_on` (the first use on a CUDA device): a kernel that runs and agrees serves; one that raises (a compiler
+    that cannot build it) or disagrees does not, and says so in one line on stderr."""
+    check = flex.runs_on.__wrapped__  # uncached
+    assert check(torch.device("cpu"), torch.float32) and capsys.readouterr().err == ""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no ptxas")
+
+    monkeypatch.setattr(flex, "_attend", broken)
+    assert not check(torch.device("cpu"), torch.float32)
+    assert capsys.readouterr().err == ("kvrescue: FlexAttention does not run on cpu (RuntimeError: no ptxas); "
+                                       "SDPA serves\n")
+    monkeypatch.setattr(flex, "_attend", lambda q, *args, lse=False: (torch.zeros_like(q), AuxOutput(lse=q[..., 0])))
+    assert not check(torch.device("cpu"), torch.float32)
+    assert capsys.readouterr().err == "kvrescue: FlexAttention disagrees with SDPA on cpu in torch.float32; SDPA serves\n"
+
+
+def _flex_calls(monkeypatch) -> list[int]:
+    """A list that grows by one at each FlexAttention call."""
+    calls, attend = [], flex._attend
+    monkeypatch.setattr(flex, "_attend", lambda *args, **kw: calls.append(1) or attend(*args, **kw))
+    return calls
+
+
+def _decode_steps(net, cache, steps: int, generator, graphs: bool) -> list[torch.Tensor]:
+    """Logits of `steps` one-token steps of three rows (a prompt each, then a fork of the first into two and the
+    last released), through the static step or `net.decode`."""
+    step = StaticDecode(net, cache, graphs=True) if graphs else None  # its scratch slot or block first
+    lengths = [5, 20, 33]
+    prompt = torch.randint(0, net.args.vocab_size, (3, max(lengths)), generator=generator)
+    rows = [cache.create() for _ in lengths]
+    net.prefill(prompt, cache, rows, lengths)
+    logits = []
+    for t in range(steps):
+        if t == steps // 3:
+            children = cache.fork(rows[0], 2)
+            cache.release([rows.pop()])
+            rows += children
+        tokens = torch.randint(0, net.args.vocab_size, (len(rows),), generator=generator)
+        with torch.inference_mode():
+            logits.append(step(rows, tokens) if graphs else net.decode(tokens, cache, rows))
+    return logits
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("evictor", ["rkv", "adakv:scores=snapkv"])
+def test_the_bounded_caches_decode_through_flex_equals_sdpa(qwen2_dir, evictor, graphs, monkeypatch) -> None:
+    """The eager one-token forward and the static step, through compressions (B' = 24: every few steps), forks and
+    releases, holes with an allocating evictor, and the static step's padding rows (3 and 4 rows in a bucket of 4):
+    the same logits and greedy tokens as the eager SDPA step."""
+    net = load_model(qwen2_dir).net
+    policy = make_evictor(*parse_evictor(evictor))
+    calls = _flex_calls(monkeypatch)
+    logits = {}
+    for on in (False, True):
+        monkeypatch.setattr(flex, "SERVES", on)
+        cache = BoundedCache.for_model(net, budget=16, buffer=8, evictor=policy, max_append=40, rows=4)
+        logits[on] = _decode_steps(net, cache, 30, torch.Generator().manual_seed(2), graphs=graphs and on)
+        assert any(cache.row_held.ravel() != cache.row_held.max()) if policy.allocates else True  # holes
+    assert len(calls) == 30 * net.args.n_layers
+    for got, want in zip(logits[True], logits[False]):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
+def test_the_full_caches_decode_through_flex_equals_sdpa(qwen2_dir, graphs, monkeypatch) -> None:
+    """The full cache's eager decode and its static step (row and block buckets, a scratch block for padding rows),
+    through forks sharing blocks and the copy of a shared partly filled block: the logits and greedy tokens of the
+    eager SDPA decode."""
+    net = load_model(qwen2_dir).net
+    calls = _flex_calls(monkeypatch)
+    logits = {}
+    for on in (False, True):
+        monkeypatch.setattr(flex, "SERVES", on)
+        cache = FullCache.for_model(net, 1024, max_rows=8, max_row_tokens=128, block_size=16)
+        logits[on] = _decode_steps(net, cache, 12, torch.Generator().manual_seed(3), graphs=graphs and on)
+    assert len(calls) == 12 * net.args.n_layers
+    for got, want in zip(logits[True], logits[False]):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("kind", ["bounded", "full"])
+def test_decode_steps_read_the_pools_in_place(qwen2_dir, kind, graphs, monkeypatch) -> None:
+    """A one-token step's attention through FlexAttention gathers nothing out of the K/V pools; through SDPA it
+    gathers every row's keys (the paths the flex one replaces: rows in slots apart, in pools of more than
+    IN_PLACE_SLOTS slots a row of the bucket)."""
+    from torch.nn.attention import flex_attention
+
+    # The kernel's operation called as it is (eager FlexAttention otherwise traces it, which no dispatch mode allows).
+    monkeypatch.setattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    net = load_model(qwen2_dir).net
+    largest = {}
+    for on in (False, True):
+        monkeypatch.setattr(flex, "SERVES", on)
+        if kind == "bounded":
+            cache = BoundedCache.for_model(net, budget=16, buffer=40, max_append=40, rows=16)  # > IN_PLACE_SLOTS x 4
+            span = cache.trigger if graphs else 34  # the static step's span; the rows' entries
+        else:
+            cache = FullCache.for_model(net, 1024, max_rows=8, max_row_tokens=128, block_size=16)
+            span = 48  # the rows' blocks
+        step = StaticDecode(net, cache, graphs=True) if graphs else None
+        prompt = torch.randint(0, net.args.vocab_size, (3, 33), generator=torch.Generator().manual_seed(4))
+        rows = [cache.create() for _ in range(4)]
+        cache.release([rows.pop(1)])  # rows in slots or blocks apart
+        net.prefill(prompt, cache, rows, [33] * 3)
+        tokens = torch.zeros(3, dtype=torch.long)
+        with PoolGathers(cache) as counter, torch.inference_mode():
+            step(rows, tokens) if graphs else net.decode(tokens, cache, rows)
+        largest[on] = counter.largest
+        assert counter.flex_calls == (net.args.n_layers if on else 0)
+    spans = 3 * net.args.n_kv_heads * span * net.args.head_dim  # three rows' keys of one layer
+    assert largest[False] >= spans and largest[True] == 0
