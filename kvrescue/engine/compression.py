@@ -3,20 +3,34 @@ and KV head by its evictor (`evict.keep_positions`), or by an allocating policy'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from kvrescue.engine.evict import gather_positions, keep_positions
+from kvrescue.engine.evict import Evictor, gather_positions, keep_positions
 from kvrescue.engine.transfer import upload, upload_all
 from kvrescue.shapes import OBSERVATION_WINDOW, compress_slice
 
-if TYPE_CHECKING:
-    from kvrescue.engine.bounded import BoundedCache
+
+class Compressible(Protocol):
+    """What compression reads and rewrites of `bounded.BoundedCache`: its pools and its rows' host bookkeeping."""
+
+    k: torch.Tensor  # [layers, rows, Hkv, capacity, d]
+    v: torch.Tensor
+    q: torch.Tensor  # [layers, rows, H, OBSERVATION_WINDOW, d]: the last queries
+    received: torch.Tensor | None
+    row_slot: np.ndarray
+    row_physical: np.ndarray
+    row_base: np.ndarray
+    row_held: np.ndarray
+    evictor: Evictor
+    budget: int
+    layer_budgets: list[int]
+    trigger: int
 
 
-def compress(cache: BoundedCache, rows: np.ndarray) -> None:
+def compress(cache: Compressible, rows: np.ndarray) -> None:
     """Compress each row to `budget` entries per layer and KV head (an allocating policy: `_allocate`). Rows of
     equal length are scored together, all layers in one call, as many rows at once as `compress_slice` lets fit
     in COMPRESS_BYTES; a row longer than that (a long prompt or step) some layers, or some KV heads of a layer,
@@ -41,7 +55,7 @@ def compress(cache: BoundedCache, rows: np.ndarray) -> None:
             cache.row_held[part] = cache.budget
 
 
-def _compress(cache: BoundedCache, slots: torch.Tensor, length: int, layers: slice, heads: slice) -> None:
+def _compress(cache: Compressible, slots: torch.Tensor, length: int, layers: slice, heads: slice) -> None:
     """Keep `budget` of the first `length` entries of these slots' layers and KV heads (scored with the queries
     of their query heads)."""
     group = cache.q.shape[2] // cache.k.shape[2]  # query heads per KV head
@@ -55,7 +69,7 @@ def _compress(cache: BoundedCache, slots: torch.Tensor, length: int, layers: sli
         cache.received[layers, slots, heads, : cache.budget] = received.gather(-1, kept)
 
 
-def _allocate(cache: BoundedCache, rows: np.ndarray, slots: torch.Tensor, length: int, at_once: int) -> None:
+def _allocate(cache: Compressible, rows: np.ndarray, slots: torch.Tensor, length: int, at_once: int) -> None:
     """An allocating policy's compression of rows of physical `length`: each (layer, row, KV head) scored on the
     entries it holds (`held` then those from `base` on, gathered), `at_once` of equal count together; each layer
     keeps the past positions its policy's `keep_past` picks within its budget, and the last OBSERVATION_WINDOW.
