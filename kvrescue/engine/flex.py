@@ -4,13 +4,14 @@ row reads and a mask function its length, so no row's keys are gathered and copi
 On CUDA with Triton, where flash-attn does not serve, it is compiled (Triton kernels, no other dependency) and serves
 the one-token steps, eager and static: the full cache's (paged, as `torch.nn.attention.experimental._paged_attention`
 lays a pool out) and the bounded cache's (each slot its own batch entry). Elsewhere SDPA serves; `SERVES` forces the
-choice (the tests, gpu_check's comparison). Off CUDA, FlexAttention runs eagerly: PyTorch's reference
+choice (the tests, gpu_check's comparison; a user, with KVRESCUE_FLEX=0 or 1 in the environment). Off CUDA, FlexAttention runs eagerly: PyTorch's reference
 implementation, which scores every key of the pool; the tests check the block masks and mask functions with it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -22,7 +23,8 @@ try:
 except ImportError:  # a torch without FlexAttention: SDPA serves
     flex_attention = None
 
-SERVES: bool | None = None  # None: on CUDA with Triton; True/False: wherever FlexAttention exists / nowhere
+# None: on CUDA with Triton; True/False: wherever FlexAttention exists / nowhere
+SERVES: bool | None = {"1": True, "0": False}.get(os.environ.get("KVRESCUE_FLEX", ""))
 QUERY_BLOCK = 128  # the block mask's query tile (one tile: decode steps have one query a row)
 RECOMPILES = 64  # shapes the compiled kernel is specialised for (row buckets x models x pools) before dynamo gives up
 

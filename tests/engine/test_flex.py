@@ -3,6 +3,10 @@ kernel that CUDA compiles, with the same block masks and mask functions): equal 
 shared by several rows, compressed pools with holes and the static step's padded rows; and reading the pools in place
 (no gather of any row's keys), where the SDPA paths gather them."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import AuxOutput
@@ -224,3 +228,12 @@ def test_decode_steps_read_the_pools_in_place(qwen2_dir, kind, graphs, monkeypat
         assert counter.flex_calls == (net.args.n_layers if on else 0)
     spans = 3 * net.args.n_kv_heads * span * net.args.head_dim  # three rows' keys of one layer
     assert largest[False] >= spans and largest[True] == 0
+
+
+@pytest.mark.parametrize(("value", "serves"), [("0", False), ("1", True), ("", None)])
+def test_kvrescue_flex_in_the_environment_sets_the_choice(value, serves) -> None:
+    """KVRESCUE_FLEX=0 keeps FlexAttention off (1 on) in a process that imports the engine, as a run's workers do."""
+    env = {**os.environ, "KVRESCUE_FLEX": value}
+    done = subprocess.run([sys.executable, "-c", "import kvrescue.engine.flex as f; print(f.SERVES)"], env=env,
+                          capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.strip() == str(serves)
