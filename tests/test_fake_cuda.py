@@ -230,7 +230,8 @@ def test_a_row_bucket_warms_up_once_for_all_its_block_buckets(monkeypatch):
     40)."""
     forwards = []
     forward = graphs.StaticDecode._forward
-    monkeypatch.setattr(graphs.StaticDecode, "_forward", lambda step, inputs: forwards.append(1) or forward(step, inputs))
+    monkeypatch.setattr(graphs.StaticDecode, "_forward",
+                        lambda step, inputs: forwards.append(1) or forward(step, inputs))
     step = one_row_decoded_in_graphs()
     assert len(step.steps) == 3 and len(forwards) == 4
 

@@ -138,7 +138,8 @@ class Runner:
         return self.steps.advance(self) if self.steps is not None else []
 
     # -- tensors --------------------------------------------------------------------------------------
-    def sample(self, rows: torch.Tensor, draws: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, rows: torch.Tensor, draws: torch.Tensor,
+               params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row from its kept logits (rows: int64 device tensor) and its stream's uniform (draws: float32,
         `sampling.uniforms`): tokens, entropies. Under `--tp` with copies of the model on other ranks
         (`Shard.copied`), rank 0's tokens and entropies."""

@@ -139,7 +139,7 @@ def step_table(tokenizer) -> StepTable:
 class _Lanes:
     """Per-candidate state in lanes (indices reused as candidates finish), on the device and on the host."""
 
-    draws: torch.Tensor     # [lanes, columns] float32: each stream's uniforms for counters 0, 1, ... (`sampling.uniforms`)
+    draws: torch.Tensor     # [lanes, columns] float32: each stream's `sampling.uniforms` for counters 0, 1, ...
     count: torch.Tensor
     prev_ends: torch.Tensor
     ring: torch.Tensor      # the last `ent_window` entropies, float64
