@@ -22,10 +22,10 @@ def disagree() -> None:
     """Rank 1's helper logits and PRM scores move by noise (near-ties then go the other way)."""
     sample, score, noise = Runner.sample, PRMScorer.score, torch.Generator().manual_seed(1)
 
-    def noisy_sample(self, rows, keys, counters, params, stages=None):
+    def noisy_sample(self, rows, draws, params):
         if not self.model.net.shard.size > 1:  # a whole copy on this rank
             self.logits += torch.randn(self.logits.shape, generator=noise)
-        return sample(self, rows, keys, counters, params, stages)
+        return sample(self, rows, draws, params)
 
     def noisy_score(self, requests):
         return [s + 0.3 * torch.randn((), generator=noise).item() for s in score(self, requests)]

@@ -76,7 +76,7 @@ def engine_decode_seconds(runner, prompt: list[int], batch: int, new: int) -> fl
     """Seconds for `new` decode steps of `batch` rows forked from one prefilled prompt (prefill not timed)."""
     import torch
 
-    from kvrescue.engine.sampling import SamplingParams, as_keys
+    from kvrescue.engine.sampling import SamplingParams, as_keys, uniforms
     from kvrescue.engine.transfer import upload
 
     parent = runner.prefill([prompt])[0]
@@ -88,7 +88,7 @@ def engine_decode_seconds(runner, prompt: list[int], batch: int, new: int) -> fl
     with torch.inference_mode():
         start = time.perf_counter()
         for _ in range(new):
-            tokens, _ = runner.sample(rows_t, keys, counters, params)
+            tokens, _ = runner.sample(rows_t, uniforms(keys, counters), params)
             runner.decode(rows_t, rows, tokens)
             counters += 1
         if runner.device.type == "cuda":

@@ -294,21 +294,23 @@ class StaticDecode:
         return step
 
     def _capture(self, inputs: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The step over `inputs` captured in a CUDA graph on the device's capture stream, after one warm-up forward
-        there (which makes what the kernels create on first use, the stream's cuBLAS workspace too, as nano-vllm's
-        capture does), and its logits buffer: the row bucket's, which every graph of that bucket writes (a full
-        cache has one per block bucket). The graph reads and writes the pools at their addresses and strides of
-        now."""
+        """The step over `inputs` captured in a CUDA graph on the device's capture stream, and its logits buffer: the
+        row bucket's, which every graph of that bucket writes (a full cache has one per block bucket). The first
+        graph of a row bucket comes after one warm-up forward there (which makes what the kernels create on first
+        use, the stream's cuBLAS workspace too, as nano-vllm's capture does for each batch size, and gives the
+        buffer its shape); a wider block table of the same rows launches the same kernels, the attention's over
+        more keys: no warm-up (a forward dispatched op by op). The graph reads and writes the pools at their
+        addresses and strides of now."""
         torch.cuda.set_device(inputs.device)  # the capture stream and graph are the current device's: the cache's
         stream = capture_stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            warm = self._forward(inputs)
-        torch.cuda.current_stream().wait_stream(stream)
         size = inputs.shape[1]
         if size not in self.outputs:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                warm = self._forward(inputs)
+            torch.cuda.current_stream().wait_stream(stream)
             self.outputs[size] = torch.empty_like(warm)
-        del warm
+            del warm
         logits = self.outputs[size]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory, stream=stream):

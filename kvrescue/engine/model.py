@@ -69,8 +69,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in fp32, as Hugging Face's Qwen2RMSNorm computes it
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        # x * rsqrt(mean(x^2) + eps) in fp32 rounded to x's dtype, as Hugging Face's Qwen2RMSNorm computes it: rms_norm
+        # of a bf16 or fp16 x computes in fp32 itself (the same values as of x.float(), two ops fewer), then the weight
+        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
 
 
 def rope_frequencies(head_dim: int, theta: float, device: torch.device,
@@ -120,13 +121,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         R, T, _ = x.shape
-        qk_heads = self.n_heads + self.n_kv_heads
-        qkv = self.wqkv(x).view(R, T, qk_heads + self.n_kv_heads, self.head_dim).transpose(1, 2)
-        qk = qkv[:, :qk_heads]
+        heads = [self.n_heads, self.n_kv_heads]
+        qkv = self.wqkv(x).view(R, T, -1, self.head_dim).transpose(1, 2)
+        qk, v = qkv.split([sum(heads), self.n_kv_heads], dim=1)  # views: one op where indexing dispatches several
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, : self.n_heads]), self.k_norm(qk[:, self.n_heads :])], dim=1)
-        qk = apply_rope(qk, cos, sin)  # the queries' and keys' heads in one pass
-        q, k, v = qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, qk_heads:]
+            q, k = qk.split(heads, dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        q, k = apply_rope(qk, cos, sin).split(heads, dim=1)  # the queries' and keys' heads in one pass
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
         else:

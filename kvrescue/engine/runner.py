@@ -17,7 +17,7 @@ from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache, KVCache
 from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.loader import LoadedModel
-from kvrescue.engine.sampling import SamplingParams, sample
+from kvrescue.engine.sampling import SamplingParams, sample_drawn
 from kvrescue.engine.steps import CandidateStep, StepDecoder, StepRules, append_tokens
 from kvrescue.engine.tp import from_rank_0
 from kvrescue.engine.transfer import upload, upload_all
@@ -138,12 +138,12 @@ class Runner:
         return self.steps.advance(self) if self.steps is not None else []
 
     # -- tensors --------------------------------------------------------------------------------------
-    def sample(self, rows: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor, params: SamplingParams,
-               stages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row from its kept logits (rows, keys, counters: int64 device tensors): tokens, entropies.
-        `stages`: the streams' tabled counter stages (`sampling.counter_stages`). Under `--tp` with copies of the
-        model on other ranks (`Shard.copied`), rank 0's tokens and entropies."""
-        tokens, entropies = sample(self.logits.index_select(0, rows)[:, : self.vocab], keys, counters, params, stages)
+    def sample(self, rows: torch.Tensor, draws: torch.Tensor,
+               params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row from its kept logits (rows: int64 device tensor) and its stream's uniform (draws: float32,
+        `sampling.uniforms`): tokens, entropies. Under `--tp` with copies of the model on other ranks
+        (`Shard.copied`), rank 0's tokens and entropies."""
+        tokens, entropies = sample_drawn(self.logits.index_select(0, rows)[:, : self.vocab], draws, params)
         if self.model.net.shard.copied:
             return from_rank_0(tokens.contiguous()), from_rank_0(entropies.contiguous())
         return tokens, entropies

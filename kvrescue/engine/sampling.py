@@ -100,14 +100,23 @@ def sample(
     counters[i] is the index of the token being drawn (tokens the row sampled so far). Everything
     stays on the logits' device: no host synchronisation. `stages`: as for `uniforms`.
     """
-    logits = logits.float()
-    ent = entropy(logits)
     if params.temperature == 0:
-        return logits.argmax(-1), ent
+        return sample_drawn(logits, None, params)
     if not isinstance(keys, torch.Tensor):
         keys = as_keys(keys, logits.device)
     if not isinstance(counters, torch.Tensor):
         counters = torch.tensor(list(counters), dtype=torch.long, device=logits.device)
+    return sample_drawn(logits, uniforms(keys, counters, stages), params)
+
+
+def sample_drawn(logits: torch.Tensor, draws: torch.Tensor | None,
+                 params: SamplingParams = SamplingParams()) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` with each row's uniform drawn already: draws [R] float32, `uniforms` of its stream key and counter
+    (a decoder tables a step's draws when it starts: `steps.StepDecoder`); None when greedy."""
+    logits = logits.float()
+    ent = entropy(logits)
+    if params.temperature == 0:
+        return logits.argmax(-1), ent
     k = logits.shape[-1] if params.top_k <= 0 else min(params.top_k, logits.shape[-1])
     vals, idx = torch.topk(logits, k, dim=-1, sorted=True)
     vals = vals / params.temperature  # after the top k: the same values as dividing every logit first
@@ -116,8 +125,7 @@ def sample(
         mass_before = probs.cumsum(-1) - probs
         probs = probs * (mass_before < params.top_p)  # the top token always survives (mass before it is 0)
     cdf = probs.cumsum(-1)
-    u = uniforms(keys, counters, stages)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=k - 1)
+    pick = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).clamp_(max=k - 1)
     # A pick past the kept tokens can only come from float rounding at the very top of the cdf.
     pick = torch.minimum(pick, (probs > 0).sum(-1, keepdim=True) - 1).clamp_(min=0)  # 0: a NaN row (steps.py ends it)
     return idx.gather(-1, pick)[:, 0], ent

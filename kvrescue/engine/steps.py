@@ -22,7 +22,7 @@ import torch
 
 from kvrescue.detect import DetectorConfig, gzip_ratio
 from kvrescue.engine.caches import KVCache
-from kvrescue.engine.sampling import SamplingParams, as_keys, counter_stages
+from kvrescue.engine.sampling import SamplingParams, as_keys, counter_stages, uniforms
 from kvrescue.engine.texts import decoder
 from kvrescue.engine.transfer import Download, upload
 from kvrescue.prompts import STEP_DELIMITER
@@ -139,7 +139,7 @@ def step_table(tokenizer) -> StepTable:
 class _Lanes:
     """Per-candidate state in lanes (indices reused as candidates finish), on the device and on the host."""
 
-    keys: torch.Tensor
+    draws: torch.Tensor     # [lanes, columns] float32: each stream's `sampling.uniforms` for counters 0, 1, ...
     count: torch.Tensor
     prev_ends: torch.Tensor
     ring: torch.Tensor      # the last `ent_window` entropies, float64
@@ -158,8 +158,8 @@ class StepDecoder:
     """The open candidate steps of one runner, advanced together one token per `advance(runner)`.
 
     The runner (passed in, not kept: a runner holds its decoder, and a reference back would make a cycle that
-    keeps a finished cell's caches until a full garbage collection) provides `sample(rows, keys, counters,
-    params, stages)` and `decode(rows_tensor, rows, tokens)` (one token appended to each row, its logits kept).
+    keeps a finished cell's caches until a full garbage collection) provides `sample(rows, draws, params)` and
+    `decode(rows_tensor, rows, tokens)` (one token appended to each row, its logits kept).
     """
 
     def __init__(self, device: torch.device, tokenizer, rules: StepRules) -> None:
@@ -171,7 +171,11 @@ class StepDecoder:
         eos = [t for t in rules.eos if t < len(self.eos)]
         self.eos[eos] = True
         self.width = rules.max_step_tokens
-        self.stages = counter_stages(self.width, self.device)  # a step's counters stay below max_step_tokens
+        # A step's counters stay below its longest length: its uniforms are drawn when it starts (a table of lanes x
+        # columns, the same values as drawn token by token), one lookup per token rather than two hash rounds.
+        columns = min(self.width, rules.fixed_length or self.width)
+        self.counters = torch.arange(columns, device=self.device)
+        self.stages = counter_stages(columns, self.device)
         self.window = rules.detector.ent_window if rules.detector else 1
         self.lanes = self._allocate(0)
         self.free: list[int] = []
@@ -188,7 +192,8 @@ class StepDecoder:
     def _allocate(self, size: int) -> _Lanes:
         dev = self.device
         return _Lanes(
-            keys=torch.zeros(size, dtype=torch.long, device=dev), count=torch.zeros(size, dtype=torch.long, device=dev),
+            draws=torch.zeros(size, len(self.counters), dtype=torch.float32, device=dev),
+            count=torch.zeros(size, dtype=torch.long, device=dev),
             prev_ends=torch.zeros(size, dtype=torch.bool, device=dev),
             ring=torch.zeros(size, self.window, dtype=torch.float64, device=dev),
             max_mean_entropy=torch.full((size,), -torch.inf, dtype=torch.float64, device=dev),
@@ -219,7 +224,7 @@ class StepDecoder:
         s.rows[lanes], s.screened[lanes], s.counts[lanes], s.min_gzip_ratio[lanes] = rows, screened, 0, np.inf
         s.context[lanes] = contexts
         at = upload(lanes, self.device)
-        s.keys[at] = upload(as_keys(keys), self.device)
+        s.draws[at] = uniforms(upload(as_keys(keys), self.device)[:, None], self.counters, self.stages)
         s.count[at], s.prev_ends[at], s.ring[at], s.max_mean_entropy[at], s.chars[at] = 0, False, 0.0, -torch.inf, 0
         self._set_live(np.concatenate([self.live, lanes]))
 
@@ -241,8 +246,9 @@ class StepDecoder:
             return
         rules, table, s = self.rules, self.table, self.lanes
         lanes, live = self.live_t, self.live
-        tokens, entropies = runner.sample(self.rows_t, s.keys[lanes], s.count[lanes], rules.sampling, self.stages)
-        n = s.count[lanes] + 1
+        count = s.count[lanes]
+        tokens, entropies = runner.sample(self.rows_t, s.draws[lanes, count], rules.sampling)
+        n = count + 1
         s.count[lanes] = n
         code = torch.zeros_like(tokens)  # the ends read on the device; the length ends are the host's (counts)
         if rules.fixed_length is None:

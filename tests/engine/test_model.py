@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvrescue.engine import FullCache, ModelLoadError, load_model
 from kvrescue.engine.loader import cpu_has_native_bf16, resolve_dtype
-from kvrescue.engine.model import linear
+from kvrescue.engine.model import RMSNorm, linear
 from tests.gguf_files import write_gguf
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
@@ -173,6 +173,24 @@ def test_linear_equals_exact_matmul(rows, dtype) -> None:
         assert got.shape == (rows, 1, 80) and got.dtype == dtype and got.is_contiguous()
         want = exact if b is not None else exact - bias.double()
         assert (got.double() - want).abs().max() <= (8e-3 if dtype == torch.bfloat16 else 1e-4) * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_rms_norm_equals_transformers_exactly(dtype) -> None:
+    """RMSNorm (rms_norm of x in its own dtype, which computes in fp32) equals transformers' Qwen2RMSNorm (x.float(),
+    its variance, rounded back, then the weight) bit for bit."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(896, generator=g)
+    ours, theirs = RMSNorm(896, 1e-6), Qwen2RMSNorm(896, 1e-6)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        theirs.weight.copy_(weight)
+        ours, theirs = ours.to(dtype), theirs.to(dtype)
+        for scale in (1e-3, 1.0, 30.0, 1e3):
+            x = (torch.randn(3, 5, 896, generator=g) * scale).to(dtype)
+            assert torch.equal(ours(x), theirs(x))
 
 
 @pytest.mark.parametrize("change, says", [

@@ -9,7 +9,7 @@ import torch
 from kvrescue.detect import DetectorConfig, gzip_ratio
 from kvrescue.engine import FullCache, load_model
 from kvrescue.engine.runner import Runner
-from kvrescue.engine.sampling import SamplingParams
+from kvrescue.engine.sampling import SamplingParams, sample
 from kvrescue.engine import steps as steps_module
 from kvrescue.engine.steps import STEP_DELIMITER, StepRules, StepTable, step_table
 from tests.oracles import Detector, generate_steps
@@ -254,6 +254,29 @@ def test_sampled_steps_reproducible_and_batch_independent(qwen2_dir) -> None:
         assert alone[0].text == together[c].text
         assert max(abs(a - b) for a, b in zip(alone[0].entropies, together[c].entropies)) < 1e-4
     assert len({tuple(r.tokens) for r in together}) > 1
+
+
+@pytest.mark.parametrize("fixed_length", [None, 5])
+def test_a_step_draws_what_its_streams_give_token_by_token(qwen2_dir, fixed_length) -> None:
+    """A step's uniforms are tabled when it starts (`StepDecoder`): its tokens are those `sample` draws from each
+    stream key and counter token by token (counters 0, 1, ...) on the same row's logits."""
+    m = load_model(qwen2_dir)
+    prompt = m.tokenizer.encode("Step 1: Let x be the number")
+    params = SamplingParams(temperature=1.2, top_k=0, top_p=1.0)  # many tokens in play: a wrong draw shows
+    rules = StepRules(frozenset(), params, max_step_tokens=9, fixed_length=fixed_length)
+    keys = [(7, 2, 1, c) for c in range(3)]
+    runner = Runner(m, FullCache.for_model(m.net, 8192, max_rows=32, block_size=8))
+    (parent,) = runner.prefill([prompt])
+    steps = generate_steps(runner, runner.fork(parent, 3), keys, rules)
+    assert [len(s.tokens) for s in steps] == [fixed_length or 9] * 3
+    for key, step in zip(keys, steps):
+        cache = FullCache.for_model(m.net, 8192, max_rows=2, block_size=8)
+        row = cache.create()
+        with torch.inference_mode():
+            logits = m.net.prefill(torch.tensor([prompt]), cache, [row], [len(prompt)])
+            for counter, token in enumerate(step.tokens):
+                assert sample(logits.float(), [key], [counter], params)[0].item() == token
+                logits = m.net.decode(torch.tensor([token]), cache, [row])
 
 
 def _text_rule_end(tokenizer, tokens: list[int]) -> int | None:

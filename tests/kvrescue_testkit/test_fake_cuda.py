@@ -192,9 +192,9 @@ def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch):
     assert all(cell.graph_replays for cell in run.cells)  # graphs captured in both cells, and replayed
 
 
-def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
-    """Without flash-attn the full cache's step has a graph per row and block bucket: they write one logits buffer
-    per row bucket (a 1.5B helper's logits at 512 rows take 155 MB), not one each."""
+def one_row_decoded_in_graphs():
+    """A fake 2-layer helper's static steps (`StaticDecode`) over one full-cache row, from 11 to 50 tokens: 1, 2, 3
+    then 4 blocks of 16."""
     from kvrescue_testkit.dry_run import fake_model
     from kvrescue.engine.caches import FullCache
     from kvrescue.engine.graphs import StaticDecode
@@ -211,10 +211,29 @@ def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
         cuda = torch.device("cuda:0")
         with torch.inference_mode():
             net.prefill(upload_all({"prompt": np.zeros((1, 10))}, cuda)["prompt"], cache, [row], [10])
-        for _ in range(40):  # 11 to 50 tokens: 1, 2, 3 then 4 blocks
+        for _ in range(40):
             step([row], upload_all({"token": np.zeros(1)}, cuda)["token"])
+    return step
+
+
+def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
+    """Without flash-attn the full cache's step has a graph per row and block bucket: they write one logits buffer
+    per row bucket (a 1.5B helper's logits at 512 rows take 155 MB), not one each."""
+    step = one_row_decoded_in_graphs()
     assert sorted(step.steps) == [(1, 1), (1, 2), (1, 4)]
     assert len({id(s.logits) for s in step.steps.values()}) == 1
+
+
+def test_a_row_bucket_warms_up_once_for_all_its_block_buckets(monkeypatch):
+    """The first graph of a row bucket follows a warm-up forward; its wider block tables (the same kernels, the
+    attention's over more keys) are captured without one: 3 graphs, 4 forwards dispatched op by op, not 6 (issue
+    40)."""
+    forwards = []
+    forward = graphs.StaticDecode._forward
+    monkeypatch.setattr(graphs.StaticDecode, "_forward",
+                        lambda step, inputs: forwards.append(1) or forward(step, inputs))
+    step = one_row_decoded_in_graphs()
+    assert len(step.steps) == 3 and len(forwards) == 4
 
 
 def test_full_decodes_its_one_token_steps_in_cuda_graphs():
