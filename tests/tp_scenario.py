@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from kvrescue.engine import FullCache, load_model
-from kvrescue.engine import bounded
+from kvrescue.engine import compression
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.prm import PRMScorer
@@ -43,13 +43,13 @@ def _cached(net, cache, prompt_lengths: list[int], steps: int, seed: int, static
 def kept_positions(net, policy: str, prompt_lengths: list[int], steps: int, seed: int) -> list[torch.Tensor]:
     """What every compression of the cached workload kept: the policy's result [layers, rows, kv_heads,
     budget] (indices of the entries each row held), recorded around the cache's own call."""
-    calls, policy_keep = [], bounded.keep_positions
+    calls, policy_keep = [], compression.keep_positions
 
     def recording(*args):
         calls.append(policy_keep(*args))
         return calls[-1]
 
-    with patch.object(bounded, "keep_positions", recording):
+    with patch.object(compression, "keep_positions", recording):
         _cached(net, BoundedCache.for_model(net, BUDGET, policy, buffer=SLACK, rows=4), prompt_lengths, steps, seed)
     return calls
 
