@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 from kvrescue.cell_engine import CellParts, build_cell
@@ -50,8 +51,9 @@ class InProcessGroup:
         `on_progress` every few seconds)."""
         if problems:
             engine = build_cell(self.options.plan_of(cell), self.models, self.vllm, self.parts)
-            decode(self.options, cell, engine, self.ranks.lead(cell, problems) if self.ranks else problems, emit,
-                   on_progress, **({"grade": self.grade} if self.grade else {}))
+            with self.ranks.explained() if self.ranks else nullcontext():  # a dead rank's account in the error
+                decode(self.options, cell, engine, self.ranks.lead(cell, problems) if self.ranks else problems, emit,
+                       on_progress, **({"grade": self.grade} if self.grade else {}))
 
     def close(self) -> None:
         """Stop the group's other ranks and the vLLM engines, if any."""

@@ -187,6 +187,7 @@ def test_a_killed_rank_fails_its_group_which_is_restarted(one_device, problems, 
     err = err.decode()
     assert process.returncode == 0, err[-3000:]
     assert "died" in err and "starting a new worker for its group" in err, err[-3000:]
+    assert f"rank 1 (pid {follower}) was killed by signal 9" in err, err[-3000:]  # the group's error says why
     traces = comparable(traces_of(out))
     assert [t["idx"] for t in traces] == list(range(6))  # each problem exactly once
     assert traces[:4] == comparable(one_device["kvrescue"], approx=True)
