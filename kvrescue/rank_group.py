@@ -97,14 +97,14 @@ class RankGroup:
     @contextmanager
     def explained(self) -> Iterator[None]:
         """Re-raise an error raised inside (a broken pipe to a rank, a failed collective) as RankGone naming the
-        other ranks that have exited, with why (`exits`), where any has."""
+        other ranks that have exited, with why (`exits`), where any has: first, since a worker's error is cut short."""
         try:
             yield
         except Exception as err:
             exits = self.exits()
             if not exits:
                 raise
-            raise RankGone(f"{type(err).__name__}: {err}; {exits}") from err
+            raise RankGone(f"{exits} (rank 0 then raised {type(err).__name__}: {err})") from err
 
     def _send(self, message: tuple) -> None:
         """`message` down every other rank's pipe (a dead rank's raises BrokenPipeError: the group has failed)."""
@@ -122,9 +122,12 @@ class RankGroup:
         self._send(("end",))
 
     def close(self) -> None:
-        """Tell the other ranks to exit, and wait for them."""
+        """Tell the other ranks to exit, and wait for them (after a rank died: without raising over the group's
+        error, which says why)."""
         try:
             self._send(("stop",))
+        except BrokenPipeError:  # a rank is gone: the others exit as their pipes close below
+            pass
         finally:
             for follower in self.followers:
                 try:
