@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch.distributed as dist
 
 from kvrescue.devices import is_gpu
+from kvrescue.engine.tp import forget_groups
 from kvrescue.loading import use_device
 
 if TYPE_CHECKING:
@@ -139,6 +140,7 @@ class RankGroup:
                 except subprocess.TimeoutExpired:
                     follower.kill()
             dist.destroy_process_group()
+            forget_groups()
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
