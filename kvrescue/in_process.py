@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 from kvrescue.cell_runners import CellParts, build_cell
@@ -45,13 +46,15 @@ class InProcessGroup:
             raise
 
     def decode_cell(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None],
-               on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
+                    on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
         """Decode `problems` of `cell` here, emitting every problem's trace once (and running totals to
         `on_progress` every few seconds)."""
         if problems:
             engine = build_cell(self.options.plan_of(cell), self.models, self.vllm, self.parts)
-            decode_cell(self.options, cell, engine, self.ranks.lead(cell, problems) if self.ranks else problems, emit,
-                   on_progress, **({"grade": self.grade} if self.grade else {}))
+            with self.ranks.explained() if self.ranks else nullcontext():  # a dead rank's account in the error
+                problems = self.ranks.lead(cell, problems) if self.ranks else problems
+                decode_cell(self.options, cell, engine, problems, emit, on_progress,
+                            **({"grade": self.grade} if self.grade else {}))
 
     def close(self) -> None:
         """Stop the group's other ranks and the vLLM engines, if any."""

@@ -12,7 +12,9 @@ from rank 0 (`tp.from_rank_0`, `cell_runners.RankZeroScores`), so every rank iss
 Between cells a rank > 0 waits on its pipe, without a timeout, as long as rank 0 lives (a Ray actor waits for the
 driver's next cell until the slowest actor has finished this one, hours maybe); collectives inside a cell fail
 the group after TIMEOUT. A rank that dies makes the next collective of the others fail (gloo), so rank 0 raises
-and its group is restarted like any dead worker; the other ranks exit when rank 0's process is gone.
+and its group is restarted like any dead worker; the other ranks exit when rank 0's process is gone. Each other
+rank's stderr goes to a file in the group's folder: an error of the group names every rank that has exited, its
+exit status and the last lines it wrote (`RankGroup.explained`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch.distributed as dist
 
 from kvrescue.devices import is_gpu
+from kvrescue.engine.tp import forget_groups
 from kvrescue.group_models import use_device
 
 if TYPE_CHECKING:
@@ -39,6 +44,12 @@ if TYPE_CHECKING:
 
 # A collective that waits longer than this fails the group ($KVRESCUE_TP_TIMEOUT_S seconds, default 10 minutes).
 TIMEOUT = timedelta(seconds=float(os.environ.get("KVRESCUE_TP_TIMEOUT_S", "600")))
+EXIT_WAIT_S = 2.0  # how long a failed rank 0 waits for a dying rank to be gone before telling which ranks have exited
+STDERR_TAIL = 1200  # characters of an exited rank's stderr an error of its group quotes
+
+
+class RankGone(RuntimeError):
+    """An error inside a group where another rank has exited; the message says why (its status, its stderr)."""
 
 
 def join(rendezvous: Path, rank: int, world: int, device: str) -> None:
@@ -58,12 +69,43 @@ class RankGroup:
         self.folder = Path(tempfile.mkdtemp(prefix="kvrescue-tp-"))
         (self.folder / "options.pickle").write_bytes(pickle.dumps(options))
         rendezvous = self.folder / "rendezvous"
-        self.followers = [
-            subprocess.Popen([sys.executable, "-m", "kvrescue.rank_follower", str(self.folder), str(rank),
-                              group[rank], str(len(group)), str(os.getpid())], stdin=subprocess.PIPE)
-            for rank in range(1, len(group))
-        ]
+        self.followers = [self._start(rank, group) for rank in range(1, len(group))]
         join(rendezvous, 0, len(group), group[0])
+
+    def _start(self, rank: int, group: tuple[str, ...]) -> subprocess.Popen:
+        with open(self.folder / f"rank{rank}.stderr", "wb") as stderr:
+            return subprocess.Popen([sys.executable, "-m", "kvrescue.rank_follower", str(self.folder), str(rank),
+                                     group[rank], str(len(group)), str(os.getpid())],
+                                    stdin=subprocess.PIPE, stderr=stderr)
+
+    def exits(self) -> str:
+        """Every other rank that has exited (waiting up to EXIT_WAIT_S for one dying): its exit status and the
+        last lines of its stderr; empty if all live."""
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while any(f.poll() is None for f in self.followers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        accounts = []
+        for rank, follower in enumerate(self.followers, start=1):
+            if follower.returncode is None:
+                continue
+            status = (f"was killed by signal {-follower.returncode}" if follower.returncode < 0
+                      else f"exited with status {follower.returncode}")
+            tail = (self.folder / f"rank{rank}.stderr").read_bytes()[-STDERR_TAIL:].decode(errors="replace")
+            accounts.append(f"rank {rank} (pid {follower.pid}) {status}"
+                            + (f", its stderr ending: {' | '.join(tail.strip().splitlines())}" if tail.strip() else ""))
+        return "; ".join(accounts)
+
+    @contextmanager
+    def explained(self) -> Iterator[None]:
+        """Re-raise an error raised inside (a broken pipe to a rank, a failed collective) as RankGone naming the
+        other ranks that have exited, with why (`exits`), where any has: first, since a worker's error is cut short."""
+        try:
+            yield
+        except Exception as err:
+            exits = self.exits()
+            if not exits:
+                raise
+            raise RankGone(f"{exits} (rank 0 then raised {type(err).__name__}: {err})") from err
 
     def _send(self, message: tuple) -> None:
         """`message` down every other rank's pipe (a dead rank's raises BrokenPipeError: the group has failed)."""
@@ -81,9 +123,12 @@ class RankGroup:
         self._send(("end",))
 
     def close(self) -> None:
-        """Tell the other ranks to exit, and wait for them."""
+        """Tell the other ranks to exit, and wait for them (after a rank died: without raising over the group's
+        error, which says why)."""
         try:
             self._send(("stop",))
+        except BrokenPipeError:  # a rank is gone: the others exit as their pipes close below
+            pass
         finally:
             for follower in self.followers:
                 try:
@@ -95,6 +140,7 @@ class RankGroup:
                 except subprocess.TimeoutExpired:
                     follower.kill()
             dist.destroy_process_group()
+            forget_groups()
             shutil.rmtree(self.folder, ignore_errors=True)
 
 

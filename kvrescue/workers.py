@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 from collections import Counter, deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -197,10 +198,11 @@ class GroupWorker:
 
     def _decode(self, cell: Cell) -> None:
         try:
-            problems = self.ranks.lead(cell, self._pull()) if self.ranks else self._pull()
-            decode_cell(self.options, cell, build_cell(self.options.plan_of(cell), self.models), problems,
-                   lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
-                   lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
+            with self.ranks.explained() if self.ranks else nullcontext():  # a dead rank's account in the error
+                problems = self.ranks.lead(cell, self._pull()) if self.ranks else self._pull()
+                decode_cell(self.options, cell, build_cell(self.options.plan_of(cell), self.models), problems,
+                            lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
+                            lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
             self.outbox.put(("idle",))
         except BaseException as err:
             self.outbox.put(("crash", f"{type(err).__name__}: {err}"[:2000]))

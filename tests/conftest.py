@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import signal
+from collections import Counter
 from pathlib import Path
 
 # One compute thread per process (this one and the CLI, Ray and rank subprocesses it starts, which inherit it) unless
@@ -13,6 +14,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # vLLM's CPU workers pin themselves to the first core by default (VLLM_CPU_OMP_THREADS_BIND=auto keeps the other for
 # the caller): the engines of two test processes would then share that core while the other idles.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# Ray starts its workers at niceness 15 (RAY_worker_niceness, read by each worker as it starts; the actors, and the
+# TP ranks and vLLM engines they start, inherit it): beside the other test process and the vLLM part, which compute
+# at niceness 0, an actor then gets a few percent of a core (2 s of CPU in 97 s beside busy processes) and the Ray
+# tests took minutes instead of seconds. Every process of the suite competes alike with 0 (docs/development.md).
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -33,6 +39,39 @@ collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_vllm_*.
 # default in a child, while an ignored one stays ignored).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The files that take longest in the suite (docs/benchmarks.md), longest first. scripts/test.sh keeps the order below
+# (`--no-loadscope-reorder`): xdist hands each worker a file when it is nearly done with its last, so these start first
+# and the short files fill in beside them, rather than one started last making the run's tail (xdist's own order, by
+# number of tests, put the Ray and TP files in the second half). The other files follow, those with more tests first.
+SLOW_FIRST = (
+    "tests/cli/test_engine_vllm.py",  # the vLLM part's (.venv-vllm, `-m vllm`)
+    "tests/benchmarks/test_gpu_check_vllm.py",
+    "tests/engine/test_invariance.py",  # the main part's
+    "tests/engine/test_tp.py",
+    "tests/test_workers.py",
+    "tests/benchmarks/test_gpu_check.py",
+    "tests/cli/test_run_options.py",
+    "tests/cli/test_run.py",
+    "tests/kvrescue_testkit/test_fake_cuda.py",
+    "tests/view/test_view.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files in the order above (a file's tests stay together, in their order); a file of the list that is gone (moved,
+    renamed) stops the run, so that the list moves with it."""
+    gone = [name for name in SLOW_FIRST if not (config.rootpath / name).is_file()]
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py: SLOW_FIRST names {', '.join(gone)}, not in the repository")
+
+    def file_of(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    tests = Counter(map(file_of, items))
+    rank = {name: place for place, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: (rank.get(file_of(item), len(rank)), -tests[file_of(item)], file_of(item)))
+
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, init_std=0.1)
 # vLLM's CPU attention takes head sizes from 32 up: the checkpoints its tests load have 2 query heads of 32, 1 KV head.

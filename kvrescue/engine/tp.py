@@ -88,7 +88,13 @@ def values_from_rank_0(values: list[float]) -> list[float]:
     return from_rank_0(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
 
 
-_groups: dict[int, Any] = {}
+_groups: dict[int, Any] = {}  # each shard degree's subgroup of this process, in the group now initialised
+
+
+def forget_groups() -> None:
+    """Drop the subgroups of a destroyed process group: a group formed later in this process makes its own (its
+    other ranks, fresh processes, create them; this rank reusing the old ones left them waiting)."""
+    _groups.clear()
 
 
 def make_shard(d: int) -> Shard:

@@ -186,6 +186,7 @@ def test_a_killed_rank_fails_its_group_which_is_restarted(one_device, problems, 
     err = err.decode()
     assert process.returncode == 0, err[-3000:]
     assert "died" in err and "starting a new worker for its group" in err, err[-3000:]
+    assert f"rank 1 (pid {follower}) was killed by signal 9" in err, err[-3000:]  # the group's error says why
     traces = comparable(traces_of(out))
     assert [t["idx"] for t in traces] == list(range(6))  # each problem exactly once
     assert traces[:4] == comparable(one_device["kvrescue"], approx=True)
@@ -217,6 +218,28 @@ def test_the_other_ranks_wait_between_cells_as_long_as_rank_0_lives(models, monk
         group.close()
     assert [t.idx for t in traces] == [0, 1] and all(t.n_steps == 2 for t in traces)
     assert group.ranks.followers[0].returncode == 0
+
+
+def test_a_rank_that_fails_is_named_in_the_groups_error_with_its_status_and_last_stderr_lines(models, tmp_path) -> None:
+    """Rank 1 fails on a message it cannot decode (a traceback, status 1): the next cell of the in-process group
+    raises RankGone saying so, and closing the group does not raise over it."""
+    from kvrescue import in_process
+    from kvrescue.rank_group import RankGone
+    from kvrescue.search import SearchSettings
+
+    roles = dict(zip(("base", "helper", "prm"), models[1::2]))
+    options = small_grid(tmp_path, SearchSettings(batch=1, synthetic_steps=(4, 2), max_step_tokens=8, context_cap=256),
+                         models=roles, devices=("cpu", "cpu"), tp=2)
+    problems = sums(1)
+    group = in_process.InProcessGroup(options, ("cpu", "cpu"))
+    try:
+        group.ranks._send(("cell", None))  # rank 1 cannot plan a cell of None
+        assert group.ranks.followers[0].wait(timeout=RUN_WAIT_S) == 1
+        with pytest.raises(RankGone, match=r"^rank 1 \(pid \d+\) exited with status 1, its stderr ending: .*"
+                                           r"AttributeError: 'NoneType' object .*\(rank 0 then raised BrokenPipeError"):
+            group.decode(small_cell(problems), problems, lambda trace, tokens: None)
+    finally:
+        group.close()
 
 
 def test_every_rank_takes_rank_0s_decisions_where_copies_of_a_model_disagree(checkpoints, tmp_path) -> None:
