@@ -314,7 +314,7 @@ class RayWorkers:
                 "workers": [{"devices": list(w.devices), **(w.placement or {})} for w in self.workers]}
 
     def decode_cell(self, cell: Cell, problems: list[Problem], emit: Callable[[Trace, int], None],
-               on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
+                    on_progress: Callable[[DecodeProgress], None] | None = None) -> None:
         """Decode `problems` of `cell` on the actors, emitting every problem's trace exactly once, and the
         actors' running totals, summed, to `on_progress` as they report them (every few seconds each)."""
         self.in_flight, self.on_progress = {}, on_progress

@@ -237,7 +237,7 @@ def test_a_rank_that_fails_is_named_in_the_groups_error_with_its_status_and_last
         assert group.ranks.followers[0].wait(timeout=RUN_WAIT_S) == 1
         with pytest.raises(RankGone, match=r"^rank 1 \(pid \d+\) exited with status 1, its stderr ending: .*"
                                            r"AttributeError: 'NoneType' object .*\(rank 0 then raised BrokenPipeError"):
-            group.decode(small_cell(problems), problems, lambda trace, tokens: None)
+            group.decode_cell(small_cell(problems), problems, lambda trace, tokens: None)
     finally:
         group.close()
 
