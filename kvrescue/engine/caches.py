@@ -10,7 +10,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from kvrescue.engine.attention import FLASH_BLOCK, ROWS_PADDING, attend_paged, merge_partials, paged_keys, use_flash
+import kvrescue.engine.invariance as invariance
+from kvrescue.engine.attention import (FLASH_BLOCK, ROWS_PADDING, Visibility, attend_masked, attend_paged,
+                                       merge_partials, padded_visibility, paged_keys, use_flash)
 from kvrescue.engine.block_table import BlockTable
 from kvrescue.engine.paged_forward import (Groups, PagedForward, SharedPrefixes, cascading, filled_blocks,
                                            forward_arrays, slot_copies)
@@ -91,7 +93,8 @@ class FullCache(KVCache):
     else torch), each row only its own blocks. With cascade, rows of a forward that share their first
     blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
     attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
-    another, and the two results are merged exactly by their log-sum-exp. `cascade_from`: the shared tokens
+    another, and the two results are merged exactly by their log-sum-exp. A forward whose rows hold no keys yet (a
+    first prefill) attends over its new keys alone on the torch path (no paged read), its mask laid out once. `cascade_from`: the shared tokens
     a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never, even with
     batch invariance on; "device": the device's rule, `shapes.cascade_from_on`); with batch invariance on, each group
     cascades alone when its rows would re-read `group_cascade_from`.
@@ -204,6 +207,10 @@ class FullCache(KVCache):
         cow_src, cow_dst = self.block_table.append(rows_np[~held], n_np[~held])
         groups = self._cascading(rows_np, lengths)
         host = forward_arrays(self.block_table, self.k[0], rows_np, lengths, n_np, groups, self.rows_padding)
+        # No row holds keys yet (torch path; batch invariance keeps the paged read): attention over the new keys.
+        fresh = not lengths.any() and "own.blocks" in host and not invariance.on()
+        if fresh:
+            host["new_lengths"] = n_np
         later = np.isin(cow_src, filled)  # their sources are filled in this forward: copied layer by layer
         host["cow_src"], host["cow_dst"] = cow_src[~later], cow_dst[~later]
         if later.any():
@@ -221,6 +228,9 @@ class FullCache(KVCache):
         copies = (dev["copy_from"], dev["copy_to"]) if "copy_from" in dev else None
         self.fwd = PagedForward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"),
                                 shared, copies)
+        if fresh:
+            new = dev["new_lengths"]
+            self.fwd.fresh = padded_visibility(torch.zeros_like(new), new, T, T)
         return dev["positions"]
 
     def append_one(self, rows: Sequence[int]) -> np.ndarray:
@@ -285,6 +295,10 @@ class FullCache(KVCache):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store(layer, k, v)
         f = self.fwd
+        if f.fresh is not None:  # nothing cached: causal attention over the new keys, no paged read
+            if f.fresh_mask is None:
+                f.fresh_mask = Visibility(f.fresh, q.shape, k.shape[1], q.dtype)
+            return attend_masked(q, k, v, f.fresh_mask)
         _, Hq, T, D = q.shape
         kp, vp = self.k[layer], self.v[layer]
         out, lse = attend_paged(q, kp, vp, f.own)
