@@ -77,32 +77,33 @@ def _grouped_mask(mask: torch.Tensor, q_shape: torch.Size | tuple[int, ...], kv_
 
 
 class Visibility:
-    """A mask of `attend_masked` laid out once for queries like q [R, Hq, T, D] over Hkv KV heads and read by every
-    layer of a forward: SDPA's additive bias over the grouped queries (`_grouped`), or with batch invariance on,
-    `invariance.attend_tokens`' bias."""
+    """A mask of `attend_masked` built once per forward and read by every layer, laid out for the queries (SDPA's
+    additive bias over the grouped queries, `_grouped`, or with batch invariance on `invariance.attend_tokens`')
+    by the first layer that reads it, for all of them (their queries alike in shape and dtype)."""
 
-    def __init__(self, visible: torch.Tensor, q_shape: torch.Size | tuple[int, ...], kv_heads: int,
-                 dtype: torch.dtype) -> None:
-        self.invariant = invariance.active(visible)
-        if self.invariant:
-            self.bias = visibility_bias(visible, dtype)
-        else:
-            self.bias = visibility_bias(_grouped_mask(visible, q_shape, kv_heads), dtype)
+    def __init__(self, visible: torch.Tensor) -> None:
+        self.visible = visible
+        self.bias: torch.Tensor | None = None
+
+    def bias_for(self, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        if self.bias is None:
+            mask = self.visible if invariance.active(q) else _grouped_mask(self.visible, q.shape, kv_heads)
+            self.bias = visibility_bias(mask, q.dtype)
+        return self.bias
 
 
 def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   visible: torch.Tensor | Visibility) -> torch.Tensor:
     """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (Hq a multiple of Hkv), key l visible to query t of
     row r where visible[r, t, l] (or visible[r, j, t, l] for KV head j; bool; every query must see a key), or as a
-    `Visibility` built once for all layers. Returns [R, Hq, T, D], in whatever layout the kernel chose (CUDA's
+    `Visibility` that every layer reads. Returns [R, Hq, T, D], in whatever layout the kernel chose (CUDA's
     memory-efficient kernel lays [R, Hkv, gT, D] out as [R, gT, Hkv, D]: a copy then).
     With batch invariance on (L whole KEY_GRANULE blocks), each query token as a decode step."""
-    if isinstance(visible, Visibility):
-        if visible.invariant:
-            return invariance.attend_tokens(q, k, v, visible.bias)[0]
-        qg = q.reshape(q.shape[0], k.shape[1], -1, q.shape[3])
-        return F.scaled_dot_product_attention(qg, k, v, attn_mask=visible.bias).reshape(q.shape)
-    return attend_masked(q, k, v, Visibility(visible, q.shape, k.shape[1], q.dtype))
+    bias = (visible if isinstance(visible, Visibility) else Visibility(visible)).bias_for(q, k.shape[1])
+    if invariance.active(q):
+        return invariance.attend_tokens(q, k, v, bias)[0]
+    qg = q.reshape(q.shape[0], k.shape[1], -1, q.shape[3])
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias).reshape(q.shape)
 
 
 def visibility_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -230,7 +230,7 @@ class FullCache(KVCache):
                                 shared, copies)
         if fresh:
             new = dev["new_lengths"]
-            self.fwd.fresh = padded_visibility(torch.zeros_like(new), new, T, T)
+            self.fwd.fresh = Visibility(padded_visibility(torch.zeros_like(new), new, T, T))
         return dev["positions"]
 
     def append_one(self, rows: Sequence[int]) -> np.ndarray:
@@ -296,9 +296,7 @@ class FullCache(KVCache):
         self.store(layer, k, v)
         f = self.fwd
         if f.fresh is not None:  # nothing cached: causal attention over the new keys, no paged read
-            if f.fresh_mask is None:
-                f.fresh_mask = Visibility(f.fresh, q.shape, k.shape[1], q.dtype)
-            return attend_masked(q, k, v, f.fresh_mask)
+            return attend_masked(q, k, v, f.fresh)
         _, Hq, T, D = q.shape
         kp, vp = self.k[layer], self.v[layer]
         out, lse = attend_paged(q, kp, vp, f.own)

@@ -56,9 +56,8 @@ class PagedForward:
     shared: SharedPrefixes | None  # None without cascade or when no two rows share a block
     copies: tuple[torch.Tensor, torch.Tensor] | None = None  # flat slots copied (from, to) in each layer once it
     # is stored: a fork's copy of a block its parent fills in the same forward (`FullCache.reserve`)
-    fresh: torch.Tensor | None = None  # [R, T, T] no row has cached keys (a first prefill, torch path): what each new
-    # token sees of the new keys (`padded_visibility`); the rows attend over their new k/v alone
-    fresh_mask: Visibility | None = None  # `fresh` laid out for the queries, by the first layer, for all of them
+    fresh: Visibility | None = None  # no row has cached keys (a first prefill, torch path): what each new token sees
+    # of the new keys ([R, T, T], `padded_visibility`); the rows attend over their new k/v alone
 
 
 def filled_blocks(block_table: BlockTable, rows: np.ndarray, lengths: np.ndarray, n_new: np.ndarray) -> np.ndarray:
