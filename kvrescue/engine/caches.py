@@ -268,37 +268,38 @@ class FullCache(KVCache):
         """The groups of the forward's rows that cascade, by this cache's rule (`paged_forward.cascading`)."""
         return cascading(self.block_table, rows, lengths, self.cascade_from, self.group_cascade_from)
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots, then copy the slots of blocks
-        filled in this forward to the forks' copies of them."""
-        self.store_at(layer, self.fwd.slots, k, v, self.fwd.valid)
+        filled in this forward to the forks' copies of them. Returns the layer's pools (`store_at`)."""
+        pools = self.store_at(layer, self.fwd.slots, k, v, self.fwd.valid)
         if self.fwd.copies is not None:
             source, target = self.fwd.copies
-            heads_dim = self.k.shape[3:]
-            for pool in (self.k[layer], self.v[layer]):
-                flat = pool.view(-1, *heads_dim)
+            for pool in pools:
+                flat = pool.view(-1, *pool.shape[2:])
                 flat.index_copy_(0, target, flat.index_select(0, source))
+        return pools
 
     def store_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 valid: torch.Tensor | None = None) -> None:
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new k/v [R, Hkv, T, D] of `layer` (those at flat indices `valid` of the R x T, or all) into their
         flat pool slots (block * block_size + offset). The write of both decodes, the dynamic one and the static one
-        in `graphs`."""
+        in `graphs`. Returns the layer's pools [blocks, block_size, Hkv, D] (k, v), which its attention reads."""
         R, _, T, _ = k.shape
         heads_dim = self.k.shape[3:]
-        for new, pool in ((k, self.k[layer]), (v, self.v[layer])):
+        pools = self.k[layer], self.v[layer]
+        for new, pool in zip((k, v), pools):
             new = new.transpose(1, 2).reshape(R * T, *heads_dim)
             if valid is not None:
                 new = new.index_select(0, valid)
             pool.view(-1, *heads_dim).index_copy_(0, slots, new)
+        return pools
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.store(layer, k, v)
+        kp, vp = self.store(layer, k, v)
         f = self.fwd
         if f.fresh is not None:  # nothing cached: causal attention over the new keys, no paged read
             return attend_masked(q, k, v, f.fresh)
         _, Hq, T, D = q.shape
-        kp, vp = self.k[layer], self.v[layer]
         out, lse = attend_paged(q, kp, vp, f.own)
         s = f.shared
         if s is None:

@@ -165,19 +165,18 @@ class _FullView:
             self.flex = flex.PagedSteps(self.table, self.cached, cache.k.shape[1], cache.block_size)
         elif not self.flash:
             keys = self.table.shape[1] * cache.block_size
+            self.blocks = self.table.reshape(-1)  # each row's blocks, row after row
             self.visible = Visibility((torch.arange(keys, device=inputs.device) <= self.cached[:, None])[:, None])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
-        cache.store_at(layer, self.slots, k, v)
-        kp, vp = cache.k[layer], cache.v[layer]
+        kp, vp = cache.store_at(layer, self.slots, k, v)
         if self.flash:
             return attend_paged(q, kp, vp, PagedKeys(self.table.contiguous(), self.cached, causal=True))[0]
         if self.flex is not None:
             return self.flex.attend(q, kp, vp)[0]
         R, heads_dim = q.shape[0], kp.shape[2:]
-        blocks = self.table.reshape(-1)
-        keys, values = (pool.index_select(0, blocks).view(R, -1, *heads_dim).transpose(1, 2) for pool in (kp, vp))
+        keys, values = (pool.index_select(0, self.blocks).view(R, -1, *heads_dim).transpose(1, 2) for pool in (kp, vp))
         return attend_masked(q, keys, values, self.visible)
 
 

@@ -236,15 +236,17 @@ def padded(token_lists: list[list[int]]) -> torch.Tensor:
 
 
 class PoolReads(TorchDispatchMode):
-    """The aten ops dispatched, and how many of them read a cache's K/V pools into a new tensor (a gather)."""
+    """The aten ops dispatched, how many of them read a cache's K/V pools into a new tensor (a gather), and the
+    `select`s (a layer's pools taken out of all layers')."""
 
     def __init__(self, cache) -> None:
         super().__init__()
         self.pools = {cache.k.untyped_storage().data_ptr(), cache.v.untyped_storage().data_ptr()}
-        self.ops, self.gathers = 0, 0
+        self.ops, self.gathers, self.selects = 0, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        self.selects += func == torch.ops.aten.select.int
         if func in (torch.ops.aten.index_select.default, torch.ops.aten.index.Tensor) \
                 and args[0].untyped_storage().data_ptr() in self.pools:
             self.gathers += 1
@@ -269,3 +271,22 @@ def test_a_first_prefill_attends_over_its_new_keys_without_reading_the_pools(row
     valid = torch.arange(13)[None, :] < torch.tensor(n_new)[:, None]
     assert (out - want).transpose(1, 2)[valid].abs().max() < TOL
     assert reads.gathers == 0 and reads.ops <= 21  # 17 (21 in CUDA's kernel layouts); the paged path took 32 or 72
+
+
+def test_a_layer_takes_its_pools_out_once_for_its_store_and_its_attention() -> None:
+    """A forward's layer (rows holding keys, with a fork's copy of a block filled in the same forward) selects its
+    K and V pools once each: the store, the copies and the paged attention read the same two views."""
+    g = torch.Generator().manual_seed(4)
+    cache = FullCache(2, 2, 8, 64, max_rows=4, block_size=4)
+    parent = cache.create()
+    cache.begin([parent], [6])
+    for layer in range(2):
+        cache.attend(layer, *torch.randn(3, 1, 2, 6, 8, generator=g))
+    cache.end()
+    cache.reserve([parent], [1])
+    child = cache.fork(parent, 1)[0]
+    cache.begin([parent, child], [1, 2])
+    with PoolReads(cache) as reads:
+        cache.attend(0, torch.randn(2, 2, 2, 8, generator=g), *torch.randn(2, 2, 2, 2, 8, generator=g))
+    cache.end()
+    assert reads.selects == 2
