@@ -64,22 +64,46 @@ def _grouped(q: torch.Tensor, mask: torch.Tensor, kv_heads: int) -> tuple[torch.
     the mask of q [R, Hq, T, D]'s keys, [R, T, L] or [R, 1, L] (alike for every query), or [R, Hkv, T or 1, L] (each
     KV head its own), repeated for them [R, 1 or Hkv, g*T, L] (a view of the latter, with stride 0 over the queries)."""
     R, Hq, T, D = q.shape
+    return q.reshape(R, kv_heads, Hq // kv_heads * T, D), _grouped_mask(mask, q.shape, kv_heads)
+
+
+def _grouped_mask(mask: torch.Tensor, q_shape: torch.Size | tuple[int, ...], kv_heads: int) -> torch.Tensor:
+    """`_grouped`'s mask for queries of shape q_shape [R, Hq, T, D]."""
+    R, Hq, T, _ = q_shape
     g, L = Hq // kv_heads, mask.shape[-1]
     per_head = mask if mask.dim() == 4 else mask[:, None]
     heads = per_head.shape[1]
-    return q.reshape(R, kv_heads, g * T, D), per_head[:, :, None].expand(R, heads, g, T, L).reshape(R, heads, g * T, L)
+    return per_head[:, :, None].expand(R, heads, g, T, L).reshape(R, heads, g * T, L)
 
 
-def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+class Visibility:
+    """A mask of `attend_masked` built once per forward and read by every layer, laid out for the queries (SDPA's
+    additive bias over the grouped queries, `_grouped`, or with batch invariance on `invariance.attend_tokens`')
+    by the first layer that reads it, for all of them (their queries alike in shape and dtype)."""
+
+    def __init__(self, visible: torch.Tensor) -> None:
+        self.visible = visible
+        self.bias: torch.Tensor | None = None
+
+    def bias_for(self, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        if self.bias is None:
+            mask = self.visible if invariance.active(q) else _grouped_mask(self.visible, q.shape, kv_heads)
+            self.bias = visibility_bias(mask, q.dtype)
+        return self.bias
+
+
+def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  visible: torch.Tensor | Visibility) -> torch.Tensor:
     """Attention of q [R, Hq, T, D] over k, v [R, Hkv, L, D] (Hq a multiple of Hkv), key l visible to query t of
-    row r where visible[r, t, l] (or visible[r, j, t, l] for KV head j; bool; every query must see a key). Returns
-    [R, Hq, T, D], in whatever layout the kernel chose (CUDA's memory-efficient kernel lays [R, Hkv, gT, D] out as
-    [R, gT, Hkv, D]: a copy then).
+    row r where visible[r, t, l] (or visible[r, j, t, l] for KV head j; bool; every query must see a key), or as a
+    `Visibility` that every layer reads. Returns [R, Hq, T, D], in whatever layout the kernel chose (CUDA's
+    memory-efficient kernel lays [R, Hkv, gT, D] out as [R, gT, Hkv, D]: a copy then).
     With batch invariance on (L whole KEY_GRANULE blocks), each query token as a decode step."""
+    bias = (visible if isinstance(visible, Visibility) else Visibility(visible)).bias_for(q, k.shape[1])
     if invariance.active(q):
-        return invariance.attend_tokens(q, k, v, visibility_bias(visible, q.dtype))[0]
-    qg, mask = _grouped(q, visible, k.shape[1])
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(q.shape)
+        return invariance.attend_tokens(q, k, v, bias)[0]
+    qg = q.reshape(q.shape[0], k.shape[1], -1, q.shape[3])
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias).reshape(q.shape)
 
 
 def visibility_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 import kvrescue.engine.flex as flex
 import kvrescue.engine.invariance as invariance
-from kvrescue.engine.attention import attend_masked, padded_visibility
+from kvrescue.engine.attention import Visibility, attend_masked, padded_visibility
 from kvrescue.engine.caches import KVCache
 from kvrescue.engine.compression import compress
 from kvrescue.engine.evict import EVICTORS, MIN_BUDGET, Evictor, evictor_named, received_attention
@@ -35,7 +35,7 @@ class _BoundedForward:
     write_slots: torch.Tensor    # [N] slot of each valid new token
     write_pos: torch.Tensor      # [N] its physical index
     valid: torch.Tensor          # [N] its flat index (row * T + t) among the forward's padded tokens
-    visible: torch.Tensor        # [R, T, length] the keys each new token attends to (`padded_visibility`)
+    visible: Visibility          # [R, T, length] the keys each new token attends to (`padded_visibility`)
     held: torch.Tensor | None    # [R, layers, Hkv] (an allocating evictor) entries each kept at its last compression
     base: torch.Tensor | None    # [R] its physical length then; the entries between are holes (`hole_free`)
     in_place: flex.SlotSteps | None = None  # a one-token step through FlexAttention, where it serves
@@ -258,7 +258,7 @@ class BoundedCache(KVCache):
             write_slots=dev["write_slots"],
             write_pos=dev["write_pos"],
             valid=dev["valid"],
-            visible=padded_visibility(dev["kv_lengths"], dev["new_lengths"], len(t), need),
+            visible=Visibility(padded_visibility(dev["kv_lengths"], dev["new_lengths"], len(t), need)),
             held=dev.get("held"),
             base=dev.get("base"),
             in_place=self._in_place(dev) if len(t) == 1 else None,
@@ -303,8 +303,10 @@ class BoundedCache(KVCache):
         keys = kp[f.slots, :, : f.length]
         if self.received is not None:
             real = torch.arange(q.shape[2], device=q.device) < f.new_lengths[:, None]
-            self.receive(layer, f.slots, q, keys, f.visible, f.kv_lengths, real)
-        visible = f.visible if f.held is None else f.visible[:, None] & hole_free(f.held[:, layer], f.base, f.length)
+            self.receive(layer, f.slots, q, keys, f.visible.visible, f.kv_lengths, real)
+        visible = f.visible
+        if f.held is not None:
+            visible = f.visible.visible[:, None] & hole_free(f.held[:, layer], f.base, f.length)
         return attend_masked(q, keys, vp[f.slots, :, : f.length], visible)
 
     def receive(self, layer: int, slots: torch.Tensor | slice, q: torch.Tensor, keys: torch.Tensor,

@@ -10,7 +10,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from kvrescue.engine.attention import FLASH_BLOCK, ROWS_PADDING, attend_paged, merge_partials, paged_keys, use_flash
+import kvrescue.engine.invariance as invariance
+from kvrescue.engine.attention import (FLASH_BLOCK, ROWS_PADDING, Visibility, attend_masked, attend_paged,
+                                       merge_partials, padded_visibility, paged_keys, use_flash)
 from kvrescue.engine.block_table import BlockTable
 from kvrescue.engine.paged_forward import (Groups, PagedForward, SharedPrefixes, cascading, filled_blocks,
                                            forward_arrays, slot_copies)
@@ -91,7 +93,8 @@ class FullCache(KVCache):
     else torch), each row only its own blocks. With cascade, rows of a forward that share their first
     blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
     attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
-    another, and the two results are merged exactly by their log-sum-exp. `cascade_from`: the shared tokens
+    another, and the two results are merged exactly by their log-sum-exp. A forward whose rows hold no keys yet (a
+    first prefill) attends over its new keys alone on the torch path (no paged read), its mask laid out once. `cascade_from`: the shared tokens
     a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never, even with
     batch invariance on; "device": the device's rule, `shapes.cascade_from_on`); with batch invariance on, each group
     cascades alone when its rows would re-read `group_cascade_from`.
@@ -204,6 +207,10 @@ class FullCache(KVCache):
         cow_src, cow_dst = self.block_table.append(rows_np[~held], n_np[~held])
         groups = self._cascading(rows_np, lengths)
         host = forward_arrays(self.block_table, self.k[0], rows_np, lengths, n_np, groups, self.rows_padding)
+        # No row holds keys yet (torch path; batch invariance keeps the paged read): attention over the new keys.
+        fresh = not lengths.any() and "own.blocks" in host and not invariance.on()
+        if fresh:
+            host["new_lengths"] = n_np
         later = np.isin(cow_src, filled)  # their sources are filled in this forward: copied layer by layer
         host["cow_src"], host["cow_dst"] = cow_src[~later], cow_dst[~later]
         if later.any():
@@ -221,6 +228,9 @@ class FullCache(KVCache):
         copies = (dev["copy_from"], dev["copy_to"]) if "copy_from" in dev else None
         self.fwd = PagedForward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"),
                                 shared, copies)
+        if fresh:
+            new = dev["new_lengths"]
+            self.fwd.fresh = Visibility(padded_visibility(torch.zeros_like(new), new, T, T))
         return dev["positions"]
 
     def append_one(self, rows: Sequence[int]) -> np.ndarray:
@@ -258,35 +268,38 @@ class FullCache(KVCache):
         """The groups of the forward's rows that cascade, by this cache's rule (`paged_forward.cascading`)."""
         return cascading(self.block_table, rows, lengths, self.cascade_from, self.group_cascade_from)
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots, then copy the slots of blocks
-        filled in this forward to the forks' copies of them."""
-        self.store_at(layer, self.fwd.slots, k, v, self.fwd.valid)
+        filled in this forward to the forks' copies of them. Returns the layer's pools (`store_at`)."""
+        pools = self.store_at(layer, self.fwd.slots, k, v, self.fwd.valid)
         if self.fwd.copies is not None:
             source, target = self.fwd.copies
-            heads_dim = self.k.shape[3:]
-            for pool in (self.k[layer], self.v[layer]):
-                flat = pool.view(-1, *heads_dim)
+            for pool in pools:
+                flat = pool.view(-1, *pool.shape[2:])
                 flat.index_copy_(0, target, flat.index_select(0, source))
+        return pools
 
     def store_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 valid: torch.Tensor | None = None) -> None:
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new k/v [R, Hkv, T, D] of `layer` (those at flat indices `valid` of the R x T, or all) into their
         flat pool slots (block * block_size + offset). The write of both decodes, the dynamic one and the static one
-        in `graphs`."""
+        in `graphs`. Returns the layer's pools [blocks, block_size, Hkv, D] (k, v), which its attention reads."""
         R, _, T, _ = k.shape
         heads_dim = self.k.shape[3:]
-        for new, pool in ((k, self.k[layer]), (v, self.v[layer])):
+        pools = self.k[layer], self.v[layer]
+        for new, pool in zip((k, v), pools):
             new = new.transpose(1, 2).reshape(R * T, *heads_dim)
             if valid is not None:
                 new = new.index_select(0, valid)
             pool.view(-1, *heads_dim).index_copy_(0, slots, new)
+        return pools
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.store(layer, k, v)
+        kp, vp = self.store(layer, k, v)
         f = self.fwd
+        if f.fresh is not None:  # nothing cached: causal attention over the new keys, no paged read
+            return attend_masked(q, k, v, f.fresh)
         _, Hq, T, D = q.shape
-        kp, vp = self.k[layer], self.v[layer]
         out, lse = attend_paged(q, kp, vp, f.own)
         s = f.shared
         if s is None:

@@ -32,8 +32,8 @@ import torch
 
 import kvrescue.engine.flex as flex
 import kvrescue.engine.invariance as invariance
-from kvrescue.engine.attention import (PagedKeys, attend_masked, attend_padded, attend_paged, flash_attn_with_kvcache,
-                                           use_flash)
+from kvrescue.engine.attention import (PagedKeys, Visibility, attend_masked, attend_paged, flash_attn_with_kvcache,
+                                       padded_visibility, use_flash)
 from kvrescue.engine.bounded import BoundedCache, hole_free
 from kvrescue.engine.caches import FullCache
 from kvrescue.engine.model import Transformer
@@ -85,7 +85,9 @@ class _StaticView:
                          and slots <= IN_PLACE_SLOTS * inputs.shape[1])
         if self.in_place:  # each slot's cached entries (0 for slots outside the step: they see their key 0 alone)
             held = torch.zeros(slots, dtype=torch.long, device=inputs.device).index_copy_(0, self.slots, self.lengths)
-            self.visible = (torch.arange(span, device=inputs.device) <= held[:, None])[:, None]
+            self.visible = Visibility((torch.arange(span, device=inputs.device) <= held[:, None])[:, None])
+        elif not self.holes and not self.flash and self.flex is None:  # the rows' spans gathered: cached entries, own
+            self.padded = Visibility(padded_visibility(self.lengths, torch.ones_like(self.lengths), 1, span))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.store_token(layer, self.slots, self.lengths, q, k, v)
@@ -109,7 +111,7 @@ class _StaticView:
             visible = (torch.arange(self.span, device=q.device) <= self.lengths[:, None])[:, None, None]
             held = self.held[layer].transpose(0, 1)  # [R, Hkv]
             return attend_masked(q, keys, values, visible & hole_free(held, self.base, self.span))
-        return attend_padded(q, keys, values, self.lengths, torch.ones_like(self.lengths))
+        return attend_masked(q, keys, values, self.padded)
 
 
 class _BoundedSide:
@@ -163,19 +165,18 @@ class _FullView:
             self.flex = flex.PagedSteps(self.table, self.cached, cache.k.shape[1], cache.block_size)
         elif not self.flash:
             keys = self.table.shape[1] * cache.block_size
-            self.visible = (torch.arange(keys, device=inputs.device) <= self.cached[:, None])[:, None]
+            self.blocks = self.table.reshape(-1)  # each row's blocks, row after row
+            self.visible = Visibility((torch.arange(keys, device=inputs.device) <= self.cached[:, None])[:, None])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
-        cache.store_at(layer, self.slots, k, v)
-        kp, vp = cache.k[layer], cache.v[layer]
+        kp, vp = cache.store_at(layer, self.slots, k, v)
         if self.flash:
             return attend_paged(q, kp, vp, PagedKeys(self.table.contiguous(), self.cached, causal=True))[0]
         if self.flex is not None:
             return self.flex.attend(q, kp, vp)[0]
         R, heads_dim = q.shape[0], kp.shape[2:]
-        blocks = self.table.reshape(-1)
-        keys, values = (pool.index_select(0, blocks).view(R, -1, *heads_dim).transpose(1, 2) for pool in (kp, vp))
+        keys, values = (pool.index_select(0, self.blocks).view(R, -1, *heads_dim).transpose(1, 2) for pool in (kp, vp))
         return attend_masked(q, keys, values, self.visible)
 
 

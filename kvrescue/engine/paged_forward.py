@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 import kvrescue.engine.invariance as invariance
-from kvrescue.engine.attention import PagedKeys, paged_layout
+from kvrescue.engine.attention import PagedKeys, Visibility, paged_layout
 from kvrescue.engine.block_table import BlockTable, ranks
 
 # CASCADE_FROM (shapes.py): cascade when a forward's rows would otherwise re-read at least that many shared tokens
@@ -56,6 +56,8 @@ class PagedForward:
     shared: SharedPrefixes | None  # None without cascade or when no two rows share a block
     copies: tuple[torch.Tensor, torch.Tensor] | None = None  # flat slots copied (from, to) in each layer once it
     # is stored: a fork's copy of a block its parent fills in the same forward (`FullCache.reserve`)
+    fresh: Visibility | None = None  # no row has cached keys (a first prefill, torch path): what each new token sees
+    # of the new keys ([R, T, T], `padded_visibility`); the rows attend over their new k/v alone
 
 
 def filled_blocks(block_table: BlockTable, rows: np.ndarray, lengths: np.ndarray, n_new: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvrescue.engine import FullCache, load_model
 from kvrescue.engine.attention import attend_padded
@@ -232,3 +233,60 @@ def padded(token_lists: list[list[int]]) -> torch.Tensor:
     for i, tokens in enumerate(token_lists):
         out[i, : len(tokens)] = torch.tensor(tokens)
     return out
+
+
+class PoolReads(TorchDispatchMode):
+    """The aten ops dispatched, how many of them read a cache's K/V pools into a new tensor (a gather), and the
+    `select`s (a layer's pools taken out of all layers')."""
+
+    def __init__(self, cache) -> None:
+        super().__init__()
+        self.pools = {cache.k.untyped_storage().data_ptr(), cache.v.untyped_storage().data_ptr()}
+        self.ops, self.gathers, self.selects = 0, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.selects += func == torch.ops.aten.select.int
+        if func in (torch.ops.aten.index_select.default, torch.ops.aten.index.Tensor) \
+                and args[0].untyped_storage().data_ptr() in self.pools:
+            self.gathers += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows_padding", [0.0, float("inf")])
+def test_a_first_prefill_attends_over_its_new_keys_without_reading_the_pools(rows_padding) -> None:
+    """A forward whose rows hold no keys yet (ragged prompts) attends causally over its new keys: every layer
+    after the first dispatches the store and one SDPA (the mask laid out once, by the first layer), reading
+    nothing back out of the pools, and equals `attend_padded` over the new keys, GQA 3."""
+    g = torch.Generator().manual_seed(3)
+    cache = FullCache(2, 2, 8, 64, max_rows=4, block_size=4, rows_padding=rows_padding)
+    rows, n_new = [cache.create() for _ in range(3)], [9, 4, 13]
+    q, k, v = torch.randn(3, 6, 13, 8, generator=g), *torch.randn(2, 3, 2, 13, 8, generator=g)
+    cache.begin(rows, n_new)
+    cache.attend(0, q, k, v)
+    with PoolReads(cache) as reads:
+        out = cache.attend(1, q, k, v)
+    cache.end()
+    want = attend_padded(q, k, v, torch.zeros(3, dtype=torch.long), torch.tensor(n_new))
+    valid = torch.arange(13)[None, :] < torch.tensor(n_new)[:, None]
+    assert (out - want).transpose(1, 2)[valid].abs().max() < TOL
+    assert reads.gathers == 0 and reads.ops <= 21  # 17 (21 in CUDA's kernel layouts); the paged path took 32 or 72
+
+
+def test_a_layer_takes_its_pools_out_once_for_its_store_and_its_attention() -> None:
+    """A forward's layer (rows holding keys, with a fork's copy of a block filled in the same forward) selects its
+    K and V pools once each: the store, the copies and the paged attention read the same two views."""
+    g = torch.Generator().manual_seed(4)
+    cache = FullCache(2, 2, 8, 64, max_rows=4, block_size=4)
+    parent = cache.create()
+    cache.begin([parent], [6])
+    for layer in range(2):
+        cache.attend(layer, *torch.randn(3, 1, 2, 6, 8, generator=g))
+    cache.end()
+    cache.reserve([parent], [1])
+    child = cache.fork(parent, 1)[0]
+    cache.begin([parent, child], [1, 2])
+    with PoolReads(cache) as reads:
+        cache.attend(0, torch.randn(2, 2, 2, 8, generator=g), *torch.randn(2, 2, 2, 2, 8, generator=g))
+    cache.end()
+    assert reads.selects == 2

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache
@@ -294,3 +295,48 @@ def test_a_step_of_fewer_rows_takes_a_bucket_prepared_already(qwen2_dir, kind):
             want = net.decode(tokens, caches["dynamic"], rows["dynamic"][picked])
         torch.testing.assert_close(step(rows["static"][picked], tokens), want, atol=2e-5, rtol=1e-5)
     assert [key[0] for key in step.steps] == [4]
+
+
+class Dispatched(TorchDispatchMode):
+    """How many aten ops were dispatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["full", "bounded in place", "bounded gathered", "bounded dynamic"])
+def test_a_steps_attention_mask_is_laid_out_once_for_all_layers(qwen2_dir, kind, monkeypatch):
+    """The attention of a decode step (the full or bounded cache's static one, its slots read in place or its rows'
+    spans gathered, or the bounded cache's dynamic one) builds its mask with the first layer: every later layer
+    dispatches fewer ops than the first, and all of them the same."""
+    from kvrescue.engine import graphs
+
+    monkeypatch.setattr(graphs, "IN_PLACE_SLOTS", 0 if kind == "bounded gathered" else 3)
+    net = load_model(qwen2_dir).net
+    if kind == "full":
+        cache, view = FullCache.for_model(net, 2048, max_rows=8, max_row_tokens=256, block_size=4), graphs._FullView
+    else:
+        cache = BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=4)
+        view = BoundedCache if kind == "bounded dynamic" else graphs._StaticView
+    layers = []
+
+    def attend(self, layer, q, k, v, attend=view.attend):
+        with Dispatched() as dispatched:
+            out = attend(self, layer, q, k, v)
+        layers.append(dispatched.ops)
+        return out
+
+    step = StaticDecode(net, cache, graphs=True)  # no CUDA here: the same static step, eagerly
+    rows = [cache.create() for _ in range(3)]
+    net.prefill(torch.arange(30).view(3, 10) % net.args.vocab_size, cache, rows, [10, 7, 4])
+    monkeypatch.setattr(view, "attend", attend)
+    tokens = torch.tensor([1, 2, 3])
+    with torch.inference_mode():
+        net.decode(tokens, cache, rows) if kind == "bounded dynamic" else step(rows, tokens)
+    assert len(layers) == net.args.n_layers > 1
+    assert layers[0] > layers[1] and len(set(layers[1:])) == 1, layers
