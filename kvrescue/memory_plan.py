@@ -31,7 +31,7 @@ from kvrescue.model_config import ModelArgs, ModelConfigError
 from kvrescue.scorers import HELPER_LOGLIK, PRM
 from kvrescue.shapes import (CHUNK_TOKENS, FLASH_BLOCK, GROUP_CASCADE_FROM, LOGITS_BYTES, OBSERVATION_WINDOW,
                                  PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, cascade_from_on, compress_slice,
-                                 local_args, shard_degree)
+                                 bucket, local_args, shard_degree)
 
 GIB = 2**30
 PROMPT_TOKENS = 512  # the longest prompt planned for (MATH-500's chat prompts stay below 400 tokens)
@@ -304,8 +304,8 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
     def graph_pool(role: str, r: _Role, keys: Keys) -> None:
         """The CUDA graphs' memory pool of a runner's one-token steps: a decode step at the largest row bucket, and
         each row bucket's logits."""
-        bucket = 1 << max(rows_open - 1, 0).bit_length()
-        add(role, "buffers", fwd(r, bucket, 1, keys) + 2 * bucket * r.vocab * b,
+        rows = bucket(rows_open)
+        add(role, "buffers", fwd(r, rows, 1, keys) + 2 * rows * r.vocab * b,
             "CUDA graph pool: a decode step, each row bucket's logits")
 
     def full_runner(role: str) -> None:

@@ -28,6 +28,11 @@ SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longe
 LOGITS_BYTES = 1 << 28  # bound on the fp32 logits helper-loglik's log-likelihoods hold at once
 
 
+def bucket(rows: int) -> int:
+    """A row bucket of the static steps and their compiled kernels: the next power of two."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
 def cascade_from_on(cuda: bool) -> float:
     """The shared tokens a forward's rows must otherwise re-read for the full cache to cascade, outside
     --deterministic (inf: never). On a CPU, CASCADE_FROM; on CUDA never: cascade costs more than the reads it saves

@@ -17,6 +17,7 @@ import sys
 import torch
 
 import kvrescue.engine.invariance as invariance
+from kvrescue.shapes import bucket
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
@@ -99,7 +100,7 @@ def paged_mask(table: torch.Tensor, cached: torch.Tensor, pool_blocks: int, bloc
     blocks through the table; the mask function maps a pool position back to the sequence's key index (the least
     index of its block in the table, W where it holds none) and hides what lies past `cached`. The sequences are
     padded to a power of two (each padding one sees key 0): a compiled kernel serves few shapes."""
-    padding = (1 << (table.shape[0] - 1).bit_length()) - table.shape[0]
+    padding = bucket(table.shape[0]) - table.shape[0]
     table = torch.nn.functional.pad(table.long(), (0, 0, 0, padding))
     cached = torch.nn.functional.pad(cached, (0, padding))
     S, W = table.shape

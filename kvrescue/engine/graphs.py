@@ -38,13 +38,9 @@ from kvrescue.engine.bounded import BoundedCache, hole_free
 from kvrescue.engine.caches import FullCache
 from kvrescue.engine.model import Transformer
 from kvrescue.engine.transfer import upload
+from kvrescue.shapes import bucket
 
 _CAPTURE_STREAMS: dict[tuple[type, int], torch.cuda.Stream] = {}
-
-
-def bucket(rows: int) -> int:
-    """The row bucket: the next power of two."""
-    return 1 << max(rows - 1, 0).bit_length()
 
 
 def capture_stream() -> torch.cuda.Stream:

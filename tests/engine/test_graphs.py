@@ -8,8 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache
 from kvrescue.engine.evict import make_evictor, parse_evictor
-from kvrescue.engine.graphs import StaticDecode, bucket
+from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.loader import load_model
+from kvrescue.shapes import bucket
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
