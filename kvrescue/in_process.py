@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable
 
 from kvrescue.cell_runners import CellParts, build_cell
@@ -13,7 +12,7 @@ from kvrescue.grading import GradeFn
 from kvrescue.grid import Cell, GridOptions
 from kvrescue.group_models import check_policy_tokenizers, load_roles, use_device
 from kvrescue.outputs import Trace
-from kvrescue.rank_group import RankGroup
+from kvrescue.rank_group import RankGroup, leading
 from kvrescue.search import DecodeProgress
 from kvrescue.vllm_engine.roles import VllmEngines
 
@@ -51,8 +50,7 @@ class InProcessGroup:
         `on_progress` every few seconds)."""
         if problems:
             engine = build_cell(self.options.plan_of(cell), self.models, self.vllm, self.parts)
-            with self.ranks.explained() if self.ranks else nullcontext():  # a dead rank's account in the error
-                problems = self.ranks.lead(cell, problems) if self.ranks else problems
+            with leading(self.ranks, cell, problems) as problems:
                 decode_cell(self.options, cell, engine, problems, emit, on_progress,
                             **({"grade": self.grade} if self.grade else {}))
 

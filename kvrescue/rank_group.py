@@ -144,6 +144,17 @@ class RankGroup:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
+@contextmanager
+def leading(ranks: RankGroup | None, cell: Cell, problems: Iterable[Problem]) -> Iterator[Iterable[Problem]]:
+    """`problems` as a cell's decode pulls them: with a --tp group (`ranks`), each also sent to its other ranks
+    (`RankGroup.lead`) and a dead rank's account in any error raised inside (`RankGroup.explained`)."""
+    if ranks is None:
+        yield problems
+        return
+    with ranks.explained():
+        yield ranks.lead(cell, problems)
+
+
 def receive(pipe: BinaryIO) -> tuple:
     """A rank > 0: the next message rank 0 sent down `pipe`, waiting for it as long as rank 0 lives."""
     head = pipe.read(8)

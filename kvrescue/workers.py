@@ -28,7 +28,6 @@ import os
 import queue
 import threading
 from collections import Counter, deque
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -41,7 +40,7 @@ from kvrescue.data import Problem
 from kvrescue.devices import RAY_QUIET, device_shares, gpu_index, is_cpu
 from kvrescue.errors import InputError
 from kvrescue.outputs import Trace
-from kvrescue.rank_group import RankGroup
+from kvrescue.rank_group import RankGroup, leading
 from kvrescue.search import DecodeProgress
 
 if TYPE_CHECKING:
@@ -198,8 +197,7 @@ class GroupWorker:
 
     def _decode(self, cell: Cell) -> None:
         try:
-            with self.ranks.explained() if self.ranks else nullcontext():  # a dead rank's account in the error
-                problems = self.ranks.lead(cell, self._pull()) if self.ranks else self._pull()
+            with leading(self.ranks, cell, self._pull()) as problems:
                 decode_cell(self.options, cell, build_cell(self.options.plan_of(cell), self.models), problems,
                             lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
                             lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
