@@ -94,10 +94,11 @@ class FullCache(KVCache):
     blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
     attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
     another, and the two results are merged exactly by their log-sum-exp. A forward whose rows hold no keys yet (a
-    first prefill) attends over its new keys alone on the torch path (no paged read), its mask laid out once. `cascade_from`: the shared tokens
-    a forward's rows must otherwise re-read for it to cascade (0: whenever rows share a block; None: never, even with
-    batch invariance on; "device": the device's rule, `shapes.cascade_from_on`); with batch invariance on, each group
-    cascades alone when its rows would re-read `group_cascade_from`.
+    first prefill) attends over its new keys alone on the torch path (no paged read), its mask laid out once.
+    `cascade_from`: the shared tokens a forward's rows must otherwise re-read for it to cascade (0: whenever rows
+    share a block; None: never, even with batch invariance on; "device": the device's rule,
+    `shapes.cascade_from_on`); with batch invariance on, each group cascades alone when its rows would re-read
+    `group_cascade_from`.
     `rows_padding`: on a CPU, rows are read whole, padded to the longest, when that reads at most this many times
     the blocks of the chunks (0: always in chunks; inf: always whole).
     """
