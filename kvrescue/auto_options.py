@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvrescue.engine.prm_recipes import PRM_RECIPES, get_recipe
-from kvrescue.engine.prm_recipes.choose import AUTO as PRM_AUTO
 from kvrescue.engine.prm_recipes.choose import auto_recipe, weight_names
 from kvrescue.errors import InputError
 from kvrescue.grid import GridOptions
@@ -35,7 +34,7 @@ def resolve_prm_recipe(options: GridOptions) -> GridOptions:
     if options.scorer != PRM:
         return options
     name = options.prm_recipe
-    if name == PRM_AUTO:
+    if name == AUTO:
         model = options.models["prm"]
         try:
             cfg = load_config(model)

@@ -14,11 +14,10 @@ from kvrescue.data import GENERIC, ProblemSet
 from kvrescue.devices import is_cpu
 from kvrescue.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, make_evictor, parse_evictor
 from kvrescue.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES, PRMRecipe, get_recipe
-from kvrescue.engine.prm_recipes.choose import AUTO as PRM_AUTO
 from kvrescue.errors import InputError
 from kvrescue.methods import METHODS
 from kvrescue.run_options import (
-    CONCERNS, EngineOptions, GradingOptions, GridAxes, ModelOptions, Placement, RunIO, split_scorer,
+    AUTO, CONCERNS, EngineOptions, GradingOptions, GridAxes, ModelOptions, Placement, RunIO, split_scorer,
 )
 from kvrescue.scorers import HELPER_LOGLIK, PRM
 from kvrescue.search import SearchSettings
@@ -133,7 +132,7 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
             raise InputError(f"unknown evictor '{self.evictor}': use one of {', '.join(CHOICES)}")
         if self.prm_format not in PRM_FORMATS:
             raise InputError(f"--prm-format {self.prm_format!r}: expected {' or '.join(PRM_FORMATS)}")
-        if self.prm_recipe not in (PRM_AUTO, *PRM_RECIPES):
+        if self.prm_recipe not in (AUTO, *PRM_RECIPES):
             raise InputError(f"unknown --prm-recipe {self.prm_recipe!r}: use one of auto, {', '.join(PRM_RECIPES)}")
         cap = self.settings.context_cap
         for budget in self.budgets:

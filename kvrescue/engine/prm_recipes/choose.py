@@ -10,8 +10,6 @@ from typing import Any
 from kvrescue.engine.loader import ModelLoadError, tensor_names
 from kvrescue.model_config import is_hub_id
 
-AUTO = "auto"
-
 
 # Fragments of a checkpoint's name (its Hub id, its folder's or file's name, or the `_name_or_path` of its config)
 # that say which recipe it takes, each recipe's published checkpoints: where neither its head weights nor its name
