@@ -92,13 +92,12 @@ def sample(
     keys: torch.Tensor | Sequence[Sequence[int] | int],
     counters: torch.Tensor | Sequence[int],
     params: SamplingParams = SamplingParams(),
-    stages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits [R, V]: returns (tokens LongTensor [R], entropies FloatTensor [R]).
 
     keys[i] is row i's stream (an int64 tensor of `stream_key`s, or tuples / ints that become one);
     counters[i] is the index of the token being drawn (tokens the row sampled so far). Everything
-    stays on the logits' device: no host synchronisation. `stages`: as for `uniforms`.
+    stays on the logits' device: no host synchronisation.
     """
     if params.temperature == 0:
         return sample_drawn(logits, None, params)
@@ -106,7 +105,7 @@ def sample(
         keys = as_keys(keys, logits.device)
     if not isinstance(counters, torch.Tensor):
         counters = torch.tensor(list(counters), dtype=torch.long, device=logits.device)
-    return sample_drawn(logits, uniforms(keys, counters, stages), params)
+    return sample_drawn(logits, uniforms(keys, counters), params)
 
 
 def sample_drawn(logits: torch.Tensor, draws: torch.Tensor | None,
