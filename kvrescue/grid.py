@@ -1,5 +1,6 @@
 """The grid `kvrescue run` was asked for: its options (the concerns of `run_options` with the grid's axes, evictor
-and search settings), validated; its cells (configurations); and each cell's plan, built here alone (`cell_plan`)."""
+and search settings), validated; its cells (configurations); and each cell's plan, built here alone (`cell_plan`).
+Torch-free: the evictors and PRM recipes are checked against their catalogues (`evictor_catalogue`, `prm_catalogue`)."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ from kvrescue.engine.compression import compress
 from kvrescue.engine.evictors.base import Evictor
 from kvrescue.engine.evictors.h2o import received_attention
 from kvrescue.engine.evictors.registry import EVICTORS, evictor_named
-from kvrescue.evictor_catalogue import MIN_BUDGET
 from kvrescue.engine.transfer import upload_all
+from kvrescue.evictor_catalogue import MIN_BUDGET
 from kvrescue.shapes import BUFFER, OBSERVATION_WINDOW
 
 
