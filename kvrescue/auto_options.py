@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvrescue.engine.prm_recipes import PRM_RECIPES, get_recipe
+from kvrescue.engine.prm_recipes import get_recipe
 from kvrescue.engine.prm_recipes.choose import auto_recipe, weight_names
 from kvrescue.errors import InputError
 from kvrescue.grid import GridOptions
 from kvrescue.methods import METHODS
 from kvrescue.model_config import ModelConfigError, load_config
+from kvrescue.prm_catalogue import PRM_RECIPES
 from kvrescue.prompts import resolve_style
 from kvrescue.run_options import AUTO
 from kvrescue.scorers import HELPER_LOGLIK, PRM

@@ -12,7 +12,7 @@ from kvrescue import memory_plan as planner
 from kvrescue.cell_plan import BOUNDED, VLLM, CellPlan
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache
-from kvrescue.engine.evict import make_evictor
+from kvrescue.engine.evictors.registry import make_evictor
 from kvrescue.engine.loader import LoadedModel
 from kvrescue.engine.prm import PRMScorer
 from kvrescue.engine.prm_recipes import get_recipe

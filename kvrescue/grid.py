@@ -1,5 +1,6 @@
 """The grid `kvrescue run` was asked for: its options (the concerns of `run_options` with the grid's axes, evictor
-and search settings), validated; its cells (configurations); and each cell's plan, built here alone (`cell_plan`)."""
+and search settings), validated; its cells (configurations); and each cell's plan, built here alone (`cell_plan`).
+Torch-free: the evictors and PRM recipes are checked against their catalogues (`evictor_catalogue`, `prm_catalogue`)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,15 @@ from typing import Any
 from kvrescue.cell_plan import BOUNDED, FULL, NATIVE, VLLM, CellPlan, RolePlan, ScorerPlan
 from kvrescue.data import GENERIC, ProblemSet
 from kvrescue.devices import is_cpu
-from kvrescue.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, make_evictor, parse_evictor
-from kvrescue.engine.prm_recipes import PRM_FORMATS, PRM_RECIPES, PRMRecipe, get_recipe
 from kvrescue.errors import InputError
+from kvrescue.evictor_catalogue import CATALOGUE, CHOICES, MIN_BUDGET, NO_EVICTION, evictor_settings, parse_evictor
 from kvrescue.methods import METHODS
+from kvrescue.prm_catalogue import PRM_FORMATS, PRM_RECIPES
 from kvrescue.run_options import (
     AUTO, CONCERNS, EngineOptions, GradingOptions, GridAxes, ModelOptions, Placement, RunIO, split_scorer,
 )
 from kvrescue.scorers import HELPER_LOGLIK, PRM
-from kvrescue.search import SearchSettings
+from kvrescue.search_settings import SearchSettings
 
 MAX_CELLS = 100_000  # a grid's cells (run folders); the paper's largest grid has 400
 
@@ -51,10 +52,6 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
     grids: tuple[GridAxes, ...] = ()  # several grids (a --config file's [[grid]] tables); the axes above: their union
     evictor_params: dict[str, Any] = field(default_factory=dict)  # --evictor NAME:FIELD=VALUE,...: the fields given
 
-    def prm_input_recipe(self) -> PRMRecipe:
-        """The PRM's recipe object: `prm_recipe`, in `prm_format` for qwen-math."""
-        return get_recipe(self.prm_recipe, self.prm_format)
-
     def _on_vllm(self, role: str, method: str) -> bool:
         """Whether `role` of `method` runs on vLLM: with `--engine vllm`, every full-context role (the helper, the
         PRM, the base of `full`); never the evicted base, since vLLM cannot evict mid-generation."""
@@ -72,7 +69,7 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
         def where(role: str, cache: str) -> RolePlan:
             return RolePlan(VLLM, None) if self._on_vllm(role, method) else RolePlan(NATIVE, cache)
 
-        evictor = make_evictor(self.evictor, self.evictor_params) if evicts else None
+        evictor = evictor_settings(self.evictor, self.evictor_params) if evicts else None
         return CellPlan(
             method=method, budget=budget if spec.budgeted else None, n=n, batch=s.batch,
             max_step_tokens=s.max_step_tokens, context_cap=s.context_cap,
@@ -83,7 +80,7 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
             evictor=self.evictor if spec.budgeted else NO_EVICTION,
             evictor_params=dict(self.evictor_params) if evicts else {},
             # every parameter when one differs from the defaults (the default evictors' folders keep their identity)
-            recorded_params=evictor.params() if evictor is not None and evictor != EVICTORS[self.evictor] else None,
+            recorded_params=evictor.params() if evictor is not None and evictor != CATALOGUE[self.evictor] else None,
             accumulates=evictor is not None and evictor.accumulates,
             buffer=self.buffer if evicts else None,
             cuda_graphs=self.cuda_graphs, deterministic=self.deterministic, tp=self.tp,

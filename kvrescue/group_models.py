@@ -14,6 +14,7 @@ from kvrescue.cuda_allocator import configure_allocator
 from kvrescue.devices import is_cpu, is_gpu
 from kvrescue.engine.loader import LoadedModel, ModelLoadError, load_model
 from kvrescue.engine.prm import check_prm
+from kvrescue.engine.prm_recipes import get_recipe
 from kvrescue.errors import InputError
 from kvrescue.grid import GridOptions
 from kvrescue.model_config import ModelConfigError, window_error
@@ -76,7 +77,7 @@ def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
             raise InputError(f"{role} model {name}: {reason}")
     if "prm" in loaded:
         try:
-            check_prm(loaded["prm"], options.prm_input_recipe())
+            check_prm(loaded["prm"], get_recipe(options.prm_recipe, options.prm_format))
         except ValueError as err:
             raise InputError(f"--prm: {err}") from None
     check_policy_tokenizers({role: model.tokenizer for role, model in loaded.items()})

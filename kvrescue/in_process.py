@@ -8,6 +8,7 @@ from kvrescue.cell_runners import CellParts, build_cell
 from kvrescue.data import Problem
 from kvrescue.decoding import decode_cell
 from kvrescue.device_plan import batch_description, device_memory, vllm_memory, vllm_specs, wait_for_room
+from kvrescue.engine.prm_recipes import get_recipe
 from kvrescue.grading import GradeFn
 from kvrescue.grid import Cell, GridOptions
 from kvrescue.group_models import check_policy_tokenizers, load_roles, use_device
@@ -36,7 +37,8 @@ class InProcessGroup:
             self.ranks = RankGroup(options, group) if len(group) > 1 else None
             self.models = load_roles(options, device)
             if options.engine == "vllm":
-                self.vllm = VllmEngines(vllm_specs(options), options.dtype, options.prm_input_recipe(), shares,
+                recipe = get_recipe(options.prm_recipe, options.prm_format)
+                self.vllm = VllmEngines(vllm_specs(options), options.dtype, recipe, shares,
                                         batch_invariant=options.deterministic)
                 check_policy_tokenizers({**{role: m.tokenizer for role, m in self.models.items()},
                                          **{role: t for role, (t, _) in self.vllm.tokenizers.items()}})

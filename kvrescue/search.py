@@ -13,37 +13,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
-from kvrescue.detect import DetectorConfig
 from kvrescue.engine.scoring import UNSEEN_SCORE, Scorer
 from kvrescue.engine.steps import CandidateStep, StepRules
 from kvrescue.errors import env_seconds
 from kvrescue.methods import METHODS
 from kvrescue.outputs import Step
 from kvrescue.reasons import CONTEXT, DETECTOR_FINISHES, EOS, NONFINITE, STEPS
-from kvrescue.sampling_params import SamplingParams
-from kvrescue.shapes import MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
+from kvrescue.search_settings import SearchSettings
 
 # Seconds between running-total reports (progress bars); $KVRESCUE_PROGRESS_EVERY_S overrides (0: every iteration).
 PROGRESS_EVERY_S = env_seconds("KVRESCUE_PROGRESS_EVERY_S", 2.0)
-
-
-@dataclass(frozen=True)
-class SearchSettings:
-    """The run's settings the controller decides with (a cell's method, N and seed come with the cell); defaults are
-    the paper's. `batch`, problems in flight, has none here: the grid's (`run_options.DEFAULT_BATCH`) depends on the
-    device."""
-
-    sampling: SamplingParams = SamplingParams()
-    detector: DetectorConfig = DetectorConfig()
-    max_step_tokens: int = MAX_STEP_TOKENS
-    max_steps: int = MAX_STEPS
-    context_cap: int = MAX_CONTEXT
-    batch: int = field(kw_only=True)
-    synthetic_steps: tuple[int, int] | None = None  # (LEN, COUNT): steps end after LEN tokens, problems after COUNT steps
-
-    @property
-    def step_cap(self) -> int:
-        return self.max_steps if self.synthetic_steps is None else self.synthetic_steps[1]
 
 
 class StepRunner(Protocol):

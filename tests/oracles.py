@@ -14,7 +14,10 @@ import torch
 from torch import Tensor
 
 from kvrescue.detect import DetectorConfig, gzip_ratio
-from kvrescue.engine.evict import RKV, SnapKV, Streaming, keep_top
+from kvrescue.engine.evictors.base import keep_top
+from kvrescue.engine.evictors.rkv import RKV
+from kvrescue.engine.evictors.snapkv import SnapKV
+from kvrescue.engine.evictors.streaming import Streaming
 from kvrescue.engine.loader import LoadedModel
 from kvrescue.engine.prm import check_prm
 from kvrescue.engine.prm_recipes import FORMATS, PRMRecipe, RecipeInputs

@@ -107,14 +107,27 @@ def test_the_layers_below_the_grid_read_the_cell_plan_never_the_grid_options():
     assert {m: "kvrescue.grid" in reached(graph, m) for m in below} == dict.fromkeys(below, False)
 
 
+def loaded_by(modules: str) -> list[str]:
+    """The modules a fresh interpreter holds after importing `modules` (comma-separated)."""
+    return subprocess.run([sys.executable, "-c", f"import sys, {modules}; print(*sorted(sys.modules))"],
+                          capture_output=True, text=True, check=True, timeout=120).stdout.split()
+
+
 def test_the_owners_of_runs_defaults_load_neither_the_grid_nor_the_engine():
     """`run_options` (each concern's options), `sampling_params` and `detect`: the owners of the defaults `kvrescue
     run` shows, read before anything is loaded, load no module of the engine, nor torch, nor the grid."""
-    owners = "kvrescue.run_options, kvrescue.sampling_params, kvrescue.detect"
-    loaded = subprocess.run([sys.executable, "-c", f"import sys, {owners}; print(*sorted(sys.modules))"],
-                            capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    loaded = loaded_by("kvrescue.run_options, kvrescue.sampling_params, kvrescue.detect")
     assert {"kvrescue.run_options", "kvrescue.sampling_params"} <= set(loaded)
     assert [m for m in loaded if m.startswith(("kvrescue.engine", "kvrescue.grid", "torch"))] == []
+
+
+def test_the_grid_loads_neither_torch_nor_the_engine():
+    """The grid checks its evictor and PRM options and builds the cell plans from the torch-free catalogues
+    (`evictor_catalogue`, `prm_catalogue`) and `search_settings`: no torch, and no module of the engine, whose
+    package loads torch."""
+    loaded = loaded_by("kvrescue.grid")
+    assert [m for m in loaded if m.startswith(("kvrescue.engine", "torch"))] == []
+    assert {"kvrescue.grid", "kvrescue.evictor_catalogue", "kvrescue.prm_catalogue"} <= set(loaded)
 
 
 def test_only_the_cli_and_the_executors_read_the_grid_options():

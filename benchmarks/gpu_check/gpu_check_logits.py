@@ -6,7 +6,7 @@ import torch
 
 from benchmarks.gpu_check.gpu_check_setup import QWEN25_05B, TINY, hf_model
 from kvrescue.engine.bounded import BoundedCache
-from kvrescue.engine.evict import MIN_BUDGET
+from kvrescue.evictor_catalogue import MIN_BUDGET
 from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.loader import build_network
 

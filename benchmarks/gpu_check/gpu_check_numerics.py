@@ -14,7 +14,7 @@ from benchmarks.gpu_check.gpu_check_record import Check
 from benchmarks.gpu_check.gpu_check_setup import QWEN25_05B, TINY, random_engine
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache, block_size_for
-from kvrescue.engine.evict import MIN_BUDGET
+from kvrescue.evictor_catalogue import MIN_BUDGET
 from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.model import Transformer
 from kvrescue.shapes import BUFFER

@@ -37,7 +37,8 @@ from kvrescue.data import BUNDLED
 from kvrescue.detect import gzip_ratio
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache, block_size_for
-from kvrescue.engine.evict import EVICTORS, MIN_BUDGET
+from kvrescue.engine.evictors.registry import EVICTORS
+from kvrescue.evictor_catalogue import MIN_BUDGET
 from kvrescue.engine.model import CausalLM, ModelArgs
 from kvrescue.shapes import BUFFER
 

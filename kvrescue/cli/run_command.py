@@ -19,9 +19,11 @@ from kvrescue.cli.shared import DEFAULT_MODELS, GRADER_HELP, comma_list, console
 from kvrescue.detect import DetectorConfig
 from kvrescue.devices import CPU, GPU, is_gpu, kind_of, resolve_devices
 from kvrescue.errors import InputError
+from kvrescue.evictor_catalogue import CATALOGUE, NO_EVICTION
 from kvrescue.run_options import (
     AUTO, DEFAULT_BATCH, EngineOptions, GradingOptions, ModelOptions, Placement, RunIO, parse_shard,
 )
+from kvrescue.prm_catalogue import PRM_RECIPES
 from kvrescue.sampling_params import SamplingParams
 from kvrescue.scorers import HELPER_LOGLIK
 from kvrescue.shapes import MAX_CONTEXT, MAX_STEP_TOKENS, MAX_STEPS
@@ -75,8 +77,8 @@ def run(
     budget: str = typer.Option("64", help="KV budgets B (comma list)"),
     n: str = typer.Option("8", "--n", help="candidates per model per step (comma list)"),
     seed: str = typer.Option("0", help="seeds (comma list)"),
-    evictor: str = typer.Option("rkv", help="rkv, snapkv, streaming, tova, h2o, knorm, keydiff, random, pyramidkv, "
-                                "adakv or none; NAME:FIELD=VALUE,... sets the evictor's parameters "
+    evictor: str = typer.Option("rkv", help=f"{', '.join(CATALOGUE)} or {NO_EVICTION}; NAME:FIELD=VALUE,... sets the "
+                                "evictor's parameters "
                                 "(rkv:lam=0.2,kernel=5; streaming:sinks=2; random:seed=1; pyramidkv:beta=10; "
                                 "adakv:scores=snapkv)"),
     buffer: int = typer.Option(EngineOptions.buffer, help="W: entries an evicted row appends past the budget before it is "
@@ -87,8 +89,8 @@ def run(
     prm_format: str = typer.Option(ModelOptions.prm_format, help="the PRM's input: paper (prompt, then the steps each ending in "
                                    "\\n\\n, scored at the last token) or model-card (steps joined by <extra_0>, "
                                    "scored at the last one), for the qwen-math recipe; README, PRM recipes"),
-    prm_recipe: str = typer.Option(AUTO, help="the PRM's recipe: qwen-math, rlhflow, math-shepherd, skywork, or "
-                                   "auto (from the checkpoint's head weights, else its name)"),
+    prm_recipe: str = typer.Option(AUTO, help=f"the PRM's recipe: {', '.join(PRM_RECIPES)}, or {AUTO} (from the "
+                                   "checkpoint's head weights, else its name)"),
     base_revision: Optional[str] = typer.Option(None, help=REVISION_HELP.format("base")),
     helper_revision: Optional[str] = typer.Option(None, help=REVISION_HELP.format("helper")),
     prm_revision: Optional[str] = typer.Option(None, help=REVISION_HELP.format("PRM")),

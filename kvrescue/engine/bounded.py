@@ -20,8 +20,11 @@ import kvrescue.engine.invariance as invariance
 from kvrescue.engine.attention import Visibility, attend_masked, padded_visibility
 from kvrescue.engine.caches import KVCache
 from kvrescue.engine.compression import compress
-from kvrescue.engine.evict import EVICTORS, MIN_BUDGET, Evictor, evictor_named, received_attention
+from kvrescue.engine.evictors.base import Evictor
+from kvrescue.engine.evictors.h2o import received_attention
+from kvrescue.engine.evictors.registry import EVICTORS, evictor_named
 from kvrescue.engine.transfer import upload_all
+from kvrescue.evictor_catalogue import MIN_BUDGET
 from kvrescue.shapes import BUFFER, OBSERVATION_WINDOW
 
 
@@ -64,8 +67,8 @@ class BoundedCache(KVCache):
     None), compacted with the entries. Rows are ids mapped to slots, so `adopt` moves no data; a fork copies its
     parent's entries, ring, received attention and counters. The pools grow when rows
     (by doubling) or an append do not fit: capacity defaults to B' + `max_append`, so only an append
-    longer than `max_append` reallocates. `evictor` is a policy (`evict.Evictor`) or the name of one in
-    `evict.EVICTORS` (its default settings); `--evictor none` keeps a full cache (`FullCache`) instead.
+    longer than `max_append` reallocates. `evictor` is a policy (`evictors.base.Evictor`) or the name of one in
+    `evictors.registry.EVICTORS` (its default settings); `--evictor none` keeps a full cache (`FullCache`) instead.
     """
 
     @torch.inference_mode(False)  # the pools are written outside inference mode too (forks)
@@ -312,7 +315,7 @@ class BoundedCache(KVCache):
     def receive(self, layer: int, slots: torch.Tensor | slice, q: torch.Tensor, keys: torch.Tensor,
                 visible: torch.Tensor, cached: torch.Tensor, real: torch.Tensor | None = None) -> None:
         """H2O's accumulation: add the attention the new queries q [R, Hq, T, D] pay the rows' keys [R, Hkv, L, D]
-        (`evict.received_attention`) to the rows' `received`; each row's entries from `cached` [R] on (its new
+        (`evictors.h2o.received_attention`) to the rows' `received`; each row's entries from `cached` [R] on (its new
         ones, and stale values past them) start from zero. Both decodes call it, the dynamic one here and the
         static one in `graphs`."""
         pool, length = self.received[layer], keys.shape[2]

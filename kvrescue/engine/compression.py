@@ -1,5 +1,5 @@
 """The bounded cache's compression: each row that reached B' = budget + buffer entries is cut to `budget` per layer
-and KV head by its evictor (`evict.keep_positions`), or by an allocating policy's per-layer budgets."""
+and KV head by its evictor (`evictors.registry.keep_positions`), or by an allocating policy's per-layer budgets."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvrescue.engine.evict import Evictor, gather_positions, keep_positions
+from kvrescue.engine.evictors.base import Evictor, gather_positions
+from kvrescue.engine.evictors.registry import keep_positions
 from kvrescue.engine.transfer import upload, upload_all
 from kvrescue.shapes import OBSERVATION_WINDOW, compress_slice
 

@@ -7,7 +7,9 @@ import re
 from rich.console import Console
 
 from kvrescue import cli
+from kvrescue.evictor_catalogue import CATALOGUE
 from kvrescue.outputs import RunConfig, Summary
+from kvrescue.prm_catalogue import PRM_RECIPES
 from tests.helpers import kvrescue, ok
 
 EIGHTY = {"COLUMNS": "80"}
@@ -34,6 +36,13 @@ def test_sampling_and_step_options_say_what_they_do_and_what_ends_a_step():
     assert "[[grid]] tables" in text  # not eaten as rich markup
     for model in cli.DEFAULT_MODELS.values():
         assert f"[default: ({model};" in text
+
+
+
+def test_the_evictor_and_prm_recipe_options_name_every_one_of_their_catalogues():
+    text = " ".join(run_help().replace("│", " ").split())
+    assert f"--evictor <str> {', '.join(CATALOGUE)} or none; NAME:FIELD=VALUE" in text
+    assert f"the PRM's recipe: {', '.join(PRM_RECIPES)}, or auto (from" in text
 
 
 def summary(**numbers) -> Summary:

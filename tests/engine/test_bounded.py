@@ -11,7 +11,12 @@ import torch
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache
 from kvrescue.engine.graphs import StaticDecode
-from kvrescue.engine.evict import RKV, AdaKV, PyramidKV, SnapKV, gather_positions, keep_positions
+from kvrescue.engine.evictors.adakv import AdaKV
+from kvrescue.engine.evictors.base import gather_positions
+from kvrescue.engine.evictors.pyramidkv import PyramidKV
+from kvrescue.engine.evictors.registry import keep_positions
+from kvrescue.engine.evictors.rkv import RKV
+from kvrescue.engine.evictors.snapkv import SnapKV
 from kvrescue.shapes import OBSERVATION_WINDOW
 from kvrescue.engine.loader import load_model
 from kvrescue_testkit.random_checkpoints import write_random_checkpoint
@@ -173,7 +178,7 @@ def test_physical_length_is_bounded(net, budget, buffer):
 @pytest.mark.parametrize("policy", ["rkv", "snapkv", "streaming", "knorm", "keydiff", "random"])
 def test_compression_keeps_what_the_policy_selects(net, policy):
     """What the cache keeps, against the oracles (rkv, snapkv, streaming) or the policy's own choice on the same entries
-    (the query-free presses and the random draw, whose choices tests/engine/test_evict.py checks)."""
+    (the query-free presses and the random draw, whose choices tests/engine/evictors/ check)."""
     budget = 16
     cache = BoundedCache.for_model(net, budget=budget, evictor=policy)
     seen = []  # (lengths, keys, values, windows before; keys, values after) of each compression
@@ -637,8 +642,8 @@ def held_positions(cache: BoundedCache, row: int, layer: int, head: int, held=No
 @pytest.mark.parametrize("policy", [PyramidKV(beta=2), AdaKV(), AdaKV(scores="snapkv", safeguard=0.0)], ids=str)
 def test_an_allocating_compression_keeps_what_its_transcription_keeps_per_head(policy):
     """Each (layer, row, KV head) scored on the entries it holds alone; the layer's past positions kept as kvpress's
-    pyramid budget (test_evict) or Ada-KV's transcription (tests/oracles.py) picks, the last OBSERVATION_WINDOW too;
-    the kept entries moved to the front, in order, the counts recorded."""
+    pyramid budget (evictors/test_pyramidkv) or Ada-KV's transcription (tests/oracles.py) picks, the last
+    OBSERVATION_WINDOW too; the kept entries moved to the front, in order, the counts recorded."""
     cache = BoundedCache(3, 4, 2, 8, budget=16, evictor=policy, rows=4)
     seen = []
     compress = cache.compress

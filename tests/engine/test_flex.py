@@ -16,7 +16,8 @@ import kvrescue.engine.flex as flex
 from kvrescue.engine.attention import attend_masked
 from kvrescue.engine.bounded import BoundedCache, hole_free
 from kvrescue.engine.caches import FullCache
-from kvrescue.engine.evict import make_evictor, parse_evictor
+from kvrescue.engine.evictors.registry import make_evictor
+from kvrescue.evictor_catalogue import parse_evictor
 from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.loader import load_model
 

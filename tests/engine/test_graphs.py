@@ -7,7 +7,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache
-from kvrescue.engine.evict import make_evictor, parse_evictor
+from kvrescue.engine.evictors.registry import make_evictor
+from kvrescue.evictor_catalogue import parse_evictor
 from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.loader import load_model
 from kvrescue.shapes import bucket

@@ -12,7 +12,10 @@ import torch
 from kvrescue.engine import invariance
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache
-from kvrescue.engine.evict import EVICTORS, AdaKV, PyramidKV, keep_positions, received_attention
+from kvrescue.engine.evictors.adakv import AdaKV
+from kvrescue.engine.evictors.h2o import received_attention
+from kvrescue.engine.evictors.pyramidkv import PyramidKV
+from kvrescue.engine.evictors.registry import EVICTORS, keep_positions
 from kvrescue.engine.loader import load_model
 from kvrescue.engine.model import RMSNorm, apply_rope, linear, rope_cos_sin
 from kvrescue.engine.prm import PRMScorer
@@ -494,7 +497,7 @@ def test_an_allocating_evictors_row_keeps_and_attends_alike_alone_and_beside_oth
 @pytest.mark.parametrize("new_tokens", [1, 5], ids=["decode", "append"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_h2os_received_attention_of_a_row_does_not_depend_on_its_batch(invariant, threads, dtype, new_tokens):
-    """`evict.received_attention` as the bounded cache calls it: a row's keys padded to whole KEY_GRANULE blocks of
+    """`h2o.received_attention` as the bounded cache calls it: a row's keys padded to whole KEY_GRANULE blocks of
     its own length alone, of the batch's longest among other rows (lengths below, at and past a block)."""
     torch.manual_seed(3)
     lengths = torch.tensor([300, 40, 512, 600, 1000, 77, 513, 200])

@@ -12,8 +12,9 @@ from kvrescue.group_models import load_roles
 from kvrescue.engine import load_model
 from kvrescue.engine.loader import ModelLoadError, tensor_names
 from kvrescue.engine.prm import PRMScorer, check_prm
-from kvrescue.engine.prm_recipes import FORMATS, PRM_RECIPES, get_recipe
+from kvrescue.engine.prm_recipes import FORMATS, OTHERS, get_recipe
 from kvrescue.engine.prm_recipes.choose import auto_recipe, weight_names
+from kvrescue.prm_catalogue import PRM_FORMATS, PRM_RECIPES
 from kvrescue.auto_options import resolve_prm_recipe
 from kvrescue.errors import InputError
 from kvrescue.grid import GridOptions
@@ -213,3 +214,12 @@ def test_a_checkpoint_without_the_recipe_s_head_or_window_is_refused(rlhflow_dir
         load_roles(_options(str(skywork_dir), models={"base": str(narrow), "helper": "h", "prm": str(skywork_dir)},
                             settings=SearchSettings(batch=8, context_cap=320)), "cpu")
 
+
+
+def test_the_registry_holds_a_recipe_for_each_name_of_the_catalogue() -> None:
+    """One list of names: `--prm-recipe` and `--prm-format` are checked against the torch-free catalogue, and each of
+    its names has its recipe (qwen-math one per format), no other."""
+    assert tuple(FORMATS) == PRM_FORMATS and {recipe.name for recipe in FORMATS.values()} == {"qwen-math"}
+    assert set(PRM_RECIPES) == {"qwen-math", *OTHERS} and len(PRM_RECIPES) == len(OTHERS) + 1
+    assert [get_recipe(name, fmt).name for name in PRM_RECIPES for fmt in PRM_FORMATS] == [
+        name for name in PRM_RECIPES for _ in PRM_FORMATS]

@@ -1,7 +1,6 @@
 """Step generation on a real loaded checkpoint whose weights are set to follow a bigram script."""
 
 import math
-import random
 
 import pytest
 import torch
@@ -10,8 +9,9 @@ from kvrescue.detect import DetectorConfig, gzip_ratio
 from kvrescue.engine import FullCache, load_model
 from kvrescue.engine.runner import Runner
 from kvrescue.engine.sampling import SamplingParams, sample
-from kvrescue.engine import steps as steps_module
-from kvrescue.engine.steps import STEP_DELIMITER, StepRules, StepTable, step_table
+from kvrescue.engine import step_table as step_table_module
+from kvrescue.engine.step_table import StepTable, step_table
+from kvrescue.engine.steps import StepRules
 from tests.oracles import Detector, generate_steps
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
@@ -62,7 +62,7 @@ def step_rule(request, tok, monkeypatch):
     """Step ends read from the token-id table, or (a tokenizer that can't be tabled) from decoded text."""
     if request.param == "text":
         monkeypatch.setattr(StepTable, "_concatenates", staticmethod(lambda *args: False))
-        monkeypatch.setattr(steps_module, "_TABLES", {})
+        monkeypatch.setattr(step_table_module, "_TABLES", {})
         with pytest.warns(UserWarning, match="checked on decoded text"):
             assert not step_table(tok).exact
     return request.param
@@ -277,53 +277,6 @@ def test_a_step_draws_what_its_streams_give_token_by_token(qwen2_dir, fixed_leng
             for counter, token in enumerate(step.tokens):
                 assert sample(logits.float(), [key], [counter], params)[0].item() == token
                 logits = m.net.decode(torch.tensor([token]), cache, [row])
-
-
-def _text_rule_end(tokenizer, tokens: list[int]) -> int | None:
-    """Today's rule: the first token after which the decoded step text holds the delimiter."""
-    for i in range(len(tokens)):
-        if STEP_DELIMITER in tokenizer.decode(tokens[: i + 1]):
-            return i
-    return None
-
-
-def _table_rule_end(table: StepTable, tokens: list[int]) -> int | None:
-    for i, t in enumerate(tokens):
-        if table.contains[t] or (i > 0 and table.ends[tokens[i - 1]] and table.starts[t]):
-            return i
-    return None
-
-
-def _check_table(tokenizer) -> None:
-    table = step_table(tokenizer)
-    assert table.exact
-    texts = [tokenizer.decode([t]) for t in range(len(tokenizer))]
-    assert all(bool(table.contains[t]) == (STEP_DELIMITER in s) for t, s in enumerate(texts))  # every token
-    newline = [t for t, s in enumerate(texts) if "\n" in s]
-    plain = [t for t, s in enumerate(texts) if s.strip() and "\n" not in s][:20]
-    for a in newline + plain:  # every pair that matters
-        for b in newline:
-            assert _table_rule_end(table, [a, b]) == _text_rule_end(tokenizer, [a, b]), (texts[a], texts[b])
-    rng = random.Random(0)  # and random steps rich in newlines
-    for _ in range(300):
-        tokens = [rng.choice(newline if rng.random() < 0.3 else plain + newline) for _ in range(12)]
-        assert _table_rule_end(table, tokens) == _text_rule_end(tokenizer, tokens)
-    for t, s in enumerate(texts):
-        assert table.chars[t] >= len(s)
-
-
-def test_step_table_ends_steps_where_the_text_rule_does(tok, llama_dir) -> None:
-    _check_table(tok)
-    _check_table(load_model(llama_dir).tokenizer)
-
-
-@pytest.mark.slow
-def test_step_table_on_the_smollm2_tokenizer() -> None:
-    """SmolLM2's real 49k vocabulary (its GGUF is fetched and converted once, ~100 MB)."""
-    from transformers import AutoTokenizer
-
-    from kvrescue.smollm import smollm2_folder
-    _check_table(AutoTokenizer.from_pretrained(str(smollm2_folder())))
 
 
 def test_steps_prepared_before_they_advance_are_the_steps_advanced_alone(qwen2_dir) -> None:

@@ -1,15 +1,15 @@
 """The registry of PRM recipes, one per file: `qwen_math` (its two `--prm-format`s), `rlhflow`, `math_shepherd`,
-`skywork`; `choose` picks one for a checkpoint."""
+`skywork`, registered against the names of `kvrescue.prm_catalogue`; `choose` picks one for a checkpoint."""
 
 from __future__ import annotations
 
 from kvrescue.engine.prm_recipes.base import HEADS, PRMRecipe, RecipeInputs
 from kvrescue.engine.prm_recipes.math_shepherd import MATH_SHEPHERD
-from kvrescue.engine.prm_recipes.qwen_math import FORMATS, PRM_FORMATS
+from kvrescue.engine.prm_recipes.qwen_math import FORMATS
 from kvrescue.engine.prm_recipes.rlhflow import RLHFLOW
 from kvrescue.engine.prm_recipes.skywork import SKYWORK
+from kvrescue.prm_catalogue import PRM_RECIPES
 
-PRM_RECIPES = ("qwen-math", RLHFLOW.name, MATH_SHEPHERD.name, SKYWORK.name)
 OTHERS = {r.name: r for r in (RLHFLOW, MATH_SHEPHERD, SKYWORK)}
 
 
@@ -22,4 +22,4 @@ def get_recipe(name: str, prm_format: str = "paper") -> PRMRecipe:
     return OTHERS[name]
 
 
-__all__ = ["FORMATS", "HEADS", "PRM_FORMATS", "PRM_RECIPES", "PRMRecipe", "RecipeInputs", "get_recipe"]
+__all__ = ["FORMATS", "HEADS", "PRMRecipe", "RecipeInputs", "get_recipe"]

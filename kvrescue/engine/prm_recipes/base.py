@@ -5,8 +5,8 @@ tokenizer, builds the input of a trajectory as token ids: the prompt, then one p
 piece ends where its score is read; a committed step's piece may carry more (a chat reply), so that the prompt
 and the committed pieces are the model card's input of the whole trajectory. The scorers (engine/prm.py,
 vllm_engine/prm.py) cache the prompt and the committed pieces once and score candidates as suffixes, reading
-`score` of the head's output at each candidate's last token. No torch here: `kvrescue cost` and the grid's checks
-import the registry.
+`score` of the head's output at each candidate's last token. No torch here; the grid checks `--prm-recipe` against
+the names of `kvrescue.prm_catalogue`, which the registry's recipes carry.
 """
 
 from __future__ import annotations

@@ -102,4 +102,3 @@ FORMATS = {  # --prm-format: what follows the chat prefix, and each step
                          after_step=step)
     for name, prompt, step in [("paper", STEP_DELIMITER, STEP_DELIMITER), ("model-card", "", STEP_TAG)]
 }
-PRM_FORMATS = tuple(FORMATS)
