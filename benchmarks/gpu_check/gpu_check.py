@@ -15,7 +15,7 @@ downloaded). Sections, in this order:
   paged vs cascade, decode step time and KV bytes read, context 1k/2k/4k, 8 and 64 problems x N = 8
   (`benchmarks/speed/attention_bench.py`).
 - `decode`: tokens/s of one-token decode steps with Qwen2.5-Math-7B's shape, rows 64/256/512, rkv at
-  budgets 64 and 512 with and without CUDA graphs and `none` (the full cache, which has no CUDA-graph
+  budgets 64 and 512 and `none` (the full cache), each with and without CUDA graphs (engine/graphs.py's static
   step), context 1k and 4k, and transformers `generate` at the same rows and context. Both sides do the same work per token: a forward, fp32
   logits, and top-k/top-p sampling at the paper's settings (this engine also pays its entropy). Each
   with its roofline, the longer of a step's reads (weights and each row's cached K/V, over the copy bandwidth) and
