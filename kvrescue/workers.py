@@ -286,6 +286,9 @@ class RayWorkers:
         gpus = named_gpus(self.groups, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if gpus:  # Ray hands its actors exactly the GPUs it sees: those named
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        # Ray starts its workers at niceness 15: beside other work on the machine an actor then gets a few percent of
+        # a core (docs/benchmarks.md, "Ray actors' niceness"); its raylet passes this to them, unless the user set it.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         # "local": a new instance even where this node belongs to a cluster (joining one takes --ray-address)
         ray.init(address="local", num_cpus=len(self.groups), num_gpus=len(gpus), object_store_memory=OBJECT_STORE,
                  **RAY_QUIET)
