@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,7 @@ def main() -> None:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
+        shutil.rmtree(folder, ignore_errors=True)
     table = Table(title=f"niceness_bench: 2 Ray actors on the CPU, {args.problems} problems, beside {args.busy} busy "
                         f"processes, {os.cpu_count()} cores, wall s")
     for column in ("actors' niceness", "runs", "best", "15 / 0 (best)"):
