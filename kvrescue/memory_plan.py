@@ -20,7 +20,6 @@ attention's extra pass over shared prefixes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
@@ -30,8 +29,8 @@ from kvrescue.errors import InputError
 from kvrescue.model_config import ModelArgs, ModelConfigError
 from kvrescue.scorers import HELPER_LOGLIK, PRM
 from kvrescue.shapes import (CHUNK_TOKENS, FLASH_BLOCK, GROUP_CASCADE_FROM, LOGITS_BYTES, OBSERVATION_WINDOW,
-                                 PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, cascade_from_on, compress_slice,
-                                 bucket, local_args, shard_degree)
+                                 PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, cascade_cost_on, compress_slice,
+                                 bucket, local_args, shard_degree, token_kv_bytes)
 
 GIB = 2**30
 PROMPT_TOKENS = 512  # the longest prompt planned for (MATH-500's chat prompts stay below 400 tokens)
@@ -157,16 +156,15 @@ def attention_bytes(a: ModelArgs, b: int, rows: int, tokens: int, k: Keys, cuda:
     return held, kernel
 
 
-def cascade_shared(groups: int, group: int, invariant: bool, cuda: bool = False) -> int | None:
-    """The fewest shared tokens from which a forward of `groups` groups of `group` candidates each reads their shared
-    prefixes through cascade attention (engine/paged_forward.py's `cascading`; None: never): re-read
-    `cascade_from_on(cuda)` times over the forward, or with `invariant` (--deterministic) GROUP_CASCADE_FROM times by
-    each group alone."""
-    whole = cascade_from_on(cuda)
-    if not invariant and math.isinf(whole):
-        return None
-    re_read = GROUP_CASCADE_FROM if invariant else -(-whole // groups)
-    return -(-re_read // (group - 1))
+def cascade_shared(groups: int, group: int, invariant: bool, cuda: bool, token_bytes: int, tokens: int) -> int:
+    """The fewest shared tokens from which a forward of `groups` groups of `group` candidates each, `tokens` new ones
+    a row, reads their shared prefixes through cascade attention (engine/paged_forward.py's `cascading`): where the
+    device's cost model (`cascade_cost_on(cuda)`) says the re-read it saves (of `token_bytes` a layer) pays for its
+    extra pass, or with `invariant` (--deterministic) where each group alone re-reads GROUP_CASCADE_FROM."""
+    if invariant:
+        return -(-GROUP_CASCADE_FROM // (group - 1))
+    need = cascade_cost_on(cuda).fewest_re_read_bytes(groups * group * tokens)
+    return int(need // (token_bytes * groups * (group - 1))) + 1  # re-read more than `need`
 
 
 def forward_bytes(a: ModelArgs, b: int, rows: int, tokens: int, keys: Keys, head: str, vocab: int,
@@ -269,7 +267,8 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         """A forward of candidates forked from `s.batch` committed rows, at its longest context (cascading over
         their shared prefix from `cascade_shared` tokens) or the longest that does not cascade."""
         group = rows // s.batch
-        start = cascade_shared(s.batch, group, dev.invariant, dev.cuda) if group > 1 else None
+        start = cascade_shared(s.batch, group, dev.invariant, dev.cuda, token_kv_bytes(r.args.n_kv_heads,
+                               r.args.head_dim, b), tokens) if group > 1 else None
         if start is None:
             return fwd(r, rows, tokens, Keys(path, keys), head)
         longest = fwd(r, rows, tokens, Keys(path, keys, s.batch, keys - tokens) if keys - tokens >= start

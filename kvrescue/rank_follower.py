@@ -17,19 +17,21 @@ import torch.distributed as dist
 from kvrescue.cell_runners import build_cell
 from kvrescue.decoding import decode_cell
 from kvrescue.group_models import load_roles
-from kvrescue.rank_group import join, receive
+from kvrescue.rank_group import join, receive, remove_folder
 
 if TYPE_CHECKING:
     from kvrescue.data import Problem
 
 
-def _exit_with(parent: int) -> None:
-    """End this process soon after `parent` is gone (it may die without a word, SIGKILLed)."""
+def _exit_with(parent: int, folder: Path) -> None:
+    """End this process soon after `parent` (rank 0) is gone (it may die without a word, SIGKILLed), removing the
+    group's folder, which rank 0 can no longer remove."""
     def watch() -> None:
         while True:
             try:
                 os.kill(parent, 0)
             except ProcessLookupError:
+                remove_folder(folder)
                 os._exit(1)
             time.sleep(0.5)
 
@@ -38,7 +40,7 @@ def _exit_with(parent: int) -> None:
 
 def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> None:
     """Load this rank's shards, then decode every cell rank 0 sends, until told to stop."""
-    _exit_with(parent)
+    _exit_with(parent, folder)
     options = pickle.loads((folder / "options.pickle").read_bytes())
     join(folder / "rendezvous", rank, world, device)
     models = load_roles(options, device)
@@ -48,9 +50,13 @@ def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> Non
         while (message := receive(pipe))[0] == "problem":
             yield message[1]
 
-    while (message := receive(pipe))[0] == "cell":
-        decode_cell(options, message[1], build_cell(options.plan_of(message[1]), models), problems(),
-               lambda trace, tokens: None)
+    try:
+        while (message := receive(pipe))[0] == "cell":
+            decode_cell(options, message[1], build_cell(options.plan_of(message[1]), models), problems(),
+                        lambda trace, tokens: None)
+    except SystemExit:  # rank 0's pipe closed: it is gone, or closing the group after a rank died
+        remove_folder(folder)
+        raise
     dist.destroy_process_group()
 
 

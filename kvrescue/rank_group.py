@@ -14,7 +14,9 @@ driver's next cell until the slowest actor has finished this one, hours maybe); 
 the group after TIMEOUT. A rank that dies makes the next collective of the others fail (gloo), so rank 0 raises
 and its group is restarted like any dead worker; the other ranks exit when rank 0's process is gone. Each other
 rank's stderr goes to a file in the group's folder: an error of the group names every rank that has exited, its
-exit status and the last lines it wrote (`RankGroup.explained`).
+exit status and the last lines it wrote (`RankGroup.explained`). Rank 0 removes the folder when it closes the group
+(or fails to form it); when rank 0 is gone without closing it (a Ray actor is killed, at the end of a run too), the
+other ranks remove it as they exit (`remove_folder`).
 """
 
 from __future__ import annotations
@@ -67,10 +69,18 @@ class RankGroup:
     def __init__(self, options: object, group: tuple[str, ...]) -> None:
         """`options`: what every rank loads its models and decodes with (`rank_follower` reads them, pickled)."""
         self.folder = Path(tempfile.mkdtemp(prefix="kvrescue-tp-"))
-        (self.folder / "options.pickle").write_bytes(pickle.dumps(options))
-        rendezvous = self.folder / "rendezvous"
-        self.followers = [self._start(rank, group) for rank in range(1, len(group))]
-        join(rendezvous, 0, len(group), group[0])
+        self.followers: list[subprocess.Popen] = []
+        try:
+            (self.folder / "options.pickle").write_bytes(pickle.dumps(options))
+            for rank in range(1, len(group)):
+                self.followers.append(self._start(rank, group))
+            join(self.folder / "rendezvous", 0, len(group), group[0])
+        except BaseException:  # no group: its ranks and folder go with the error
+            for follower in self.followers:
+                follower.kill()
+                follower.wait()
+            remove_folder(self.folder)
+            raise
 
     def _start(self, rank: int, group: tuple[str, ...]) -> subprocess.Popen:
         with open(self.folder / f"rank{rank}.stderr", "wb") as stderr:
@@ -141,7 +151,7 @@ class RankGroup:
                     follower.kill()
             dist.destroy_process_group()
             forget_groups()
-            shutil.rmtree(self.folder, ignore_errors=True)
+            remove_folder(self.folder)
 
 
 @contextmanager
@@ -153,6 +163,11 @@ def leading(ranks: RankGroup | None, cell: Cell, problems: Iterable[Problem]) ->
         return
     with ranks.explained():
         yield ranks.lead(cell, problems)
+
+
+def remove_folder(folder: Path) -> None:
+    """Remove a group's folder (its options, rendezvous and ranks' stderr), whichever rank gets there first."""
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def receive(pipe: BinaryIO) -> tuple:

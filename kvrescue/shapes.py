@@ -4,7 +4,6 @@ and what one rank of a tensor-parallel group holds (engine/tp.py)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from kvrescue.model_config import ModelArgs
@@ -19,10 +18,8 @@ SIMILARITY_ROWS = 1024  # rows of R-KV's key-similarity matrix scored at once (a
 PRM_WINDOW = 4096  # tokens of a problem's committed prefix the PRM sees (older steps are dropped)
 FLASH_BLOCK = 256  # flash-attn's paged KV cache takes blocks of a multiple of 256 tokens
 CHUNK_TOKENS = 128  # keys per unit of work of the torch paged path (whole blocks)
-# On a CPU, cascade when a forward's rows would otherwise re-read at least this many shared tokens (engine/caches.py
-# says why); with batch invariance on (any device), a group of rows cascades when it alone would re-read
-# GROUP_CASCADE_FROM.
-CASCADE_FROM = 1024
+# With batch invariance on (any device), a group of rows cascades when it alone would re-read GROUP_CASCADE_FROM
+# shared tokens (engine/paged_forward.py says why); otherwise the device's CascadeCost decides.
 GROUP_CASCADE_FROM = 3584
 SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longer query sets are sliced
 LOGITS_BYTES = 1 << 28  # bound on the fp32 logits helper-loglik's log-likelihoods hold at once
@@ -33,11 +30,49 @@ def bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
-def cascade_from_on(cuda: bool) -> float:
-    """The shared tokens a forward's rows must otherwise re-read for the full cache to cascade, outside
-    --deterministic (inf: never). On a CPU, CASCADE_FROM; on CUDA never: cascade costs more than the reads it saves
-    there (an H200 measured it slower than paged: docs/benchmarks.md)."""
-    return math.inf if cuda else CASCADE_FROM
+@dataclass(frozen=True)
+class CascadeCost:
+    """The time of one layer's attention read in a full cache's forward, paged (every row reads all its blocks) or
+    cascaded (a group's shared blocks read once for all its rows, then each row's own blocks): the K/V bytes each
+    reads over an effective bandwidth, and for cascade its extra pass: a fixed cost (launches) and one per query token
+    (its grouped queries' layout, the merge of the two softmax states). Every layer pays alike, so one layer decides
+    for the forward; the cost both paths pay alike (the rows' own blocks, the new keys) cancels out."""
+
+    bytes_per_s: float  # K/V bytes the paged read goes through per second
+    pass_s: float  # the extra pass's fixed seconds per layer
+    query_s: float  # its seconds per query token (grouped rows x new tokens) per layer
+
+    def extra_s(self, queries: int) -> float:
+        """Seconds one layer's cascade spends beyond its reads, for `queries` grouped query tokens."""
+        return self.pass_s + self.query_s * queries
+
+    def pays(self, re_read_bytes: float, queries: int) -> bool:
+        """Whether cascade is faster: the time of the shared bytes it does not re-read exceeds its extra pass's."""
+        return re_read_bytes / self.bytes_per_s > self.extra_s(queries)
+
+    def fewest_re_read_bytes(self, queries: int) -> float:
+        """The shared bytes a layer's rows must otherwise re-read for cascade to pay (`pays`: more than this)."""
+        return self.extra_s(queries) * self.bytes_per_s
+
+
+# Each device kind's constants, measured (docs/benchmarks.md, "Cascade's cost model"): the CPU's fitted by
+# benchmarks/speed/cascade_fit.py over the helper's shape; CUDA's from the one H200 pair (paged 13.0 ms, cascade 30.4
+# ms a step at 8 problems x N = 8 over about 1.5k shared tokens, no flash-attn), its whole extra pass put per query
+# token (the choice that cascades least at gpu_check's attention shapes) until gpu_check's attention section, which
+# prints this model's times next to the measured ones, recalibrates it.
+CASCADE_COSTS = {"cpu": CascadeCost(bytes_per_s=5.0e8, pass_s=2.7e-3, query_s=0.0),
+                 "cuda": CascadeCost(bytes_per_s=2.2e11, pass_s=0.0, query_s=15.8e-6)}
+ALWAYS_CASCADE = CascadeCost(bytes_per_s=1.0, pass_s=0.0, query_s=0.0)  # cascade whenever rows share a block
+
+
+def cascade_cost_on(cuda: bool) -> CascadeCost:
+    """The cost model the full cache chooses cascade by outside --deterministic, on CUDA or a CPU."""
+    return CASCADE_COSTS["cuda" if cuda else "cpu"]
+
+
+def token_kv_bytes(kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of one cached token's K and V in one layer."""
+    return 2 * kv_heads * head_dim * dtype_bytes
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from kvrescue.data import Problem
 from kvrescue.devices import RAY_QUIET, device_shares, gpu_index, is_cpu
 from kvrescue.errors import InputError
 from kvrescue.outputs import Trace
-from kvrescue.rank_group import RankGroup, leading
+from kvrescue.rank_group import RankGroup, leading, remove_folder
 from kvrescue.search import DecodeProgress
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 STRIKES = 2          # actor deaths a problem may be part of before it is recorded as failed
 GROUP_RESTARTS = 3   # deaths after which a device group gets no new actor
 RELEASE_WAIT_S = 60.0  # how long a restarted actor waits for its dead predecessor's device memory to be released
+CLOSE_WAIT_S = 60.0  # how long the driver, at the end, waits for idle actors to close their --tp groups
 OBJECT_STORE = 128 * 2**20  # a private instance's object store: problems and traces are small and travel inline
 
 
@@ -172,7 +173,15 @@ class GroupWorker:
             self.models = load_roles(options, device)
             self.outbox.put(("ready", placement))
         except InputError as err:
+            self.close()
             self.outbox.put(("error", str(err)))
+
+    def close(self) -> None:
+        """Close this actor's --tp group, if any: Ray kills an actor's child processes with it, so its other ranks
+        could not remove the group's folder."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     def begin(self, cell: Cell) -> None:
         """Start decoding problems of `cell`, asking the driver for them."""
@@ -203,6 +212,8 @@ class GroupWorker:
                             lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
             self.outbox.put(("idle",))
         except BaseException as err:
+            if self.ranks is not None:  # the driver kills a crashed actor; a killed rank cannot remove the folder
+                remove_folder(self.ranks.folder)
             self.outbox.put(("crash", f"{type(err).__name__}: {err}"[:2000]))
 
 
@@ -258,6 +269,9 @@ class RayWorkers:
     def __exit__(self, *exc) -> None:
         import ray
 
+        closing = [w.actor.close.remote() for w in self.workers if w.state == "idle"]  # a busy one is killed as is
+        if closing:
+            ray.wait(closing, num_returns=len(closing), timeout=CLOSE_WAIT_S)
         for worker in self.workers:
             ray.kill(worker.actor, no_restart=True)
         self.workers = []
@@ -272,6 +286,9 @@ class RayWorkers:
         gpus = named_gpus(self.groups, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if gpus:  # Ray hands its actors exactly the GPUs it sees: those named
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        # Ray starts its workers at niceness 15: beside other work on the machine an actor then gets a few percent of
+        # a core (docs/benchmarks.md, "Ray actors' niceness"); its raylet passes this to them, unless the user set it.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         # "local": a new instance even where this node belongs to a cluster (joining one takes --ray-address)
         ray.init(address="local", num_cpus=len(self.groups), num_gpus=len(gpus), object_store_memory=OBJECT_STORE,
                  **RAY_QUIET)

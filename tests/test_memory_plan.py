@@ -276,31 +276,31 @@ def test_cost_and_run_plan_alike(tmp_path):
 @pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "cuda"])
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "deterministic"])
 def test_the_plan_cascades_where_the_full_cache_does(invariant, cuda):
-    """The planner's `cascade_shared` against `FullCache`'s choice for forwards of `batch` problems' n candidates
-    over `shared` cached tokens each (whole blocks), without and with --deterministic's per-problem rule, on a CPU and
-    on (fake) CUDA, where outside the mode it never cascades: not at the H200's 8 problems x N = 8 over 1k-2k tokens
-    either, where cascade took 2.3x paged's time."""
+    """The planner's `cascade_shared` against `FullCache`'s choice for decode steps of `batch` problems' n candidates
+    (the helper's heads, float32) over shared prefixes of whole blocks, the block from which the planner says they
+    cascade and the one before, without and with --deterministic's per-problem rule, on a CPU and on (fake) CUDA, each
+    by its own cost model."""
     import contextlib
 
     from kvrescue.engine import invariance
     from kvrescue.engine.caches import FullCache
+    from kvrescue.shapes import token_kv_bytes
     from kvrescue_testkit.fake_cuda import FakeCuda
 
     invariance.enable(invariant)
     try:
         with FakeCuda() if cuda else contextlib.nullcontext():
-            for batch, n, shared in [(1, 8, 144), (1, 8, 160), (8, 8, 16), (8, 8, 32), (2, 4, 512), (1, 8, 512),
-                                     (1, 8, 496), (1, 2, 3584), (1, 2, 3568), (4, 3, 1792), (4, 3, 1776),
-                                     (8, 8, 1024), (8, 8, 2048)]:
-                cache = FullCache(1, 1, 8, 8192, max_rows=80, max_row_tokens=4096, block_size=16,
-                                  device="cuda:0" if cuda else "cpu")
-                parents = [cache.create() for _ in range(batch)]
-                cache.begin(parents, [shared] * batch)
-                cache.end()
-                cache.begin([c for p in parents for c in cache.fork(p, n)], [1] * batch * n)
-                start = memory_plan.cascade_shared(batch, n, invariant, cuda)
-                planned = start is not None and shared >= start
-                assert (cache.fwd.shared is not None) == planned, (batch, n, shared)
-                cache.end()
+            for batch, n in [(1, 8), (8, 8), (2, 4), (1, 2), (4, 3)]:
+                start = memory_plan.cascade_shared(batch, n, invariant, cuda, token_kv_bytes(2, 128, 4), 1)
+                first = -(-start // 16) * 16  # the first whole block count at or past `start`
+                for shared in (s for s in (first - 16, first) if s > 0):
+                    cache = FullCache(1, 2, 128, batch * (shared // 16 + 2 * n) + 8, max_rows=batch * (n + 1),
+                                      max_row_tokens=shared + 32, block_size=16, device="cuda:0" if cuda else "cpu")
+                    parents = [cache.create() for _ in range(batch)]
+                    cache.begin(parents, [shared] * batch)
+                    cache.end()
+                    cache.begin([c for p in parents for c in cache.fork(p, n)], [1] * batch * n)
+                    assert (cache.fwd.shared is not None) == (shared >= start), (batch, n, shared, start)
+                    cache.end()
     finally:
         invariance.enable(False)

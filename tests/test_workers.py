@@ -224,12 +224,14 @@ def test_a_lost_node_costs_only_its_actor_and_the_others_finish_the_run(problems
 
 def test_ctrl_c_stops_every_actor_and_the_private_ray_instance_and_the_run_resumes(many_problems, models, reference,
                                                                                    tmp_path):
-    process = subprocess.Popen(command(many_problems, models, tmp_path, "--devices", "cpu,cpu"),
+    product_default = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}  # conftest sets 0
+    process = subprocess.Popen(command(many_problems, models, tmp_path, "--devices", "cpu,cpu"), env=product_default,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + RUN_WAIT_S  # both actors up (Ray renames an actor's process once it exists), then a trace
     while time.time() < deadline and process.poll() is None and len(actor_pids(process.pid)) < 2:
         time.sleep(0.05)
     assert len(actor_pids(process.pid)) == 2, process.poll()
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in actor_pids(process.pid)] == [0, 0]  # not Ray's 15
     wait_for_traces(tmp_path, process, 1)
     ray_processes = descendants(process.pid)  # the private Ray instance's node and its actors
     os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group

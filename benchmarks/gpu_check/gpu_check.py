@@ -13,9 +13,11 @@ downloaded). Sections, in this order:
   bounded cache (rkv with a budget beyond the sequence, so every token stays cached); max/mean |difference|, cosine, top-1 agreement and `ok` under the dtype's tolerance.
 - `attention`: the full cache's attention at the helper's shape (Qwen2.5-Math-1.5B, 28 layers), gather vs
   paged vs cascade, decode step time and KV bytes read, context 1k/2k/4k, 8 and 64 problems x N = 8
-  (`benchmarks/speed/attention_bench.py`).
+  (`benchmarks/speed/attention_bench.py`), each shape with the cascade cost model's times (`shapes.CascadeCost`,
+  CUDA's constants) and choice next to the measured faster of paged and cascade: where they disagree, the model's
+  constants need recalibrating (docs/benchmarks.md, "Cascade's cost model").
 - `decode`: tokens/s of one-token decode steps with Qwen2.5-Math-7B's shape, rows 64/256/512, rkv at
-  budgets 64 and 512 with and without CUDA graphs and `none` (the full cache, which has no CUDA-graph
+  budgets 64 and 512 and `none` (the full cache), each with and without CUDA graphs (engine/graphs.py's static
   step), context 1k and 4k, and transformers `generate` at the same rows and context. Both sides do the same work per token: a forward, fp32
   logits, and top-k/top-p sampling at the paper's settings (this engine also pays its entropy). Each
   with its roofline, the longer of a step's reads (weights and each row's cached K/V, over the copy bandwidth) and

@@ -174,10 +174,6 @@ def decode_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, pl
                     if graphs and not device.startswith("cuda"):
                         check.add("decode", {**record, "skipped": "CUDA graphs need a GPU"})
                         continue
-                    if graphs and policy == "none":
-                        check.add("decode", {**record, "skipped": "`none` decodes with the full cache, which has no "
-                                                                  "CUDA-graph step (as in `kvrescue run`)"})
-                        continue
                     check.measure("decode", record, deadline, lambda: roofline(
                         decode_rate(models()[1], device, policy, budget or 64, rows, context, plan["steps"], graphs),
                         rows, models()[2] + rows * mean_read * entry, token_flops(shape, mean_read), limits),

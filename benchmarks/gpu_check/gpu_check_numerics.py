@@ -17,7 +17,7 @@ from kvrescue.engine.caches import FullCache, block_size_for
 from kvrescue.evictor_catalogue import MIN_BUDGET
 from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.model import Transformer
-from kvrescue.shapes import BUFFER
+from kvrescue.shapes import ALWAYS_CASCADE, BUFFER
 
 CANDIDATES = 4  # forks per problem
 STEPS = 6  # one-token decodes of every fork
@@ -33,7 +33,7 @@ def paged_numerics(net: Transformer, device: str, cascade: bool) -> dict:
     prompts = torch.randint(0, vocab, (len(lengths), max(lengths)), device=device, generator=generator)
     steps = torch.randint(0, vocab, (rows_n, STEPS), device=device, generator=generator)
     cache = FullCache.for_model(net, rows_n * (max(lengths) + STEPS + 2 * block), max_rows=len(lengths) + rows_n,
-                                cascade_from=0 if cascade else None)
+                                cascade=ALWAYS_CASCADE if cascade else None)
     with torch.inference_mode():
         parents = [cache.create() for _ in lengths]
         net.prefill(prompts, cache, parents, lengths)

@@ -216,7 +216,9 @@ def describe_result(section: str, r: dict) -> str:
     if section == "attention":
         return f"{what}: " + ", ".join(f"{v} skipped" if "skipped" in r[v] else
                                        f"{v} {r[v]['step_ms']:.1f} ms/step {r[v]['kv_bytes_read'] / 1e9:.2f} GB"
-                                       for v in ("gather", "paged", "cascade"))
+                                       for v in ("gather", "paged", "cascade")) + (
+            f"; cost model paged {r['model']['paged_ms']:.3f} vs cascade {r['model']['cascade_ms']:.3f} ms/layer, "
+            f"picks {r['model']['picks']}, measured faster: {r['model'].get('measured_faster', 'unmeasured')}")
     if section == "vllm":
         unit = "tokens_per_s" if r["measure"] == "decode" else "candidates_per_s"
         return (f"{what}: {r[f'engine_{unit}']:.1f} vs {r[f'vllm_{unit}']:.1f} {unit.replace('_per_s', '/s')} "

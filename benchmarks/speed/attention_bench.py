@@ -13,9 +13,9 @@ the cache; no model). On the CPU only `--layers` layers are held (default 1: the
 4k would not fit a shared machine 28 times); the step time is begin + 28 x the measured time per layer.
 - gather: the former `FullCache.attend` (every row's blocks copied into a tensor padded to the longest
   row, then masked SDPA; `tests/gather_reference.py`);
-- paged: `FullCache(cascade_from=None)`: each row's own blocks through the block table;
-- cascade: `FullCache(cascade_from=0, group_cascade_from=0)`: each problem's shared prefix read once for its N
-  candidates, merged by lse (by default the cache cascades only from CASCADE_FROM shared tokens re-read, with
+- paged: `FullCache(cascade=None)`: each row's own blocks through the block table;
+- cascade: `FullCache(cascade=ALWAYS_CASCADE, group_cascade_from=0)`: each problem's shared prefix read once for its N
+  candidates, merged by lse (by default the cache cascades where the device's cost model says it pays, with
   `--deterministic` a problem from GROUP_CASCADE_FROM of its own).
 KV bytes read per step (all 28 layers) are counted from the blocks each variant addresses: gather the
 padded [rows, longest row] table, paged and cascade each sequence's blocks (a shared prefix once per
@@ -26,7 +26,7 @@ skipped with the reason.
 
 End to end (`--end-to-end`): `full` runs (best-of-N on the full cache, N = 8) of the CPU demo model
 (SmolLM2-135M, base and helper-loglik scorer) on the first `--problems-e2e` GSM8K problems, one per
-variant (cascade: the default cache, which cascades from CASCADE_FROM shared tokens re-read), wall time
+variant (cascade: the default cache, which cascades where its cost model says it pays), wall time
 without model loading. Steps are synthetic (`--synthetic-steps`, default 32 tokens x
 16 steps), so every variant does the same work whatever it samples.
 """
@@ -54,6 +54,7 @@ from kvrescue.in_process import InProcessGroup
 from kvrescue.runs import prepare_grid, run_cell
 from kvrescue.scorers import HELPER_LOGLIK
 from kvrescue.search import SearchSettings
+from kvrescue.shapes import ALWAYS_CASCADE, CascadeCost, cascade_cost_on, token_kv_bytes
 from kvrescue.smollm import smollm2_folder
 from tests.gather_reference import gather_attend
 
@@ -66,14 +67,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def filled_cache(cascade_from: int | None, problems: int, n: int, context: int, step: int, layers: int, device: str,
+def filled_cache(cascade: CascadeCost | None, problems: int, n: int, context: int, step: int, layers: int, device: str,
                  dtype: torch.dtype) -> tuple[FullCache, list[int]]:
     """Each problem's prefix of `context` tokens, forked into n candidates holding `step` tokens each."""
     bs = block_size_for(torch.empty(0, device=device, dtype=dtype))
     kv_heads, dim = HELPER["kv_heads"], HELPER["head_dim"]
     blocks = problems * (-(-context // bs) + n * (-(-step // bs) + 3))
     cache = FullCache(layers, kv_heads, dim, blocks, max_rows=problems * (n + 1),
-                      max_row_tokens=context + step + 2 * bs, block_size=bs, cascade_from=cascade_from,
+                      max_row_tokens=context + step + 2 * bs, block_size=bs, cascade=cascade,
                       group_cascade_from=0, dtype=dtype, device=device)
     generator = torch.Generator(device).manual_seed(0)
 
@@ -106,19 +107,33 @@ def kv_bytes_per_step(variant: str, cache: FullCache, rows: list[int]) -> int:
     return blocks * block_bytes * HELPER["layers"]
 
 
+def modelled(cost: CascadeCost, cache: FullCache, rows: list[int], n: int) -> dict:
+    """The cost model's times for one layer of the cascading `cache`'s forward in progress (one token a row) and its
+    choice: paged reads what cascade reads plus the shared tokens re-read by all but one of each group's n rows. The
+    cost both pay alike is left out, so its times fall short of measured ones; their difference is what it predicts."""
+    token_bytes = token_kv_bytes(cache.k.shape[3], cache.k.shape[4], cache.k.element_size())
+    cascade_bytes = kv_bytes_per_step("cascade", cache, rows) / HELPER["layers"]
+    re_read = int(cache.fwd.shared.keys.cached.sum()) * (n - 1) * token_bytes
+    return {"paged_ms": 1e3 * (cascade_bytes + re_read) / cost.bytes_per_s,
+            "cascade_ms": 1e3 * (cascade_bytes / cost.bytes_per_s + cost.extra_s(len(rows))),
+            "re_read_bytes": re_read, "picks": "cascade" if cost.pays(re_read, len(rows)) else "paged"}
+
+
 def measure_shape(device: str, dtype: torch.dtype, context: int, problems: int, n: int = 8, step: int = 64,
                   layers: int = 1, repeats: int = 5, max_gib: float = 2.0) -> dict:
     """One decode step of `problems` x n candidates at `context`: per variant the time per layer (fastest of
     `repeats`, round-robin, after a warm-up round), begin's time, the step estimate for 28 layers, KV bytes
-    read (counted) and the speed-up over gather, or why it was skipped."""
+    read (counted) and the speed-up over gather, or why it was skipped; and the device kind's cost model's times
+    and choice (`modelled`) next to the measured choice (the faster of paged and cascade)."""
     heads, dim = HELPER["heads"], HELPER["head_dim"]
-    cascade, rows = filled_cache(0, problems, n, context, step, layers, device, dtype)
+    cascade, rows = filled_cache(ALWAYS_CASCADE, problems, n, context, step, layers, device, dtype)
     cached = [cascade.length(r) for r in rows]
     started = time.perf_counter()
     cascade.begin(rows, [1] * len(rows))
     sync(device)
     begin = {"cascade": time.perf_counter() - started}
     counted = {"cascade": kv_bytes_per_step("cascade", cascade, rows)}
+    model = modelled(cascade_cost_on(device.startswith("cuda")), cascade, rows, n)
     # gather and paged copy about what they read (gather: the padded table), which bounds the shapes on a CPU.
     token_bytes = 2 * HELPER["kv_heads"] * dim * cascade.k.element_size()
     single = len(rows) * max(len(cascade.blocks(r)) for r in rows) * cascade.block_size * token_bytes
@@ -159,6 +174,9 @@ def measure_shape(device: str, dtype: torch.dtype, context: int, problems: int, 
                         "kv_bytes_read": counted[name]}
         if "gather" in calls:
             result[name]["speedup_vs_gather"] = result["gather"]["step_ms"] / result[name]["step_ms"]
+    result["model"] = model
+    if "paged" in calls:
+        model["measured_faster"] = "cascade" if best["cascade"] < best["paged"] else "paged"
     return result
 
 
@@ -166,7 +184,7 @@ def end_to_end(limit: int, n: int, synthetic: tuple[int, int]) -> list[dict]:
     """`full` runs of the CPU demo model (N = n) with each variant's cache; wall seconds without loading."""
     class PagedCache(FullCache):
         def __init__(self, *args, **kw) -> None:
-            super().__init__(*args, **kw, cascade_from=None)
+            super().__init__(*args, **kw, cascade=None)
 
     class GatherCache(PagedCache):
         """The former FullCache.attend: store, then gather every row's blocks padded to the longest row."""

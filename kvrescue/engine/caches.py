@@ -17,7 +17,7 @@ from kvrescue.engine.block_table import BlockTable
 from kvrescue.engine.paged_forward import (Groups, PagedForward, SharedPrefixes, cascading, filled_blocks,
                                            forward_arrays, slot_copies)
 from kvrescue.engine.transfer import upload_all
-from kvrescue.shapes import GROUP_CASCADE_FROM, cascade_from_on
+from kvrescue.shapes import GROUP_CASCADE_FROM, CascadeCost, cascade_cost_on, token_kv_bytes
 
 
 class KVCache(ABC):
@@ -95,10 +95,10 @@ class FullCache(KVCache):
     attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
     another, and the two results are merged exactly by their log-sum-exp. A forward whose rows hold no keys yet (a
     first prefill) attends over its new keys alone on the torch path (no paged read), its mask laid out once.
-    `cascade_from`: the shared tokens a forward's rows must otherwise re-read for it to cascade (0: whenever rows
-    share a block; None: never, even with batch invariance on; "device": the device's rule,
-    `shapes.cascade_from_on`); with batch invariance on, each group cascades alone when its rows would re-read
-    `group_cascade_from`.
+    `cascade`: the cost model a forward cascades by, when it says cascade is faster (`shapes.CascadeCost`;
+    `shapes.ALWAYS_CASCADE`: whenever rows share a block; None: never, even with batch invariance on; "device": the
+    device kind's, `shapes.cascade_cost_on`); with batch invariance on, each group cascades alone when its rows would
+    re-read `group_cascade_from`.
     `rows_padding`: on a CPU, rows are read whole, padded to the longest, when that reads at most this many times
     the blocks of the chunks (0: always in chunks; inf: always whole).
     """
@@ -113,16 +113,14 @@ class FullCache(KVCache):
         max_rows: int = 1024,
         max_row_tokens: int = 8192,
         block_size: int = 16,
-        cascade_from: float | None | str = "device",
+        cascade: CascadeCost | None | str = "device",
         group_cascade_from: int = GROUP_CASCADE_FROM,
         rows_padding: float = ROWS_PADDING,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
         self.block_size = block_size
-        if cascade_from == "device":
-            cascade_from = cascade_from_on(torch.device(device).type == "cuda")
-        self.cascade_from = cascade_from
+        self.cascade = cascade_cost_on(torch.device(device).type == "cuda") if cascade == "device" else cascade
         self.group_cascade_from = group_cascade_from
         self.rows_padding = rows_padding
         self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
@@ -206,7 +204,7 @@ class FullCache(KVCache):
             raise RuntimeError(f"FullCache: rows {sorted(self.reserved)} reserved tokens the forward does not append")
         filled = filled_blocks(self.block_table, rows_np[held], lengths[held], n_np[held])
         cow_src, cow_dst = self.block_table.append(rows_np[~held], n_np[~held])
-        groups = self._cascading(rows_np, lengths)
+        groups = self._cascading(rows_np, lengths, int(n_np.max()))
         host = forward_arrays(self.block_table, self.k[0], rows_np, lengths, n_np, groups, self.rows_padding)
         # No row holds keys yet (torch path; batch invariance keeps the paged read): attention over the new keys.
         fresh = not lengths.any() and "own.blocks" in host and not invariance.on()
@@ -265,9 +263,10 @@ class FullCache(KVCache):
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]
 
-    def _cascading(self, rows: np.ndarray, lengths: np.ndarray) -> Groups | None:
+    def _cascading(self, rows: np.ndarray, lengths: np.ndarray, tokens: int) -> Groups | None:
         """The groups of the forward's rows that cascade, by this cache's rule (`paged_forward.cascading`)."""
-        return cascading(self.block_table, rows, lengths, self.cascade_from, self.group_cascade_from)
+        token_bytes = token_kv_bytes(self.k.shape[3], self.k.shape[4], self.k.element_size())
+        return cascading(self.block_table, rows, lengths, tokens, self.cascade, token_bytes, self.group_cascade_from)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the forward's valid new k/v [R, Hkv, T, D] of `layer` into their slots, then copy the slots of blocks

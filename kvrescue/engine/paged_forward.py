@@ -9,11 +9,10 @@ import torch
 import kvrescue.engine.invariance as invariance
 from kvrescue.engine.attention import PagedKeys, Visibility, paged_layout
 from kvrescue.engine.block_table import BlockTable, ranks
+from kvrescue.shapes import CascadeCost
 
-# CASCADE_FROM (shapes.py): cascade when a forward's rows would otherwise re-read at least that many shared tokens
-# (each group's shared prefix once per row but one): below it the extra pass and merge cost more than they save on the CPU
-# (docs/benchmarks.md, "Cascade attention"). On a GPU the extra kernels' fixed cost is what matters; gpu_check's
-# attention section measures it.
+# Outside batch invariance, a forward cascades when the device's cost model (shapes.CascadeCost) says its shared
+# reads saved outweigh the extra pass and merge (docs/benchmarks.md, "Cascade's cost model").
 # With batch invariance on, whether a row cascades must not depend on the rows beside it, so each group decides
 # from its own rows: from GROUP_CASCADE_FROM (shapes.py) re-read, N = 8 over a 512-token prefix. On a CPU, whose
 # invariant attention reads whole 512-key blocks, a cascading row reads one block more, which a shorter prefix does
@@ -115,19 +114,20 @@ def forward_arrays(block_table: BlockTable, k_pool: torch.Tensor, rows: np.ndarr
     return host
 
 
-def cascading(block_table: BlockTable, rows: np.ndarray, lengths: np.ndarray, cascade_from: float | None,
-              group_cascade_from: int) -> Groups | None:
+def cascading(block_table: BlockTable, rows: np.ndarray, lengths: np.ndarray, tokens: int, cost: CascadeCost | None,
+              token_bytes: int, group_cascade_from: int) -> Groups | None:
     """The groups of the forward's rows (`shared_prefixes`) that read their shared blocks in a pass of their
-    own: all of them when together they would otherwise re-read `cascade_from` shared tokens, or with batch
-    invariance on, each one whose own rows would (`group_cascade_from`), so that what a row computes depends on
-    its siblings alone (a problem's candidates), never on the other rows of the forward."""
-    groups = None if cascade_from is None else shared_prefixes(block_table, rows, lengths)
+    own: all of them when `cost` says cascade pays for the shared tokens they would otherwise re-read (of
+    `token_bytes` a layer) and their queries (`tokens` new ones a row), or with batch invariance on, each one whose
+    own rows would re-read `group_cascade_from` (so that what a row computes depends on its siblings alone, a
+    problem's candidates, never on the other rows of the forward). None: no cascade (`cost` None: never)."""
+    groups = None if cost is None else shared_prefixes(block_table, rows, lengths)
     if groups is None:
         return None
     re_read = groups.shared * block_table.block_size * (groups.sizes - 1)
     if invariance.on():
         return groups.select(re_read >= group_cascade_from)
-    return groups if re_read.sum() >= cascade_from else None
+    return groups if cost.pays(int(re_read.sum()) * token_bytes, int(groups.sizes.sum()) * tokens) else None
 
 
 def shared_prefixes(block_table: BlockTable, rows: np.ndarray, lengths: np.ndarray) -> Groups | None:

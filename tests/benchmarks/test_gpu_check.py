@@ -37,6 +37,9 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     (attention,) = report["attention"]  # benchmarks/speed/attention_bench.py at a tiny shape, one layer
     assert all(attention[v]["kv_bytes_read"] > 0 for v in ("gather", "paged", "cascade"))
     assert attention["cascade"]["kv_bytes_read"] < attention["paged"]["kv_bytes_read"]
+    model = attention["model"]  # the cascade cost model's times and choice beside the measured faster of the two
+    assert model["picks"] in ("paged", "cascade") and model["measured_faster"] in ("paged", "cascade")
+    assert model["paged_ms"] > 0 and model["cascade_ms"] > 0
     measured = [d for d in report["decode"] if "skipped" not in d]
     assert {d["engine"] for d in measured} == {"kvrescue", "transformers-generate"}
     flex = report["flex"]  # FlexAttention (eager on a CPU) vs SDPA: both caches, eager and static steps
@@ -123,6 +126,7 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     table = lines[len(progress):]
     assert sum(" tok/s " in line for line in table) == len(measured)
     assert any("full graphs=off: 4 problems" in line for line in table)
+    assert sum(f"picks {model['picks']}, measured faster: {model['measured_faster']}" in line for line in table) == 1
     assert "traces at --batch 1/4 --deterministic: 4 of 4 problems agree, ok=True" in "\n".join(table)
     assert sum("engine vs vLLM" in line and "skipped (gpu_check's vllm section needs vLLM" in line
                for line in table) == 4

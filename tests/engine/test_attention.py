@@ -9,7 +9,7 @@ import torch
 
 from kvrescue.engine import attention, caches
 from kvrescue.engine.caches import FullCache
-from kvrescue.shapes import CASCADE_FROM
+from kvrescue.shapes import ALWAYS_CASCADE, CASCADE_COSTS, CascadeCost
 from tests.gather_reference import exact_attend, gather_attend
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
@@ -41,8 +41,8 @@ def forward(caches, rows, n_new, heads, generator, layer=0):
         exact = exact_attend(cache, layer, rows, cached, q)
         errors = {name: (out.double() - exact).transpose(1, 2)[valid].abs().max().item()
                   for name, out in (("paged/cascade", got), ("gather", gather_attend(cache, layer, rows, cached, q)))}
-        assert max(errors.values()) < TOL, (f"rows {rows} appending {n_new} to {cached}, cascade_from "
-                                            f"{cache.cascade_from}: max |result - exact| {errors}")
+        assert max(errors.values()) < TOL, (f"rows {rows} appending {n_new} to {cached}, cascade "
+                                            f"{cache.cascade}: max |result - exact| {errors}")
     return shared
 
 
@@ -69,7 +69,7 @@ def scenario(caches, heads, generator):
 
 def make_caches(**kw):
     """A cache that cascades whenever rows share a block, and one that never does."""
-    return [FullCache(1, HKV, D, 256, max_rows=16, block_size=BLOCK, cascade_from=c, **kw) for c in (0, None)]
+    return [FullCache(1, HKV, D, 256, max_rows=16, block_size=BLOCK, cascade=c, **kw) for c in (ALWAYS_CASCADE, None)]
 
 
 @pytest.mark.parametrize("group", range(1, 8))
@@ -113,7 +113,7 @@ def test_cascade_with_a_prefix_longer_than_one_chunk_and_many_groups() -> None:
     """Several problems, each with candidates forked from a prefix of several torch chunks, in one forward;
     the longest query set is sliced (SCORE_BYTES) without changing the result."""
     generator = torch.Generator().manual_seed(9)
-    caches = [FullCache(2, HKV, D, 2048, max_rows=64, block_size=16, cascade_from=c) for c in (0, None)]
+    caches = [FullCache(2, HKV, D, 2048, max_rows=64, block_size=16, cascade=c) for c in (ALWAYS_CASCADE, None)]
     lengths = [300, 517, 41]
     parents = [[x.create() for _ in lengths] for x in caches][0]
     forward(caches, parents, lengths, HKV * 3, generator, layer=1)
@@ -175,26 +175,48 @@ def test_attention_bench_counts_the_blocks_each_variant_reads() -> None:
     assert all(shape[v]["ms_per_layer"] > 0 < shape[v]["speedup_vs_gather"] for v in ("gather", "paged", "cascade"))
 
 
-def test_cascade_only_where_it_saves_enough_re_reading() -> None:
-    """The default cache cascades a forward only when its rows would otherwise re-read CASCADE_FROM shared tokens."""
-    generator = torch.Generator().manual_seed(5)
-    cache = FullCache(1, HKV, D, 4096, max_rows=64, block_size=16)
-    parent = cache.create()
-    forward([cache], [parent], [160], HKV, generator)
-    few, more = cache.fork(parent, 4), cache.fork(parent, 4)  # 160 shared tokens (10 blocks), re-read by all but one
-    assert forward([cache], few, [1] * 4, HKV, generator) == [[]] and CASCADE_FROM == 1024  # 3 x 160 < 1024
-    assert forward([cache], few + more, [1] * 8, HKV, generator) == [[160]]  # 7 x 160 >= 1024
+# One layer of the helper's attention (2 KV heads of 128, float32) on a CPU, paged vs cascade, ms: problems x N = 8
+# candidates over a shared prefix, each 64 tokens into its step, one new token a row (benchmarks/speed/cascade_fit.py,
+# docs/benchmarks.md, "Cascade's cost model").
+CPU_MEASURED = [(1, 64, 1.051, 1.203), (1, 128, 1.898, 0.838), (1, 256, 4.877, 0.974), (1, 512, 10.752, 1.143),
+                (1, 1024, 31.809, 1.607), (1, 2048, 62.663, 3.491), (8, 64, 18.640, 7.454), (8, 128, 34.996, 4.791),
+                (8, 256, 157.649, 16.786), (8, 512, 273.653, 23.305), (8, 1024, 234.007, 26.813),
+                (8, 2048, 822.389, 65.608)]
 
 
-def test_on_cuda_the_default_cache_never_cascades() -> None:
-    """Where an H200 measured cascade at 2.3x paged's time (8 problems x N = 8 over 1k-2k tokens, no flash-attn), the
-    default cache on a CUDA device (fake: the decision is the host's) reads paged."""
+def cascades(problems: int, shared: list[int], dtype: torch.dtype = torch.float32, device: str = "cpu",
+             cost: CascadeCost | str = "device") -> bool:
+    """Whether a cache in the helper's heads cascades a decode step of `problems` x N = 8 candidates, problem i's
+    over `shared[i]` tokens, each candidate 64 tokens into its step (the host decides; no attention is computed)."""
+    blocks = sum(-(-s // 16) for s in shared) + problems * 8 * 6
+    cache = FullCache(1, 2, 128, blocks, max_rows=9 * problems, max_row_tokens=max(shared) + 96, block_size=16,
+                      cascade=cost, dtype=dtype, device=device)
+    parents = [cache.create() for _ in range(problems)]
+    cache.begin(parents, shared)
+    cache.end()
+    rows = [child for parent in parents for child in cache.fork(parent, 8)]
+    for n_new in (64, 1):
+        cache.begin(rows, [n_new] * len(rows))
+        if n_new == 1:
+            return cache.fwd.shared is not None
+        cache.end()
+
+
+def test_the_cpus_cost_model_makes_the_measured_choices() -> None:
+    """On a CPU the default cache cascades exactly where cascade measured faster than paged: from 128 shared tokens
+    at 1 problem, at every measured prefix at 8; never where paged was faster (1 problem over 64 tokens)."""
+    assert CASCADE_COSTS["cpu"].pays(0, 1) is False
+    for problems, shared, paged_ms, cascade_ms in CPU_MEASURED:
+        assert cascades(problems, [shared] * problems) == (cascade_ms < paged_ms), (problems, shared)
+
+
+def test_on_cuda_the_cost_model_reads_paged_where_an_h200_measured_cascade_slower() -> None:
+    """Where an H200 measured cascade at 2.3x paged's time (8 problems x N = 8 over 1k-2k tokens, bf16, no
+    flash-attn), the default cache on a CUDA device (fake: the decision is the host's) reads paged; an explicit cost
+    model under which cascade always pays cascades the same forward."""
     from kvrescue_testkit.fake_cuda import FakeCuda
 
     with FakeCuda():
-        cache = FullCache(1, HKV, D, 2048, max_rows=80, max_row_tokens=2048, block_size=16, device="cuda:0")
-        parents = [cache.create() for _ in range(8)]
-        cache.begin(parents, [1024 + 128 * i for i in range(8)])
-        cache.end()
-        cache.begin([child for parent in parents for child in cache.fork(parent, 8)], [1] * 64)
-        assert cache.fwd.shared is None
+        for shared in ([1024 + 128 * i for i in range(8)], [1504] * 8, [2048] * 8):
+            assert not cascades(8, shared, torch.bfloat16, "cuda:0"), shared
+        assert cascades(8, [1504] * 8, torch.bfloat16, "cuda:0", ALWAYS_CASCADE)

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvrescue.engine import FullCache, load_model
 from kvrescue.engine.attention import attend_padded
 from kvrescue.engine.paged_forward import shared_prefixes
+from kvrescue.shapes import ALWAYS_CASCADE
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
@@ -198,15 +199,15 @@ def test_copy_on_write_leaves_the_last_holder_its_block(model) -> None:
         assert (logits - _prefill(model, ref, ref.create(), prefix + [token])).abs().max() < TOL
 
 
-@pytest.mark.parametrize("cascade_from", [None, 0], ids=["paged", "cascade"])
-def test_forks_of_reserved_room_append_in_the_forward_that_fills_it(qwen2_dir, cascade_from) -> None:
+@pytest.mark.parametrize("cascade", [None, ALWAYS_CASCADE], ids=["paged", "cascade"])
+def test_forks_of_reserved_room_append_in_the_forward_that_fills_it(qwen2_dir, cascade) -> None:
     """Two rows (one holding 11 tokens, one new) reserve room for their next tokens, three forks of each are made,
     and one forward appends the rows' tokens and the forks' own: the same outputs and K/V as feeding the rows first
     and then appending to forks of them (each fork's copy of the partly filled block made in every layer once the
     rows' tokens are stored there)."""
     net = load_model(qwen2_dir).net
     generator = torch.Generator().manual_seed(6)
-    caches = [FullCache.for_model(net, 1024, max_rows=16, block_size=4, cascade_from=cascade_from) for _ in range(2)]
+    caches = [FullCache.for_model(net, 1024, max_rows=16, block_size=4, cascade=cascade) for _ in range(2)]
     prompt = torch.randint(0, net.args.vocab_size, (1, 11), generator=generator)
     fed = [torch.randint(0, net.args.vocab_size, (n,), generator=generator).tolist() for n in (6, 9)]
     suffixes = [torch.randint(0, net.args.vocab_size, (n,), generator=generator).tolist() for n in (5, 2, 9, 7, 3, 4)]

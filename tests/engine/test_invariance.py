@@ -26,6 +26,7 @@ from kvrescue.errors import InputError
 from kvrescue_testkit.fake_cuda import FakeCuda
 from kvrescue.grid import grid_options
 from kvrescue.search import SearchSettings
+from kvrescue.shapes import ALWAYS_CASCADE
 from kvrescue.smollm import smollm2_folder
 from tests.helpers import KVRESCUE, kvrescue, ok, read_folder, tiny_problems, traces_of, write_jsonl
 from tests.test_workers import comparable, wait_for_traces
@@ -136,9 +137,9 @@ def test_a_bounded_caches_rows_attend_alike_in_any_batch(invariant, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("cascade_from", [0, None], ids=["cascade", "no-cascade"])
-def test_a_full_caches_rows_attend_alike_in_any_batch(invariant, dtype, cascade_from):
-    cache = FullCache(1, HKV, D, 512, max_rows=32, max_row_tokens=1024, cascade_from=cascade_from, dtype=dtype)
+@pytest.mark.parametrize("cascade", [ALWAYS_CASCADE, None], ids=["cascade", "no-cascade"])
+def test_a_full_caches_rows_attend_alike_in_any_batch(invariant, dtype, cascade):
+    cache = FullCache(1, HKV, D, 512, max_rows=32, max_row_tokens=1024, cascade=cascade, dtype=dtype)
     assert probe_cache(cache, dtype, forks=3) == []
 
 
@@ -193,8 +194,8 @@ def test_a_problems_candidates_cascade_by_their_own_prefix_and_attend_alike_besi
 @pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
 def test_on_a_gpu_too_the_mode_cascades_each_problem_by_its_own_prefix(on):
     """On a CUDA device (emulated: FakeCuda, no values, the decisions are the host's) the groups that cascade: with the
-    mode on, A's candidates alone (B's re-read 288 < 1,024); off it, none (on CUDA cascade never pays outside the mode,
-    `shapes.cascade_from_on`)."""
+    mode on, A's candidates alone (B's re-read 288 < 1,024); off it, none (CUDA's cost model, `shapes.CascadeCost`,
+    says cascade does not pay for re-reads this short)."""
     invariance.enable(on)
     try:
         with FakeCuda():
@@ -256,8 +257,8 @@ def test_problems_whose_candidates_cascade_write_the_same_traces_at_batch_1_and_
     cascaded = []
     choose = FullCache._cascading
 
-    def spy(cache, rows, lengths):
-        groups = choose(cache, rows, lengths)
+    def spy(cache, rows, lengths, tokens):
+        groups = choose(cache, rows, lengths, tokens)
         cascaded.append(groups is not None)
         return groups
 

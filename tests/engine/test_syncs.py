@@ -20,6 +20,7 @@ from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.runner import Runner
 from kvrescue.engine.sampling import SamplingParams
 from kvrescue.engine.steps import StepRules
+from kvrescue.shapes import ALWAYS_CASCADE
 
 aten = torch.ops.aten
 SIZE_ON_DEVICE = (aten.nonzero.default, aten.masked_select.default, aten._local_scalar_dense.default)
@@ -63,7 +64,7 @@ def counting(monkeypatch: pytest.MonkeyPatch):
 
 def _runner(model, kind: str) -> Runner:
     if kind == "full":  # cascade on: the candidates' shared prefixes are read in a separate pass
-        return Runner(model, FullCache.for_model(model.net, 1 << 15, max_rows=64, block_size=8, cascade_from=0))
+        return Runner(model, FullCache.for_model(model.net, 1 << 15, max_rows=64, block_size=8, cascade=ALWAYS_CASCADE))
     evictor = "h2o" if kind == "bounded-h2o" else "rkv"  # h2o: its received attention accumulated every step
     return Runner(model, BoundedCache.for_model(model.net, 16, evictor, rows=8, max_append=64))  # compresses as it goes
 

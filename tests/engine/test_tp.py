@@ -179,17 +179,51 @@ def test_a_killed_rank_fails_its_group_which_is_restarted(one_device, problems, 
     while not any(path.read_bytes() for path in out.glob("tiny/*/traces.jsonl")):
         assert time.time() < deadline and process.poll() is None, "no trace written"
         time.sleep(0.05)
-    (follower,) = [pid for pid in descendants(os.getpid())
-                   if b"kvrescue.rank_follower" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    ((follower, folder),) = followers().items()
     os.kill(follower, signal.SIGKILL)
+    folders = {folder}
+    while process.poll() is None:  # the restarted group's folder too
+        folders |= set(followers().values())
+        assert time.time() < deadline, "the run did not end"
+        time.sleep(0.05)
     _, err = process.communicate(timeout=RUN_WAIT_S)
     err = err.decode()
+    assert len(folders) == 2 and all(f.name.startswith("kvrescue-tp-") for f in folders), folders
+    removed_by = time.time() + 30  # by the crashed actor, then by the last one as the driver ends
+    while any(f.exists() for f in folders):
+        assert time.time() < removed_by, f"left behind: {[f for f in folders if f.exists()]}"
+        time.sleep(0.05)
     assert process.returncode == 0, err[-3000:]
     assert "died" in err and "starting a new worker for its group" in err, err[-3000:]
     assert f"rank 1 (pid {follower}) was killed by signal 9" in err, err[-3000:]  # the group's error says why
     traces = comparable(traces_of(out))
     assert [t["idx"] for t in traces] == list(range(6))  # each problem exactly once
     assert traces[:4] == comparable(one_device["kvrescue"], approx=True)
+
+
+def followers() -> dict[int, Path]:
+    """Each live rank > 0 (`kvrescue.rank_follower`) below this process, and its group's folder."""
+    found = {}
+    for pid in descendants(os.getpid()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
+            continue
+        if b"kvrescue.rank_follower" in argv:
+            found[pid] = Path(argv[argv.index(b"kvrescue.rank_follower") + 1].decode())
+    return found
+
+
+def test_a_group_that_cannot_form_leaves_no_folder(monkeypatch, tmp_path) -> None:
+    import tempfile
+    import threading
+
+    from kvrescue.rank_group import RankGroup
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(TypeError, match="pickle"):
+        RankGroup(threading.Lock(), ("cpu", "cpu"))  # options that cannot be handed to the other ranks
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_other_ranks_wait_between_cells_as_long_as_rank_0_lives(models, monkeypatch, tmp_path) -> None:
@@ -218,6 +252,7 @@ def test_the_other_ranks_wait_between_cells_as_long_as_rank_0_lives(models, monk
         group.close()
     assert [t.idx for t in traces] == [0, 1] and all(t.n_steps == 2 for t in traces)
     assert group.ranks.followers[0].returncode == 0
+    assert not group.ranks.folder.exists()  # a normal close removes the group's folder
 
 
 def test_a_rank_that_fails_is_named_in_the_groups_error_with_its_status_and_last_stderr_lines(models, tmp_path) -> None:
