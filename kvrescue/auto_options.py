@@ -47,6 +47,6 @@ def resolve_prm_recipe(options: GridOptions) -> GridOptions:
                              f"--prm-recipe, one of {', '.join(PRM_RECIPES)}, or --prm {HELPER_LOGLIK} for the named "
                              "alternative scorer")
     recipe = get_recipe(name, options.prm_format)
-    if recipe.no_vllm and "prm" in options.vllm_roles():
+    if recipe.no_vllm and "prm" in options.group_plan().vllm_models():
         raise InputError(f"--engine vllm: {recipe.no_vllm}")
     return replace(options, prm_recipe=name)

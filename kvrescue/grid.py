@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrescue.cell_plan import BOUNDED, FULL, NATIVE, VLLM, CellPlan, RolePlan, ScorerPlan
+from kvrescue.cell_plan import BOUNDED, FULL, NATIVE, VLLM, Cell, CellPlan, GroupPlan, RolePlan, ScorerPlan
 from kvrescue.data import GENERIC, ProblemSet
 from kvrescue.devices import is_cpu
 from kvrescue.engine.evict import CHOICES, EVICTORS, MIN_BUDGET, NO_EVICTION, make_evictor, parse_evictor
@@ -19,21 +19,10 @@ from kvrescue.methods import METHODS
 from kvrescue.run_options import (
     AUTO, CONCERNS, EngineOptions, GradingOptions, GridAxes, ModelOptions, Placement, RunIO, split_scorer,
 )
-from kvrescue.scorers import HELPER_LOGLIK, PRM
+from kvrescue.scorers import PRM
 from kvrescue.search import SearchSettings
 
 MAX_CELLS = 100_000  # a grid's cells (run folders); the paper's largest grid has 400
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One configuration of the grid."""
-
-    problems: ProblemSet
-    method: str
-    budget: int | None
-    n: int
-    seed: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,8 +63,7 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
 
         evictor = make_evictor(self.evictor, self.evictor_params) if evicts else None
         return CellPlan(
-            method=method, budget=budget if spec.budgeted else None, n=n, batch=s.batch,
-            max_step_tokens=s.max_step_tokens, context_cap=s.context_cap,
+            method=method, budget=budget if spec.budgeted else None, n=n, settings=s,
             base=where("base", BOUNDED if evicts else FULL) if spec.base else None,
             helper=where("helper", FULL) if spec.helper else None,
             scorer=ScorerPlan(self.scorer, VLLM if self.scorer == PRM and self._on_vllm("prm", method) else NATIVE,
@@ -87,6 +75,7 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
             accumulates=evictor is not None and evictor.accumulates,
             buffer=self.buffer if evicts else None,
             cuda_graphs=self.cuda_graphs, deterministic=self.deterministic, tp=self.tp,
+            prompt=self.prompt, grading=GradingOptions(grader=self.grader, also_grade=self.also_grade),
         )
 
     def cell_plans(self) -> list[CellPlan]:
@@ -96,24 +85,13 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
                              for method in self.methods for budget in self.budgets for n in self.ns)
         return [self.cell_plan(method, budget, n) for method, budget, n in keys]
 
-    def vllm_roles(self, methods: list[str] | None = None) -> set[str]:
-        """The roles run on vLLM by `methods` (default: the grid's); none without `--engine vllm`."""
-        return {role for method in methods or self.methods for role in roles_needed([method], self.scorer)
-                if self._on_vllm(role, method) and (role != "helper" or METHODS[method].helper)}
-
-    def vllm_models(self) -> dict[str, str]:
-        """The model of each role the grid runs on vLLM (`vllm_roles`)."""
-        return {role: self.models[role] for role in self.vllm_roles()}
-
-    def native_models(self) -> dict[str, str]:
-        """The model of each role the grid runs on this engine (`native_roles`)."""
-        return {role: self.models[role] for role in self.native_roles()}
-
-    def native_roles(self) -> set[str]:
-        """The roles the grid runs on this engine: the rest, and the helper of the helper-loglik scorer."""
-        roles = {role for method in self.methods for role in roles_needed([method], self.scorer)
-                 if not self._on_vllm(role, method)}
-        return roles | ({"helper"} if self.scorer == HELPER_LOGLIK else set())
+    def group_plan(self) -> GroupPlan:
+        """What every device group loads and plans for (`cell_plan.GroupPlan`): the cells' plans and the concerns'
+        options."""
+        concerns = {concern: concern(**{name: getattr(self, name) for name in concern.__dataclass_fields__})
+                    for concern in (ModelOptions, EngineOptions, Placement)}
+        return GroupPlan(tuple(self.cell_plans()), concerns[ModelOptions], concerns[EngineOptions],
+                         concerns[Placement], self.settings)
 
     def axes(self) -> tuple[GridAxes, ...]:
         """The grids whose cells the run executes: `grids`, else the one grid of the axes."""
@@ -222,13 +200,3 @@ def grid_options(models: dict[str, str], settings: SearchSettings, out: Path, **
             raise InputError(str(err)) from None
     return GridOptions(models=models, scorer=scorer, settings=settings, out=out, **fields)
 
-
-def roles_needed(methods: list[str], scorer: str) -> set[str]:
-    """Which models the grid needs: base, helper, prm."""
-    roles = set()
-    for method in methods:
-        spec = METHODS[method]
-        roles |= {"base"} if spec.base else set()
-        roles |= {"helper"} if spec.helper else set()
-    roles.add("prm" if scorer == PRM else "helper")
-    return roles

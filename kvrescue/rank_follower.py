@@ -41,7 +41,7 @@ def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> Non
     _exit_with(parent)
     options = pickle.loads((folder / "options.pickle").read_bytes())
     join(folder / "rendezvous", rank, world, device)
-    models = load_roles(options, device)
+    models = load_roles(options.group_plan(), device)
     pipe = sys.stdin.buffer  # rank 0's messages
 
     def problems() -> Iterator[Problem]:
@@ -49,8 +49,8 @@ def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> Non
             yield message[1]
 
     while (message := receive(pipe))[0] == "cell":
-        decode_cell(options, message[1], build_cell(options.plan_of(message[1]), models), problems(),
-               lambda trace, tokens: None)
+        plan = options.plan_of(message[1])
+        decode_cell(plan, message[1], build_cell(plan, models), problems(), lambda trace, tokens: None)
     dist.destroy_process_group()
 
 

@@ -40,7 +40,7 @@ from kvrescue.group_models import use_device
 
 if TYPE_CHECKING:
     from kvrescue.data import Problem
-    from kvrescue.grid import Cell
+    from kvrescue.cell_plan import Cell
 
 # A collective that waits longer than this fails the group ($KVRESCUE_TP_TIMEOUT_S seconds, default 10 minutes).
 TIMEOUT = timedelta(seconds=float(os.environ.get("KVRESCUE_TP_TIMEOUT_S", "600")))

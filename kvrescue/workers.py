@@ -44,7 +44,8 @@ from kvrescue.rank_group import RankGroup, leading
 from kvrescue.search import DecodeProgress
 
 if TYPE_CHECKING:
-    from kvrescue.grid import Cell, GridOptions
+    from kvrescue.cell_plan import Cell
+    from kvrescue.grid import GridOptions
 
 STRIKES = 2          # actor deaths a problem may be part of before it is recorded as failed
 GROUP_RESTARTS = 3   # deaths after which a device group gets no new actor
@@ -156,7 +157,7 @@ class GroupWorker:
         import ray
         import torch
 
-        self.options = options
+        self.options, plan = options, options.group_plan()
         self.outbox: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
         group = actor_devices(group, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -167,9 +168,9 @@ class GroupWorker:
                      "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
         self.ranks: RankGroup | None = None
         try:  # the memory check before the group forms: a refusal inside it would hang its ranks
-            wait_for_room(options, group, shares, RELEASE_WAIT_S if restarted else 0.0)
+            wait_for_room(plan, group, shares, RELEASE_WAIT_S if restarted else 0.0)
             self.ranks = RankGroup(options, group) if len(group) > 1 else None  # --tp: this actor is rank 0
-            self.models = load_roles(options, device)
+            self.models = load_roles(plan, device)
             self.outbox.put(("ready", placement))
         except InputError as err:
             self.outbox.put(("error", str(err)))
@@ -197,8 +198,9 @@ class GroupWorker:
 
     def _decode(self, cell: Cell) -> None:
         try:
+            plan = self.options.plan_of(cell)
             with leading(self.ranks, cell, self._pull()) as problems:
-                decode_cell(self.options, cell, build_cell(self.options.plan_of(cell), self.models), problems,
+                decode_cell(plan, cell, build_cell(plan, self.models), problems,
                             lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
                             lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
             self.outbox.put(("idle",))
@@ -307,7 +309,7 @@ class RayWorkers:
         import ray
 
         return {"kind": "ray", "ray": ray.__version__, "address": self.options.ray_address or "local",
-                **batch_description(self.options),
+                **batch_description(self.options.group_plan()),
                 "nodes": sum(node["Alive"] for node in ray.nodes()),
                 "workers": [{"devices": list(w.devices), **(w.placement or {})} for w in self.workers]}
 

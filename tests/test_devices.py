@@ -73,7 +73,7 @@ def test_each_rank_of_a_tp_group_computes_on_its_named_device(gpus, models, monk
         rank_group.shutil.rmtree(leader.folder)
     gpus.clear()
     with pytest.raises(InputError, match="GiB is free"):
-        device_plan.wait_for_room(grid, group)  # rank 0's check of every rank's device, before the group forms
+        device_plan.wait_for_room(grid.group_plan(), group)  # rank 0's check of every rank's device, before the group forms
     assert {d for _, d in gpus} == set(group) and all(("mem_get_info", device) in gpus for device in group)
     for device in group:
         gpus.clear()

@@ -56,16 +56,17 @@ def measured_cell(policy: Path, prm: Path, method: str, scorer: str, batch: int,
     settings = SearchSettings(batch=batch, synthetic_steps=(step, 1000), max_step_tokens=step, context_cap=cap)
     options = small_grid(tmp_path, settings, methods=[method], ns=[n], models=models, scorer=scorer, dtype="float32")
     problems = [Problem(i, "What is one plus one?", "2", {}) for i in range(batch)]
-    loaded = load_roles(options, "cpu")
+    loaded = load_roles(options.group_plan(), "cpu")
     tokenizer = loaded["base" if "base" in loaded else "helper"].tokenizer
     prompt = len(tokenizer.encode(generation_prompt(tokenizer, problems[0].problem), add_special_tokens=False))
     weights = parameter_bytes(*{id(m.net): m.net for m in loaded.values()}.values())
     cell = small_cell(problems, method, n=n)
+    cell_plan = options.plan_of(cell)
     mode = TensorBytes()
     with torch.inference_mode(), mode:
-        decode_cell(options, cell, build_cell(options.plan_of(cell), loaded), problems, lambda trace, tokens: None)
+        decode_cell(cell_plan, cell, build_cell(cell_plan, loaded), problems, lambda trace, tokens: None)
     shape = replace(memory_plan.cell_shapes(options.cell_plans())[0], prompt_tokens=prompt)
-    plan = memory_plan.plan_cell(memory_plan.grid_models(options.native_models()), shape,
+    plan = memory_plan.plan_cell(memory_plan.grid_models(options.group_plan().native_models()), shape,
                                  memory_plan.DeviceKind(dtype_bytes=4))
     return weights + mode.peak, plan
 
@@ -135,11 +136,12 @@ def test_batch_auto_is_the_largest_that_fits(tmp_path):
     paths = write_paper_configs(tmp_path)
     options = paper_grid(tmp_path, {"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},
                          devices=("cuda:0",), device_memory=80 * 10**9)
-    batch = device_plan.auto_batch(options, [("cuda:0",)])
+    batch = device_plan.auto_batch(options.group_plan(), [("cuda:0",)])
     room = 80 * 10**9 - memory_plan.headroom(80 * 10**9)
-    assert device_plan.plan_for_device(options, "cuda:0", batch).total <= room < device_plan.plan_for_device(
-        options, "cuda:0", batch + 1).total
-    shared = device_plan.auto_batch(replace(options, devices=("cuda:0", "cuda:0")), [("cuda:0",), ("cuda:0",)], 2)
+    assert device_plan.plan_for_device(options.group_plan(), "cuda:0", batch).total <= room < \
+        device_plan.plan_for_device(options.group_plan(), "cuda:0", batch + 1).total
+    shared = device_plan.auto_batch(replace(options, devices=("cuda:0", "cuda:0")).group_plan(),
+                                    [("cuda:0",), ("cuda:0",)], 2)
     assert shared < batch  # two workers on one GPU: each plans its half
 
 
@@ -229,7 +231,7 @@ def test_a_tp_group_too_large_for_its_devices_is_refused_before_any_rank_starts(
 def test_workers_sharing_a_gpu_each_plan_their_share(tmp_path, monkeypatch):
     """--devices cuda:0,cuda:0: each of the two workers plans half of the GPU, not the whole of it."""
     fake_gpus(monkeypatch, lambda device: 80 * 2**30)
-    options = gpu_options(tmp_path, ("cuda:0", "cuda:0"))
+    options = gpu_options(tmp_path, ("cuda:0", "cuda:0")).group_plan()
     need = device_plan.plan_for_device(options, "cuda:0").total
     assert 40 * 2**30 < need < 75 * 2**30  # fits the GPU, not half of it
     device_plan.wait_for_room(options, ("cuda:0",), shares=1)
@@ -243,7 +245,7 @@ def test_a_restarted_worker_waits_for_its_predecessors_memory(tmp_path, monkeypa
     seconds = [0.0]
     released_at = 20.0
     fake_gpus(monkeypatch, lambda device: 80 * 2**30 if seconds[0] >= released_at else 10 * 2**30)
-    options = gpu_options(tmp_path, ("cuda:0",))
+    options = gpu_options(tmp_path, ("cuda:0",)).group_plan()
     clock, sleep = (lambda: seconds[0]), (lambda s: seconds.__setitem__(0, seconds[0] + s))
     with pytest.raises(InputError, match=r"10\.0 GiB is free"):
         device_plan.wait_for_room(options, ("cuda:0",), clock=clock, sleep=sleep)
@@ -268,7 +270,7 @@ def test_cost_and_run_plan_alike(tmp_path):
                                       paths["prm"], "--batch", "8", "--format", "json"])
     assert result.exit_code == 0, result.output
     cost = orjson.loads(result.stdout)
-    plan = device_plan.plan_for_device(options, "cuda:0")
+    plan = device_plan.plan_for_device(options.group_plan(), "cuda:0")
     assert cost["device_bytes"] == plan.total
     assert {m["role"]: m["kv_bytes"] for m in cost["devices"]} == {role: plan.bytes(role, "kv") for role in plan.roles}
 

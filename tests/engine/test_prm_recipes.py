@@ -211,5 +211,5 @@ def test_a_checkpoint_without_the_recipe_s_head_or_window_is_refused(rlhflow_dir
     assert PRMScorer(_prm(narrow), recipe=get_recipe("math-shepherd"), window=64).inputs.window == 64
     with pytest.raises(InputError, match="base model .*: its sliding_window of 64 tokens would matter for the 320"):
         load_roles(_options(str(skywork_dir), models={"base": str(narrow), "helper": "h", "prm": str(skywork_dir)},
-                            settings=SearchSettings(batch=8, context_cap=320)), "cpu")
+                            settings=SearchSettings(batch=8, context_cap=320)).group_plan(), "cpu")
 
