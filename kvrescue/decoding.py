@@ -19,10 +19,10 @@ from kvrescue.search import Controller, DecodeProgress, Finished
 def decode_cell(plan: CellPlan, cell: Cell, engine: CellRunners, problems: Iterable[Problem],
                 emit: Callable[[Trace, int], None], on_progress: Callable[[DecodeProgress], None] | None = None,
                 grade: GradeFn = grade_answer) -> None:
-    """Decode `problems` of `cell` on `engine` (`cell_runners.build_cell` of the cell's `plan`), pulled lazily (so they may come from a
-    shared queue), and `emit` each one's trace with the tokens it generated: skipped ones (a prompt as long as the
-    context cap) when pulled, decoded ones once `grade` (grader.grade) has graded them; `on_progress` gets running
-    totals every few seconds while problems are in flight."""
+    """Decode `problems` of `cell` on `engine` (`cell_runners.build_cell` of the cell's `plan`), pulled lazily (so they
+    may come from a shared queue), and `emit` each one's trace with the tokens it generated: skipped ones (a prompt as
+    long as the context cap) when pulled, decoded ones once `grade` (grader.grade) has graded them; `on_progress` gets
+    running totals every few seconds while problems are in flight."""
     tokenizer, cap, graders = engine.tokenizer, plan.context_cap, plan.grading
     by_idx: dict[int, Problem] = {}
 

@@ -11,6 +11,7 @@ from typing import Callable
 import psutil
 import torch
 
+from kvrescue import memory_fit
 from kvrescue import memory_plan as planner
 from kvrescue.cell_plan import GroupPlan
 from kvrescue.devices import is_gpu
@@ -76,7 +77,7 @@ def refuse_what_does_not_fit(group: GroupPlan, free_bytes: int, beside_vllm: boo
     `device` (with `beside_vllm`: what is left beside vLLM's share)."""
     hints = [h for h, on in (("--dtype bfloat16", dtype_bytes(group.engine.dtype) > 2),
                              ("--vllm-memory", beside_vllm)) if on]
-    planner.refuse_what_does_not_fit(plan_for_device(group, device), free_bytes, device, beside_vllm, hints)
+    memory_fit.refuse_what_does_not_fit(plan_for_device(group, device), free_bytes, device, beside_vllm, hints)
 
 
 def wait_for_room(group: GroupPlan, devices: tuple[str, ...], shares: int = 1, wait_s: float = 0.0,
@@ -87,7 +88,7 @@ def wait_for_room(group: GroupPlan, devices: tuple[str, ...], shares: int = 1, w
         return
     plan, deadline = plan_for_device(group, devices[0]), clock() + wait_s
     device, room = group_room(group, devices, shares)
-    while plan is not None and plan.total > room - planner.headroom(room) and clock() < deadline:
+    while plan is not None and plan.total > room - memory_fit.headroom(room) and clock() < deadline:
         sleep(1.0)
         device, room = group_room(group, devices, shares)
     refuse_what_does_not_fit(group, room, device=device)
@@ -100,9 +101,10 @@ def auto_batch(group: GroupPlan, groups: list[tuple[str, ...]], shares: int = 1,
     device, free = min((group_room(group, devices, shares, context) for devices in groups), key=lambda found: found[1])
     kind, plans = device_kind(group, device), group.cells
     models = planner.grid_models(group.native_models())
-    batch = planner.largest_batch(lambda b: planner.plan_grid(plans, models, kind, b), free - planner.headroom(free))
+    room = free - memory_fit.headroom(free)
+    batch = memory_fit.largest_batch(lambda b: planner.plan_grid(plans, models, kind, b), room)
     if batch is None:
-        planner.refuse_what_does_not_fit(planner.plan_grid(plans, models, kind, 1), free, device)
+        memory_fit.refuse_what_does_not_fit(planner.plan_grid(plans, models, kind, 1), free, device)
     return batch
 
 

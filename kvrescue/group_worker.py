@@ -82,7 +82,8 @@ class GroupWorker:
             with leading(self.ranks, cell, self._pull()) as problems:
                 decode_cell(plan, cell, build_cell(plan, self.models), problems,
                             lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
-                            lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
+                            lambda totals: self.outbox.put(("progress", totals.committed_steps,
+                                                            totals.generated_tokens)))
             self.outbox.put(("idle",))
         except BaseException as err:
             self.outbox.put(("crash", f"{type(err).__name__}: {err}"[:2000]))

@@ -177,7 +177,7 @@ def prepare_grid(options: GridOptions) -> tuple[GridOptions, list[Cell]]:
         i, k = options.shard
         sets = [replace(problems, problems=problems.problems[i::k]) for problems in sets]
     cells = options.cells(sets)
-    plan_for_device(options.group_plan(), options.devices[0])  # a base whose heads --tp does not split: an error before loading
+    plan_for_device(options.group_plan(), options.devices[0])  # a base --tp does not split: an error before loading
     return options, cells
 
 

@@ -206,7 +206,7 @@ def test_vllm_gets_its_share_and_this_engine_the_rest(tmp_path):
     assert options(0.4).group_plan().vllm_models().keys() == {"helper", "prm"}
     assert options(0.4).group_plan().native_models().keys() == {"base"}
     assert options(0.4, ("full", "bon")).group_plan().vllm_models().keys() == {"base", "prm"}
-    assert options(0.4, ("full", "bon")).group_plan().native_models().keys() == {"base"}  # bon's evicted base stays here
+    assert options(0.4, ("full", "bon")).group_plan().native_models().keys() == {"base"}  # bon's evicted base: here
     assert plan_for_device(options(0.4).group_plan()).roles == ["base"]
     assert vllm_memory(options(0.4).group_plan(), "cuda:0", 80 * gib, 80 * gib) == [{"memory": 0.2}, {"memory": 0.2}]
     with pytest.raises(InputError, match=r"--vllm-memory 0.1: vLLM's 8.00 GiB of cuda:0 over its 2 engine\(s\) "

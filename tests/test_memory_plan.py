@@ -8,7 +8,7 @@ from typing import Callable
 
 import pytest
 
-from kvrescue import device_plan, in_process, memory_plan
+from kvrescue import device_plan, engine_bytes, in_process, memory_fit, memory_plan
 from kvrescue.cell_runners import build_cell
 from kvrescue.decoding import decode_cell
 from kvrescue.errors import InputError
@@ -137,7 +137,7 @@ def test_batch_auto_is_the_largest_that_fits(tmp_path):
     options = paper_grid(tmp_path, {"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},
                          devices=("cuda:0",), device_memory=80 * 10**9)
     batch = device_plan.auto_batch(options.group_plan(), [("cuda:0",)])
-    room = 80 * 10**9 - memory_plan.headroom(80 * 10**9)
+    room = 80 * 10**9 - memory_fit.headroom(80 * 10**9)
     assert device_plan.plan_for_device(options.group_plan(), "cuda:0", batch).total <= room < \
         device_plan.plan_for_device(options.group_plan(), "cuda:0", batch + 1).total
     shared = device_plan.auto_batch(replace(options, devices=("cuda:0", "cuda:0")).group_plan(),
@@ -156,8 +156,8 @@ def test_helper_loglik_counts_both_helper_caches(tmp_path):
     cell = memory_plan.CellShape(4, 8, "bounded", 64, True, "helper-loglik")
     plan = memory_plan.plan_cell(archs, cell, memory_plan.DeviceKind(cuda=True, dtype_bytes=2))
     helper = archs["helper"].kv_bytes_per_token // 2 * 2  # bf16
-    assert plan.bytes("helper", "kv") == memory_plan.full_cache_tokens(4, 8, 512, 4096) * helper
-    assert plan.bytes("helper-loglik", "kv") == memory_plan.loglik_cache_tokens(4, 8, 512, 4096) * helper
+    assert plan.bytes("helper", "kv") == engine_bytes.full_cache_tokens(4, 8, 512, 4096) * helper
+    assert plan.bytes("helper-loglik", "kv") == engine_bytes.loglik_cache_tokens(4, 8, 512, 4096) * helper
     assert plan.bytes(None, "weights") == (archs["base"].params + archs["helper"].params) * 2  # the helper once
 
 
@@ -306,3 +306,36 @@ def test_the_plan_cascades_where_the_full_cache_does(invariant, cuda):
                 cache.end()
     finally:
         invariance.enable(False)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_the_plan_counts_flexattentions_block_mask_and_each_runners_step_lanes(graphs, monkeypatch):
+    """On CUDA without flash-attn a full cache's decode step (and with CUDA graphs their pool) holds FlexAttention's
+    block mask over the whole pool, not with --deterministic; every sampling runner keeps its step lanes. The bytes
+    of each are `engine_bytes`' (checked against what the engine allocates in tests/test_engine_bytes.py)."""
+    from kvrescue.cost import Architecture
+    from kvrescue_testkit.paper_shapes import QWEN25_MATH_15B, QWEN25_MATH_7B
+
+    archs = {"base": Architecture.from_config("base", QWEN25_MATH_7B),
+             "helper": Architecture.from_config("helper", QWEN25_MATH_15B)}
+    cell = memory_plan.CellShape(4, 8, "full", None, True, None, max_step_tokens=512, context_cap=4096,
+                                 step_draws=32, detector_window=12)
+    rows, pool_blocks = 4 * 8, engine_bytes.full_cache_tokens(4, 8, 512, 4096) // 16 + graphs
+
+    def plans(mask: bool, invariant: bool = False) -> dict[str, int]:
+        with monkeypatch.context() as patch:
+            if not mask:
+                patch.setattr(memory_plan, "paged_mask_bytes", lambda rows, blocks: 0)
+            plan = memory_plan.plan_cell(archs, cell, memory_plan.DeviceKind(cuda=True, dtype_bytes=2,
+                                                                             cuda_graphs=graphs, invariant=invariant))
+        return {p.what: p.bytes for p in plan.moments + plan.parts if p.role == "helper"}
+
+    counted, without = plans(True), plans(False)
+    mask = engine_bytes.paged_mask_bytes(rows, pool_blocks)
+    step = "decode step of 32 candidates and its sampling"
+    assert counted[step] - without[step] == mask
+    if graphs:
+        pool = "CUDA graph pool: a decode step, each row bucket's logits"
+        assert counted[pool] - without[pool] == mask
+    assert plans(True, invariant=True) == plans(False, invariant=True)  # --deterministic: SDPA, no mask
+    assert counted["step lanes of 32 candidates: draws and detector state"] == engine_bytes.step_lanes_bytes(32, 32, 12)

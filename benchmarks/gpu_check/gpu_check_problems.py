@@ -19,7 +19,8 @@ from kvrescue.data import Problem, ProblemSet
 from kvrescue.cell_runners import build_cell
 from kvrescue.cost import Architecture
 from kvrescue.device_plan import device_kind, device_room
-from kvrescue.memory_plan import headroom, largest_batch, plan_grid
+from kvrescue.memory_fit import headroom, largest_batch
+from kvrescue.memory_plan import plan_grid
 from kvrescue.decoding import decode_cell
 from kvrescue.engine.loader import LoadedModel
 from kvrescue.grid import GridOptions, grid_options
