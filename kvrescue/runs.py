@@ -169,7 +169,8 @@ def prepare_grid(options: GridOptions) -> tuple[GridOptions, list[Cell]]:
     """The options checked and resolved (`--prompt auto`, `--prm-recipe auto`) and the grid's cells, their problems
     read (this shard's, with --shard); one-line errors before any weights are read."""
     options.check()
-    options = resolve_prm_recipe(resolve_prompt(options))
+    group = options.group_plan()
+    options = replace(options, prompt=resolve_prompt(group), prm_recipe=resolve_prm_recipe(group))
     folder = data_dir(options.data_dir)
     sets = [load_problems(b, folder=folder, problem_field=options.problem_field, answer_field=options.answer_field,
                           limit=options.limit) for b in options.benches]
