@@ -11,7 +11,7 @@ options these questions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvrescue.data import ProblemSet
 from kvrescue.run_options import EngineOptions, GradingOptions, ModelOptions, Placement
@@ -149,6 +149,6 @@ class GroupPlan:
         """The model of each role some cell runs on vLLM (`CellPlan.vllm_roles`)."""
         return self._models(CellPlan.vllm_roles)
 
-    def _models(self, roles_of: Any) -> dict[str, str]:
+    def _models(self, roles_of: Callable[[CellPlan], set[str]]) -> dict[str, str]:
         roles = set().union(*(roles_of(cell) for cell in self.cells))
         return {role: self.models.models[role] for role in sorted(roles)}

@@ -7,7 +7,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvrescue.cell_plan import BOUNDED, FULL, NATIVE, VLLM, Cell, CellPlan, GroupPlan, RolePlan, ScorerPlan
 from kvrescue.data import GENERIC, ProblemSet
@@ -23,6 +23,7 @@ from kvrescue.scorers import PRM
 from kvrescue.search import SearchSettings
 
 MAX_CELLS = 100_000  # a grid's cells (run folders); the paper's largest grid has 400
+Concern = TypeVar("Concern", RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +76,7 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
             accumulates=evictor is not None and evictor.accumulates,
             buffer=self.buffer if evicts else None,
             cuda_graphs=self.cuda_graphs, deterministic=self.deterministic, tp=self.tp,
-            prompt=self.prompt, grading=GradingOptions(grader=self.grader, also_grade=self.also_grade),
+            prompt=self.prompt, grading=self.concern(GradingOptions),
         )
 
     def cell_plans(self) -> list[CellPlan]:
@@ -88,10 +89,12 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
     def group_plan(self) -> GroupPlan:
         """What every device group loads and plans for (`cell_plan.GroupPlan`): the cells' plans and the concerns'
         options."""
-        concerns = {concern: concern(**{name: getattr(self, name) for name in concern.__dataclass_fields__})
-                    for concern in (ModelOptions, EngineOptions, Placement)}
-        return GroupPlan(tuple(self.cell_plans()), concerns[ModelOptions], concerns[EngineOptions],
-                         concerns[Placement], self.settings)
+        return GroupPlan(tuple(self.cell_plans()), self.concern(ModelOptions), self.concern(EngineOptions),
+                         self.concern(Placement), self.settings)
+
+    def concern(self, kind: type[Concern]) -> Concern:
+        """The options of one concern (`run_options`) as this grid holds them."""
+        return kind(**{name: getattr(self, name) for name in kind.__dataclass_fields__})
 
     def axes(self) -> tuple[GridAxes, ...]:
         """The grids whose cells the run executes: `grids`, else the one grid of the axes."""
