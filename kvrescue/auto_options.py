@@ -1,15 +1,13 @@
-"""The options given as `auto` that the models decide, resolved before any cell is planned: the prompt style from the
-policy model's family, the PRM's recipe from its checkpoint's head weights (else its name and config)."""
+"""The options given as `auto` that the models decide, resolved from the grid's plan (`cell_plan.GroupPlan`: its
+models and which roles its cells run where) before the cells run: the prompt style from the policy model's family,
+the PRM's recipe from its checkpoint's head weights (else its name and config)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
+from kvrescue.cell_plan import GroupPlan
 from kvrescue.engine.prm_recipes import get_recipe
 from kvrescue.engine.prm_recipes.choose import auto_recipe, weight_names
 from kvrescue.errors import InputError
-from kvrescue.grid import GridOptions
-from kvrescue.methods import METHODS
 from kvrescue.model_config import ModelConfigError, load_config
 from kvrescue.prm_catalogue import PRM_RECIPES
 from kvrescue.prompts import resolve_style
@@ -17,23 +15,26 @@ from kvrescue.run_options import AUTO
 from kvrescue.scorers import HELPER_LOGLIK, PRM
 
 
-def resolve_prompt(options: GridOptions) -> GridOptions:
-    """`options` with `--prompt auto` resolved from the policy model (the base, else the helper) and its config."""
-    if options.prompt != AUTO:
-        return options
-    model = options.models["base" if any(METHODS[m].base for m in options.methods) else "helper"]
+def resolve_prompt(group: GroupPlan) -> str:
+    """The prompt style: `--prompt` as given, or `auto` resolved from the policy model (the base of any cell that
+    samples one, else the helper) and its config."""
+    models = group.models
+    if models.prompt != AUTO:
+        return models.prompt
+    model = models.models["base" if any(cell.policy_role == "base" for cell in group.cells) else "helper"]
     try:
         model_type = load_config(model).get("model_type")
     except ModelConfigError:  # a GGUF file, or offline: the model's name decides
         model_type = None
-    return replace(options, prompt=resolve_style(AUTO, model, model_type))
+    return resolve_style(AUTO, model, model_type)
 
 
-def resolve_prm_recipe(options: GridOptions) -> GridOptions:
-    """`options` with `--prm-recipe auto` resolved from the PRM checkpoint; one-line errors for a PRM no recipe fits
-    and for a recipe `--engine vllm` cannot serve."""
+def resolve_prm_recipe(group: GroupPlan) -> str:
+    """The PRM's recipe: `--prm-recipe` as given, or `auto` resolved from the PRM checkpoint; one-line errors for a
+    PRM no recipe fits and for a recipe the cells cannot serve where they run it (vLLM)."""
+    options = group.models
     if options.scorer != PRM:
-        return options
+        return options.prm_recipe
     name = options.prm_recipe
     if name == AUTO:
         model = options.models["prm"]
@@ -48,6 +49,6 @@ def resolve_prm_recipe(options: GridOptions) -> GridOptions:
                              f"--prm-recipe, one of {', '.join(PRM_RECIPES)}, or --prm {HELPER_LOGLIK} for the named "
                              "alternative scorer")
     recipe = get_recipe(name, options.prm_format)
-    if recipe.no_vllm and "prm" in options.vllm_roles():
+    if recipe.no_vllm and "prm" in group.vllm_models():
         raise InputError(f"--engine vllm: {recipe.no_vllm}")
-    return replace(options, prm_recipe=name)
+    return name

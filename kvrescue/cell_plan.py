@@ -1,20 +1,38 @@
 """What one cell runs where, decided once (`grid.GridOptions.cell_plan`): for each role the engine it runs on (this
-one or vLLM) and its cache (bounded or full), the cell's sizes, and its scorer.
+one or vLLM) and its cache (bounded or full), the cell's settings and sizes, its prompt style, its scorer and its
+graders; and what a device group loads for the grid's cells (`GroupPlan`, `grid.GridOptions.group_plan`).
 
-Torch-free and free of the grid's options: `cell_runners.build_cell` builds the cell from it, the memory planner plans
-it (`memory_plan.cell_shapes`) and the run folder records it (`runs.cell_config`); none of them asks the options
-these questions.
+Torch-free and free of the grid's options: `cell_runners.build_cell` builds the cell from it, `decoding.decode_cell`
+decodes it, the memory planner plans it (`memory_plan.cell_shapes`), `group_models` and `device_plan` load and place
+a group's models from the group's plan, and the run folder records it (`runs.cell_config`); none of them asks the
+options these questions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
+from kvrescue.data import ProblemSet
+from kvrescue.run_options import EngineOptions, GradingOptions, ModelOptions, Placement
 from kvrescue.scorers import PRM
+
+if TYPE_CHECKING:  # the controller's settings travel in the plan; the controller (and torch) is not loaded here
+    from kvrescue.search import SearchSettings
 
 NATIVE, VLLM = "native", "vllm"
 BOUNDED, FULL = "bounded", "full"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration of the grid."""
+
+    problems: ProblemSet
+    method: str
+    budget: int | None
+    n: int
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -44,9 +62,7 @@ class CellPlan:
     method: str
     budget: int | None  # None for methods without an evicted cache
     n: int
-    batch: int  # problems in flight
-    max_step_tokens: int
-    context_cap: int
+    settings: SearchSettings  # what the controller decides with; its batch, step and context sizes are the cell's
     base: RolePlan | None  # None: the method samples no base candidates
     helper: RolePlan | None  # None: no helper candidates (the helper-loglik scorer may still read the helper)
     scorer: ScorerPlan
@@ -58,6 +74,21 @@ class CellPlan:
     cuda_graphs: bool = True
     deterministic: bool = False
     tp: int = 1
+    prompt: str = "math"  # the prompt style the policy model reads (prompts.PROMPT_STYLES)
+    grading: GradingOptions = GradingOptions()
+
+    @property
+    def batch(self) -> int:
+        """Problems in flight."""
+        return self.settings.batch
+
+    @property
+    def max_step_tokens(self) -> int:
+        return self.settings.max_step_tokens
+
+    @property
+    def context_cap(self) -> int:
+        return self.settings.context_cap
 
     @property
     def evicts(self) -> bool:
@@ -96,3 +127,28 @@ class CellPlan:
         if self.scorer.kind == PRM:
             return roles | ({"prm"} if self.scorer.engine == NATIVE else set())
         return roles | {"helper"}
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """What every device group of the grid loads and plans for: its cells' plans, the models and how they read,
+    how the engine computes, and the devices. Which role each group loads here or on vLLM follows from the cells'
+    plans alone."""
+
+    cells: tuple[CellPlan, ...]
+    models: ModelOptions
+    engine: EngineOptions
+    placement: Placement
+    settings: SearchSettings
+
+    def native_models(self) -> dict[str, str]:
+        """The model of each role some cell loads on this engine (`CellPlan.native_roles`)."""
+        return self._models(CellPlan.native_roles)
+
+    def vllm_models(self) -> dict[str, str]:
+        """The model of each role some cell runs on vLLM (`CellPlan.vllm_roles`)."""
+        return self._models(CellPlan.vllm_roles)
+
+    def _models(self, roles_of: Callable[[CellPlan], set[str]]) -> dict[str, str]:
+        roles = set().union(*(roles_of(cell) for cell in self.cells))
+        return {role: self.models.models[role] for role in sorted(roles)}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvrescue.engine.invariance as invariance
-from kvrescue import memory_plan as planner
+from kvrescue import engine_bytes
 from kvrescue.cell_plan import BOUNDED, VLLM, CellPlan
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache
@@ -65,7 +65,7 @@ class RankZeroScores:
 
 def full_tokens(plan: CellPlan) -> int:
     """Token room of a full-context cache (base `full`, helper) for the cell."""
-    return planner.full_cache_tokens(plan.batch, plan.n, plan.max_step_tokens, plan.context_cap)
+    return engine_bytes.full_cache_tokens(plan.batch, plan.n, plan.max_step_tokens, plan.context_cap)
 
 
 def full_rows(plan: CellPlan) -> dict[str, int]:
@@ -76,7 +76,7 @@ def full_rows(plan: CellPlan) -> dict[str, int]:
 
 def loglik_tokens(plan: CellPlan) -> int:
     """Token room of the helper-loglik scorer's cache."""
-    return planner.loglik_cache_tokens(plan.batch, plan.n, plan.max_step_tokens, plan.context_cap)
+    return engine_bytes.loglik_cache_tokens(plan.batch, plan.n, plan.max_step_tokens, plan.context_cap)
 
 
 def _runners(plan: CellPlan, models: dict[str, LoadedModel], vllm: VllmEngines | None,

@@ -8,9 +8,9 @@ import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from kvrescue.cell_plan import BOUNDED, FULL, NATIVE, VLLM, CellPlan, RolePlan, ScorerPlan
+from kvrescue.cell_plan import BOUNDED, FULL, NATIVE, VLLM, Cell, CellPlan, GroupPlan, RolePlan, ScorerPlan
 from kvrescue.data import GENERIC, ProblemSet
 from kvrescue.devices import is_cpu
 from kvrescue.errors import InputError
@@ -20,21 +20,11 @@ from kvrescue.prm_catalogue import PRM_FORMATS, PRM_RECIPES
 from kvrescue.run_options import (
     AUTO, CONCERNS, EngineOptions, GradingOptions, GridAxes, ModelOptions, Placement, RunIO, split_scorer,
 )
-from kvrescue.scorers import HELPER_LOGLIK, PRM
+from kvrescue.scorers import PRM
 from kvrescue.search_settings import SearchSettings
 
 MAX_CELLS = 100_000  # a grid's cells (run folders); the paper's largest grid has 400
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One configuration of the grid."""
-
-    problems: ProblemSet
-    method: str
-    budget: int | None
-    n: int
-    seed: int
+Concern = TypeVar("Concern", RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,8 +61,7 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
 
         evictor = evictor_settings(self.evictor, self.evictor_params) if evicts else None
         return CellPlan(
-            method=method, budget=budget if spec.budgeted else None, n=n, batch=s.batch,
-            max_step_tokens=s.max_step_tokens, context_cap=s.context_cap,
+            method=method, budget=budget if spec.budgeted else None, n=n, settings=s,
             base=where("base", BOUNDED if evicts else FULL) if spec.base else None,
             helper=where("helper", FULL) if spec.helper else None,
             scorer=ScorerPlan(self.scorer, VLLM if self.scorer == PRM and self._on_vllm("prm", method) else NATIVE,
@@ -84,6 +73,7 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
             accumulates=evictor is not None and evictor.accumulates,
             buffer=self.buffer if evicts else None,
             cuda_graphs=self.cuda_graphs, deterministic=self.deterministic, tp=self.tp,
+            prompt=self.prompt, grading=self.concern(GradingOptions),
         )
 
     def cell_plans(self) -> list[CellPlan]:
@@ -93,24 +83,15 @@ class GridOptions(RunIO, Placement, EngineOptions, ModelOptions, GradingOptions)
                              for method in self.methods for budget in self.budgets for n in self.ns)
         return [self.cell_plan(method, budget, n) for method, budget, n in keys]
 
-    def vllm_roles(self, methods: list[str] | None = None) -> set[str]:
-        """The roles run on vLLM by `methods` (default: the grid's); none without `--engine vllm`."""
-        return {role for method in methods or self.methods for role in roles_needed([method], self.scorer)
-                if self._on_vllm(role, method) and (role != "helper" or METHODS[method].helper)}
+    def group_plan(self) -> GroupPlan:
+        """What every device group loads and plans for (`cell_plan.GroupPlan`): the cells' plans and the concerns'
+        options."""
+        return GroupPlan(tuple(self.cell_plans()), self.concern(ModelOptions), self.concern(EngineOptions),
+                         self.concern(Placement), self.settings)
 
-    def vllm_models(self) -> dict[str, str]:
-        """The model of each role the grid runs on vLLM (`vllm_roles`)."""
-        return {role: self.models[role] for role in self.vllm_roles()}
-
-    def native_models(self) -> dict[str, str]:
-        """The model of each role the grid runs on this engine (`native_roles`)."""
-        return {role: self.models[role] for role in self.native_roles()}
-
-    def native_roles(self) -> set[str]:
-        """The roles the grid runs on this engine: the rest, and the helper of the helper-loglik scorer."""
-        roles = {role for method in self.methods for role in roles_needed([method], self.scorer)
-                 if not self._on_vllm(role, method)}
-        return roles | ({"helper"} if self.scorer == HELPER_LOGLIK else set())
+    def concern(self, kind: type[Concern]) -> Concern:
+        """The options of one concern (`run_options`) as this grid holds them."""
+        return kind(**{name: getattr(self, name) for name in kind.__dataclass_fields__})
 
     def axes(self) -> tuple[GridAxes, ...]:
         """The grids whose cells the run executes: `grids`, else the one grid of the axes."""
@@ -219,13 +200,3 @@ def grid_options(models: dict[str, str], settings: SearchSettings, out: Path, **
             raise InputError(str(err)) from None
     return GridOptions(models=models, scorer=scorer, settings=settings, out=out, **fields)
 
-
-def roles_needed(methods: list[str], scorer: str) -> set[str]:
-    """Which models the grid needs: base, helper, prm."""
-    roles = set()
-    for method in methods:
-        spec = METHODS[method]
-        roles |= {"base"} if spec.base else set()
-        roles |= {"helper"} if spec.helper else set()
-    roles.add("prm" if scorer == PRM else "helper")
-    return roles

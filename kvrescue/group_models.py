@@ -1,5 +1,5 @@
-"""A device group's models: every role the grid runs on this engine, loaded once on one device, with one-line
-errors before any weights are read."""
+"""A device group's models: every role the grid's cells load on this engine (`cell_plan.GroupPlan`), loaded once on
+one device, with one-line errors before any weights are read."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 import kvrescue.engine.invariance as invariance
 from kvrescue import hub
+from kvrescue.cell_plan import GroupPlan
 from kvrescue.cost import Architecture
 from kvrescue.cuda_allocator import configure_allocator
 from kvrescue.devices import is_cpu, is_gpu
@@ -16,7 +17,6 @@ from kvrescue.engine.loader import LoadedModel, ModelLoadError, load_model
 from kvrescue.engine.prm import check_prm
 from kvrescue.engine.prm_recipes import get_recipe
 from kvrescue.errors import InputError
-from kvrescue.grid import GridOptions
 from kvrescue.model_config import ModelConfigError, window_error
 
 CPU_PARAMS = 3e9  # larger models are refused on a CPU: hours per problem, and tens of GB in fp32
@@ -53,31 +53,33 @@ def use_device(device: str) -> None:
         torch.cuda.set_device(indexed_gpu(device))
 
 
-def load_roles(options: GridOptions, device: str) -> dict[str, LoadedModel]:
-    """Every model the grid runs on this engine, loaded once on `device`; base and helper must share a tokenizer."""
+def load_roles(group: GroupPlan, device: str) -> dict[str, LoadedModel]:
+    """Every model the group's cells load on this engine, loaded once on `device`; base and helper must share a
+    tokenizer."""
     loaded: dict[str, LoadedModel] = {}
     by_name: dict[str, LoadedModel] = {}
-    hub.pin(options.hub_revisions())  # this process may be a Ray worker or a --tp rank
+    models, engine = group.models, group.engine
+    hub.pin(models.hub_revisions())  # this process may be a Ray worker or a --tp rank
     use_device(device)
-    if options.deterministic and is_gpu(device):
+    if engine.deterministic and is_gpu(device):
         invariance.prepare_cuda(device)  # before this process's first matrix product
-    for role in sorted(options.native_roles()):
-        name = options.models[role]
+    for role, name in group.native_models().items():
         if is_cpu(device):
             refuse_large_on_cpu(role, name)
         try:
             if name not in by_name:
-                by_name[name] = load_model(name, options.dtype, device, tp=options.tp, exact_heads=role == "base")
+                by_name[name] = load_model(name, engine.dtype, device, tp=group.placement.tp,
+                                           exact_heads=role == "base")
         except ModelLoadError as err:
             raise InputError(f"{role} model: {err}; on a CPU without the Hub try --preset cpu-demo, "
                              "or give local folders with --base/--helper/--prm") from None
         loaded[role] = by_name[name]
-        reason = role != "prm" and window_error(loaded[role].config, options.settings.context_cap)
+        reason = role != "prm" and window_error(loaded[role].config, group.settings.context_cap)
         if reason:
             raise InputError(f"{role} model {name}: {reason}")
     if "prm" in loaded:
         try:
-            check_prm(loaded["prm"], get_recipe(options.prm_recipe, options.prm_format))
+            check_prm(loaded["prm"], get_recipe(models.prm_recipe, models.prm_format))
         except ValueError as err:
             raise InputError(f"--prm: {err}") from None
     check_policy_tokenizers({role: model.tokenizer for role, model in loaded.items()})

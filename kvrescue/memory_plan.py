@@ -6,16 +6,19 @@
 - KV: every cache of the cell at the size it is built: the bounded base pool (rows x (B' + max step), its query
   rings, its capacity regrown for a longer prompt), the full caches in whole blocks, the helper-loglik scorer's
   cache besides the sampled helper's (two caches: summed);
-- buffers: each sampling runner's fp32 next-token logits (rows rounded up to 64 x a power of two), the
-  helper-loglik scorer's last logits per problem, and on CUDA with graphs their pool (one decode forward and
-  every row bucket's logits);
-- activations: the largest transient of any one moment: a forward's peak (a batch of prompts, a decode step
-  and its sampling, a commit and the base's compression, the PRM's or helper-loglik's scoring of every
-  candidate, padded to the longest), or a regrowth (old and new copies at once).
+- buffers: each sampling runner's fp32 next-token logits (rows rounded up to 64 x a power of two) and its step
+  lanes (each candidate's draws table and detector state), the helper-loglik scorer's last logits per problem, and
+  on CUDA with graphs their pool (one decode forward with its FlexAttention block mask, and every row bucket's
+  logits);
+- activations: the largest transient of any one moment: a forward's peak (a batch of prompts, a decode step and
+  its sampling, with FlexAttention's block mask over a full cache on CUDA without flash-attn, a commit and the
+  base's compression, the PRM's or helper-loglik's scoring of every candidate, padded to the longest), or a
+  regrowth (old and new copies at once).
 A device's peak is weights + KV + buffers + the largest transient; it fits when that is at most its free
 memory less HEADROOM (allocator fragmentation, kernels' workspaces, the CUDA context's growth).
-Not counted: a PRM refit (a problem whose context outgrew the PRM window is fed again whole) and cascade
-attention's extra pass over shared prefixes.
+Not counted: a PRM refit (a problem whose context outgrew the PRM window is fed again whole), cascade
+attention's extra pass over shared prefixes, and the bounded cache's FlexAttention block mask (a few ints a pool
+slot). The bytes of each piece are `engine_bytes`'; a plan against a device's memory is `memory_fit`'s.
 """
 
 from __future__ import annotations
@@ -25,20 +28,17 @@ from typing import Any, Callable, Iterable
 
 from kvrescue.cell_plan import BOUNDED, NATIVE, CellPlan
 from kvrescue.cost import Architecture, format_bytes
+from kvrescue.detect import DetectorConfig
+from kvrescue.engine_bytes import (FP32, FULL_BLOCK, Keys, blocks, compress_bytes, forward_bytes, full_cache_tokens,
+                                   logits_rows, loglik_cache_tokens, paged_mask_bytes, sample_bytes, step_lanes_bytes)
 from kvrescue.errors import InputError
+from kvrescue.methods import METHODS
 from kvrescue.model_config import ModelArgs, ModelConfigError
 from kvrescue.scorers import HELPER_LOGLIK, PRM
-from kvrescue.shapes import (CHUNK_TOKENS, FLASH_BLOCK, GROUP_CASCADE_FROM, LOGITS_BYTES, OBSERVATION_WINDOW,
-                                 PRM_WINDOW, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, cascade_cost_on, compress_slice,
-                                 bucket, local_args, shard_degree, token_kv_bytes)
+from kvrescue.shapes import (FLASH_BLOCK, GROUP_CASCADE_FROM, OBSERVATION_WINDOW, PRM_WINDOW, BUFFER, cascade_cost_on,
+                             bucket, local_args, shard_degree, token_kv_bytes)
 
-GIB = 2**30
 PROMPT_TOKENS = 512  # the longest prompt planned for (MATH-500's chat prompts stay below 400 tokens)
-HEADROOM_SHARE, HEADROOM_MIN = 0.05, GIB  # of a device's free memory kept free: 5%, at least 1 GiB
-MAX_BATCH = 4096  # the largest batch `--batch auto` considers
-LOGITS_ROWS = 64  # a runner's logits buffer starts with 64 rows and doubles (engine/runner.py)
-FULL_BLOCK = 16  # the full cache's block size off flash-attn (engine/caches.py)
-FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class CellShape:
     buffer: int = BUFFER  # W: the bounded cache peaks at B' = B + W entries
     prm_step_tokens: int | None = None  # the PRM's tokens for one step: by default the policy's + its step tag
     accumulates: bool = False  # the evictor keeps each entry's received attention (H2O: fp32 per entry and KV head)
+    step_draws: int | None = None  # columns of a step's draws table: max_step_tokens, or a synthetic step's length
+    detector_window: int = DetectorConfig.ent_window  # the detector's entropy ring a candidate keeps (1: no detector)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,12 @@ class DeviceKind:
     cuda_graphs: bool = False  # the one-token decode steps (evicted base, full caches) are captured
     tp: int = 1
     invariant: bool = False  # --deterministic: each group of candidates cascades by its own prefix
+
+    @property
+    def flex(self) -> bool:
+        """FlexAttention serves the one-token steps (engine/flex.py): on CUDA without flash-attn, unless
+        --deterministic."""
+        return self.cuda and not self.flash and not self.invariant
 
 
 @dataclass(frozen=True)
@@ -110,52 +118,6 @@ class DevicePlan:
         return list(dict.fromkeys(p.role for p in self.parts + self.moments))
 
 
-def headroom(free: int) -> int:
-    """Bytes of a device's free memory a plan leaves unused."""
-    return max(HEADROOM_MIN, int(HEADROOM_SHARE * free))
-
-
-# -- what one forward allocates at its peak ----------------------------------------------------------
-@dataclass(frozen=True)
-class Keys:
-    """The keys each row of a forward attends to, and through which kernel."""
-
-    path: str  # masked (the bounded cache: SDPA over the gathered rows), rows (the full cache's CPU path: whole rows
-    # padded to the longest), chunks (its torch path on a GPU) or flash
-    keys: int  # cached + new keys of the longest row
-    groups: int = 0  # the rows are candidates forked from this many committed rows, read through cascade attention
-    shared: int = 0  # tokens of each group's shared prefix
-
-
-def attention_bytes(a: ModelArgs, b: int, rows: int, tokens: int, k: Keys, cuda: bool) -> tuple[int, int]:
-    """(bytes held for the whole forward, bytes one layer's attention adds at its peak) for `rows` x `tokens` new
-    queries over `k`; `cuda`: SDPA there turns a boolean mask into a bias in the queries' dtype."""
-    hq, hkv, hd, g = a.n_heads, a.n_kv_heads, a.head_dim, a.n_heads // a.n_kv_heads
-    repeated = tokens > 1  # the mask repeated per grouped query is a copy, unless one row of it serves every query
-    out = rows * hq * tokens * hd * b
-    if k.path == "masked":
-        return rows * tokens * k.keys, (2 * rows * hkv * k.keys * hd * b  # K, V gathered from the rows' slots
-                                        + repeated * rows * g * tokens * k.keys * (1 + b * cuda)
-                                        + rows * hq * (2 * OBSERVATION_WINDOW + tokens) * hd * b)  # the query ring
-    if k.path == "flash":
-        return 0, out
-    cascade = k.groups > 0
-    own = k.keys - k.shared + FULL_BLOCK if cascade else k.keys  # a row's keys past the shared blocks
-    if k.path == "rows":
-        held = rows * tokens * own * b  # the visibility bias
-        kernel = (2 * rows * hkv * own * hd * b + repeated * rows * g * tokens * own * b + out
-                  + rows * hq * tokens * FP32)  # K, V gathered; the bias repeated per grouped query; out; lse
-    else:
-        chunks = rows * -(-own // CHUNK_TOKENS)
-        scores = min(SCORE_BYTES, FP32 * chunks * hq * tokens * CHUNK_TOKENS)
-        held = 0  # K, V gathered and made contiguous; the fp32 scores, their exponentials; the fp32 outputs
-        kernel = 4 * chunks * CHUNK_TOKENS * hkv * hd * b + scores * 5 // 2 + 2 * rows * hq * tokens * hd * FP32
-    if cascade:  # the shared pass, then the merge of its results with the rows' own
-        shared = 2 * k.groups * hkv * k.shared * hd * b + 2 * out
-        kernel = max(kernel, 2 * out + shared + 3 * rows * hq * tokens * hd * FP32)
-    return held, kernel
-
-
 def cascade_shared(groups: int, group: int, invariant: bool, cuda: bool, token_bytes: int, tokens: int) -> int:
     """The fewest shared tokens from which a forward of `groups` groups of `group` candidates each, `tokens` new ones
     a row, reads their shared prefixes through cascade attention (engine/paged_forward.py's `cascading`): where the
@@ -165,63 +127,6 @@ def cascade_shared(groups: int, group: int, invariant: bool, cuda: bool, token_b
         return -(-GROUP_CASCADE_FROM // (group - 1))
     need = cascade_cost_on(cuda).fewest_re_read_bytes(groups * group * tokens)
     return int(need // (token_bytes * groups * (group - 1))) + 1  # re-read more than `need`
-
-
-def forward_bytes(a: ModelArgs, b: int, rows: int, tokens: int, keys: Keys, head: str, vocab: int,
-                  cuda: bool = False) -> int:
-    """Peak bytes of the temporaries of one forward of `rows` x `tokens` new tokens, for one rank's shapes `a` in
-    `b`-byte elements. `head`: last (logits at each row's last token), all (at every token), chunked (every token's
-    log-likelihood, LOGITS_BYTES of fp32 logits at a time from the hidden states) or score (the PRM's)."""
-    t = rows * tokens
-    d, hq, hkv, hd, inter = a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size
-    qkv, qk = t * (hq + 2 * hkv) * hd * b, t * (hq + hkv) * hd * b
-    x, norm = t * d * b, 8 * t * d  # the residual stream; an RMSNorm's fp32 temporaries
-    held, kernel = attention_bytes(a, b, rows, tokens, keys, cuda)
-    held += 2 * t * hd * b  # RoPE cos, sin
-    out = t * hq * hd * b
-    attend = qkv + max(3 * qk, qk + kernel + 2 * out)
-    mlp = 2 * x + t * 4 * inter * b
-    layer = x + max(norm, x + attend, x + norm, mlp)
-    fp32 = FP32 if b < FP32 else 0  # the fp32 copy of half-precision logits
-    chunk = min(t, max(1, LOGITS_BYTES // (FP32 * vocab)))  # positions per chunk of `scoring.chosen_logprobs`
-    logits = {"last": rows * vocab * (b + fp32), "all": t * vocab * (b + fp32), "score": 2 * rows * d * b,
-              "chunked": t * d * b + chunk * vocab * (b + 2 * FP32) + t * FP32}[head]
-    return held + max(layer, x + norm, x + rows * d * b + logits)
-
-
-def compress_bytes(a: ModelArgs, b: int, rows: int, length: int) -> int:
-    """Peak temporaries of compressing `rows` bounded rows of `length` entries (R-KV's similarity of up to
-    SIMILARITY_ROWS keys against all, per layer and KV head, fp32), in the slices `BoundedCache.compress` takes."""
-    cut = compress_slice(a.n_layers, a.n_kv_heads, length)
-    units = min(rows, cut.rows) * cut.layers * cut.kv_heads
-    return units * (9 * min(length, SIMILARITY_ROWS) * length + length * a.head_dim * (b + 2 * FP32))
-
-
-def sample_bytes(rows: int, vocab: int) -> int:
-    """Sampling's fp32 temporaries over `rows` rows of logits: the rows' copy, and the entropy's three."""
-    return 4 * rows * vocab * FP32
-
-
-def logits_rows(rows: int) -> int:
-    """Rows of a runner's logits buffer holding row ids below `rows`: 64 doubled until it does."""
-    size = LOGITS_ROWS
-    while size < rows:
-        size *= 2
-    return size
-
-
-def blocks(tokens: int, size: int) -> int:
-    return -(-tokens // size) * size
-
-
-def full_cache_tokens(batch: int, n: int, max_step_tokens: int, context_cap: int) -> int:
-    """Token room of a full-context cache (base `full`, sampled helper): each problem's context and 2N steps."""
-    return batch * (context_cap + 2 * n * max_step_tokens)
-
-
-def loglik_cache_tokens(batch: int, n: int, max_step_tokens: int, context_cap: int) -> int:
-    """Token room of the helper-loglik scorer's cache."""
-    return batch * (2 * context_cap + 2 * n * max_step_tokens)
 
 
 # -- one cell --------------------------------------------------------------------------------------
@@ -292,6 +197,8 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         """A runner that prefills prompts, decodes candidates and commits steps (base or helper)."""
         buffer = logits_rows(s.batch * (s.n + 1))
         add(role, "buffers", buffer * r.vocab * FP32, f"fp32 logits of {buffer} rows")
+        add(role, "buffers", step_lanes_bytes(rows_open, s.step_draws or step, s.detector_window),
+            f"step lanes of {rows_open} candidates: draws and detector state")
         moment(role, buffer // 2 * r.vocab * FP32, "logits buffer doubling (old + new)")
         moment(role, fwd(r, s.batch, prompt, prefill), f"prefill of {s.batch} prompts")
         moment(role, max(sample_bytes(rows_open, r.vocab), decode() + rows_open * r.vocab * FP32),
@@ -300,21 +207,23 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
 
     graphs = dev.cuda and dev.cuda_graphs
 
-    def graph_pool(role: str, r: _Role, keys: Keys) -> None:
-        """The CUDA graphs' memory pool of a runner's one-token steps: a decode step at the largest row bucket, and
-        each row bucket's logits."""
+    def graph_pool(role: str, r: _Role, keys: Keys, mask: int = 0) -> None:
+        """The CUDA graphs' memory pool of a runner's one-token steps: a decode step at the largest row bucket (with
+        its block mask's `mask` bytes), and each row bucket's logits."""
         rows = bucket(rows_open)
-        add(role, "buffers", fwd(r, rows, 1, keys) + 2 * rows * r.vocab * b,
+        add(role, "buffers", fwd(r, rows, 1, keys) + mask + 2 * rows * r.vocab * b,
             "CUDA graph pool: a decode step, each row bucket's logits")
 
     def full_runner(role: str) -> None:
         r = roles[role]
         add(role, "kv", (blocks(full_tokens, block) + graphs * block) * r.kv_token,
             f"full K/V: {full_tokens} tokens" + (" and the graphs' scratch block" if graphs else ""))
+        pool_blocks = blocks(full_tokens, block) // block + graphs
+        mask = paged_mask_bytes(rows_open, pool_blocks) if dev.flex else 0  # bucketed: graphs' rows and eager's alike
         if graphs:
-            graph_pool(role, r, Keys("flash" if dev.flash else "masked", blocks(cap, block)))
+            graph_pool(role, r, Keys("flash" if dev.flash else "masked", blocks(cap, block)), mask)
         sampling_runner(role, r, Keys(path, blocks(prompt, block)),
-                        lambda: forked(r, rows_open, 1, path, blocks(cap, block), block),
+                        lambda: forked(r, rows_open, 1, path, blocks(cap, block), block) + mask,
                         Keys(path, blocks(cap, block)))  # a step ends where the context reaches the cap
 
     if s.base == "bounded":
@@ -372,12 +281,15 @@ def cell_shapes(plans: Iterable[CellPlan], batch: int | None = None) -> list[Cel
     of theirs)."""
     shapes = []
     for plan in plans:
+        synthetic, detector = plan.settings.synthetic_steps, plan.settings.detector
         base = plan.base.cache if plan.base is not None and plan.base.engine == NATIVE else None
         shapes.append(CellShape(batch or plan.batch, plan.n, base, plan.budget if base == BOUNDED else None,
                                 plan.helper is not None and plan.helper.engine == NATIVE,
                                 plan.scorer.kind if plan.scorer.engine == NATIVE else None, plan.max_step_tokens,
                                 plan.context_cap, buffer=BUFFER if plan.buffer is None else plan.buffer,
-                                accumulates=plan.accumulates))
+                                accumulates=plan.accumulates,
+                                step_draws=min(plan.max_step_tokens, synthetic[0]) if synthetic else None,
+                                detector_window=detector.ent_window if METHODS[plan.method].detector else 1))
     return list(dict.fromkeys(shapes))
 
 
@@ -394,17 +306,6 @@ def plan_grid(plans: list[CellPlan], models: dict[str, Architecture], dev: Devic
     return max((plan_cell(models, cell, dev) for cell in cell_shapes(plans, batch)), key=lambda p: p.total)
 
 
-def largest_batch(plan: Callable[[int], DevicePlan], room: int) -> int | None:
-    """The largest batch (up to MAX_BATCH) whose plan fits in `room` bytes, or None when one problem does not."""
-    if plan(1).total > room:
-        return None
-    low, high = 1, MAX_BATCH
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if plan(mid).total <= room else (low, mid - 1)
-    return low
-
-
 def readable_plan(plans: list[CellPlan], models: dict[str, str], dev: DeviceKind,
                   batch: int | None = None) -> DevicePlan | None:
     """`plan_grid` of the models by role, or None when one has no readable config (the loader then says why)."""
@@ -412,18 +313,6 @@ def readable_plan(plans: list[CellPlan], models: dict[str, str], dev: DeviceKind
         return plan_grid(plans, grid_models(models), dev, batch)
     except ModelConfigError:
         return None
-
-
-def gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
-def summary(plan: DevicePlan) -> str:
-    """One line: each role's weights + KV + buffers + activation peak."""
-    parts = [f"{role} {gib(plan.bytes(role, 'weights'))} + KV {gib(plan.bytes(role, 'kv'))} + buffers "
-             f"{gib(plan.bytes(role, 'buffers'))}" for role in plan.roles]
-    peak = plan.peak_moment
-    return ", ".join(parts) + f", activations {gib(peak.bytes)} at the {peak.role} {peak.what}"
 
 
 def plan_rows(plan: DevicePlan, tp: int) -> list[tuple[str, str]]:
@@ -445,18 +334,3 @@ def plan_json(plan: DevicePlan, tp: int) -> dict[str, Any]:
             "devices": [{"role": role, "ranks": plan.ranks.get(role, plan.ranks.get("helper", 1)),
                          **{f"{kind}_bytes": plan.bytes(role, kind) for kind in ("weights", "kv", "buffers")},
                          "activation_bytes": plan.bytes(role, "activations")} for role in plan.roles]}
-
-
-def refuse_what_does_not_fit(plan: DevicePlan | None, free: int, device: str, beside_vllm: bool = False,
-                             hints: Iterable[str] = ()) -> None:
-    """A one-line error when `plan` needs more than `free` bytes less the headroom."""
-    if plan is None:
-        return
-    room = free - headroom(free)
-    if plan.total > room:
-        left = "left beside vLLM's share" if beside_vllm else "free"
-        raise InputError(f"batch {plan.batch} needs {gib(plan.total)} on {device} ({summary(plan)}) but "
-                         f"{gib(free)} is {left} ({gib(room)} after {gib(headroom(free))} of headroom); "
-                         f"{'lower --batch (or --batch auto) or ' if plan.batch > 1 else 'lower '}"
-                         f"--n{''.join(', ' + h for h in hints)}, "
-                         "or use larger devices")

@@ -43,7 +43,7 @@ def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> Non
     _exit_with(parent, folder)
     options = pickle.loads((folder / "options.pickle").read_bytes())
     join(folder / "rendezvous", rank, world, device)
-    models = load_roles(options, device)
+    models = load_roles(options.group_plan(), device)
     pipe = sys.stdin.buffer  # rank 0's messages
 
     def problems() -> Iterator[Problem]:
@@ -52,8 +52,8 @@ def follow(folder: Path, rank: int, device: str, world: int, parent: int) -> Non
 
     try:
         while (message := receive(pipe))[0] == "cell":
-            decode_cell(options, message[1], build_cell(options.plan_of(message[1]), models), problems(),
-                        lambda trace, tokens: None)
+            plan = options.plan_of(message[1])
+            decode_cell(plan, message[1], build_cell(plan, models), problems(), lambda trace, tokens: None)
     except SystemExit:  # rank 0's pipe closed: it is gone, or closing the group after a rank died
         remove_folder(folder)
         raise

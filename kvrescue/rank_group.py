@@ -42,7 +42,7 @@ from kvrescue.group_models import use_device
 
 if TYPE_CHECKING:
     from kvrescue.data import Problem
-    from kvrescue.grid import Cell
+    from kvrescue.cell_plan import Cell
 
 # A collective that waits longer than this fails the group ($KVRESCUE_TP_TIMEOUT_S seconds, default 10 minutes).
 TIMEOUT = timedelta(seconds=float(os.environ.get("KVRESCUE_TP_TIMEOUT_S", "600")))
@@ -63,7 +63,7 @@ def join(rendezvous: Path, rank: int, world: int, device: str) -> None:
 
 class RankGroup:
     """Rank 0 of a K-device group: starts the other ranks and leads them. Rank r computes on `group[r]`, a device
-    named as this process sees it (the run's `--devices` in the `kvrescue run` process; `workers.actor_devices`
+    named as this process sees it (the run's `--devices` in the `kvrescue run` process; `ray_placement.actor_devices`
     in a Ray actor); the other ranks inherit this process's CUDA_VISIBLE_DEVICES, so the names hold there too."""
 
     def __init__(self, options: object, group: tuple[str, ...]) -> None:

@@ -10,12 +10,12 @@ from rich.progress import Progress
 
 from kvrescue import in_process, workers
 from kvrescue.auto_options import resolve_prm_recipe, resolve_prompt
-from kvrescue.cell_plan import CellPlan, ScorerPlan
+from kvrescue.cell_plan import Cell, CellPlan, ScorerPlan
 from kvrescue.data import data_dir, load_problems
 from kvrescue.device_plan import plan_for_device
 from kvrescue.engine.sampling import STREAM_VERSION
 from kvrescue.errors import InputError
-from kvrescue.grid import Cell, GridOptions, bench_identity
+from kvrescue.grid import GridOptions, bench_identity
 from kvrescue.methods import METHODS
 from kvrescue.model_config import model_revision
 from kvrescue.scorers import PRM
@@ -55,8 +55,8 @@ def cell_config(options: GridOptions, cell: Cell) -> RunConfig:
             "synthetic_steps": list(s.synthetic_steps) if s.synthetic_steps else None,
             "dtype": options.dtype, "problem_field": options.problem_field, "answer_field": options.answer_field,
             "random_stream": STREAM_VERSION,
-            **({"grader": options.grader} if options.grader != "qwen" else {}),  # absent: the Qwen grader
-            **({"prompt": options.prompt} if options.prompt != "math" else {}),  # absent: the paper's prompt
+            **({"grader": plan.grading.grader} if plan.grading.grader != "qwen" else {}),  # absent: the Qwen grader
+            **({"prompt": plan.prompt} if plan.prompt != "math" else {}),  # absent: the paper's prompt
             **({"deterministic": True} if options.deterministic else {}),  # absent: batch-dependent kernels
             **_engine(plan),
         },
@@ -169,7 +169,8 @@ def prepare_grid(options: GridOptions) -> tuple[GridOptions, list[Cell]]:
     """The options checked and resolved (`--prompt auto`, `--prm-recipe auto`) and the grid's cells, their problems
     read (this shard's, with --shard); one-line errors before any weights are read."""
     options.check()
-    options = resolve_prm_recipe(resolve_prompt(options))
+    group = options.group_plan()
+    options = replace(options, prompt=resolve_prompt(group), prm_recipe=resolve_prm_recipe(group))
     folder = data_dir(options.data_dir)
     sets = [load_problems(b, folder=folder, problem_field=options.problem_field, answer_field=options.answer_field,
                           limit=options.limit) for b in options.benches]
@@ -177,7 +178,7 @@ def prepare_grid(options: GridOptions) -> tuple[GridOptions, list[Cell]]:
         i, k = options.shard
         sets = [replace(problems, problems=problems.problems[i::k]) for problems in sets]
     cells = options.cells(sets)
-    plan_for_device(options, options.devices[0])  # a base whose heads --tp does not split: an error before loading
+    plan_for_device(options.group_plan(), options.devices[0])  # a base --tp does not split: an error before loading
     return options, cells
 
 
@@ -201,7 +202,7 @@ def run_grid(options: GridOptions, progress: Progress) -> list[tuple[RunConfig, 
         return run_all(None)
     groups = options.groups()
     if len(groups) == 1 and options.ray_address is None:
-        roles = ", ".join(f"{role} {options.models[role]}" for role in sorted(options.native_roles()))
+        roles = ", ".join(f"{role} {model}" for role, model in options.group_plan().native_models().items())
         say(f"loading {roles} on {','.join(groups[0])}")
         started = time.monotonic()
         executor = in_process.InProcessGroup(options, groups[0])

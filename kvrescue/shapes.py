@@ -25,6 +25,9 @@ SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longe
 LOGITS_BYTES = 1 << 28  # bound on the fp32 logits helper-loglik's log-likelihoods hold at once
 
 
+MIN_STEP_LANES = 64  # a runner's step lanes (engine/steps.py): at least this many, a power of two
+
+
 def bucket(rows: int) -> int:
     """A row bucket of the static steps and their compiled kernels: the next power of two."""
     return 1 << max(rows - 1, 0).bit_length()

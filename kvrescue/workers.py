@@ -1,4 +1,6 @@
-"""Workers: one Ray actor per device group, each holding the grid's models, fed problem by problem by the driver.
+"""The executor over Ray: one actor per device group (`group_worker.GroupWorker`), each holding the grid's models, fed
+problem by problem by this driver (`RayWorkers`; its queue `work_queue.WorkQueue`, the actors' placement
+`ray_placement`).
 
 Two or more device groups (or `--ray-address`) run as Ray actors, on a private local Ray instance started
 here and shut down at the end, or on the cluster at `--ray-address`; one device decodes in the `kvrescue
@@ -25,30 +27,26 @@ or ("none",) the answer to "want".
 from __future__ import annotations
 
 import os
-import queue
-import threading
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable
 
 from grader import normal_gt
-from kvrescue.cell_runners import build_cell
-from kvrescue.decoding import decode_cell
-from kvrescue.device_plan import batch_description, wait_for_room
-from kvrescue.group_models import load_roles
 from kvrescue.data import Problem
-from kvrescue.devices import RAY_QUIET, device_shares, gpu_index, is_cpu
+from kvrescue.device_plan import batch_description
+from kvrescue.devices import RAY_QUIET, device_shares
 from kvrescue.errors import InputError
+from kvrescue.group_worker import GroupWorker
 from kvrescue.outputs import Trace
-from kvrescue.rank_group import RankGroup, leading, remove_folder
+from kvrescue.ray_placement import actor_resources, cpu_threads, named_gpus
 from kvrescue.search import DecodeProgress
+from kvrescue.work_queue import WorkQueue
 
 if TYPE_CHECKING:
-    from kvrescue.grid import Cell, GridOptions
+    from kvrescue.cell_plan import Cell
+    from kvrescue.grid import GridOptions
 
-STRIKES = 2          # actor deaths a problem may be part of before it is recorded as failed
 GROUP_RESTARTS = 3   # deaths after which a device group gets no new actor
-RELEASE_WAIT_S = 60.0  # how long a restarted actor waits for its dead predecessor's device memory to be released
 CLOSE_WAIT_S = 60.0  # how long the driver, at the end, waits for idle actors to close their --tp groups
 OBJECT_STORE = 128 * 2**20  # a private instance's object store: problems and traces are small and travel inline
 
@@ -57,167 +55,6 @@ class WorkersGone(RuntimeError):
     """Every worker died; the run folder holds what finished and the run resumes when re-run."""
 
 
-def named_gpus(groups: list[tuple[str, ...]], visible: str | None) -> list[str]:
-    """The CUDA_VISIBLE_DEVICES entries of the GPUs named (`cuda:N` is the N-th of `visible`, if set)."""
-    indices = sorted({gpu_index(d) for group in groups for d in group if gpu_index(d) is not None})
-    ids = visible.split(",") if visible else [str(i) for i in range(max(indices, default=-1) + 1)]
-    return [ids[i] for i in indices]
-
-
-def actor_resources(groups: list[tuple[str, ...]], group: int) -> dict[str, float]:
-    """What the actor of `groups[group]` asks Ray for: a CPU, and its GPUs; a local GPU named by several
-    groups (`cuda:0,cuda:0`) is shared, each taking its fraction of it."""
-    devices = groups[group]
-    if is_cpu(devices[0]):
-        return {"num_cpus": 1, "num_gpus": 0}
-    shares = device_shares(groups, group)
-    if shares > 1 and len(devices) > 1:  # Ray gives a share below 1 of one GPU only
-        raise InputError(f"--devices {','.join(d for g in groups for d in g)}: the group {','.join(devices)} shares "
-                         f"its GPUs with another group; groups of --tp {len(devices)} need GPUs of their own")
-    return {"num_cpus": 1, "num_gpus": len(devices) / shares}
-
-
-def actor_devices(group: tuple[str, ...], gpu_ids: list, visible: str | None) -> tuple[str, ...]:
-    """The devices of `group` as its actor names them. Ray shows an actor only the GPUs it assigned it, setting
-    its CUDA_VISIBLE_DEVICES to their IDs (`ray.get_gpu_ids()`), so the actor's r-th GPU is `cuda:k`, k the place
-    of its ID in `visible` (the actor's CUDA_VISIBLE_DEVICES), or the ID itself where Ray left that unset
-    (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES). Which of the named GPUs a group gets is Ray's choice (its
-    placement is recorded in config.json)."""
-    if is_cpu(group[0]):
-        return group
-    ids = [str(i) for i in gpu_ids]
-    if len(ids) < len(group):
-        raise RuntimeError(f"Ray gave the actor of {','.join(group)} {len(ids)} GPU(s) for its {len(group)} ranks")
-    order = visible.split(",") if visible is not None else None
-    return tuple(f"cuda:{order.index(i) if order is not None else int(i)}" for i in ids[:len(group)])
-
-
-# -- the queue (pure bookkeeping, no processes) -----------------------------------------------------
-@dataclass
-class WorkQueue:
-    """Problems not yet handed out, those each worker holds, and the deaths each problem was part of."""
-
-    pending: deque[Problem]
-    held: dict[int, dict[int, Problem]] = field(default_factory=dict)
-    strikes: Counter = field(default_factory=Counter)
-    errors: dict[int, list[str]] = field(default_factory=dict)
-
-    def take(self, worker: int) -> Problem | None:
-        """The next problem for `worker`, or None: a suspect (part of a death) only to a worker holding
-        nothing, and nothing more to a worker holding a suspect."""
-        mine = self.held.setdefault(worker, {})
-        if any(self.strikes[idx] for idx in mine):
-            return None
-        suspect = next((p for p in self.pending if self.strikes[p.idx]), None)
-        choice = suspect if suspect is not None and not mine else next(
-            (p for p in self.pending if not self.strikes[p.idx]), None)
-        if choice is not None:
-            self.pending.remove(choice)
-            mine[choice.idx] = choice
-        return choice
-
-    def done(self, worker: int, idx: int) -> None:
-        self.held.get(worker, {}).pop(idx, None)
-
-    def lost(self, worker: int, error: str) -> list[Problem]:
-        """`worker` died: its problems go back to the front of the queue; those struck out are returned."""
-        failed = []
-        for problem in reversed(list(self.held.pop(worker, {}).values())):
-            self.strikes[problem.idx] += 1
-            self.errors.setdefault(problem.idx, []).append(error)
-            if self.strikes[problem.idx] >= STRIKES:
-                failed.append(problem)
-            else:
-                self.pending.appendleft(problem)
-        return failed
-
-    @property
-    def empty(self) -> bool:
-        return not self.pending and not any(self.held.values())
-
-
-def cpu_threads(groups: list[tuple[str, ...]]) -> int:
-    """Compute threads of an actor on a CPU group: `OMP_NUM_THREADS` where this process's environment sets it (as
-    every process of an in-process run computes), else an equal share of this machine's cores."""
-    named = os.environ.get("OMP_NUM_THREADS", "")
-    if named.isdigit() and int(named) > 0:
-        return int(named)
-    return max(1, (os.cpu_count() or 1) // max(sum(is_cpu(g[0]) for g in groups), 1))
-
-
-# -- the actor --------------------------------------------------------------------------------------
-class GroupWorker:
-    """A Ray actor: one device group's models, and a thread decoding the problems the driver hands out."""
-
-    def __init__(self, options: GridOptions, group: tuple[str, ...], threads: int, shares: int = 1,
-                 restarted: bool = False) -> None:
-        """`shares`: workers sharing this group's devices (each plans its share); `restarted`: a dead worker of the
-        group came before, whose memory the device may take a while to release (its check waits up to
-        RELEASE_WAIT_S for it)."""
-        import ray
-        import torch
-
-        self.options = options
-        self.outbox: queue.Queue = queue.Queue()
-        self.inbox: queue.Queue = queue.Queue()
-        group = actor_devices(group, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-        device = group[0]
-        if is_cpu(device):
-            torch.set_num_threads(threads)
-        placement = {"node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                     "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
-        self.ranks: RankGroup | None = None
-        try:  # the memory check before the group forms: a refusal inside it would hang its ranks
-            wait_for_room(options, group, shares, RELEASE_WAIT_S if restarted else 0.0)
-            self.ranks = RankGroup(options, group) if len(group) > 1 else None  # --tp: this actor is rank 0
-            self.models = load_roles(options, device)
-            self.outbox.put(("ready", placement))
-        except InputError as err:
-            self.close()
-            self.outbox.put(("error", str(err)))
-
-    def close(self) -> None:
-        """Close this actor's --tp group, if any: Ray kills an actor's child processes with it, so its other ranks
-        could not remove the group's folder."""
-        if self.ranks is not None:
-            self.ranks.close()
-            self.ranks = None
-
-    def begin(self, cell: Cell) -> None:
-        """Start decoding problems of `cell`, asking the driver for them."""
-        threading.Thread(target=self._decode, args=(cell,), daemon=True).start()
-
-    def exchange(self, replies: list[tuple]) -> list[tuple]:
-        """Take the driver's replies, then wait for this actor's next messages and return them all."""
-        for reply in replies:
-            self.inbox.put(reply)
-        messages = [self.outbox.get()]
-        while not self.outbox.empty():
-            messages.append(self.outbox.get())
-        return messages
-
-    def _pull(self) -> Iterator[Problem]:
-        while True:
-            self.outbox.put(("want",))
-            reply = self.inbox.get()
-            if reply[0] != "problem":
-                return
-            yield reply[1]
-
-    def _decode(self, cell: Cell) -> None:
-        try:
-            with leading(self.ranks, cell, self._pull()) as problems:
-                decode_cell(self.options, cell, build_cell(self.options.plan_of(cell), self.models), problems,
-                            lambda trace, tokens: self.outbox.put(("trace", trace, tokens)),
-                            lambda totals: self.outbox.put(("progress", totals.committed_steps, totals.generated_tokens)))
-            self.outbox.put(("idle",))
-        except BaseException as err:
-            if self.ranks is not None:  # the driver kills a crashed actor; a killed rank cannot remove the folder
-                remove_folder(self.ranks.folder)
-            self.outbox.put(("crash", f"{type(err).__name__}: {err}"[:2000]))
-
-
-# -- the driver's side ------------------------------------------------------------------------------
 @dataclass
 class _Worker:
     number: int
@@ -324,7 +161,7 @@ class RayWorkers:
         import ray
 
         return {"kind": "ray", "ray": ray.__version__, "address": self.options.ray_address or "local",
-                **batch_description(self.options),
+                **batch_description(self.options.group_plan()),
                 "nodes": sum(node["Alive"] for node in ray.nodes()),
                 "workers": [{"devices": list(w.devices), **(w.placement or {})} for w in self.workers]}
 

@@ -22,12 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvrescue.cell_plan import Cell
 from kvrescue.data import Problem, ProblemSet
 from kvrescue.cell_runners import build_cell
 from kvrescue.decoding import decode_cell
 from kvrescue.engine.loader import DTYPES, LoadedModel, build_network
 from kvrescue_testkit.fake_cuda import FakeCuda, HostReads, peaks
-from kvrescue.grid import Cell, GridOptions, grid_options
+from kvrescue.grid import GridOptions, grid_options
 from kvrescue_testkit.paper_shapes import PAPER_MODELS, hf_config
 from kvrescue_testkit.random_checkpoints import build_tokenizer
 from kvrescue.search import SearchSettings
@@ -151,9 +152,9 @@ def _cell(cuda: FakeCuda, options: GridOptions, cell: Cell, models: dict[str, Lo
     traces: list = []
     gc.disable()
     try:
-        one = replace(options, methods=[cell.method])
-        decode_cell(one, cell, build_cell(one.plan_of(cell), models), iter(cell.problems.problems),
-               lambda trace, _: traces.append(trace))
+        plan = replace(options, methods=[cell.method]).plan_of(cell)
+        decode_cell(plan, cell, build_cell(plan, models), iter(cell.problems.problems),
+                    lambda trace, _: traces.append(trace))
         left = {d: b - before.get(d, 0) for d, b in cuda.memory.device_live.items() if b - before.get(d, 0)}
     finally:
         gc.enable()

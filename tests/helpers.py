@@ -125,7 +125,7 @@ def paper_grid(out: Path | None, models: dict[str, str], **fields):
 def small_cell(problems: Iterable = (), method: str = "bon", budget: int | None = 16, n: int = 2):
     """A `Cell` of `problems` (`data.Problem`s) as bench "t", seed 0."""
     from kvrescue.data import ProblemSet
-    from kvrescue.grid import Cell
+    from kvrescue.cell_plan import Cell
 
     return Cell(ProblemSet("t", "generic", "t.jsonl", list(problems)), method, budget, n, 0)
 

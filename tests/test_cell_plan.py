@@ -52,3 +52,24 @@ def test_the_grids_plans_are_its_distinct_cells_one_budget_for_methods_without_o
     assert [(p.method, p.budget, p.n) for p in plans] == [("bon", 16, 2), ("bon", 16, 4), ("bon", 32, 2),
                                                           ("bon", 32, 4), ("full", None, 2), ("full", None, 4)]
     assert replace(grid(), prm_recipe="rlhflow").cell_plan("bon", 16, 2).scorer.prm_recipe == "rlhflow"
+
+
+def test_a_cells_plan_carries_its_settings_prompt_and_graders():
+    """What a cell's decode reads comes with its plan: the controller's settings, the prompt style, the graders."""
+    settings = SearchSettings(batch=3, max_step_tokens=32, context_cap=256)
+    plan = grid(prompt="think", grader="math-verify", also_grade=("qwen",)).cell_plan("bon", 16, 2)
+    assert plan.settings == settings and (plan.batch, plan.max_step_tokens, plan.context_cap) == (3, 32, 256)
+    assert (plan.prompt, plan.grading.grader, plan.grading.also_grade) == ("think", "math-verify", ("qwen",))
+
+
+def test_a_groups_models_here_and_on_vllm_are_its_cells_roles():
+    """What a device group loads here and on vLLM is the union of its cells' plans' roles; the concerns' options
+    come with it as given."""
+    models = {"base": "b", "helper": "h", "prm": "p"}
+    group = grid(methods=["kvrescue", "full"], models=models, engine="vllm", vllm_memory=0.3).group_plan()
+    assert [(c.method, c.budget) for c in group.cells] == [("kvrescue", 16), ("full", None)]
+    assert group.native_models().keys() == {"base"} and group.vllm_models().keys() == {"base", "helper", "prm"}
+    assert (group.engine.engine, group.engine.vllm_memory, group.placement.tp) == ("vllm", 0.3, 1)
+    assert group.native_models() == {"base": "b"} and group.vllm_models() == {"base": "b", "helper": "h", "prm": "p"}
+    loglik = grid(methods=["bon"], scorer="helper-loglik", models={"base": "b", "helper": "h"}).group_plan()
+    assert loglik.native_models() == {"base": "b", "helper": "h"} and loglik.vllm_models() == {}

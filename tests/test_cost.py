@@ -157,11 +157,11 @@ def test_a_run_that_does_not_fit_the_free_device_memory_is_refused(tmp_path):
     with pytest.raises(InputError, match=r"batch 8 needs 1\d\d\.\d GiB on cuda:0 \(base 135\.4 GiB \+ KV \d+\.\d GiB "
                                          r"\+ buffers .* but 40\.0 GiB is free \(38\.0 GiB after 2\.0 GiB of headroom\); "
                                          r"lower --batch \(or --batch auto\) or --n, or use larger devices"):
-        refuse_what_does_not_fit(options, 40 * 2**30)
+        refuse_what_does_not_fit(options.group_plan(), 40 * 2**30)
     eight = replace(options, devices=tuple(f"cuda:{i}" for i in range(8)), tp=8)
-    refuse_what_does_not_fit(eight, 40 * 2**30)
+    refuse_what_does_not_fit(eight.group_plan(), 40 * 2**30)
     with pytest.raises(InputError, match=r"batch 8 needs [23]\d\.\d GiB on cuda:0"):
-        refuse_what_does_not_fit(eight, 20 * 2**30)
+        refuse_what_does_not_fit(eight.group_plan(), 20 * 2**30)
 
 
 def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir, tmp_path):
@@ -174,12 +174,12 @@ def test_the_plan_counts_the_caches_a_cell_builds(qwen2_dir, llama_dir, prm_dir,
     models = {"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}
     options = small_grid(tmp_path, SearchSettings(batch=3, max_step_tokens=64, context_cap=200), methods=["kvrescue"],
                          models=models)
-    loaded = load_roles(options, "cpu")
+    loaded = load_roles(options.group_plan(), "cpu")
     cell = small_cell(method="kvrescue")
     engine = build_cell(options.plan_of(cell), loaded)
     caches = {role: runner.cache for role, runner in engine.runners.items()}
     caches["prm"] = engine.scorer.cache
-    plan = plan_for_device(options, "cpu")
+    plan = plan_for_device(options.group_plan(), "cpu")
     for role, cache in caches.items():
         built = cache.k.nbytes + cache.v.nbytes + (cache.q.nbytes if hasattr(cache, "q") else 0)
         assert plan.bytes(role, "kv") == built, role
@@ -203,23 +203,24 @@ def test_vllm_gets_its_share_and_this_engine_the_rest(tmp_path):
                           models=models, dtype="bfloat16", engine="vllm", vllm_memory=memory)
 
     gib = 2**30
-    assert options(0.4).vllm_roles() == {"helper", "prm"} and options(0.4).native_roles() == {"base"}
-    assert options(0.4, ("full", "bon")).vllm_roles() == {"base", "prm"}
-    assert options(0.4, ("full", "bon")).native_roles() == {"base"}  # bon's evicted base stays here
-    assert plan_for_device(options(0.4)).roles == ["base"]
-    assert vllm_memory(options(0.4), "cuda:0", 80 * gib, 80 * gib) == [{"memory": 0.2}, {"memory": 0.2}]
+    assert options(0.4).group_plan().vllm_models().keys() == {"helper", "prm"}
+    assert options(0.4).group_plan().native_models().keys() == {"base"}
+    assert options(0.4, ("full", "bon")).group_plan().vllm_models().keys() == {"base", "prm"}
+    assert options(0.4, ("full", "bon")).group_plan().native_models().keys() == {"base"}  # bon's evicted base: here
+    assert plan_for_device(options(0.4).group_plan()).roles == ["base"]
+    assert vllm_memory(options(0.4).group_plan(), "cuda:0", 80 * gib, 80 * gib) == [{"memory": 0.2}, {"memory": 0.2}]
     with pytest.raises(InputError, match=r"--vllm-memory 0.1: vLLM's 8.00 GiB of cuda:0 over its 2 engine\(s\) "
                                          r"leaves 4.00 GiB for the prm model, whose weights and one 4096-token "
                                          r"context need 13\.4\d GiB; raise --vllm-memory"):
-        vllm_memory(options(0.1), "cuda:0", 80 * gib, 80 * gib)
+        vllm_memory(options(0.1).group_plan(), "cuda:0", 80 * gib, 80 * gib)
     with pytest.raises(InputError, match=r"GiB is left beside vLLM's share \(.*\); lower --batch \(or --batch auto\) "
                                          r"or --n, --vllm-memory, or use larger devices"):
-        vllm_memory(options(0.45, batch=128), "cuda:0", 80 * gib, 80 * gib)
-    (helper, prm) = vllm_memory(options(0.4), "cpu", 40 * gib, 80 * gib)
+        vllm_memory(options(0.45, batch=128).group_plan(), "cuda:0", 80 * gib, 80 * gib)
+    (helper, prm) = vllm_memory(options(0.4).group_plan(), "cpu", 40 * gib, 80 * gib)
     assert helper["kv_cache_bytes"] == 16 * gib - Architecture.from_config("h", QWEN_MATH_1_5B).params * 2
     with pytest.raises(InputError, match=r"--vllm-memory 0.6: 48.0 GiB of RAM for vLLM, but 40.0 GiB is available"):
-        vllm_memory(options(0.6), "cpu", 40 * gib, 80 * gib)
-    assert vllm_memory(replace_engine(options(0.4)), "cuda:0", 80 * gib, 80 * gib) == []
+        vllm_memory(options(0.6).group_plan(), "cpu", 40 * gib, 80 * gib)
+    assert vllm_memory(replace_engine(options(0.4)).group_plan(), "cuda:0", 80 * gib, 80 * gib) == []
 
 
 def replace_engine(options):

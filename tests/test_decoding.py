@@ -33,8 +33,9 @@ def test_the_decode_goes_on_while_a_problem_is_graded(qwen2_dir, prm_dir, tmp_pa
         return grade(output, gt, bench, **options)
 
     emitted = []
-    decode_cell(options, cell, build_cell(options.plan_of(cell), load_roles(options, "cpu")), pulled(),
-           lambda trace, tokens: emitted.append((trace, tokens, threading.current_thread())), grade=grade_slowly)
+    plan = options.plan_of(cell)
+    decode_cell(plan, cell, build_cell(plan, load_roles(options.group_plan(), "cpu")), pulled(),
+                lambda trace, tokens: emitted.append((trace, tokens, threading.current_thread())), grade=grade_slowly)
     assert [trace.idx for trace, _, _ in emitted] == [0, 1, 2, 3]  # in the order they finished, each once
     assert all(thread is threading.current_thread() for _, _, thread in emitted)
     assert graded_on and all(thread is not threading.current_thread() for thread in graded_on)
@@ -60,7 +61,7 @@ def test_a_cell_is_built_from_the_parts_given(qwen2_dir, prm_dir, tmp_path):
     options = grid_options({"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}, settings, tmp_path,
                            benches=["t"], methods=["full"], budgets=[16], ns=[2], seeds=[0], evictor="rkv")
     cell = small_cell(method="full", budget=None)
-    models = load_roles(options, "cpu")
+    models = load_roles(options.group_plan(), "cpu")
     scorer = HelperLoglik(None)
     built = build_cell(options.plan_of(cell), models, parts=CellParts(full_cache=Marked, scorer=scorer))
     assert type(built.runners["base"].cache) is Marked and built.scorer is scorer
@@ -69,4 +70,4 @@ def test_a_cell_is_built_from_the_parts_given(qwen2_dir, prm_dir, tmp_path):
     loglik = grid_options({"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": "helper-loglik"}, settings,
                           tmp_path, benches=["t"], methods=["full"], budgets=[16], ns=[2], seeds=[0], evictor="rkv")
     assert (loglik.scorer, "prm" in loglik.models) == ("helper-loglik", False)
-    assert isinstance(build_cell(loglik.plan_of(cell), load_roles(loglik, "cpu")).scorer, HelperLoglik)
+    assert isinstance(build_cell(loglik.plan_of(cell), load_roles(loglik.group_plan(), "cpu")).scorer, HelperLoglik)

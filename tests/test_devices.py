@@ -14,7 +14,8 @@ from kvrescue.grid import GridOptions
 from tests.helpers import small_grid, unset_allocator_settings
 from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from kvrescue.search import SearchSettings
-from kvrescue.workers import RayWorkers, actor_devices, actor_resources
+from kvrescue.ray_placement import actor_devices, actor_resources
+from kvrescue.workers import RayWorkers
 
 GiB = 2**30
 
@@ -73,21 +74,12 @@ def test_each_rank_of_a_tp_group_computes_on_its_named_device(gpus, models, monk
         rank_group.shutil.rmtree(leader.folder)
     gpus.clear()
     with pytest.raises(InputError, match="GiB is free"):
-        device_plan.wait_for_room(grid, group)  # rank 0's check of every rank's device, before the group forms
+        device_plan.wait_for_room(grid.group_plan(), group)  # rank 0's check of every rank's device, before the group forms
     assert {d for _, d in gpus} == set(group) and all(("mem_get_info", device) in gpus for device in group)
     for device in group:
         gpus.clear()
         group_models.use_device(device)  # what each rank's load_roles does first, on the device it was started with
         assert gpus == [("set_device", device)]
-
-
-def test_an_actors_devices_are_its_place_among_the_gpus_ray_assigned_it():
-    assert actor_devices(("cpu",), [], None) == ("cpu",)
-    assert actor_devices(("cuda:6", "cuda:7"), ["6", "7"], "6,7") == ("cuda:0", "cuda:1")  # Ray's own setting
-    assert actor_devices(("cuda:3",), ["7"], "4,5,6,7") == ("cuda:3",)  # a wider CUDA_VISIBLE_DEVICES
-    assert actor_devices(("cuda",), [2], None) == ("cuda:2",)  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
-    with pytest.raises(RuntimeError, match="1 GPU.s. for its 2 ranks"):
-        actor_devices(("cuda:0", "cuda:1"), ["0"], "0")
 
 
 def test_tp_groups_sharing_gpus_are_a_one_line_error_before_any_actor(models, tmp_path):

@@ -98,7 +98,7 @@ def test_math_verify_missing_is_a_one_line_error_naming_the_extra(monkeypatch):
 
 def test_the_grader_is_part_of_a_runs_identity_and_qwen_keeps_old_folders():
     from kvrescue.data import ProblemSet
-    from kvrescue.grid import Cell
+    from kvrescue.cell_plan import Cell
     from kvrescue.runs import cell_config
 
     def config(**kw) -> RunConfig:

@@ -131,12 +131,17 @@ def test_the_grid_loads_neither_torch_nor_the_engine():
 
 
 def test_only_the_cli_and_the_executors_read_the_grid_options():
-    """The modules that import `kvrescue.grid` (the grid's options, its cells, the cell plans' builder): the `run`
-    command and its --plan table, what resolves `auto` from the models before the plans are built, the grid's driver
-    (runs), the executors (in this process, Ray workers, a --tp group) and the parts every executor runs
-    (a group's models, the plan against its devices, a cell's decoding). A new reader is a choice made here."""
+    """The modules that import `kvrescue.grid` (the grid's options, the one builder of its cells' and groups' plans):
+    the `run` command and its --plan table, the grid's driver (runs: it checks the options and has them resolve `auto`
+    from the models, builds the cells and their run folders' configuration, and chooses the executor), and the
+    executors that decode its cells (in this process; over Ray, its driver and actor). The rest reads the plans:
+    what resolves `auto` (`auto_options`), a group's models (`group_models`) and its memory against its devices
+    (`device_plan`) a `cell_plan.GroupPlan`, a cell's decoding (`decoding`) its `CellPlan`, a --tp group
+    (`rank_group`, `rank_follower`) the cell; a new reader is a choice made here."""
     graph = import_graph()
     readers = {m for m, imports in graph.items() if "kvrescue.grid" in imports}
-    assert readers == {"kvrescue.cli.run_command", "kvrescue.cli.plan_table", "kvrescue.auto_options", "kvrescue.runs",
-                       "kvrescue.in_process", "kvrescue.workers", "kvrescue.rank_group",
-                       "kvrescue.group_models", "kvrescue.device_plan", "kvrescue.decoding"}
+    assert readers == {"kvrescue.cli.run_command", "kvrescue.cli.plan_table", "kvrescue.runs", "kvrescue.in_process",
+                       "kvrescue.workers", "kvrescue.group_worker"}
+    plan_readers = ("kvrescue.auto_options", "kvrescue.group_models", "kvrescue.device_plan", "kvrescue.decoding",
+                    "kvrescue.rank_group", "kvrescue.rank_follower")
+    assert {m: "kvrescue.grid" in reached(graph, m) for m in plan_readers} == dict.fromkeys(plan_readers, False)

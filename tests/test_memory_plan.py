@@ -8,7 +8,7 @@ from typing import Callable
 
 import pytest
 
-from kvrescue import device_plan, in_process, memory_plan
+from kvrescue import device_plan, engine_bytes, in_process, memory_fit, memory_plan
 from kvrescue.cell_runners import build_cell
 from kvrescue.decoding import decode_cell
 from kvrescue.errors import InputError
@@ -56,16 +56,17 @@ def measured_cell(policy: Path, prm: Path, method: str, scorer: str, batch: int,
     settings = SearchSettings(batch=batch, synthetic_steps=(step, 1000), max_step_tokens=step, context_cap=cap)
     options = small_grid(tmp_path, settings, methods=[method], ns=[n], models=models, scorer=scorer, dtype="float32")
     problems = [Problem(i, "What is one plus one?", "2", {}) for i in range(batch)]
-    loaded = load_roles(options, "cpu")
+    loaded = load_roles(options.group_plan(), "cpu")
     tokenizer = loaded["base" if "base" in loaded else "helper"].tokenizer
     prompt = len(tokenizer.encode(generation_prompt(tokenizer, problems[0].problem), add_special_tokens=False))
     weights = parameter_bytes(*{id(m.net): m.net for m in loaded.values()}.values())
     cell = small_cell(problems, method, n=n)
+    cell_plan = options.plan_of(cell)
     mode = TensorBytes()
     with torch.inference_mode(), mode:
-        decode_cell(options, cell, build_cell(options.plan_of(cell), loaded), problems, lambda trace, tokens: None)
+        decode_cell(cell_plan, cell, build_cell(cell_plan, loaded), problems, lambda trace, tokens: None)
     shape = replace(memory_plan.cell_shapes(options.cell_plans())[0], prompt_tokens=prompt)
-    plan = memory_plan.plan_cell(memory_plan.grid_models(options.native_models()), shape,
+    plan = memory_plan.plan_cell(memory_plan.grid_models(options.group_plan().native_models()), shape,
                                  memory_plan.DeviceKind(dtype_bytes=4))
     return weights + mode.peak, plan
 
@@ -135,11 +136,12 @@ def test_batch_auto_is_the_largest_that_fits(tmp_path):
     paths = write_paper_configs(tmp_path)
     options = paper_grid(tmp_path, {"base": paths["base-7b"], "helper": paths["helper"], "prm": paths["prm"]},
                          devices=("cuda:0",), device_memory=80 * 10**9)
-    batch = device_plan.auto_batch(options, [("cuda:0",)])
-    room = 80 * 10**9 - memory_plan.headroom(80 * 10**9)
-    assert device_plan.plan_for_device(options, "cuda:0", batch).total <= room < device_plan.plan_for_device(
-        options, "cuda:0", batch + 1).total
-    shared = device_plan.auto_batch(replace(options, devices=("cuda:0", "cuda:0")), [("cuda:0",), ("cuda:0",)], 2)
+    batch = device_plan.auto_batch(options.group_plan(), [("cuda:0",)])
+    room = 80 * 10**9 - memory_fit.headroom(80 * 10**9)
+    assert device_plan.plan_for_device(options.group_plan(), "cuda:0", batch).total <= room < \
+        device_plan.plan_for_device(options.group_plan(), "cuda:0", batch + 1).total
+    shared = device_plan.auto_batch(replace(options, devices=("cuda:0", "cuda:0")).group_plan(),
+                                    [("cuda:0",), ("cuda:0",)], 2)
     assert shared < batch  # two workers on one GPU: each plans its half
 
 
@@ -154,8 +156,8 @@ def test_helper_loglik_counts_both_helper_caches(tmp_path):
     cell = memory_plan.CellShape(4, 8, "bounded", 64, True, "helper-loglik")
     plan = memory_plan.plan_cell(archs, cell, memory_plan.DeviceKind(cuda=True, dtype_bytes=2))
     helper = archs["helper"].kv_bytes_per_token // 2 * 2  # bf16
-    assert plan.bytes("helper", "kv") == memory_plan.full_cache_tokens(4, 8, 512, 4096) * helper
-    assert plan.bytes("helper-loglik", "kv") == memory_plan.loglik_cache_tokens(4, 8, 512, 4096) * helper
+    assert plan.bytes("helper", "kv") == engine_bytes.full_cache_tokens(4, 8, 512, 4096) * helper
+    assert plan.bytes("helper-loglik", "kv") == engine_bytes.loglik_cache_tokens(4, 8, 512, 4096) * helper
     assert plan.bytes(None, "weights") == (archs["base"].params + archs["helper"].params) * 2  # the helper once
 
 
@@ -229,7 +231,7 @@ def test_a_tp_group_too_large_for_its_devices_is_refused_before_any_rank_starts(
 def test_workers_sharing_a_gpu_each_plan_their_share(tmp_path, monkeypatch):
     """--devices cuda:0,cuda:0: each of the two workers plans half of the GPU, not the whole of it."""
     fake_gpus(monkeypatch, lambda device: 80 * 2**30)
-    options = gpu_options(tmp_path, ("cuda:0", "cuda:0"))
+    options = gpu_options(tmp_path, ("cuda:0", "cuda:0")).group_plan()
     need = device_plan.plan_for_device(options, "cuda:0").total
     assert 40 * 2**30 < need < 75 * 2**30  # fits the GPU, not half of it
     device_plan.wait_for_room(options, ("cuda:0",), shares=1)
@@ -243,7 +245,7 @@ def test_a_restarted_worker_waits_for_its_predecessors_memory(tmp_path, monkeypa
     seconds = [0.0]
     released_at = 20.0
     fake_gpus(monkeypatch, lambda device: 80 * 2**30 if seconds[0] >= released_at else 10 * 2**30)
-    options = gpu_options(tmp_path, ("cuda:0",))
+    options = gpu_options(tmp_path, ("cuda:0",)).group_plan()
     clock, sleep = (lambda: seconds[0]), (lambda s: seconds.__setitem__(0, seconds[0] + s))
     with pytest.raises(InputError, match=r"10\.0 GiB is free"):
         device_plan.wait_for_room(options, ("cuda:0",), clock=clock, sleep=sleep)
@@ -268,7 +270,7 @@ def test_cost_and_run_plan_alike(tmp_path):
                                       paths["prm"], "--batch", "8", "--format", "json"])
     assert result.exit_code == 0, result.output
     cost = orjson.loads(result.stdout)
-    plan = device_plan.plan_for_device(options, "cuda:0")
+    plan = device_plan.plan_for_device(options.group_plan(), "cuda:0")
     assert cost["device_bytes"] == plan.total
     assert {m["role"]: m["kv_bytes"] for m in cost["devices"]} == {role: plan.bytes(role, "kv") for role in plan.roles}
 
@@ -304,3 +306,36 @@ def test_the_plan_cascades_where_the_full_cache_does(invariant, cuda):
                     cache.end()
     finally:
         invariance.enable(False)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_the_plan_counts_flexattentions_block_mask_and_each_runners_step_lanes(graphs, monkeypatch):
+    """On CUDA without flash-attn a full cache's decode step (and with CUDA graphs their pool) holds FlexAttention's
+    block mask over the whole pool, not with --deterministic; every sampling runner keeps its step lanes. The bytes
+    of each are `engine_bytes`' (checked against what the engine allocates in tests/test_engine_bytes.py)."""
+    from kvrescue.cost import Architecture
+    from kvrescue_testkit.paper_shapes import QWEN25_MATH_15B, QWEN25_MATH_7B
+
+    archs = {"base": Architecture.from_config("base", QWEN25_MATH_7B),
+             "helper": Architecture.from_config("helper", QWEN25_MATH_15B)}
+    cell = memory_plan.CellShape(4, 8, "full", None, True, None, max_step_tokens=512, context_cap=4096,
+                                 step_draws=32, detector_window=12)
+    rows, pool_blocks = 4 * 8, engine_bytes.full_cache_tokens(4, 8, 512, 4096) // 16 + graphs
+
+    def plans(mask: bool, invariant: bool = False) -> dict[str, int]:
+        with monkeypatch.context() as patch:
+            if not mask:
+                patch.setattr(memory_plan, "paged_mask_bytes", lambda rows, blocks: 0)
+            plan = memory_plan.plan_cell(archs, cell, memory_plan.DeviceKind(cuda=True, dtype_bytes=2,
+                                                                             cuda_graphs=graphs, invariant=invariant))
+        return {p.what: p.bytes for p in plan.moments + plan.parts if p.role == "helper"}
+
+    counted, without = plans(True), plans(False)
+    mask = engine_bytes.paged_mask_bytes(rows, pool_blocks)
+    step = "decode step of 32 candidates and its sampling"
+    assert counted[step] - without[step] == mask
+    if graphs:
+        pool = "CUDA graph pool: a decode step, each row bucket's logits"
+        assert counted[pool] - without[pool] == mask
+    assert plans(True, invariant=True) == plans(False, invariant=True)  # --deterministic: SDPA, no mask
+    assert counted["step lanes of 32 candidates: draws and detector state"] == engine_bytes.step_lanes_bytes(32, 32, 12)

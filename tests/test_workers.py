@@ -15,7 +15,7 @@ import pytest
 from kvrescue.data import Problem
 from kvrescue.devices import resolve_devices
 from kvrescue.errors import InputError
-from kvrescue.workers import WorkQueue
+from kvrescue.work_queue import WorkQueue
 from tests.helpers import KVRESCUE, PAIRS, RUN_WAIT_S, kvrescue, small_cell, small_grid, tiny_problems, traces_of
 
 MANY = 20  # problems of `many_problems`
@@ -27,23 +27,6 @@ SMALL = ["--method", "kvrescue", "--n", "2", "--max-step-tokens", "12", "--max-s
 
 def problem(idx: int) -> Problem:
     return Problem(idx, f"p{idx}", "1", {})
-
-
-def test_queue_hands_out_in_order_and_requeues_a_dead_workers_problems():
-    queue = WorkQueue(deque(problem(i) for i in range(4)))
-    assert [queue.take(0).idx, queue.take(1).idx, queue.take(0).idx] == [0, 1, 2]
-    queue.done(0, 0)
-    assert queue.lost(0, "killed by SIGKILL") == []
-    assert [p.idx for p in queue.pending] == [2, 3] and queue.strikes[2] == 1
-    # 2 was in flight when a worker died: it now goes alone to a worker holding nothing
-    assert queue.take(1).idx == 3  # worker 1 still holds 1, so it gets no suspect
-    assert queue.take(1) is None
-    assert queue.take(2).idx == 2 and queue.take(2) is None  # alone, and nothing joins it
-    assert queue.lost(2, "CUDA error") == [problem(2)]  # its second death: failed
-    assert queue.errors[2] == ["killed by SIGKILL", "CUDA error"]
-    queue.done(1, 1)
-    queue.done(1, 3)
-    assert queue.empty
 
 
 @pytest.mark.parametrize("gpus", [0, 2])
@@ -59,32 +42,6 @@ def test_devices_resolve_against_the_visible_gpus(monkeypatch, gpus):
     for bad in ("tpu", "cuda:2", "cuda:x", "", *(() if gpus else ("cuda",))):
         with pytest.raises(InputError):
             resolve_devices(bad)
-
-
-def test_groups_and_what_their_actors_ask_ray_for():
-    from kvrescue.devices import device_groups
-    from kvrescue.workers import actor_resources, named_gpus
-
-    groups = device_groups(("cuda:1", "cuda:3", "cuda:3", "cpu"))
-    assert groups == [("cuda:1",), ("cuda:3",), ("cuda:3",), ("cpu",)]
-    assert [actor_resources(groups, g) for g in range(4)] == [
-        {"num_cpus": 1, "num_gpus": 1.0}, {"num_cpus": 1, "num_gpus": 0.5}, {"num_cpus": 1, "num_gpus": 0.5},
-        {"num_cpus": 1, "num_gpus": 0}]
-    assert named_gpus(groups, None) == ["1", "3"]
-    assert named_gpus(groups, "4,5,6,7") == ["5", "7"]  # cuda:N counts within what this process sees
-    cluster = device_groups(("cuda", "cuda"))  # --ray-address: any GPU of the cluster, one each
-    assert actor_resources(cluster, 1) == {"num_cpus": 1, "num_gpus": 1.0} and named_gpus(cluster, None) == []
-    with pytest.raises(InputError, match="3 devices do not split into groups of 2"):
-        device_groups(("cuda:0", "cuda:1", "cuda:2"), 2)
-
-
-def test_an_actor_on_cpus_computes_on_the_threads_omp_num_threads_names_else_its_share_of_the_cores(monkeypatch):
-    from kvrescue.workers import cpu_threads
-
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    for named, one_group, two_groups in (("1", 1, 1), ("3", 3, 3), ("", 8, 4), ("0", 8, 4), ("x", 8, 4)):
-        monkeypatch.setenv("OMP_NUM_THREADS", named)
-        assert (cpu_threads([("cpu",)]), cpu_threads([("cpu",), ("cpu",), ("cuda:0",)])) == (one_group, two_groups)
 
 
 @pytest.fixture(scope="module")

@@ -46,13 +46,14 @@ if __name__ == "__main__":
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=int(rank), world_size=int(world),
                             timeout=timedelta(seconds=60))  # a rank left waiting by a diverged one fails soon
     options, cell = pickle.loads(Path(setup).read_bytes())
-    models = load_roles(options, "cpu")
+    models = load_roles(options.group_plan(), "cpu")
     if rank == "1":
         disagree()
     made = []
     try:
-        decode_cell(options, cell, build_cell(options.plan_of(cell), models), cell.problems.problems,
-               lambda trace, tokens: made.append(decisions(trace)))
+        plan = options.plan_of(cell)
+        decode_cell(plan, cell, build_cell(plan, models), cell.problems.problems,
+                    lambda trace, tokens: made.append(decisions(trace)))
     finally:
         Path(out).write_bytes(orjson.dumps(made))
         dist.destroy_process_group()

@@ -40,7 +40,7 @@ def main() -> None:
         app()
     finally:
         options = seen["options"]
-        plan = plan_for_device(options, options.devices[0]) if options is not None else None
+        plan = plan_for_device(options.group_plan(), options.devices[0]) if options is not None else None
         measures = {"models_loaded": seen["models_loaded"],
                     "batch": options.settings.batch if options is not None else None,
                     "planned_bytes": plan.total if plan is not None else None}

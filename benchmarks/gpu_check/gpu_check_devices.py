@@ -14,7 +14,7 @@ import torch
 from benchmarks.gpu_check.gpu_check_problems import synthetic_grid
 from benchmarks.gpu_check.gpu_check_record import Check
 from kvrescue.in_process import InProcessGroup
-from kvrescue.grid import Cell
+from kvrescue.cell_plan import Cell
 from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 
 SHAPE = dict(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512)

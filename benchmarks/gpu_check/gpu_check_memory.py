@@ -17,11 +17,11 @@ import torch
 from benchmarks.gpu_check.gpu_check_problems import ROLES, synthetic_grid
 from benchmarks.gpu_check.gpu_check_record import Check
 from benchmarks.gpu_check.gpu_check_setup import QWEN25_05B, TINY, random_loaded
+from kvrescue.cell_plan import Cell
 from kvrescue.cell_runners import build_cell
 from kvrescue.decoding import decode_cell
 from kvrescue_testkit.dry_run import TokenScript, fake_model
 from kvrescue_testkit.fake_cuda import FakeCuda
-from kvrescue.grid import Cell
 from kvrescue_testkit.random_checkpoints import build_tokenizer
 
 
@@ -50,8 +50,9 @@ def cell_memory(device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> dict
             allocated = [torch.cuda.memory_allocated(on)]
             for seed in (0, 1):
                 cell = Cell(problems, "kvrescue", plan["budget"], plan["n"], seed)
-                decode_cell(options, cell, build_cell(options.plan_of(cell), models), iter(problems.problems),
-                       lambda trace, _: finished.append(trace))
+                plan_of_cell = options.plan_of(cell)
+                decode_cell(plan_of_cell, cell, build_cell(plan_of_cell, models), iter(problems.problems),
+                            lambda trace, _: finished.append(trace))
                 allocated.append(torch.cuda.memory_allocated(on))
         finally:
             gc.enable()

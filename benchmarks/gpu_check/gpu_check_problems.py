@@ -14,14 +14,16 @@ from benchmarks.gpu_check.gpu_check_profile import PhaseClock, profile_section
 from benchmarks.gpu_check.gpu_check_record import Check, interrupted_at
 from benchmarks.gpu_check.gpu_check_setup import (PARAMS, PROBLEM_RUNS, PROFILE_WINDOW, QWEN25_MATH_7B,
     QWEN25_MATH_15B, QWEN25_MATH_PRM_7B, TINY, random_loaded)
+from kvrescue.cell_plan import Cell
 from kvrescue.data import Problem, ProblemSet
 from kvrescue.cell_runners import build_cell
 from kvrescue.cost import Architecture
 from kvrescue.device_plan import device_kind, device_room
-from kvrescue.memory_plan import headroom, largest_batch, plan_grid
+from kvrescue.memory_fit import headroom, largest_batch
+from kvrescue.memory_plan import plan_grid
 from kvrescue.decoding import decode_cell
 from kvrescue.engine.loader import LoadedModel
-from kvrescue.grid import Cell, GridOptions, grid_options
+from kvrescue.grid import GridOptions, grid_options
 from kvrescue.outputs import Trace
 from kvrescue_testkit.random_checkpoints import build_tokenizer
 from kvrescue.search import SearchSettings
@@ -42,11 +44,12 @@ def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems
     `clock`, each phase's share of the time (each model's, `gpu_check_profile`)."""
     cell = Cell(problems, method, None if method == "full" else plan["budget"], plan["n"], 0)
     finished: list[tuple[Trace, float]] = []
-    engine = build_cell(options.plan_of(cell), models)
+    cell_plan = options.plan_of(cell)
+    engine = build_cell(cell_plan, models)
     start = time.perf_counter()
     with interrupted_at(stop_at) as cut, clock.instrument(engine) if clock is not None else nullcontext():
-        decode_cell(options, cell, engine, iter(problems.problems),
-               lambda trace, _: finished.append((trace, time.perf_counter())))
+        decode_cell(cell_plan, cell, engine, iter(problems.problems),
+                    lambda trace, _: finished.append((trace, time.perf_counter())))
     result: dict[str, Any] = {"problems": len(finished), "batch": options.settings.batch,
                               "cut": cut(), "cut_after_s": time.perf_counter() - start if cut() else None}
     if not finished:
@@ -73,7 +76,7 @@ def planned_bytes(options: GridOptions, models: dict[str, LoadedModel], method: 
     """What `kvrescue run --plan` gives one cell of `method` on these models: its device's total bytes."""
     device = options.devices[0]
     return plan_grid(replace(options, methods=[method]).cell_plans(), architectures(models, options.dtype),
-                     device_kind(options, device)).total
+                     device_kind(options.group_plan(), device)).total
 
 
 def auto_batch(options: GridOptions, models: dict[str, LoadedModel]) -> int:
@@ -81,8 +84,8 @@ def auto_batch(options: GridOptions, models: dict[str, LoadedModel]) -> int:
     device's free memory (with the loaded models' bytes given back) less the headroom."""
     device = options.devices[0]
     weights = sum(p.numel() * p.element_size() for m in models.values() for p in m.net.parameters())
-    room = device_room(options, device) + (weights if device.startswith("cuda") else 0)
-    archs, kind = architectures(models, options.dtype), device_kind(options, device)
+    room = device_room(options.group_plan(), device) + (weights if device.startswith("cuda") else 0)
+    archs, kind = architectures(models, options.dtype), device_kind(options.group_plan(), device)
     plans = options.cell_plans()
     batch = largest_batch(lambda b: plan_grid(plans, archs, kind, b), room - headroom(room))
     if batch is None:

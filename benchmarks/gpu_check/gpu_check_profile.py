@@ -34,11 +34,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import kvrescue.engine.steps as steps_module
 from benchmarks.gpu_check.gpu_check_record import Check
 from benchmarks.gpu_check.gpu_check_setup import sync
+from kvrescue.cell_plan import Cell
 from kvrescue.cell_runners import CellRunners, build_cell
 from kvrescue.data import ProblemSet
 from kvrescue.decoding import decode_cell
 from kvrescue.engine.loader import LoadedModel
-from kvrescue.grid import Cell, GridOptions
+from kvrescue.grid import GridOptions
 
 RUNNER_PHASES = {"start": "{role} decode", "advance": "{role} decode", "decode": "{role} decode",
                  "sample": "sampling and detector", "prefill": "prefill", "commit": "commits and compression",
@@ -111,11 +112,13 @@ class PhaseClock:
 def run_cell(options: GridOptions, cell: Cell, models: dict[str, LoadedModel], problems: ProblemSet,
              clock: PhaseClock | None = None) -> tuple[list, float]:
     """Decode one cell (timed by `clock` when given): its traces and wall seconds."""
-    engine = build_cell(options.plan_of(cell), models)
+    plan = options.plan_of(cell)
+    engine = build_cell(plan, models)
     finished: list = []
     start = time.perf_counter()
     with clock.instrument(engine) if clock is not None else nullcontext():
-        decode_cell(options, cell, engine, iter(problems.problems), lambda trace, _: finished.append(trace))
+        decode_cell(plan, cell, engine, iter(problems.problems),
+                    lambda trace, _: finished.append(trace))
     sync(options.devices[0])
     return finished, time.perf_counter() - start
 

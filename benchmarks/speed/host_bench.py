@@ -60,23 +60,31 @@ def _op_split(profile) -> dict:
 def _cell_decoder(models: dict, settings, out: Path, items: list, scorer, grade):
     """The kvrescue cell of `items` built through the public seams (`build_cell` with a scorer in place of the
     grid's, `decode_cell` with a grade function; `cell_engine.build_cell` and `decode` in a baseline from before
-    their renaming); a baseline from before them (no `cell_engine`) is patched as it was."""
+    their renaming, the grid's options in place of the cell's plan before `decode_cell` read the plan); a baseline
+    from before them (no `cell_engine`) is patched as it was."""
     from kvrescue.data import ProblemSet
     try:
-        from kvrescue.grid import Cell, grid_options
+        from kvrescue.grid import grid_options
         try:
             from kvrescue.cell_runners import CellParts, build_cell
             from kvrescue.decoding import decode_cell
         except ImportError:  # a baseline from before the renaming
             from kvrescue.cell_engine import CellParts, build_cell
             from kvrescue.decoding import decode as decode_cell
+        try:
+            from kvrescue.cell_plan import Cell
+            reads_plan = True
+        except ImportError:  # a baseline whose decode read the grid's options
+            from kvrescue.grid import Cell
+            reads_plan = False
     except ImportError:
         return _old_cell_decoder(models, settings, out, items, scorer, grade)
     options = grid_options({"base": "policy", "helper": "policy", "prm": "prm"}, settings, out,
                            benches=["synthetic"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv")
     cell = Cell(ProblemSet("synthetic", "generic", "host_bench", items), "kvrescue", 64, 8, 0)
-    return lambda emit: decode_cell(options, cell, build_cell(options.plan_of(cell), models,
-                                                              parts=CellParts(scorer=scorer)), items, emit, grade=grade)
+    plan = options.plan_of(cell)
+    return lambda emit: decode_cell(plan if reads_plan else options, cell,
+                                    build_cell(plan, models, parts=CellParts(scorer=scorer)), items, emit, grade=grade)
 
 
 def _old_cell_decoder(models: dict, settings, out: Path, items: list, scorer, grade):

@@ -28,7 +28,8 @@ from rich.table import Table
 from kvrescue import workers
 from kvrescue.data import Problem, ProblemSet
 from kvrescue.engine.sampling import SamplingParams
-from kvrescue.grid import Cell, grid_options
+from kvrescue.cell_plan import Cell
+from kvrescue.grid import grid_options
 from kvrescue.in_process import InProcessGroup
 from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from kvrescue.search import SearchSettings

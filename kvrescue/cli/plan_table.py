@@ -31,7 +31,7 @@ def sized_batch(options: GridOptions, auto: bool) -> GridOptions:
     shares = max(device_shares(groups, g) for g in range(len(groups)))
     # Workers in other processes (Ray): plan from the GPUs' total memory, without a CUDA context here; each worker's
     # own check then refuses what its device's free memory cannot hold.
-    batch = device_plan.auto_batch(options, groups, shares, context=len(groups) == 1)
+    batch = device_plan.auto_batch(options.group_plan(), groups, shares, context=len(groups) == 1)
     console.print(f"--batch auto: {batch} problems in flight per worker (the most whose memory plan fits)",
                   highlight=False)
     return replace(options, settings=replace(options.settings, batch=batch), batch_auto=True)
@@ -42,10 +42,10 @@ def print_plan(options: GridOptions) -> bool:
     each rank computes on, and whether it fits (its free memory, or --device-memory, less the headroom)."""
     from rich import box
 
-    from kvrescue import device_plan, memory_plan
+    from kvrescue import device_plan, memory_fit
     from kvrescue.devices import device_shares
 
-    groups = options.groups()
+    groups, grid = options.groups(), options.group_plan()
     table = Table(title=f"kvrescue run --plan: batch {options.settings.batch}"
                   + (" (auto)" if options.batch_auto else "") + f", --tp {options.tp}", box=box.SIMPLE_HEAD)
     for column in ("device\n(worker,\nrank)", "role", "weights", "KV", "buffers", "activ.\npeak", "total"):
@@ -56,24 +56,24 @@ def print_plan(options: GridOptions) -> bool:
     for g, group in enumerate(groups):
         shares = device_shares(groups, g)
         for rank, device in enumerate(group):  # rank r of a group computes on its r-th device
-            plan = device_plan.plan_for_device(options, device)
+            plan = device_plan.plan_for_device(grid, device)
             if plan is None:
                 raise InputError("--plan: a model has no readable config.json")
-            room = device_plan.device_room(options, device, shares)
-            usable = room - memory_plan.headroom(room)
+            room = device_plan.device_room(grid, device, shares)
+            usable = room - memory_fit.headroom(room)
             for i, role in enumerate(plan.roles):
                 table.add_row(f"{device} ({g}, {rank})" if i == 0 else "", role,
-                              *(memory_plan.gib(plan.bytes(role, kind)) for kind in
+                              *(memory_fit.gib(plan.bytes(role, kind)) for kind in
                                 ("weights", "kv", "buffers", "activations")), "")
             ok = plan.total <= usable
             fits &= ok
-            table.add_row("", "[bold]all[/]", "", "", "", memory_plan.gib(plan.peak_moment.bytes),
-                          memory_plan.gib(plan.total), end_section=True)
-            rooms.append(f"{device} ({g}, {rank}): {memory_plan.gib(plan.total)} of {memory_plan.gib(usable)} usable "
+            table.add_row("", "[bold]all[/]", "", "", "", memory_fit.gib(plan.peak_moment.bytes),
+                          memory_fit.gib(plan.total), end_section=True)
+            rooms.append(f"{device} ({g}, {rank}): {memory_fit.gib(plan.total)} of {memory_fit.gib(usable)} usable "
                          + ("[green]fits[/]" if ok else "[red]does not fit[/]"))
             if not ok:
-                notes.append(f"{device}: needs {memory_plan.gib(plan.total)} but {memory_plan.gib(usable)} is usable "
-                             f"({memory_plan.gib(room)} less {memory_plan.gib(memory_plan.headroom(room))} of headroom)"
+                notes.append(f"{device}: needs {memory_fit.gib(plan.total)} but {memory_fit.gib(usable)} is usable "
+                             f"({memory_fit.gib(room)} less {memory_fit.gib(memory_fit.headroom(room))} of headroom)"
                              f"; its peak is the {plan.peak_moment.role} {plan.peak_moment.what}")
     console.print(table)
     for line in rooms:

@@ -101,8 +101,8 @@ def test_the_memory_refusal_at_batch_1_does_not_say_lower_the_batch(tmp_path):
     options = paper_grid(tmp_path, models)
     one = replace(options, settings=replace(options.settings, batch=1))
     with pytest.raises(InputError) as refused:
-        refuse_what_does_not_fit(one, 40 * 2**30)
+        refuse_what_does_not_fit(one.group_plan(), 40 * 2**30)
     assert "batch 1 needs" in str(refused.value) and "--batch" not in str(refused.value)
     assert "lower --n" in str(refused.value)
     with pytest.raises(InputError, match=r"lower --batch \(or --batch auto\) or --n"):
-        refuse_what_does_not_fit(options, 40 * 2**30)
+        refuse_what_does_not_fit(options.group_plan(), 40 * 2**30)

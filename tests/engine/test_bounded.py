@@ -520,7 +520,7 @@ def test_a_long_appended_row_is_compressed_within_the_plans_slices_of_its_simila
     """A row that reaches B' by a 5,000-token append (a long prompt, a long helper step) is compressed holding R-KV's
     similarity SIMILARITY_ROWS keys at a time: the measured peak is within the planner's figure and below one whole
     L x L similarity per layer and KV head (the old scoring's least)."""
-    from kvrescue.memory_plan import compress_bytes
+    from kvrescue.engine_bytes import compress_bytes
     from kvrescue.model_config import ModelArgs
     from tests.tensor_bytes import TensorBytes
 
@@ -548,7 +548,7 @@ def test_rows_too_long_for_one_call_are_compressed_by_layers_then_kv_heads_keepi
     `units` (row, layer, KV head) similarities take each slicing at a small length; each keeps exactly the
     positions scoring every row, layer and KV head in one call keeps, and peaks within the planner's figure."""
     import kvrescue.shapes as shapes
-    from kvrescue.memory_plan import compress_bytes
+    from kvrescue.engine_bytes import compress_bytes
     from kvrescue.model_config import ModelArgs
     from tests.tensor_bytes import TensorBytes
 
@@ -584,7 +584,7 @@ def test_a_32k_prompt_on_a_7b_base_is_compressed_two_kv_heads_at_a_time():
     """At R1-Distill-Qwen-7B's shapes (Qwen2.5-Math-7B's: 28 layers, 4 KV heads) a 32,768-token append's
     compression is planned at two (layer, KV head) similarities at once, under 1 GiB; scoring the row whole
     held 112 of them, 36 GiB."""
-    from kvrescue.memory_plan import compress_bytes
+    from kvrescue.engine_bytes import compress_bytes
     from kvrescue.model_config import ModelArgs
     from kvrescue_testkit.paper_shapes import QWEN25_MATH_7B as shape
     from kvrescue.shapes import compress_slice

@@ -165,14 +165,14 @@ def test_a_language_model_is_a_recipe_s_only_where_its_name_or_config_says(rlhfl
         with pytest.raises(InputError, match=r"^--prm .* has no PRM head .* neither its name nor its config says which "
                                              r"PRM it is \(a (llama|mistral) model\): give --prm-recipe, one of "
                                              r"qwen-math, rlhflow, math-shepherd, skywork, or --prm helper-loglik"):
-            resolve_prm_recipe(_options(model, prm_recipe="auto"))
+            _recipe(model, prm_recipe="auto")
     named = {_copy(rlhflow_dir, tmp_path / "Llama3.1-8B-PRM-Deepseek-Data"): "rlhflow",
              _copy(rlhflow_dir, tmp_path / "a", _name_or_path="RLHFlow/Llama3.1-8B-PRM-Mistral-Data"): "rlhflow",
              _copy(math_shepherd_dir, tmp_path / "b", _name_or_path="peiyi9979/math-shepherd-mistral-7b-prm"):
                  "math-shepherd"}
     for model, recipe in named.items():
-        assert resolve_prm_recipe(_options(model, prm_recipe="auto")).prm_recipe == recipe, model
-    assert resolve_prm_recipe(_options(plain[1], prm_recipe="rlhflow")).prm_recipe == "rlhflow"  # given: as given
+        assert _recipe(model, prm_recipe="auto") == recipe, model
+    assert _recipe(plain[1], prm_recipe="rlhflow") == "rlhflow"  # given: as given
 
 
 def _options(prm: str, **kw) -> GridOptions:
@@ -180,20 +180,25 @@ def _options(prm: str, **kw) -> GridOptions:
     return small_grid(None, **given)
 
 
+def _recipe(prm: str, **kw) -> str:
+    """The recipe `run` resolves for the grid of `_options(prm, **kw)`."""
+    return resolve_prm_recipe(_options(prm, **kw).group_plan())
+
+
 def test_resolution_and_its_one_line_errors(skywork_dir, prm_dir, qwen2_dir) -> None:
-    assert resolve_prm_recipe(_options(str(skywork_dir), prm_recipe="auto")).prm_recipe == "skywork"
-    assert resolve_prm_recipe(_options(str(prm_dir), prm_recipe="auto")).prm_recipe == "qwen-math"
-    assert resolve_prm_recipe(_options(str(qwen2_dir), prm_recipe="rlhflow")).prm_recipe == "rlhflow"  # as given
+    assert _recipe(str(skywork_dir), prm_recipe="auto") == "skywork"
+    assert _recipe(str(prm_dir), prm_recipe="auto") == "qwen-math"
+    assert _recipe(str(qwen2_dir), prm_recipe="rlhflow") == "rlhflow"  # as given
     with pytest.raises(InputError, match="no PRM head .* give --prm-recipe, one of qwen-math, rlhflow, "
                                          "math-shepherd, skywork"):
-        resolve_prm_recipe(_options(str(qwen2_dir), prm_recipe="auto"))
+        _recipe(str(qwen2_dir), prm_recipe="auto")
     with pytest.raises(InputError) as e:  # vLLM 0.32 has no value-head PRM: --engine vllm says so
-        resolve_prm_recipe(_options(str(skywork_dir), prm_recipe="skywork", engine="vllm"))
+        _recipe(str(skywork_dir), prm_recipe="skywork", engine="vllm")
     assert str(e.value) == ("--engine vllm: vLLM 0.32 has no value-head PRM (Skywork's v_head.summary on a Qwen2 "
                             "decoder; its Qwen2 reward models carry a two-layer score head), so the skywork recipe "
                             "runs on --engine native only")
     for name in ("qwen-math", "rlhflow", "math-shepherd"):  # served by vLLM (tests/vllm_engine/test_prm.py)
-        assert resolve_prm_recipe(_options(str(prm_dir), prm_recipe=name, engine="vllm")).prm_recipe == name
+        assert _recipe(str(prm_dir), prm_recipe=name, engine="vllm") == name
     with pytest.raises(InputError, match="unknown --prm-recipe 'chat': use one of auto, qwen-math, rlhflow"):
         _options(str(prm_dir), prm_recipe="chat").check()
     with pytest.raises(ValueError, match="unknown PRM recipe 'chat': use one of " + ", ".join(PRM_RECIPES)):
@@ -212,7 +217,7 @@ def test_a_checkpoint_without_the_recipe_s_head_or_window_is_refused(rlhflow_dir
     assert PRMScorer(_prm(narrow), recipe=get_recipe("math-shepherd"), window=64).inputs.window == 64
     with pytest.raises(InputError, match="base model .*: its sliding_window of 64 tokens would matter for the 320"):
         load_roles(_options(str(skywork_dir), models={"base": str(narrow), "helper": "h", "prm": str(skywork_dir)},
-                            settings=SearchSettings(batch=8, context_cap=320)), "cpu")
+                            settings=SearchSettings(batch=8, context_cap=320)).group_plan(), "cpu")
 
 
 
