@@ -9,6 +9,7 @@ from grader import grade as grade_answer
 from grader import normal_gt
 from kvrescue.cell_runners import CellRunners
 from kvrescue.data import Problem
+from kvrescue.engine.streams import join_all
 from kvrescue.grading import GradeFn, Grading
 from kvrescue.grid import Cell, GridOptions
 from kvrescue.outputs import Trace
@@ -55,4 +56,5 @@ def decode_cell(options: GridOptions, cell: Cell, engine: CellRunners, problems:
         controller.run(work(), grade_finished, progress)
         grading.emit_graded(wait=True)
     finally:
+        join_all()  # before the cell's caches, made on the default stream, go back to the allocator
         grading.close()
