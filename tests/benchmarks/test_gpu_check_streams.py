@@ -13,10 +13,9 @@ from benchmarks.gpu_check.gpu_check_streams import streams_comparison
 from kvrescue.engine import streams as model_streams
 from kvrescue_testkit.dry_run import TokenScript, fake_model
 from kvrescue_testkit.fake_cuda import FakeCuda
+from kvrescue_testkit.paper_shapes import SMALL_MODELS
 from kvrescue_testkit.random_checkpoints import build_tokenizer
 
-SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
 
 
 def test_kvrescue_is_measured_with_one_stream_then_a_stream_per_model(tmp_path, monkeypatch):
@@ -26,8 +25,7 @@ def test_kvrescue_is_measured_with_one_stream_then_a_stream_per_model(tmp_path, 
     plan = dict(n=2, budget=16, synthetic=(2, 2), batch=2, problems=2)
     check = Check(tmp_path / "check.json", {}, budget_s=600)
     with FakeCuda(host_reads=TokenScript(tokenizer.encode(" x", add_special_tokens=False)[0])) as cuda:
-        models = {role: fake_model({**SMALL, "tie_word_embeddings": role != "prm"}, role, tokenizer, torch.bfloat16,
-                                   "cuda:0") for role in ("base", "helper", "prm")}
+        models = {role: fake_model(shape, role, tokenizer, torch.bfloat16, "cuda:0") for role, shape in SMALL_MODELS.items()}
         options, problems = synthetic_grid(plan, "cuda:0", torch.bfloat16, plan["problems"])
         streams_comparison(check, options, lambda: models, problems, plan, time.perf_counter() + 300, problems_rate)
         roles = {role: cuda.order.kernels[stream.name] for (_, _, role), stream in model_streams._STREAMS.items()}

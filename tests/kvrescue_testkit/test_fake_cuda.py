@@ -21,7 +21,7 @@ from kvrescue.engine.transfer import Download, upload_all
 from kvrescue_testkit import stream_order
 from kvrescue_testkit.fake_cuda import CaptureError, FakeCuda
 from kvrescue.memory_plan import CellShape, DeviceKind, plan_cell
-from kvrescue_testkit.paper_shapes import PAPER_MODELS
+from kvrescue_testkit.paper_shapes import PAPER_MODELS, SMALL, SMALL_MODELS
 
 CUDA = torch.device("cuda:0")
 
@@ -193,7 +193,7 @@ def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch, streams):
     monkeypatch.setattr(model_streams, "_STREAMS", {})
     init = stream_order.FakeStream.__init__
     monkeypatch.setattr(stream_order.FakeStream, "__init__", lambda stream, *args: made.append(stream) or init(stream, *args))
-    run = dry_run(("bon", "kvrescue"), n=2, batch=1, synthetic=(2, 1))
+    run = dry_run(("bon", "kvrescue"), n=2, batch=1, synthetic=(2, 1), models=SMALL_MODELS)
     assert len(made) == (5 if streams == "1" else 2)
     assert all(cell.graph_replays for cell in run.cells)  # graphs captured in both cells, and replayed
 
@@ -206,11 +206,9 @@ def one_row_decoded_in_graphs():
     from kvrescue.engine.graphs import StaticDecode
     from kvrescue_testkit.random_checkpoints import build_tokenizer
 
-    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
     tokenizer = build_tokenizer(512)
     with FakeCuda():
-        net = fake_model(shape, "helper", tokenizer, torch.bfloat16, "cuda:0").net
+        net = fake_model(SMALL, "helper", tokenizer, torch.bfloat16, "cuda:0").net
         cache = FullCache.for_model(net, 512, max_rows=4, max_row_tokens=256, block_size=16)
         step = StaticDecode(net, cache)
         row = cache.create()

@@ -7,19 +7,22 @@ import gc
 import pytest
 import torch
 
+from benchmarks.gpu_check.gpu_check_problems import synthetic_grid
+from kvrescue.cell_runners import build_cell
+from kvrescue.decoding import decode_cell
 from kvrescue.engine import streams as model_streams
 from kvrescue.engine.caches import FullCache
 from kvrescue.engine.runner import Runner
 from kvrescue.engine.streams import ModelStream
 from kvrescue.engine.transfer import Download
-from kvrescue_testkit.dry_run import dry_run, fake_model
+from kvrescue.grid import Cell
+from kvrescue.search import Controller
+from kvrescue_testkit.dry_run import TokenScript, dry_run, fake_model
 from kvrescue_testkit.fake_cuda import FakeCuda, StreamRace
+from kvrescue_testkit.paper_shapes import SMALL, SMALL_MODELS
 from kvrescue_testkit.random_checkpoints import build_tokenizer
 
 CUDA = torch.device("cuda:0")
-SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
-SMALL_MODELS = {"base": SMALL, "helper": SMALL, "prm": {**SMALL, "tie_word_embeddings": False}}
 
 
 def test_a_read_on_another_stream_without_a_wait_raises():
@@ -206,4 +209,46 @@ def test_a_cache_is_freed_after_the_default_stream_waits_for_the_model_streams(m
             torch.zeros(1, device=CUDA)
         else:
             with pytest.raises(StreamRace, match="allocated on the default stream, was freed while .* on stream 1"):
+                torch.zeros(1, device=CUDA)
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_cell_that_fails_mid_step_frees_its_caches_after_the_model_streams(monkeypatch, joined):
+    """A cell that raises after a commit's forward was launched (on the base's stream, writing the cache made on the
+    default stream) and before any host wait: `decode_cell` ends with the default stream waiting for the model
+    streams (`join_all`), so freeing the cell's caches is not a race; without that wait it is."""
+    monkeypatch.setattr(model_streams, "_STREAMS", {})
+    opened = []
+    open_steps = Controller._open_steps
+
+    def failing(controller, problems):
+        if opened:
+            raise RuntimeError("a failure after the first commit")
+        opened.append(problems)
+        open_steps(controller, problems)
+
+    monkeypatch.setattr(Controller, "_open_steps", failing)
+    if not joined:
+        monkeypatch.setattr("kvrescue.decoding.join_all", lambda: None)
+    tokenizer = build_tokenizer(512)
+    with FakeCuda(host_reads=TokenScript(tokenizer.encode(" x", add_special_tokens=False)[0])):
+        models = {role: fake_model(shape, role, tokenizer, torch.bfloat16, "cuda:0")
+                  for role, shape in SMALL_MODELS.items()}
+        options, problems = synthetic_grid(dict(n=2, budget=16, synthetic=(2, 2), batch=1), "cuda:0", torch.bfloat16, 1)
+        cell = Cell(problems, "bon", 16, 2, 0)
+
+        def decode() -> None:
+            engine = build_cell(options.plan_of(cell), models)
+            try:
+                decode_cell(options, cell, engine, iter(problems.problems), lambda trace, _: None)
+            finally:
+                del engine
+
+        with pytest.raises(RuntimeError, match="after the first commit"):
+            decode()
+        gc.collect()
+        if joined:
+            torch.zeros(1, device=CUDA)
+        else:
+            with pytest.raises(StreamRace, match="allocated on the default stream, was freed while"):
                 torch.zeros(1, device=CUDA)
