@@ -17,8 +17,8 @@ from kvrescue.engine.loader import LoadedModel
 from kvrescue.engine.prm import PRMScorer
 from kvrescue.engine.prm_recipes import get_recipe
 from kvrescue.engine.runner import Runner
-from kvrescue.engine.streams import ModelStream
 from kvrescue.engine.scoring import HelperLoglik, Request, Scorer
+from kvrescue.engine.streams import ModelStream
 from kvrescue.engine.tp import values_from_rank_0
 from kvrescue.scorers import PRM
 from kvrescue.search import StepRunner

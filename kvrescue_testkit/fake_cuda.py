@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kvrescue_testkit.stream_order import FakeEvent, StreamOrder, StreamRace, accesses
+from kvrescue_testkit.stream_order import FakeEvent, StreamOrder, accesses
 
 aten = torch.ops.aten
 GiB = 2**30
@@ -55,7 +55,6 @@ GiB = 2**30
 # python_variable_methods.cpp), which a CPU-only build cannot give for CUDA
 GUARDED = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.copy_, torch.Tensor.contiguous}
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
-__all__ = ["CaptureError", "FakeCuda", "HostReads", "StreamRace", "peaks"]
 
 
 class CaptureError(RuntimeError):

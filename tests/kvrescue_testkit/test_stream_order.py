@@ -18,9 +18,10 @@ from kvrescue.engine.transfer import Download
 from kvrescue.grid import Cell
 from kvrescue.search import Controller
 from kvrescue_testkit.dry_run import TokenScript, dry_run, fake_model
-from kvrescue_testkit.fake_cuda import FakeCuda, StreamRace
+from kvrescue_testkit.fake_cuda import FakeCuda
 from kvrescue_testkit.paper_shapes import SMALL, SMALL_MODELS
 from kvrescue_testkit.random_checkpoints import build_tokenizer
+from kvrescue_testkit.stream_order import StreamRace
 
 CUDA = torch.device("cuda:0")
 
