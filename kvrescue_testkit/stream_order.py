@@ -102,7 +102,7 @@ class StorageState:
     in_graph_pool: bool = False
     pinned: bool = False  # a host copy's: the caching host allocator keeps it until the copy's event
     write: Access | None = None
-    reads: list[Access] = field(default_factory=list)
+    reads: dict[int, Access] = field(default_factory=dict)  # by stream: its last read (later ones order after it)
     recorded: set[int] = field(default_factory=set)  # streams `record_stream` named
     alive: bool = True
 
@@ -175,7 +175,7 @@ class StreamOrder:
             del self.storages[key]
         if state.in_graph_pool or state.pinned:
             return  # a graph's private pool serves that graph alone
-        for access in ([state.write] if state.write else []) + state.reads:
+        for access in ([state.write] if state.write else []) + list(state.reads.values()):
             if access.stream is not state.stream and access.stream.id not in state.recorded \
                     and not self._ordered(state.stream, access):
                 self.errors.append(f"stream race: {state.what}, allocated on {state.stream}, was freed while "
@@ -213,11 +213,11 @@ class StreamOrder:
         for state in reads:
             if id(state) not in written:
                 self._against(access, state, state.write, "reads", "wrote")
-                state.reads.append(access)
+                state.reads[stream.id] = access
         for state in writes:
-            for previous in state.reads or [state.write]:
+            for previous in list(state.reads.values()) or [state.write]:
                 self._against(access, state, previous, "writes", "read" if state.reads else "wrote")
-            state.write, state.reads = access, []
+            state.write, state.reads = access, {}
         return access
 
     def replay(self, captured: list[tuple[StorageState, bool]]) -> None:
@@ -243,7 +243,7 @@ class StreamOrder:
             return
         if non_blocking:
             state = self.state(host)
-            state.pinned, state.write, state.reads = True, Access(self.current, self.seq, op), []
+            state.pinned, state.write, state.reads = True, Access(self.current, self.seq, op), {}
         else:
             self.host_waits(self.current.clock)
 
