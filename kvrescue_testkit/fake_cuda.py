@@ -17,8 +17,9 @@ weights cost no memory). What fake tensors cannot do by themselves on a CPU-only
   (zeros by default; a dry run scripts its tokens).
 - `torch.cuda` calls (memory queries, streams, events, CUDA graphs, `set_device` with PyTorch's validation, `device_count`; not `is_available`, which
   the fake mode reads to know that it must not run CUDA kernels for constants) are stand-ins: memory is what the fake
-  tensors hold; a graph capture runs its body once and a replay does nothing, and a host read, synchronisation or
-  pinned copy during a capture raises, as `cudaStreamCapture` refuses them.
+  tensors hold; a graph capture runs its body once and a replay computes nothing (stream order counts it as one
+  kernel), and a host read, synchronisation or pinned copy during a capture raises, as `cudaStreamCapture` refuses
+  them.
 - Stream order (`stream_order`): streams, events and host waits as vector clocks, every operation a kernel on the
   current stream; a read or write of a storage that another stream wrote or read without a wait in between raises
   `StreamRace`, as PyTorch's CUDA Sanitizer does on a GPU.
