@@ -18,6 +18,7 @@ from kvrescue.engine.prm import PRMScorer
 from kvrescue.engine.prm_recipes import get_recipe
 from kvrescue.engine.runner import Runner
 from kvrescue.engine.scoring import HelperLoglik, Request, Scorer
+from kvrescue.engine.streams import ModelStream
 from kvrescue.engine.tp import values_from_rank_0
 from kvrescue.scorers import PRM
 from kvrescue.search import StepRunner
@@ -94,7 +95,8 @@ def _runners(plan: CellPlan, models: dict[str, LoadedModel], vllm: VllmEngines |
                                         buffer=plan.buffer, max_append=plan.max_step_tokens,
                                         rows=plan.batch * (plan.n + 1))
                  if where.cache == BOUNDED else full.for_model(net, full_tokens(plan), **full_rows(plan)))
-        runners[role] = Runner(models[role], cache, cuda_graphs=plan.cuda_graphs)
+        runners[role] = Runner(models[role], cache, cuda_graphs=plan.cuda_graphs,
+                               stream=ModelStream.of(models[role].device, role))
     return runners
 
 
@@ -105,10 +107,11 @@ def _scorer(plan: CellPlan, models: dict[str, LoadedModel], vllm: VllmEngines | 
             return vllm.scorer()
         return PRMScorer(models["prm"], max_problems=plan.batch, max_candidates=plan.batch * 2 * plan.n,
                          max_step_tokens=plan.max_step_tokens,
-                         recipe=get_recipe(plan.scorer.prm_recipe, plan.scorer.prm_format))
+                         recipe=get_recipe(plan.scorer.prm_recipe, plan.scorer.prm_format),
+                         stream=ModelStream.of(models["prm"].device, "prm"))
     helper = models["helper"]
     cache = full.for_model(helper.net, loglik_tokens(plan), **full_rows(plan))
-    return HelperLoglik(Runner(helper, cache))
+    return HelperLoglik(Runner(helper, cache, stream=ModelStream.of(helper.device, "helper")))
 
 
 def build_cell(plan: CellPlan, models: dict[str, LoadedModel], vllm: VllmEngines | None = None,

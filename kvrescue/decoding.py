@@ -10,6 +10,7 @@ from grader import normal_gt
 from kvrescue.cell_plan import Cell, CellPlan
 from kvrescue.cell_runners import CellRunners
 from kvrescue.data import Problem
+from kvrescue.engine.streams import join_all
 from kvrescue.grading import GradeFn, Grading
 from kvrescue.outputs import Trace
 from kvrescue.prompts import generation_prompt
@@ -55,4 +56,5 @@ def decode_cell(plan: CellPlan, cell: Cell, engine: CellRunners, problems: Itera
         controller.run(work(), grade_finished, progress)
         grading.emit_graded(wait=True)
     finally:
+        join_all()  # before the cell's caches, made on the default stream, go back to the allocator
         grading.close()

@@ -205,8 +205,9 @@ class Controller:
     def _decode_one_token(self) -> None:
         # A runner whose steps decode in another process (vLLM) is waited on only when none decodes here.
         wait = not any(runner.open_steps for runner in self.runners.values())
-        # Every runner's sampling is queued before any runner waits for its tokens: the helper's is not queued behind
-        # the base's forward, and the host reads both after one wait for the device.
+        # Every runner's sampling is queued before any runner waits for its tokens (on CUDA each on its model's own
+        # stream, `engine/streams.py`): the helper's does not wait behind the base's forward, nor the base's next one
+        # behind the helper's, and the host reads each after one wait for its own stream.
         for runner in self.runners.values():
             runner.prepare()
         for source, runner in self.runners.items():

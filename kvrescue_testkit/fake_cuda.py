@@ -17,8 +17,12 @@ weights cost no memory). What fake tensors cannot do by themselves on a CPU-only
   (zeros by default; a dry run scripts its tokens).
 - `torch.cuda` calls (memory queries, streams, events, CUDA graphs, `set_device` with PyTorch's validation, `device_count`; not `is_available`, which
   the fake mode reads to know that it must not run CUDA kernels for constants) are stand-ins: memory is what the fake
-  tensors hold; a graph capture runs its body once and a replay does nothing, and a host read, synchronisation or
-  pinned copy during a capture raises, as `cudaStreamCapture` refuses them.
+  tensors hold; a graph capture runs its body once and a replay computes nothing (stream order counts it as one
+  kernel), and a host read, synchronisation or pinned copy during a capture raises, as `cudaStreamCapture` refuses
+  them.
+- Stream order (`stream_order`): streams, events and host waits as vector clocks, every operation a kernel on the
+  current stream; a read or write of a storage that another stream wrote or read without a wait in between raises
+  `StreamRace`, as PyTorch's CUDA Sanitizer does on a GPU.
 - `Tensor.pin_memory` has no fake kernel: it checks that the tensor is on the CPU and returns a fake copy.
 
 `MemoryLog` counts the bytes of every storage alive, per device and per part (the engine module that allocated it,
@@ -31,7 +35,7 @@ import sys
 import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +47,8 @@ from torch.cuda._utils import _get_device_index
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from kvrescue_testkit.stream_order import FakeEvent, StreamOrder, accesses
 
 aten = torch.ops.aten
 GiB = 2**30
@@ -152,7 +158,27 @@ class _Dispatch(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.cuda.memory.allocated(t)
+        if func.namespace == "aten" and func is not aten.record_stream.default:
+            self._order(func, args, kwargs, out)
         return out
+
+    def _order(self, func, args, kwargs, out) -> None:
+        """The operation as a kernel on the current stream (`stream_order`); copies to the host and host reads as
+        such; an operation on CPU tensors alone, a host read of them."""
+        order, name = self.cuda.order, str(func)
+        reads, writes, made = accesses(func, args, kwargs, out)
+        on_device = [t for t in reads + writes + made if t.device.type == "cuda"]
+        if not on_device:
+            for t in reads + writes:
+                order.host_read(name, t)
+        elif func is aten._local_scalar_dense.default:
+            order.host_reads_device(name, args[0])
+        elif func in (aten._to_copy.default, aten.copy_.default) and \
+                (writes[0].device.type, on_device[0].device.type) == ("cpu", "cuda"):
+            non_blocking = kwargs.get("non_blocking") or (func is aten.copy_.default and len(args) > 2 and args[2])
+            order.copied_to_host(name, on_device[0], writes[0], bool(non_blocking))
+        else:
+            order.launch(name, *([t for t in ts if t.device.type == "cuda"] for ts in (reads, writes, made)))
 
 
 class _Functions(TorchFunctionMode):
@@ -208,46 +234,35 @@ def cuda_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
-class _Stream:
-    """torch.cuda.Stream's stand-in: work is ordered anyway."""
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _Event:
-    """torch.cuda.Event's stand-in: work is done when it is queued; waiting for an event is a synchronisation."""
+class _Event(FakeEvent):
+    """torch.cuda.Event's stand-in (`stream_order`): waiting for it is a synchronisation, refused during a capture."""
 
     def __init__(self, cuda: FakeCuda) -> None:
+        super().__init__(cuda.order)
         self.cuda = cuda
-
-    def record(self, stream: Any = None) -> None:
-        pass
 
     def synchronize(self) -> None:
         if self.cuda.capturing:
             raise CaptureError("an event waited for during a CUDA graph capture")
         self.cuda.syncs += 1
-
-    def query(self) -> bool:
-        return True
+        super().synchronize()
 
 
 class _Graph:
-    """torch.cuda.CUDAGraph's stand-in: `torch.cuda.graph` runs the capture's body once; a replay does nothing (fake
-    tensors have no values to recompute)."""
+    """torch.cuda.CUDAGraph's stand-in: `torch.cuda.graph` runs the capture's body once, recording the storages its
+    kernels read and write; a replay is one kernel over them on the current stream (fake tensors have no values to
+    recompute)."""
 
     def __init__(self, cuda: FakeCuda) -> None:
         self.cuda = cuda
         self.captured = False
+        self.accesses: list = []
 
     def replay(self) -> None:
         if not self.captured:
             raise RuntimeError("CUDAGraph.replay before a capture")
         self.cuda.graph_replays += 1
+        self.cuda.order.replay(self.accesses)
 
 
 class FakeCuda:
@@ -263,7 +278,7 @@ class FakeCuda:
         self.current = 0
         self.syncs = 0  # host reads of CUDA tensors and synchronisations
         self.graph_replays = 0
-        self.default_stream = _Stream()  # what `torch.cuda.current_stream` returns (one stream, as the devices' own)
+        self.order = StreamOrder(self._describe)
         self._stack: ExitStack | None = None
         self.mode: FakeTensorMode | None = None
 
@@ -284,6 +299,8 @@ class FakeCuda:
     def __exit__(self, *exc: Any) -> None:
         stack, self._stack = self._stack, None
         stack.close()
+        if exc[0] is None:
+            self.order.check()
 
     # -- stand-ins ------------------------------------------------------------------------------------
     def _patches(self) -> list[tuple[Any, str, Any]]:
@@ -298,10 +315,12 @@ class FakeCuda:
             (cuda, "max_memory_allocated", lambda device=None: self.memory.peak[self._name(device)]),
             (cuda, "empty_cache", lambda: None),
             (cuda, "synchronize", self._synchronize),
-            (cuda, "Stream", _Stream),
+            (cuda, "Stream", self.order.new_stream),
             (cuda, "Event", lambda *args, **kwargs: _Event(self)),
-            (cuda, "current_stream", lambda device=None: self.default_stream),
-            (cuda, "stream", lambda stream: nullcontext()),
+            (cuda, "current_stream", lambda device=None: self.order.current),
+            (cuda, "default_stream", lambda device=None: self.order.default),
+            (cuda, "stream", self.order.on),
+            (torch.Tensor, "record_stream", lambda tensor, stream: self.order.record_stream(tensor, stream)),
             (cuda, "graph_pool_handle", lambda: object()),
             (cuda, "CUDAGraph", lambda: _Graph(self)),
             (cuda, "graph", self._graph),
@@ -311,6 +330,12 @@ class FakeCuda:
             (torch.Tensor, "pin_memory", lambda tensor, *args: self._pin_memory(tensor)),
             (torch.utils, "swap_tensors", _swap_unless_same(torch.utils.swap_tensors)),
         ]
+
+    def _describe(self, tensor: torch.Tensor) -> str:
+        """A storage as a race names it: its device, bytes and the part that allocated it (`MemoryLog`)."""
+        device, part, nbytes = self.memory.storages.get(tensor.untyped_storage()._cdata,
+                                                        (str(tensor.device), "?", tensor.untyped_storage().nbytes()))
+        return f"a {device} storage of {nbytes:,} bytes ({part}, {str(tensor.dtype).removeprefix('torch.')})"
 
     def _name(self, device: Any = None) -> str:
         index = device if isinstance(device, int) or device is None else torch.device(device).index
@@ -331,16 +356,21 @@ class FakeCuda:
         if self.capturing:
             raise CaptureError("torch.cuda.synchronize during a CUDA graph capture")
         self.syncs += 1
+        self.order.synchronize()
 
     @contextmanager
     def _graph(self, graph: _Graph, pool: Any = None, stream: Any = None, **kwargs: Any) -> Iterator[None]:
+        """As `torch.cuda.graph`: the device synchronised (not counted in `syncs`: no host read), then the body on
+        the capture stream (`stream`, or a side stream of its own), its kernels recorded for the replays."""
         if self.capturing:
             raise CaptureError("a CUDA graph capture inside another")
-        self.capturing = True
+        self.order.synchronize()
+        self.capturing, self.order.captured = True, []
         try:
-            yield
+            with self.order.on(stream or self.order.new_stream()):
+                yield
         finally:
-            self.capturing = False
+            self.capturing, graph.accesses, self.order.captured = False, self.order.captured, None
         graph.captured = True
 
     def _read(self, name: str, value: Callable[[torch.Tensor], Any], host_only: bool = False) -> Callable[..., Any]:
@@ -353,6 +383,9 @@ class FakeCuda:
                 if host_only:
                     raise TypeError(f"can't convert {tensor.device} device type tensor to numpy: copy it to the host first")
                 self.syncs += 1
+                self.order.host_reads_device(f"Tensor.{name}", tensor)
+            else:
+                self.order.host_read(f"Tensor.{name}", tensor)
             return value(tensor)
         return read
 

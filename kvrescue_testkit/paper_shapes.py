@@ -1,5 +1,5 @@
 """Hugging Face config values (config.json) of the paper's models, for random or fake weights in their shapes
-(`benchmarks/gpu_check/gpu_check.py`, `dry_run`): nothing is downloaded."""
+(`benchmarks/gpu_check/gpu_check.py`, `dry_run`), and a small one for quick dry runs: nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ QWEN25_MATH_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=89
                        num_attention_heads=12, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
 QWEN25_MATH_PRM_7B = QWEN25_MATH_7B  # the 7B decoder, with the PRM's score head instead of the LM head
 PAPER_MODELS = {"base": QWEN25_MATH_7B, "helper": QWEN25_MATH_15B, "prm": QWEN25_MATH_PRM_7B}
+# A 2-layer Qwen2 over `random_checkpoints.build_tokenizer(512)`'s vocabulary: dry runs of every role in seconds
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
+SMALL_MODELS = {"base": SMALL, "helper": SMALL, "prm": {**SMALL, "tie_word_embeddings": False}}
 
 
 def hf_config(shape: dict, tokenizer=None):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -14,6 +16,7 @@ from benchmarks.gpu_check.gpu_check_profile import PhaseClock, profile_section
 from benchmarks.gpu_check.gpu_check_record import Check, interrupted_at
 from benchmarks.gpu_check.gpu_check_setup import (PARAMS, PROBLEM_RUNS, PROFILE_WINDOW, QWEN25_MATH_7B,
     QWEN25_MATH_15B, QWEN25_MATH_PRM_7B, TINY, random_loaded)
+from benchmarks.gpu_check.gpu_check_streams import STREAM_RUNS, streams_comparison
 from kvrescue.cell_plan import Cell
 from kvrescue.data import Problem, ProblemSet
 from kvrescue.cell_runners import build_cell
@@ -40,8 +43,9 @@ PRM_ARCHITECTURE = "Qwen2ForProcessRewardModel"  # what marks a config as a PRM'
 
 def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems: ProblemSet, method: str,
                   plan: dict, stop_at: float, clock: PhaseClock | None = None) -> dict:
-    """Problems/min of one method over `problems` (pulled as slots free up), until all are done or `stop_at`; with
-    `clock`, each phase's share of the time (each model's, `gpu_check_profile`)."""
+    """Problems/min of one method over `problems` (pulled as slots free up), until all are done or `stop_at`, and a
+    digest of the finished problems' outputs; with `clock`, each phase's share of the time (each model's,
+    `gpu_check_profile`)."""
     cell = Cell(problems, method, None if method == "full" else plan["budget"], plan["n"], 0)
     finished: list[tuple[Trace, float]] = []
     cell_plan = options.plan_of(cell)
@@ -57,6 +61,7 @@ def problems_rate(options: GridOptions, models: dict[str, LoadedModel], problems
     result["planned_bytes"] = planned_bytes(options, models, method)
     seconds = finished[-1][1] - start
     traces = [t for t, _ in finished]
+    result["outputs_sha256"] = hashlib.sha256(json.dumps(sorted((t.idx, t.output) for t in traces)).encode()).hexdigest()
     if clock is not None:
         result["time_share"] = clock.shares(time.perf_counter() - start)["share"]
     return {**result, "seconds": seconds, "problems_per_min": len(finished) * 60 / seconds,
@@ -107,8 +112,8 @@ def synthetic_grid(plan: dict, device: str, dtype: torch.dtype, problems: int) -
 
 
 def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> None:
-    """After a warm-up problem: problems/min of bon and kvrescue with and without CUDA graphs, and full (within the
-    budget); then, in a window of their own (PROFILE_WINDOW of the budget), one kvrescue cell's profile
+    """After a warm-up problem: problems/min of bon and kvrescue with and without CUDA graphs, full, and kvrescue with
+    one stream and a stream per model (`gpu_check_streams`; within the budget); then, in a window of their own (PROFILE_WINDOW of the budget), one kvrescue cell's profile
     (`gpu_check_profile`, its first PROFILE_SHARE) and the paper's MATH500 profile at `--batch auto` (the rest)."""
     tokenizer = build_tokenizer(512)
     shapes = {"base": TINY if tiny else QWEN25_MATH_7B, "helper": TINY if tiny else QWEN25_MATH_15B,
@@ -133,10 +138,11 @@ def problems_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, 
         if graphs and not device.startswith("cuda"):
             check.add("problems", {**record, "skipped": "CUDA graphs need a GPU"})
             continue
-        share = time.perf_counter() + (end - time.perf_counter()) / (len(PROBLEM_RUNS) - i)
+        share = time.perf_counter() + (end - time.perf_counter()) / (len(PROBLEM_RUNS) + len(STREAM_RUNS) - i)
         check.measure("problems", record, end, lambda: problems_rate(
             replace(options, cuda_graphs=graphs), models(), problem_set, method, plan, share), interrupt=False)
     graphs = device.startswith("cuda")
+    streams_comparison(check, replace(options, cuda_graphs=graphs), models, problem_set, plan, end, problems_rate)
     profiled = replace(options, cuda_graphs=graphs,
                        settings=replace(settings, synthetic_steps=(plan["synthetic"][0], 2)))
     window = PROFILE_WINDOW * check.budget_s

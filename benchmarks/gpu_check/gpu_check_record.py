@@ -187,6 +187,8 @@ def describe_result(section: str, r: dict) -> str:
     else:
         budget = f" B={r['budget']}" if r.get("budget") else ""
         what = f"{r['method']}{budget} graphs={'on' if r['cuda_graphs'] else 'off'}{' (warm-up)' if r.get('warm_up') else ''}"
+        if "streams" in r:
+            what += " a stream per model" if r["streams"] else " one stream"
         if r.get("profile"):
             length, count = r["synthetic_steps"]
             what += f" {r['profile']} profile, N={r['n']}, {count} steps of {length} tokens" + (
@@ -248,6 +250,8 @@ def describe_result(section: str, r: dict) -> str:
     line = f"{what}: {r['problems']} problems in {r['seconds']:.1f} s = {r['problems_per_min']:.2f}/min{cut}"
     if "time_share" in r:
         line += " (" + ", ".join(f"{p} {100 * x:.0f}%" for p, x in r["time_share"].items() if x >= 0.005) + ")"
+    if "over_one_stream" in r:
+        line += f"; x{r['over_one_stream']:.2f} of one stream's, same outputs: {r['same_outputs']}"
     if "kvrescue_over_bon" in r:
         line += f"; kvrescue/bon x{r['kvrescue_over_bon']:.2f}, kvrescue/full x{r['kvrescue_over_full']:.2f}"
     return line

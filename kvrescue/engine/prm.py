@@ -17,6 +17,7 @@ from kvrescue.engine.loader import LoadedModel
 from kvrescue.engine.prm_recipes import FORMATS, HEADS, PRMRecipe, RecipeInputs
 from kvrescue.engine.scoring import Request
 from kvrescue.engine.steps import append_tokens
+from kvrescue.engine.streams import ModelStream, on_stream
 from kvrescue.model_config import window_error
 from kvrescue.prompts import SYSTEM_PROMPT
 from kvrescue.scorers import PRM
@@ -182,11 +183,12 @@ class PRMScorer:
         candidate_tokens: int | None = None,
         system: str = SYSTEM_PROMPT,
         recipe: PRMRecipe = FORMATS["paper"],
+        stream: ModelStream | None = None,
     ) -> None:
         """Cache room as `cache_tokens` counts it; candidates beyond it are scored in several forwards. Blocks as
         the device's attention path takes them (`block_size_for`: flash-attn's paged kernel on a GPU, whose
         256-token blocks make each candidate copy up to 255 tokens of its prefix's partial last block, 15 with
-        the torch path's 16)."""
+        the torch path's 16). `stream`: where its work goes (`streams.ModelStream.of`; None: the current stream)."""
         check_prm(prm, recipe, window)
         self.prm = prm
         self.inputs = PRMInputs(prm.tokenizer, recipe, window, system, prm.name)
@@ -196,6 +198,8 @@ class PRMScorer:
             block_size=bs, max_rows=max_problems + max_candidates, max_row_tokens=window + bs,
         )
         self.rows: dict[int, int] = {}  # each problem's cache row, holding its prefix
+        self.stream = stream or ModelStream()
+        self.stream.follow()  # the weights and the cache were made on the default stream
 
     def _unfed(self) -> tuple[list[int], list[list[int]]]:
         """Every problem's unfed tokens (prompts opened, steps committed since the last score) and the row they go to,
@@ -213,6 +217,7 @@ class PRMScorer:
         policy's `prompt` tokens are not needed)."""
         self.inputs.open(key, problem)
 
+    @on_stream
     @torch.inference_mode()
     def score(self, requests: Sequence[Request]) -> list[float | None]:
         """The recipe's score at each candidate's last token, all candidates of all problems in one forward, which
@@ -264,6 +269,7 @@ class PRMScorer:
         (a problem closed before then never costs the forward)."""
         self.inputs.commit(key, text)
 
+    @on_stream
     def close(self, key: int) -> tuple[int, int]:
         """Stop following a problem; returns (tokens the PRM processed, times its input was cut to the window)."""
         if key in self.rows:

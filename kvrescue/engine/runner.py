@@ -19,6 +19,7 @@ from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.loader import LoadedModel
 from kvrescue.engine.sampling import SamplingParams, sample_drawn
 from kvrescue.engine.steps import CandidateStep, StepDecoder, StepRules, append_tokens
+from kvrescue.engine.streams import ModelStream, on_stream
 from kvrescue.engine.tp import from_rank_0
 from kvrescue.engine.transfer import upload, upload_all
 
@@ -26,8 +27,10 @@ from kvrescue.engine.transfer import upload, upload_all
 class Runner:
     """One model with one cache: prefill, fork/adopt/release, candidate steps (`start`/`advance`), commit."""
 
-    def __init__(self, model: LoadedModel, cache: KVCache, cuda_graphs: bool = False) -> None:
-        """`cuda_graphs`: on a GPU, the one-token steps (on a bounded or a full cache) run as captured CUDA graphs."""
+    def __init__(self, model: LoadedModel, cache: KVCache, cuda_graphs: bool = False,
+                 stream: ModelStream | None = None) -> None:
+        """`cuda_graphs`: on a GPU, the one-token steps (on a bounded or a full cache) run as captured CUDA graphs.
+        `stream`: where its work goes (`streams.ModelStream.of`; None: the current stream)."""
         self.model = model
         self.cache = cache
         self.tokenizer = model.tokenizer
@@ -39,8 +42,11 @@ class Runner:
         self.trajectory: dict[int, int] = {}     # committed tokens of each row (prompt + committed steps)
         self.steps: StepDecoder | None = None
         self.decoded = 0  # candidate tokens sampled so far
+        self.stream = stream or ModelStream()
+        self.stream.follow()  # the model's weights and the cache were made on the default stream
 
     # -- rows -----------------------------------------------------------------------------------------
+    @on_stream
     def prefill(self, token_lists: Sequence[Sequence[int]]) -> list[int]:
         """New rows holding token_lists[i] (prompts), in one forward."""
         rows = [self.cache.create() for _ in token_lists]
@@ -53,6 +59,7 @@ class Runner:
         """n children of a committed row, each with its content and next-token logits."""
         return self.fork_each([row], n)
 
+    @on_stream
     def fork_each(self, rows: Sequence[int], n: int) -> list[int]:
         """n children of each committed row, row after row, in one pass."""
         children = self.cache.fork_each(rows, n)
@@ -65,11 +72,13 @@ class Runner:
                 self.trajectory[child] = self.trajectory[parent]
         return children
 
+    @on_stream
     def adopt(self, row: int, child: int) -> None:
         """The committed row takes a candidate's cache (its step, minus the last token); the child is released."""
         self.cache.adopt(row, child)
         del self.trajectory[child]
 
+    @on_stream
     def release(self, rows: Sequence[int]) -> None:
         """Free rows."""
         self.cache.release(rows)
@@ -84,6 +93,7 @@ class Runner:
         """The largest physical length this row (and the forks it adopted) reached."""
         return self.cache.peak_length(row)
 
+    @on_stream
     def commit(self, rows: Sequence[int], steps: Sequence[Sequence[int]]) -> None:
         """Append committed steps[i] to rows[i] in one forward: all of it, or only its last token where the row
         adopted the candidate that decoded it; then each row must hold exactly its trajectory."""
@@ -105,6 +115,7 @@ class Runner:
                                    f"the trajectory {self.trajectory[row]}")
 
     # -- candidate steps ------------------------------------------------------------------------------
+    @on_stream
     def start(self, rows: Sequence[int], keys: Sequence[Sequence[int] | int], contexts: Sequence[int],
               screened: Sequence[bool], rules: StepRules) -> None:
         """Open a candidate step on each row (forked from a committed row): stream keys[i], context length
@@ -125,12 +136,14 @@ class Runner:
         """Candidate steps being decoded (each gets a token per `advance`)."""
         return 0 if self.steps is None else len(self.steps.live)
 
+    @on_stream
     def prepare(self) -> None:
         """Launch the next `advance`'s sampling and the copy of its tokens to the host, without waiting for them: a
         controller prepares every runner before it advances any (`StepDecoder.launch`)."""
         if self.steps is not None:
             self.steps.launch(self)
 
+    @on_stream
     def advance(self, wait: bool = False) -> list[CandidateStep]:
         """One token for every open candidate step; the steps that ended with it (`wait`: no effect, every call
         decodes)."""
@@ -162,6 +175,7 @@ class Runner:
         physical = getattr(self.cache, "physical_length", None)
         return physical(row) if physical is not None else self.cache.length(row)
 
+    @on_stream
     def append(self, rows: Sequence[int], token_lists: Sequence[Sequence[int]], last_only: bool = True) -> torch.Tensor:
         """Append token_lists[i] to rows[i] in one forward; the fp32 head outputs after each row's last token
         [R, V] (or at every position, [R, T, V]). For scorers; the kept logits are not touched."""

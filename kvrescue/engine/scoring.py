@@ -14,6 +14,7 @@ import torch
 
 from kvrescue.engine.runner import Runner
 from kvrescue.engine.steps import padded_tokens
+from kvrescue.engine.streams import ModelStream, on_stream
 from kvrescue.engine.transfer import upload_all
 from kvrescue.scorers import HELPER_LOGLIK
 from kvrescue.shapes import LOGITS_BYTES
@@ -66,12 +67,19 @@ class HelperLoglik:
         self.next_logits: dict[int, torch.Tensor] = {}
         self.processed: dict[int, int] = {}
 
+    @property
+    def stream(self) -> ModelStream:
+        """Its runner's: it reads and writes that runner's cache."""
+        return self.runner.stream
+
+    @on_stream
     def open(self, key: int, problem: str, prompt: list[int]) -> None:
         row = self.runner.cache.create()
         self.rows[key] = row
         self.next_logits[key] = self.runner.append([row], [prompt])[0]
         self.processed[key] = len(prompt)
 
+    @on_stream
     @torch.inference_mode()
     def score(self, requests: list[Request]) -> list[float]:
         """Each candidate's mean token log-probability, all candidates in one forward and one wait for the device;
@@ -102,10 +110,12 @@ class HelperLoglik:
             self.processed[key] += len(tokens)
         return (chosen.sum(1) / dev["n"]).tolist()
 
+    @on_stream
     def commit(self, key: int, text: str, tokens: list[int]) -> None:
         self.next_logits[key] = self.runner.append([self.rows[key]], [tokens])[0]
         self.processed[key] += len(tokens)
 
+    @on_stream
     def close(self, key: int) -> tuple[int, int]:
         self.runner.cache.release([self.rows.pop(key)])
         del self.next_logits[key]

@@ -63,7 +63,9 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     (invariance,) = report["invariance"]  # two `kvrescue run --deterministic` processes, at --batch 1 and 4
     assert invariance["deterministic"] and invariance["ok"] and invariance["agree"] == invariance["problems"] == 4
     runs = {(p["method"], p["cuda_graphs"]): p for p in report["problems"]
-            if not p.get("warm_up") and not p.get("profile")}
+            if not p.get("warm_up") and not p.get("profile") and "streams" not in p}
+    assert [(p["method"], p["streams"], p["skipped"]) for p in report["problems"] if "streams" in p] == [
+        ("kvrescue", False, "streams need a GPU"), ("kvrescue", True, "streams need a GPU")]
     assert set(runs) == {("bon", True), ("bon", False), ("full", False), ("kvrescue", False), ("kvrescue", True)}
     assert runs[("bon", True)]["skipped"] == runs[("kvrescue", True)]["skipped"] == "CUDA graphs need a GPU"
     for method in ("bon", "full", "kvrescue"):
@@ -135,11 +137,11 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
 def test_budget_bounds_every_section(tmp_path):
     report, lines = gpu_check(tmp_path, "--budget-s", "0")
     records = [report["roofline"], report["logits"], *report["decode"], *report["problems"]]
-    assert len(records) == 2 + 20 + 6 + 3  # the problems section's synthetic runs and warm-up, then MATH500's
+    assert len(records) == 2 + 20 + 8 + 3  # the problems section's synthetic runs (streams' too) and warm-up, then MATH500's
     records += [*report["numerics"], *report["memory"], *report["invariance"], *report["profile"], *report["e2e"],
                 *report["flex"]]
     reasons = {r["skipped"].split(":")[0] for r in records}
-    assert reasons == {"not started", "CUDA graphs need a GPU"}
+    assert reasons == {"not started", "CUDA graphs need a GPU", "streams need a GPU"}
     assert all(r["of_roofline"] is None for r in report["decode"] if "of_roofline" in r)
     assert lines[-1].startswith("wrote ")
 

@@ -13,14 +13,15 @@ import torch.nn.functional as F
 from kvrescue.cost import Architecture
 from kvrescue_testkit.dry_run import dry_run
 from kvrescue.engine import bounded, graphs
+from kvrescue.engine import streams as model_streams
 from kvrescue.engine.attention import attend_masked
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.loader import load_model
 from kvrescue.engine.transfer import Download, upload_all
-from kvrescue_testkit import fake_cuda
+from kvrescue_testkit import stream_order
 from kvrescue_testkit.fake_cuda import CaptureError, FakeCuda
 from kvrescue.memory_plan import CellShape, DeviceKind, plan_cell
-from kvrescue_testkit.paper_shapes import PAPER_MODELS
+from kvrescue_testkit.paper_shapes import PAPER_MODELS, SMALL, SMALL_MODELS
 
 CUDA = torch.device("cuda:0")
 
@@ -180,15 +181,20 @@ def test_the_dry_run_catches_a_host_read_inside_a_cuda_graph(monkeypatch):
         dry_run(("bon",), n=1, batch=1, synthetic=(2, 1))
 
 
-def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch):
+@pytest.mark.parametrize("streams", ["1", "0"])
+def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch, streams):
     """PyTorch keeps a cuBLAS workspace (33 MiB on Hopper) per (handle, stream) and never frees it: a stream made for
     each capture left one more behind each time (issue 41). Two cells, each with graphs of the base and the helper,
-    on one fake CUDA device, make one capture stream (beside the device's own)."""
+    on one fake CUDA device, make one capture stream beside the device's own, and one stream per model role (base,
+    PRM; helper), kept from the first cell to the second; none with `KVRESCUE_STREAMS=0`."""
     made = []
-    monkeypatch.setattr(graphs, "_CAPTURE_STREAMS", {}, raising=False)
-    monkeypatch.setattr(fake_cuda._Stream, "__init__", lambda stream: made.append(stream))
-    run = dry_run(("bon", "kvrescue"), n=2, batch=1, synthetic=(2, 1))
-    assert len(made) == 2
+    monkeypatch.setenv("KVRESCUE_STREAMS", streams)
+    monkeypatch.setattr(graphs, "_CAPTURE_STREAMS", {})
+    monkeypatch.setattr(model_streams, "_STREAMS", {})
+    init = stream_order.FakeStream.__init__
+    monkeypatch.setattr(stream_order.FakeStream, "__init__", lambda stream, *args: made.append(stream) or init(stream, *args))
+    run = dry_run(("bon", "kvrescue"), n=2, batch=1, synthetic=(2, 1), models=SMALL_MODELS)
+    assert len(made) == (5 if streams == "1" else 2)
     assert all(cell.graph_replays for cell in run.cells)  # graphs captured in both cells, and replayed
 
 
@@ -200,11 +206,9 @@ def one_row_decoded_in_graphs():
     from kvrescue.engine.graphs import StaticDecode
     from kvrescue_testkit.random_checkpoints import build_tokenizer
 
-    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
     tokenizer = build_tokenizer(512)
     with FakeCuda():
-        net = fake_model(shape, "helper", tokenizer, torch.bfloat16, "cuda:0").net
+        net = fake_model(SMALL, "helper", tokenizer, torch.bfloat16, "cuda:0").net
         cache = FullCache.for_model(net, 512, max_rows=4, max_row_tokens=256, block_size=16)
         step = StaticDecode(net, cache)
         row = cache.create()
