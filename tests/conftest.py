@@ -23,6 +23,7 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from kvrescue.engine import invariance  # noqa: E402
 from kvrescue_testkit.random_checkpoints import build_tokenizer, write_random_checkpoint  # noqa: E402
 from tests import cuda_layouts  # noqa: E402
 from tests.helpers import tiny_problems  # noqa: E402
@@ -71,6 +72,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests = Counter(map(file_of, items))
     rank = {name: place for place, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: (rank.get(file_of(item), len(rank)), -tests[file_of(item)], file_of(item)))
+
+
+@pytest.fixture(autouse=True)
+def batch_invariance_off():
+    """Batch invariance is a process-wide switch that a cell's build sets (`--deterministic` in a run in the test's
+    process leaves it on): every test starts and ends with it off, whatever ran before it in the worker."""
+    invariance.enable(False)
+    yield
+    invariance.enable(False)
 
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, init_std=0.1)
