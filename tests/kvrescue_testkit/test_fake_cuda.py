@@ -23,6 +23,11 @@ from kvrescue.memory_plan import CellShape, DeviceKind, plan_cell
 from kvrescue_testkit.paper_shapes import PAPER_MODELS
 
 CUDA = torch.device("cuda:0")
+# Fake models of a tiny Qwen2 shape for the dry runs whose checks do not depend on the models' size (captures,
+# streams, devices): building and decoding the paper's 7B/1.5B/7B shapes took most of this file's time.
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False)
+TINY_MODELS = {"base": TINY, "helper": dict(TINY, tie_word_embeddings=True), "prm": TINY}
 
 
 def weight_bytes(shape: dict, prm: bool = False, itemsize: int = 2) -> int:
@@ -163,7 +168,7 @@ def test_the_dry_run_catches_a_cache_tensor_on_the_cpu(monkeypatch, qwen2_dir):
     cache = BoundedCache.for_model(model.net, 16, "rkv", rows=2, max_append=8)
     model.net.prefill(torch.tensor([[5, 6, 7]]), cache, [cache.create()], [3])
     with pytest.raises(Exception, match="cuda:0.*cpu|cpu.*cuda:0"):
-        dry_run(("bon",), n=1, batch=1, synthetic=(2, 1))
+        dry_run(("bon",), n=1, batch=1, synthetic=(2, 1), models=TINY_MODELS)
 
 
 def test_the_dry_run_catches_a_host_read_inside_a_cuda_graph(monkeypatch):
@@ -177,7 +182,7 @@ def test_the_dry_run_catches_a_host_read_inside_a_cuda_graph(monkeypatch):
 
     monkeypatch.setattr(graphs._StaticView, "attend", reading)
     with pytest.raises(CaptureError, match="during a CUDA graph capture"):
-        dry_run(("bon",), n=1, batch=1, synthetic=(2, 1))
+        dry_run(("bon",), n=1, batch=1, synthetic=(2, 1), models=TINY_MODELS)
 
 
 def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch):
@@ -187,7 +192,7 @@ def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch):
     made = []
     monkeypatch.setattr(graphs, "_CAPTURE_STREAMS", {}, raising=False)
     monkeypatch.setattr(fake_cuda._Stream, "__init__", lambda stream: made.append(stream))
-    run = dry_run(("bon", "kvrescue"), n=2, batch=1, synthetic=(2, 1))
+    run = dry_run(("bon", "kvrescue"), n=2, batch=1, synthetic=(2, 1), models=TINY_MODELS)
     assert len(made) == 2
     assert all(cell.graph_replays for cell in run.cells)  # graphs captured in both cells, and replayed
 
@@ -239,5 +244,5 @@ def test_a_row_bucket_warms_up_once_for_all_its_block_buckets(monkeypatch):
 def test_full_decodes_its_one_token_steps_in_cuda_graphs():
     """The `full` method's base, on the full cache, decodes through captured graphs on CUDA (as the helper does), as
     the evicted base does."""
-    (cell,) = dry_run(("full",), n=2, batch=1, synthetic=(2, 1)).cells
+    (cell,) = dry_run(("full",), n=2, batch=1, synthetic=(2, 1), models=TINY_MODELS).cells
     assert cell.graph_replays > 0
