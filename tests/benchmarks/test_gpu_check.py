@@ -5,6 +5,7 @@ import importlib
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -135,8 +136,12 @@ def test_gpu_check_tiny_runs_end_to_end(tiny_check):
                for line in table) == 4
 
 
-def test_budget_bounds_every_section(tmp_path):
-    report, lines = gpu_check(tmp_path, "--budget-s", "0")
+def test_budget_bounds_every_section(tmp_path, monkeypatch, capsys):
+    """In this process (a check whose every measurement is skipped costs a process its imports, nothing else)."""
+    out = tmp_path / "check.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--tiny", "--out", str(out), "--budget-s", "0"])
+    load_gpu_check().main()
+    report, lines = json.loads(out.read_text()), capsys.readouterr().out.splitlines()
     records = [report["roofline"], report["logits"], *report["decode"], *report["problems"]]
     assert len(records) == 2 + 20 + 6 + 3  # the problems section's synthetic runs and warm-up, then MATH500's
     records += [*report["numerics"], *report["memory"], *report["invariance"], *report["profile"], *report["e2e"],
