@@ -41,10 +41,12 @@ collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_vllm_*.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# The files that take longest in the suite (docs/benchmarks.md), longest first. scripts/test.sh keeps the order below
-# (`--no-loadscope-reorder`): xdist hands each worker a file when it is nearly done with its last, so these start first
-# and the short files fill in beside them, rather than one started last making the run's tail (xdist's own order, by
-# number of tests, put the Ray and TP files in the second half). The other files follow, those with more tests first.
+# The files that take longest in the suite (docs/benchmarks.md, "Test suite time"), longest first. scripts/test.sh keeps
+# the order below (`--no-loadscope-reorder`): xdist hands each worker a file when it is nearly done with its last, so
+# these start first and the short files fill in beside them, rather than one started last making the run's tail
+# (xdist's own order, by number of tests, put the Ray and TP files in the second half; after this list, by the same
+# rule, test_smollm's 2 tests and test_cell_runners' 1 took the last minute alone). The other files follow, those with
+# more tests first.
 SLOW_FIRST = (
     "tests/cli/test_engine_vllm.py",  # the vLLM part's (.venv-vllm, `-m vllm`)
     "tests/benchmarks/test_gpu_check_vllm.py",
@@ -54,8 +56,24 @@ SLOW_FIRST = (
     "tests/benchmarks/test_gpu_check.py",
     "tests/cli/test_run_options.py",
     "tests/cli/test_run.py",
+    "tests/engine/test_bounded.py",
     "tests/kvrescue_testkit/test_fake_cuda.py",
+    "tests/engine/test_steps.py",
+    "tests/cli/test_hostile_files.py",
+    "tests/test_smollm.py",
+    "tests/test_memory_plan.py",
+    "tests/engine/test_graphs.py",
+    "tests/cli/test_hand_edited.py",
+    "tests/grader/test_units.py",
+    "tests/engine/test_flex.py",
+    "tests/grader/test_security.py",
+    "tests/grader/test_timeouts.py",
+    "tests/test_cell_runners.py",
     "tests/view/test_view.py",
+    "tests/test_devices.py",
+    "tests/report/test_report.py",
+    "tests/report/test_paper_oracle.py",
+    "tests/test_hub.py",
 )
 
 

@@ -12,18 +12,16 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
-from kvrescue import group_models
-import kvrescue.runs as runs
 from kvrescue.cli import app
-from kvrescue.device_plan import plan_for_device
 
 MEASURES = "GPU_CHECK_MEASURES"
 
 
-def main() -> None:
-    seen: dict = {"options": None, "models_loaded": 0}
+def watch_runs(seen: dict) -> None:
+    """Wrap `runs.run_grid` and `group_models.load_model` to record into `seen` the options and the loads."""
+    from kvrescue import group_models
+    import kvrescue.runs as runs
+
     run_grid, load_model = runs.run_grid, group_models.load_model
 
     def run_grid_seen(options, *args, **kwargs):
@@ -35,16 +33,26 @@ def main() -> None:
         return load_model(*args, **kwargs)
 
     runs.run_grid, group_models.load_model = run_grid_seen, load_model_seen
+
+
+def main() -> None:
+    seen: dict = {"options": None, "models_loaded": 0}
+    if sys.argv[1:2] == ["run"]:  # report and view load nothing: they start without torch, as the console script does
+        watch_runs(seen)
     sys.argv[0] = "kvrescue"
     try:
         app()
     finally:
         options = seen["options"]
-        plan = plan_for_device(options.group_plan(), options.devices[0]) if options is not None else None
+        plan = None
+        if options is not None:
+            from kvrescue.device_plan import plan_for_device
+            plan = plan_for_device(options.group_plan(), options.devices[0])
         measures = {"models_loaded": seen["models_loaded"],
                     "batch": options.settings.batch if options is not None else None,
                     "planned_bytes": plan.total if plan is not None else None}
-        if torch.cuda.is_initialized():
+        torch = sys.modules.get("torch")  # imported by a run
+        if torch is not None and torch.cuda.is_initialized():
             measures.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(),
                             peak_reserved_bytes=torch.cuda.max_memory_reserved())
         Path(os.environ[MEASURES]).write_text(json.dumps(measures))

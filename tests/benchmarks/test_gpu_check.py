@@ -5,6 +5,7 @@ import importlib
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -27,8 +28,15 @@ def gpu_check(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[dict, l
     return json.loads(out.read_text()), done.stdout.decode().splitlines()
 
 
-def test_gpu_check_tiny_runs_end_to_end(tmp_path):
-    report, lines = gpu_check(tmp_path, "--budget-s", "600", "--skip", "e2e")  # e2e: the test below
+@pytest.fixture(scope="module")
+def tiny_check(tmp_path_factory) -> tuple[dict, list[str]]:
+    """One whole `--tiny` check, every section, read by the tests of its sections (a check costs a process and
+    each section's subprocesses: run once, not once per test)."""
+    return gpu_check(tmp_path_factory.mktemp("tiny_check"), "--budget-s", "600")
+
+
+def test_gpu_check_tiny_runs_end_to_end(tiny_check):
+    report, lines = tiny_check  # its e2e section: the test below
     bandwidth = report["roofline"]["bytes_per_s"]
     assert report["tiny"] and bandwidth == 2 * report["roofline"]["bytes"] / report["roofline"]["seconds"]
     logits = report["logits"]
@@ -124,7 +132,7 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
     assert len(progress) == (2 + len(report["numerics"]) + len(report["attention"]) + len(report["decode"])
                              + len(report["vllm"]) + len(report["memory"]) + len(report["devices"])
                              + len(report["invariance"]) + len(report["problems"]) + len(report["profile"])
-                             + len(report["flex"]))
+                             + len(report["flex"]) + len(report["e2e"]))
     table = lines[len(progress):]
     assert sum(" tok/s " in line for line in table) == len(measured)
     assert any("full graphs=off: 4 problems" in line for line in table)
@@ -134,8 +142,12 @@ def test_gpu_check_tiny_runs_end_to_end(tmp_path):
                for line in table) == 4
 
 
-def test_budget_bounds_every_section(tmp_path):
-    report, lines = gpu_check(tmp_path, "--budget-s", "0")
+def test_budget_bounds_every_section(tmp_path, monkeypatch, capsys):
+    """In this process (a check whose every measurement is skipped costs a process its imports, nothing else)."""
+    out = tmp_path / "check.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--tiny", "--out", str(out), "--budget-s", "0"])
+    load_gpu_check().main()
+    report, lines = json.loads(out.read_text()), capsys.readouterr().out.splitlines()
     records = [report["roofline"], report["logits"], *report["decode"], *report["problems"]]
     assert len(records) == 2 + 20 + 8 + 3  # the problems section's synthetic runs (streams' too) and warm-up, then MATH500's
     records += [*report["numerics"], *report["memory"], *report["invariance"], *report["profile"], *report["e2e"],
@@ -146,11 +158,10 @@ def test_budget_bounds_every_section(tmp_path):
     assert lines[-1].startswith("wrote ")
 
 
-def test_the_e2e_section_runs_what_a_user_types(tmp_path):
+def test_the_e2e_section_runs_what_a_user_types(tiny_check):
     """Random checkpoints on disk, then each `kvrescue` command in its own process: the plan, bon, kvrescue and full
     at a fixed batch and at --batch auto, the rerun that loads nothing, report and view."""
-    skip = "logits,attention,decode,flex,vllm,numerics,memory,devices,invariance,problems"
-    report, lines = gpu_check(tmp_path, "--budget-s", "400", "--skip", skip)
+    report, lines = tiny_check
     steps = report["e2e"]
     assert [r["step"] for r in steps] == ["checkpoints", "plan", "run", "run", "rerun", "report", "view"]
     assert steps[0]["bytes"] > 0

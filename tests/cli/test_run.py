@@ -474,9 +474,10 @@ def test_a_7b_model_on_a_cpu_is_refused_before_loading(problems, tmp_path):
 @pytest.mark.slow
 def test_cpu_demo_preset_on_smollm2(tmp_path):
     """The README's main job, shrunk: SmolLM2-135M base and helper with the helper-loglik scorer."""
+    # steps of 16 tokens: each token is a forward of a 135M model, and nothing below depends on a step's length
     done = kvrescue_run("--preset", "cpu-demo", "--bench", "gsm8k", "--limit", "1",
                         "--method", "kvrescue", "--budget", "16", "--n", "1", "--max-steps", "3",
-                        "--max-step-tokens", "48", "--out", str(tmp_path))
+                        "--max-step-tokens", "16", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     (folder,) = (tmp_path / "gsm8k").iterdir()
     config = orjson.loads((folder / "config.json").read_bytes())
@@ -487,15 +488,17 @@ def test_cpu_demo_preset_on_smollm2(tmp_path):
     assert all(s["score"] <= 0 for s in trace["steps"])  # mean log-probabilities
 
 
-def test_cuda_kernel_layouts_give_the_same_traces(grid, problems, qwen2_dir, llama_dir, prm_dir, tmp_path):
-    """The same cells with SDPA returning CUDA's output layout (`tests.cuda_layouts`) in the run's process: the
-    evicting base's prefill, commits and decode, the full caches and the PRM compute the same tokens and scores."""
-    from tests.cuda_layouts import subprocess_env
+def test_cuda_kernel_layouts_give_the_same_traces(grid, problems, qwen2_dir, llama_dir, prm_dir, tmp_path,
+                                                 monkeypatch):
+    """The same cells with SDPA returning CUDA's output layout (`tests.cuda_layouts`) in the run's process (this
+    one: a subprocess would cost its imports): the evicting base's prefill, commits and decode, the full caches and
+    the PRM compute the same tokens and scores."""
+    from tests import cuda_layouts
 
-    done = subprocess.run([KVRESCUE, "run", "--bench", str(problems), "--method", "kvrescue,bon", "--n", "2",
-                           "--limit", "3", "--base", str(qwen2_dir), "--helper", str(llama_dir), "--prm", str(prm_dir),
-                           "--out", str(tmp_path), *SMALL], capture_output=True, timeout=600, env=subprocess_env())
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    cuda_layouts.install(monkeypatch.setattr)
+    ok(kvrescue_run("--bench", str(problems), "--method", "kvrescue,bon", "--n", "2", "--limit", "3",
+                    "--base", str(qwen2_dir), "--helper", str(llama_dir), "--prm", str(prm_dir), "--out", str(tmp_path),
+                    *SMALL))
     strip = lambda t: {k: v for k, v in t.items() if k != "timings"}  # noqa: E731
     for method in ("kvrescue", "bon"):
         native = sorted(map(strip, read_folder(grid, method)[1]), key=lambda t: t["idx"])

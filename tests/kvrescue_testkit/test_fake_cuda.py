@@ -164,7 +164,7 @@ def test_the_dry_run_catches_a_cache_tensor_on_the_cpu(monkeypatch, qwen2_dir):
     cache = BoundedCache.for_model(model.net, 16, "rkv", rows=2, max_append=8)
     model.net.prefill(torch.tensor([[5, 6, 7]]), cache, [cache.create()], [3])
     with pytest.raises(Exception, match="cuda:0.*cpu|cpu.*cuda:0"):
-        dry_run(("bon",), n=1, batch=1, synthetic=(2, 1))
+        dry_run(("bon",), n=1, batch=1, synthetic=(2, 1), models=SMALL_MODELS)
 
 
 def test_the_dry_run_catches_a_host_read_inside_a_cuda_graph(monkeypatch):
@@ -178,7 +178,7 @@ def test_the_dry_run_catches_a_host_read_inside_a_cuda_graph(monkeypatch):
 
     monkeypatch.setattr(graphs._StaticView, "attend", reading)
     with pytest.raises(CaptureError, match="during a CUDA graph capture"):
-        dry_run(("bon",), n=1, batch=1, synthetic=(2, 1))
+        dry_run(("bon",), n=1, batch=1, synthetic=(2, 1), models=SMALL_MODELS)
 
 
 @pytest.mark.parametrize("streams", ["1", "0"])
@@ -243,5 +243,5 @@ def test_a_row_bucket_warms_up_once_for_all_its_block_buckets(monkeypatch):
 def test_full_decodes_its_one_token_steps_in_cuda_graphs():
     """The `full` method's base, on the full cache, decodes through captured graphs on CUDA (as the helper does), as
     the evicted base does."""
-    (cell,) = dry_run(("full",), n=2, batch=1, synthetic=(2, 1)).cells
+    (cell,) = dry_run(("full",), n=2, batch=1, synthetic=(2, 1), models=SMALL_MODELS).cells
     assert cell.graph_replays > 0
