@@ -99,8 +99,8 @@ class FullCache(KVCache):
     share a block; None: never, even with batch invariance on; "device": the device's rule,
     `shapes.cascade_from_on`); with batch invariance on, each group cascades alone when its rows would re-read
     `group_cascade_from`.
-    `rows_padding`: on a CPU, rows are read whole, padded to the longest, when that reads at most this many times
-    the blocks of the chunks (0: always in chunks; inf: always whole).
+    `rows_padding`: on the torch path, rows are read whole, padded to the longest, when that reads at most this many
+    times the blocks of the chunks (0: always in chunks; inf: always whole; off a CPU only where `paged_layout` allows).
     """
 
     def __init__(

@@ -97,7 +97,7 @@ def forward_arrays(block_table: BlockTable, k_pool: torch.Tensor, rows: np.ndarr
     host = {"positions": positions, "slots": table[row, pos // bs] * bs + pos % bs}
     if n_new.min() < T:
         host["valid"] = np.flatnonzero(valid)
-    own_layout = paged_layout(k_pool, own_table, lengths - skipped * bs, T, True, rows_padding)
+    own_layout = paged_layout(k_pool, own_table, lengths - skipped * bs, T, True, rows_padding, groups is not None)
     host.update(("own." + k, v) for k, v in own_layout.items())
     if groups is not None:
         n = int(groups.sizes.max())
@@ -107,7 +107,7 @@ def forward_arrays(block_table: BlockTable, k_pool: torch.Tensor, rows: np.ndarr
         members = np.repeat(groups.rows[starts], n).reshape(-1, n)  # padded with each group's first row
         members[group, member] = groups.rows
         layout = paged_layout(k_pool, block_table.table[rows[groups.rows[starts]], : int(groups.shared.max())],
-                              groups.shared * bs, n * T, False, rows_padding)
+                              groups.shared * bs, n * T, False, rows_padding, merged=True)
         host.update(("shared." + k, v) for k, v in layout.items())
         host["members"] = members
         host["grouped_rows"] = groups.rows
