@@ -277,14 +277,16 @@ class BoundedCache(KVCache):
                               self.q.shape[2] // self.k.shape[2], dev.get("base"))
 
     def store_token(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor) -> None:
+                    k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token per row: its k/v [R, Hkv, 1, D] at physical `positions` of pool `slots`, and its
         query [R, Hq, 1, D] pushed into the row's window ring (the oldest drops out). The one-token step of
-        both decodes, the dynamic one here and the static (CUDA-graph) one in `graphs`."""
+        both decodes, the dynamic one here and the static (CUDA-graph) one in `graphs`. Returns the layer's K and V
+        pools, which its attention reads."""
         kp, vp, qp = self.k[layer], self.v[layer], self.q[layer]
         kp[slots, :, positions] = k[:, :, 0]
         vp[slots, :, positions] = v[:, :, 0]
         qp[slots] = torch.cat([qp[slots][:, :, 1:], q], dim=2)
+        return kp, vp
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         f = self.fwd
