@@ -139,7 +139,7 @@ class PagedKeys:
     flex: "flex.PagedSteps | None" = None  # FlexAttention's block mask: one query a sequence, read in place
 
 
-def _reader(k_pool: torch.Tensor, queries: int, causal: bool) -> str:
+def reader(k_pool: torch.Tensor, queries: int, causal: bool) -> str:
     """The kernel that reads keys in pools like `k_pool`: "flash" (flash-attn's paged kernel: FLASH_BLOCK-token
     blocks), "flex" (FlexAttention in place: decode steps, one causal query a sequence, `flex.serves`), else "torch"."""
     if use_flash(k_pool) and k_pool.shape[1] % FLASH_BLOCK == 0:
@@ -155,11 +155,11 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
     every sequence's blocks padded to the longest's: one SDPA, its mask laid out once per forward (off a CPU only
     where that mask fits SCORE_BYTES and the results are not `merged` by their log-sum-exp, which SDPA's kernels
     there do not return). With batch invariance on, always whole rows, to whole KEY_GRANULE blocks (block ids past a
-    table's end are 0). Where flash-attn or FlexAttention reads the keys (`_reader`): the table alone, read in place.
+    table's end are 0). Where flash-attn or FlexAttention reads the keys (`reader`): the table alone, read in place.
     Send the arrays to the device (`transfer.upload_all`) and build the keys there with `paged_keys`: nothing waits
     for the device."""
     layout = {"table": table, "cached": cached}
-    if _reader(k_pool, queries, causal) != "torch":
+    if reader(k_pool, queries, causal) != "torch":
         return layout
     block_size = k_pool.shape[1]
     per_chunk = max(1, CHUNK_TOKENS // block_size)
@@ -189,7 +189,7 @@ def paged_keys(k_pool: torch.Tensor, layout: dict[str, torch.Tensor], queries: i
     own). Not causal: every query sees keys 0..cached[s] - 1. flash-attn serves FLASH_BLOCK-token blocks;
     other sizes take the torch path; FlexAttention, where `paged_layout` chose it, reads the table in place."""
     table, cached = layout["table"], layout["cached"]
-    if _reader(k_pool, queries, causal) == "flex":
+    if reader(k_pool, queries, causal) == "flex":
         return PagedKeys(table, cached, causal, flex=flex.PagedSteps(table, cached, k_pool.shape[0], k_pool.shape[1]))
     if "blocks" not in layout:
         return PagedKeys(table, cached, causal)
