@@ -35,6 +35,7 @@ class _BoundedForward:
     write_slots: torch.Tensor    # [N] slot of each valid new token
     write_pos: torch.Tensor      # [N] its physical index
     valid: torch.Tensor          # [N] its flat index (row * T + t) among the forward's padded tokens
+    window: torch.Tensor | None  # [R, 1, OBSERVATION_WINDOW, 1] where the new ring lies in (old ring ++ new queries)
     visible: Visibility          # [R, T, length] the keys each new token attends to (`padded_visibility`)
     held: torch.Tensor | None    # [R, layers, Hkv] (an allocating evictor) entries each kept at its last compression
     base: torch.Tensor | None    # [R] its physical length then; the entries between are holes (`hole_free`)
@@ -245,6 +246,8 @@ class BoundedCache(KVCache):
         # The host knows every row's lengths and slot: one copy to the device, which nothing here waits for.
         host = {"slots": slots, "kv_lengths": physical, "new_lengths": new, "write_slots": slots[row],
                 "write_pos": physical[row] + step, "valid": np.flatnonzero(valid), "positions": logical[:, None] + t}
+        if len(t) > 1:  # several tokens a row: the ring's new place (one token: the ring shifts by one, `store_token`)
+            host["window"] = (new[:, None] + np.arange(OBSERVATION_WINDOW))[:, None, :, None]
         if self.evictor.allocates:
             host |= {"held": self.row_held[rows], "base": self.row_base[rows]}
         dev = upload_all(host, self.k.device)
@@ -258,6 +261,7 @@ class BoundedCache(KVCache):
             write_slots=dev["write_slots"],
             write_pos=dev["write_pos"],
             valid=dev["valid"],
+            window=dev.get("window"),
             visible=Visibility(padded_visibility(dev["kv_lengths"], dev["new_lengths"], len(t), need)),
             held=dev.get("held"),
             base=dev.get("base"),
@@ -298,8 +302,7 @@ class BoundedCache(KVCache):
             vp[f.write_slots, :, f.write_pos] = v.transpose(1, 2).flatten(0, 1).index_select(0, f.valid)
             # the ring keeps the last OBSERVATION_WINDOW queries: positions n .. n+W-1 of (ring ++ new queries)
             joined = torch.cat([qp[f.slots], q], dim=2)
-            idx = (f.new_lengths[:, None] + torch.arange(OBSERVATION_WINDOW, device=q.device))[:, None, :, None]
-            qp[f.slots] = joined.gather(2, idx.expand(-1, q.shape[1], -1, q.shape[3]))
+            qp[f.slots] = joined.gather(2, f.window.expand(-1, q.shape[1], -1, q.shape[3]))
         if f.in_place is not None:
             return f.in_place.attend(q, kp, vp, None if f.held is None else f.held[:, layer])
         keys = kp[f.slots, :, : f.length]
