@@ -290,7 +290,7 @@ class FullCache(KVCache):
         heads_dim = self.k.shape[3:]
         pools = self.k[layer], self.v[layer]
         for new, pool in zip((k, v), pools):
-            new = new.transpose(1, 2).reshape(R * T, *heads_dim)
+            new = (new if T == 1 else new.transpose(1, 2)).reshape(R * T, *heads_dim)  # one token a row: [R, Hkv, D]
             if valid is not None:
                 new = new.index_select(0, valid)
             pool.view(-1, *heads_dim).index_copy_(0, slots, new)
