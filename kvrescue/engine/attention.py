@@ -153,9 +153,9 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
     cached [S]); for the torch path also the blocks it reads: the chunks of whole blocks of each sequence (owner
     and index of every chunk, and its blocks), or, when it costs at most `rows_padding` times the chunks' reads,
     every sequence's blocks padded to the longest's: one SDPA, its mask laid out once per forward (off a CPU only
-    where that mask fits SCORE_BYTES and the results are not `merged` by their log-sum-exp, which SDPA's kernels
-    there do not return). With batch invariance on, always whole rows, to whole KEY_GRANULE blocks (block ids past a
-    table's end are 0). Where flash-attn or FlexAttention reads the keys (`reader`): the table alone, read in place.
+    where that mask fits SCORE_BYTES, the results are not `merged` by their log-sum-exp, which SDPA's kernels there do
+    not return, and batch invariance is off: the padding follows the batch). With batch invariance on a CPU, always
+    whole rows, to whole KEY_GRANULE blocks (block ids past a table's end are 0). Where flash-attn or FlexAttention reads the keys (`reader`): the table alone, read in place.
     Send the arrays to the device (`transfer.upload_all`) and build the keys there with `paged_keys`: nothing waits
     for the device."""
     layout = {"table": table, "cached": cached}
@@ -171,7 +171,7 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
         whole[:, : min(width, table.shape[1])] = table[:, :width]
         return {**layout, "blocks": whole.ravel()}
     mask_bytes = len(cached) * QUERY_GROUP * (queries if causal else 1) * width * block_size * k_pool.element_size()
-    masked = k_pool.is_cpu or (not merged and mask_bytes <= SCORE_BYTES)
+    masked = k_pool.is_cpu or (not merged and not invariance.on() and mask_bytes <= SCORE_BYTES)
     if masked and len(cached) * width <= rows_padding * n_chunks.sum() * per_chunk:
         return {**layout, "blocks": table[:, :width].ravel()}
     width = -(-table.shape[1] // per_chunk) * per_chunk

@@ -217,18 +217,19 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("case", ["whole rows", "cascade", "mask over SCORE_BYTES"])
+@pytest.mark.parametrize("case", ["whole rows", "cascade", "mask over SCORE_BYTES", "batch invariance"])
 def test_on_cuda_a_forward_over_cached_keys_reads_whole_rows_in_one_sdpa(case, monkeypatch) -> None:
     """A forward of several tokens a row over cached keys on CUDA (a PRM's scoring, a helper's commit; fake CUDA: the
     choice and the dispatch are the host's), at the 7B's heads in bf16: each row's blocks padded to the longest, one
     SDPA, its mask laid out by the first layer; a later layer dispatches 32 ops, the chunked softmax 100 (issue 40's
     proxy). Chunks where cascade merges the results by their log-sum-exp (SDPA's CUDA kernels return none) or where the
-    mask would pass SCORE_BYTES."""
+    mask would pass SCORE_BYTES, or with batch invariance on (`--deterministic` keeps its path)."""
     from kvrescue_testkit.fake_cuda import FakeCuda
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_layouts.TORCH_SDPA)  # FakeCuda chooses CUDA's kernel
     if case == "mask over SCORE_BYTES":
         monkeypatch.setattr(attention, "SCORE_BYTES", 1 << 16)
+    monkeypatch.setattr(attention.invariance, "_on", [case == "batch invariance"])
     with Ops() as counted, FakeCuda():
         cache = FullCache(2, 4, 128, 256, max_rows=40, block_size=16, dtype=torch.bfloat16, device="cuda:0",
                           cascade_from=0 if case == "cascade" else "device")
