@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import kvrescue.engine.flex as flex
 import kvrescue.engine.invariance as invariance
-from kvrescue.shapes import CHUNK_TOKENS, FLASH_BLOCK, SCORE_BYTES
+from kvrescue.shapes import CHUNK_TOKENS, FLASH_BLOCK, QUERY_GROUP, SCORE_BYTES
 
 try:
     from flash_attn import flash_attn_with_kvcache
@@ -19,9 +19,6 @@ except ImportError:
 # A forward on the torch path reads each row's blocks padded to the longest row's (one fused attention per layer, a few
 # torch calls instead of the chunks' ~30) when that reads at most this many times the chunks' blocks.
 ROWS_PADDING = 1.5
-# Query heads a KV head, at most, in the bound on the mask of those rows off a CPU (Qwen2.5's models have 6 or 7, Qwen3's
-# and Llama 3's 8): the mask is laid out for each of a KV head's query heads (`_grouped_mask`).
-QUERY_GROUP = 8
 
 
 def use_flash(x: torch.Tensor) -> bool:
@@ -83,9 +80,9 @@ class Visibility:
         self.bias: torch.Tensor | None = None
 
     def bias_for(self, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-        if self.bias is None:
-            mask = self.visible if invariance.active(q) else _grouped_mask(self.visible, q.shape, kv_heads)
-            self.bias = visibility_bias(mask, q.dtype)
+        if self.bias is None:  # the bias of the mask, then laid out (a view where one row of it serves every query)
+            bias = visibility_bias(self.visible, q.dtype)
+            self.bias = bias if invariance.active(q) else _grouped_mask(bias, q.shape, kv_heads)
         return self.bias
 
 
