@@ -31,8 +31,7 @@ from kvrescue.model_config import ModelArgs, ModelConfigError
 from kvrescue.scorers import HELPER_LOGLIK, PRM
 from kvrescue.shapes import (CHUNK_TOKENS, FLASH_BLOCK, GROUP_CASCADE_FROM, LOGITS_BYTES, OBSERVATION_WINDOW,
                                  PRM_WINDOW, QUERY_GROUP, SCORE_BYTES, SIMILARITY_ROWS, BUFFER, cascade_from_on,
-                                 compress_slice,
-                                 bucket, local_args, shard_degree)
+                                 compress_slice, bucket, local_args, shard_degree)
 
 GIB = 2**30
 PROMPT_TOKENS = 512  # the longest prompt planned for (MATH-500's chat prompts stay below 400 tokens)

@@ -152,9 +152,9 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
     every sequence's blocks padded to the longest's: one SDPA, its mask laid out once per forward (off a CPU only
     where that mask fits SCORE_BYTES, the results are not `merged` by their log-sum-exp, which SDPA's kernels there do
     not return, and batch invariance is off: the padding follows the batch). With batch invariance on a CPU, always
-    whole rows, to whole KEY_GRANULE blocks (block ids past a table's end are 0). Where flash-attn or FlexAttention reads the keys (`reader`): the table alone, read in place.
-    Send the arrays to the device (`transfer.upload_all`) and build the keys there with `paged_keys`: nothing waits
-    for the device."""
+    whole rows, to whole KEY_GRANULE blocks (block ids past a table's end are 0). Where flash-attn or FlexAttention
+    reads the keys (`reader`): the table alone, read in place. Send the arrays to the device (`transfer.upload_all`)
+    and build the keys there with `paged_keys`: nothing waits for the device."""
     layout = {"table": table, "cached": cached}
     if reader(k_pool, queries, causal) != "torch":
         return layout
