@@ -142,10 +142,13 @@ def attention_bytes(a: ModelArgs, b: int, rows: int, tokens: int, k: Keys, cuda:
         return 0, out
     cascade = k.groups > 0
     own = k.keys - k.shared + FULL_BLOCK if cascade else k.keys  # a row's keys past the shared blocks
-    # Whole rows: the mask and its bias laid out for the grouped queries, held for the forward; K, V gathered, out
-    # (copied back from CUDA's kernel layout), the CPU kernel's lse.
-    whole = (rows * tokens * own * (1 + (g if repeated else 1) * b),
-             2 * rows * hkv * own * hd * b + out * (1 + cuda) + rows * hq * tokens * FP32)
+    # Whole rows: the mask and its bias, held for the forward (on CUDA laid out for the grouped queries; on a CPU each
+    # layer repeats it per grouped query while it attends); K, V gathered; out (on CUDA copied back from its kernel's
+    # layout); the CPU kernel's lse.
+    grouped = (g if repeated else 1) * rows * tokens * own * b
+    whole = ((rows * tokens * own + grouped, 2 * rows * hkv * own * hd * b + 2 * out) if cuda else
+             (rows * tokens * own * (1 + b), 2 * rows * hkv * own * hd * b + repeated * grouped + out
+              + rows * hq * tokens * FP32))
     chunks = rows * -(-own // CHUNK_TOKENS)
     scores = min(SCORE_BYTES, FP32 * chunks * hq * tokens * CHUNK_TOKENS)
     # K, V gathered and made contiguous; the fp32 scores, their exponentials; the fp32 outputs

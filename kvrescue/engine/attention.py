@@ -75,14 +75,18 @@ class Visibility:
     additive bias over the grouped queries, `_grouped_mask`, or with batch invariance on `invariance.attend_tokens`')
     by the first layer that reads it, for all of them (their queries alike in shape and dtype)."""
 
-    def __init__(self, visible: torch.Tensor) -> None:
-        self.visible = visible
+    def __init__(self, visible: torch.Tensor, grouped: bool = True) -> None:
+        """`grouped`: the bias laid out for the grouped queries (held for the forward: g times the mask where each
+        query has its own row); else the mask's own bias, which each layer lays out for its queries
+        (`attend_biased` on a CPU: a copy while the layer attends)."""
+        self.visible, self.grouped = visible, grouped
         self.bias: torch.Tensor | None = None
 
     def bias_for(self, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
         if self.bias is None:  # the bias of the mask, then laid out (a view where one row of it serves every query)
             bias = visibility_bias(self.visible, q.dtype)
-            self.bias = bias if invariance.active(q) else _grouped_mask(bias, q.shape, kv_heads)
+            grouped = self.grouped and not invariance.active(q)
+            self.bias = _grouped_mask(bias, q.shape, kv_heads) if grouped else bias
         return self.bias
 
 
@@ -116,7 +120,8 @@ def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if invariance.active(q):
         return invariance.attend_tokens(q, k, v, bias)
     qg = q.reshape(q.shape[0], k.shape[1], -1, q.shape[3])
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, attn_mask=bias)
+    grouped = bias if visible.grouped else _grouped_mask(bias, q.shape, k.shape[1])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, attn_mask=grouped)
     return out.reshape(q.shape), lse.reshape(q.shape[:3])
 
 
@@ -197,7 +202,8 @@ def paged_keys(k_pool: torch.Tensor, layout: dict[str, torch.Tensor], queries: i
             visible = position[None, None, :] <= horizon[:, :, None]
         else:
             visible = (position[None, :] < cached[:, None])[:, None, :]  # alike for every query
-        return PagedKeys(table, cached, causal, layout["blocks"], visible=Visibility(visible))
+        # On a CPU each layer lays the bias out for its queries: a copy held only while it attends, not the forward
+        return PagedKeys(table, cached, causal, layout["blocks"], visible=Visibility(visible, not k_pool.is_cpu))
     owner, index = layout["owner"], layout["index"]
     L = max(1, CHUNK_TOKENS // k_pool.shape[1]) * k_pool.shape[1]
     position = index[:, None] * L + torch.arange(L, device=table.device)  # [P, L]
