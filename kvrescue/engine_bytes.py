@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrescue.model_config import ModelArgs
-from kvrescue.shapes import (CHUNK_TOKENS, LOGITS_BYTES, MIN_STEP_LANES, OBSERVATION_WINDOW, SCORE_BYTES,
+from kvrescue.shapes import (CHUNK_TOKENS, LOGITS_BYTES, MIN_STEP_LANES, OBSERVATION_WINDOW, QUERY_GROUP, SCORE_BYTES,
                              SIMILARITY_ROWS, bucket, compress_slice)
 
 LOGITS_ROWS = 64  # a runner's logits buffer starts with 64 rows and doubles (engine/runner.py)
@@ -21,7 +21,7 @@ class Keys:
     """The keys each row of a forward attends to, and through which kernel."""
 
     path: str  # masked (the bounded cache: SDPA over the gathered rows), rows (the full cache's CPU path: whole rows
-    # padded to the longest), chunks (its torch path on a GPU) or flash
+    # padded to the longest), chunks (its torch path on a GPU: in chunks, or whole rows where the mask fits) or flash
     keys: int  # cached + new keys of the longest row
     groups: int = 0  # the rows are candidates forked from this many committed rows, read through cascade attention
     shared: int = 0  # tokens of each group's shared prefix
@@ -41,15 +41,23 @@ def attention_bytes(a: ModelArgs, b: int, rows: int, tokens: int, k: Keys, cuda:
         return 0, out
     cascade = k.groups > 0
     own = k.keys - k.shared + FULL_BLOCK if cascade else k.keys  # a row's keys past the shared blocks
+    # Whole rows: the mask and its bias, held for the forward (on CUDA laid out for the grouped queries; on a CPU each
+    # layer repeats it per grouped query while it attends); K, V gathered; out (on CUDA copied back from its kernel's
+    # layout); the CPU kernel's lse.
+    grouped = (g if repeated else 1) * rows * tokens * own * b
+    whole = ((rows * tokens * own + grouped, 2 * rows * hkv * own * hd * b + 2 * out) if cuda else
+             (rows * tokens * own * (1 + b), 2 * rows * hkv * own * hd * b + repeated * grouped + out
+              + rows * hq * tokens * FP32))
+    chunks = rows * -(-own // CHUNK_TOKENS)
+    scores = min(SCORE_BYTES, FP32 * chunks * hq * tokens * CHUNK_TOKENS)
+    # K, V gathered and made contiguous; the fp32 scores, their exponentials; the fp32 outputs
+    chunked = (0, 4 * chunks * CHUNK_TOKENS * hkv * hd * b + scores * 5 // 2 + 2 * rows * hq * tokens * hd * FP32)
     if k.path == "rows":
-        held = rows * tokens * own * b  # the visibility bias
-        kernel = (2 * rows * hkv * own * hd * b + repeated * rows * g * tokens * own * b + out
-                  + rows * hq * tokens * FP32)  # K, V gathered; the bias repeated per grouped query; out; lse
-    else:
-        chunks = rows * -(-own // CHUNK_TOKENS)
-        scores = min(SCORE_BYTES, FP32 * chunks * hq * tokens * CHUNK_TOKENS)
-        held = 0  # K, V gathered and made contiguous; the fp32 scores, their exponentials; the fp32 outputs
-        kernel = 4 * chunks * CHUNK_TOKENS * hkv * hd * b + scores * 5 // 2 + 2 * rows * hq * tokens * hd * FP32
+        held, kernel = whole
+    elif cascade or rows * QUERY_GROUP * tokens * own * b > SCORE_BYTES:
+        held, kernel = chunked
+    else:  # whole rows or chunks, whichever reads fewer blocks (`attention.paged_layout`): the larger
+        held, kernel = max(whole, chunked, key=sum)
     if cascade:  # the shared pass, then the merge of its results with the rows' own
         shared = 2 * k.groups * hkv * k.shared * hd * b + 2 * out
         kernel = max(kernel, 2 * out + shared + 3 * rows * hq * tokens * hd * FP32)

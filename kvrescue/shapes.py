@@ -22,6 +22,9 @@ CHUNK_TOKENS = 128  # keys per unit of work of the torch paged path (whole block
 # shared tokens (engine/paged_forward.py says why); otherwise the device's CascadeCost decides.
 GROUP_CASCADE_FROM = 3584
 SCORE_BYTES = 1 << 28  # bound on the fp32 scores of one torch paged call; longer query sets are sliced
+# Query heads a KV head, at most, in the bound on a whole rows' mask off a CPU (engine/attention.paged_layout; Qwen2.5's
+# models have 6 or 7, Qwen3's and Llama 3's 8): the mask is laid out for each of a KV head's query heads.
+QUERY_GROUP = 8
 LOGITS_BYTES = 1 << 28  # bound on the fp32 logits helper-loglik's log-likelihoods hold at once
 
 

@@ -9,15 +9,15 @@ import torch.nn.functional as F
 
 import kvrescue.engine.flex as flex
 import kvrescue.engine.invariance as invariance
-from kvrescue.shapes import CHUNK_TOKENS, FLASH_BLOCK, SCORE_BYTES
+from kvrescue.shapes import CHUNK_TOKENS, FLASH_BLOCK, QUERY_GROUP, SCORE_BYTES
 
 try:
     from flash_attn import flash_attn_with_kvcache
 except ImportError:
     flash_attn_with_kvcache = None
 
-# A CPU forward reads each row's blocks padded to the longest row's (one fused attention per layer, a few torch calls
-# instead of the chunks' ~30) when that reads at most this many times the chunks' blocks.
+# A forward on the torch path reads each row's blocks padded to the longest row's (one fused attention per layer, a few
+# torch calls instead of the chunks' ~30) when that reads at most this many times the chunks' blocks.
 ROWS_PADDING = 1.5
 
 
@@ -58,17 +58,11 @@ def attend_padded(
     return attend_masked(q, k, v, padded_visibility(kv_lengths, new_lengths, q.shape[2], k.shape[2]))
 
 
-def _grouped(q: torch.Tensor, mask: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """GQA without repeating K/V: the g query heads sharing KV head j (heads j*g .. j*g+g-1, as in Hugging Face's
-    repeat_kv) become g*T query rows of one attention over head j. Returns those queries [R, Hkv, g*T, D] and
-    the mask of q [R, Hq, T, D]'s keys, [R, T, L] or [R, 1, L] (alike for every query), or [R, Hkv, T or 1, L] (each
-    KV head its own), repeated for them [R, 1 or Hkv, g*T, L] (a view of the latter, with stride 0 over the queries)."""
-    R, Hq, T, D = q.shape
-    return q.reshape(R, kv_heads, Hq // kv_heads * T, D), _grouped_mask(mask, q.shape, kv_heads)
-
-
 def _grouped_mask(mask: torch.Tensor, q_shape: torch.Size | tuple[int, ...], kv_heads: int) -> torch.Tensor:
-    """`_grouped`'s mask for queries of shape q_shape [R, Hq, T, D]."""
+    """GQA without repeating K/V: the g query heads sharing KV head j (heads j*g .. j*g+g-1, as in Hugging Face's
+    repeat_kv) become g*T query rows of one attention over head j (q [R, Hq, T, D] as [R, Hkv, g*T, D]). Returns the
+    mask of q's keys, [R, T, L] or [R, 1, L] (alike for every query), or [R, Hkv, T or 1, L] (each KV head its own),
+    repeated for those rows: [R, 1 or Hkv, g*T, L]."""
     R, Hq, T, _ = q_shape
     g, L = Hq // kv_heads, mask.shape[-1]
     per_head = mask if mask.dim() == 4 else mask[:, None]
@@ -78,17 +72,21 @@ def _grouped_mask(mask: torch.Tensor, q_shape: torch.Size | tuple[int, ...], kv_
 
 class Visibility:
     """A mask of `attend_masked` built once per forward and read by every layer, laid out for the queries (SDPA's
-    additive bias over the grouped queries, `_grouped`, or with batch invariance on `invariance.attend_tokens`')
+    additive bias over the grouped queries, `_grouped_mask`, or with batch invariance on `invariance.attend_tokens`')
     by the first layer that reads it, for all of them (their queries alike in shape and dtype)."""
 
-    def __init__(self, visible: torch.Tensor) -> None:
-        self.visible = visible
+    def __init__(self, visible: torch.Tensor, grouped: bool = True) -> None:
+        """`grouped`: the bias laid out for the grouped queries (held for the forward: g times the mask where each
+        query has its own row); else the mask's own bias, which each layer lays out for its queries
+        (`attend_biased` on a CPU: a copy while the layer attends)."""
+        self.visible, self.grouped = visible, grouped
         self.bias: torch.Tensor | None = None
 
     def bias_for(self, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-        if self.bias is None:
-            mask = self.visible if invariance.active(q) else _grouped_mask(self.visible, q.shape, kv_heads)
-            self.bias = visibility_bias(mask, q.dtype)
+        if self.bias is None:  # the bias of the mask, then laid out (a view where one row of it serves every query)
+            bias = visibility_bias(self.visible, q.dtype)
+            grouped = self.grouped and not invariance.active(q)
+            self.bias = _grouped_mask(bias, q.shape, kv_heads) if grouped else bias
         return self.bias
 
 
@@ -107,18 +105,22 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def visibility_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask of `attend_biased`: 0 where `visible`, else -inf."""
+    """The additive mask of SDPA: 0 where `visible`, else -inf."""
     return torch.full(visible.shape, float("-inf"), dtype=dtype, device=visible.device).masked_fill_(visible, 0.0)
 
 
 def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend_masked` on CPU tensors, the mask given as `visibility_bias` [R, T or 1, L] in q's dtype, with the
-    log-sum-exp [R, Hq, T] (fp32) of each query's scaled scores: SDPA's CPU flash kernel, which computes it anyway.
-    With batch invariance on (L whole KEY_GRANULE blocks), each query token as a decode step."""
+                  visible: Visibility) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`attend_masked`, with the log-sum-exp [R, Hq, T] (fp32) of each query's scaled scores on a CPU: SDPA's CPU
+    flash kernel, which computes it anyway (elsewhere None: SDPA's kernels there do not return it). With batch
+    invariance on (L whole KEY_GRANULE blocks), each query token as a decode step."""
+    if not q.is_cpu:
+        return attend_masked(q, k, v, visible), None
+    bias = visible.bias_for(q, k.shape[1])
     if invariance.active(q):
         return invariance.attend_tokens(q, k, v, bias)
-    qg, grouped = _grouped(q, bias, k.shape[1])
+    qg = q.reshape(q.shape[0], k.shape[1], -1, q.shape[3])
+    grouped = bias if visible.grouped else _grouped_mask(bias, q.shape, k.shape[1])
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, attn_mask=grouped)
     return out.reshape(q.shape), lse.reshape(q.shape[:3])
 
@@ -127,7 +129,7 @@ def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class PagedKeys:
     """Where S sequences' keys lie in pool blocks, for `attend_paged`; built once per forward (`paged_keys`)
     and read by every layer. flash-attn reads `table` in place, FlexAttention through `flex`; the torch path reads
-    chunks of whole blocks, or on a CPU each row's blocks padded to the longest row's (`bias` set, `owner` None)."""
+    chunks of whole blocks, or each row's blocks padded to the longest row's (`visible` set, `owner` None)."""
 
     table: torch.Tensor  # [S, W] sequence s's key j is in block table[s, j // block_size] (past its keys: any id)
     cached: torch.Tensor  # [S] cached keys of each sequence
@@ -135,31 +137,33 @@ class PagedKeys:
     blocks: torch.Tensor | None = None  # torch path: the blocks of every chunk read, chunk after chunk; None: flash
     owner: torch.Tensor | None = None  # [P] the sequence of each chunk
     hidden: torch.Tensor | None = None  # [P, T, L] key l of chunk p is invisible to query t of its sequence
-    bias: torch.Tensor | None = None  # whole rows: [S, T or 1, L] 0 where key l of sequence s is visible to query t
+    visible: Visibility | None = None  # whole rows: [S, T or 1, L] key l of sequence s visible to query t
     flex: "flex.PagedSteps | None" = None  # FlexAttention's block mask: one query a sequence, read in place
 
 
-def _flex_serves(k_pool: torch.Tensor, queries: int, causal: bool) -> bool:
-    """Whether FlexAttention reads the keys in place (decode steps: one causal query a sequence)."""
-    flash = use_flash(k_pool) and k_pool.shape[1] % FLASH_BLOCK == 0
-    return queries == 1 and causal and not flash and flex.serves(k_pool)
+def reader(k_pool: torch.Tensor, queries: int, causal: bool) -> str:
+    """The kernel that reads keys in pools like `k_pool`: "flash" (flash-attn's paged kernel: FLASH_BLOCK-token
+    blocks), "flex" (FlexAttention in place: decode steps, one causal query a sequence, `flex.serves`), else "torch"."""
+    if use_flash(k_pool) and k_pool.shape[1] % FLASH_BLOCK == 0:
+        return "flash"
+    return "flex" if queries == 1 and causal and flex.serves(k_pool) else "torch"
 
 
 def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, queries: int,
-                 causal: bool, rows_padding: float = ROWS_PADDING) -> dict[str, np.ndarray]:
+                 causal: bool, rows_padding: float = ROWS_PADDING, merged: bool = False) -> dict[str, np.ndarray]:
     """The host half of `paged_keys`: where S sequences' keys lie, from host arrays (table [S, W] of block ids,
     cached [S]); for the torch path also the blocks it reads: the chunks of whole blocks of each sequence (owner
-    and index of every chunk, and its blocks), or on a CPU, when it costs at most `rows_padding` times the chunks'
-    reads, every sequence's blocks padded to the longest's (with batch invariance on, always, to whole
-    KEY_GRANULE blocks: block ids past a table's end are 0). One causal query a sequence where FlexAttention serves
-    (`flex.serves`): the table alone, read in place. Send the arrays to the device (`transfer.upload_all`)
+    and index of every chunk, and its blocks), or, when it costs at most `rows_padding` times the chunks' reads,
+    every sequence's blocks padded to the longest's: one SDPA, its mask laid out once per forward (off a CPU only
+    where that mask fits SCORE_BYTES, the results are not `merged` by their log-sum-exp, which SDPA's kernels there do
+    not return, and batch invariance is off: the padding follows the batch). With batch invariance on a CPU, always
+    whole rows, to whole KEY_GRANULE blocks (block ids past a table's end are 0). Where flash-attn or FlexAttention
+    reads the keys (`reader`): the table alone, read in place. Send the arrays to the device (`transfer.upload_all`)
     and build the keys there with `paged_keys`: nothing waits for the device."""
     layout = {"table": table, "cached": cached}
+    if reader(k_pool, queries, causal) != "torch":
+        return layout
     block_size = k_pool.shape[1]
-    if use_flash(k_pool) and block_size % FLASH_BLOCK == 0:
-        return layout
-    if _flex_serves(k_pool, queries, causal):
-        return layout
     per_chunk = max(1, CHUNK_TOKENS // block_size)
     n_chunks = -(-(cached + queries * causal) // (per_chunk * block_size))
     width = int((-(-(cached + queries * causal) // block_size)).max())
@@ -168,7 +172,9 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
         whole = np.zeros((table.shape[0], width), table.dtype)
         whole[:, : min(width, table.shape[1])] = table[:, :width]
         return {**layout, "blocks": whole.ravel()}
-    if k_pool.device.type == "cpu" and len(cached) * width <= rows_padding * n_chunks.sum() * per_chunk:
+    mask_bytes = len(cached) * QUERY_GROUP * (queries if causal else 1) * width * block_size * k_pool.element_size()
+    masked = k_pool.is_cpu or (not merged and not invariance.on() and mask_bytes <= SCORE_BYTES)
+    if masked and len(cached) * width <= rows_padding * n_chunks.sum() * per_chunk:
         return {**layout, "blocks": table[:, :width].ravel()}
     width = -(-table.shape[1] // per_chunk) * per_chunk
     chunks = np.zeros((table.shape[0], width), table.dtype)  # the table padded to whole chunks
@@ -185,7 +191,7 @@ def paged_keys(k_pool: torch.Tensor, layout: dict[str, torch.Tensor], queries: i
     own). Not causal: every query sees keys 0..cached[s] - 1. flash-attn serves FLASH_BLOCK-token blocks;
     other sizes take the torch path; FlexAttention, where `paged_layout` chose it, reads the table in place."""
     table, cached = layout["table"], layout["cached"]
-    if _flex_serves(k_pool, queries, causal):
+    if reader(k_pool, queries, causal) == "flex":
         return PagedKeys(table, cached, causal, flex=flex.PagedSteps(table, cached, k_pool.shape[0], k_pool.shape[1]))
     if "blocks" not in layout:
         return PagedKeys(table, cached, causal)
@@ -196,7 +202,8 @@ def paged_keys(k_pool: torch.Tensor, layout: dict[str, torch.Tensor], queries: i
             visible = position[None, None, :] <= horizon[:, :, None]
         else:
             visible = (position[None, :] < cached[:, None])[:, None, :]  # alike for every query
-        return PagedKeys(table, cached, causal, layout["blocks"], bias=visibility_bias(visible, k_pool.dtype))
+        # On a CPU each layer lays the bias out for its queries: a copy held only while it attends, not the forward
+        return PagedKeys(table, cached, causal, layout["blocks"], visible=Visibility(visible, not k_pool.is_cpu))
     owner, index = layout["owner"], layout["index"]
     L = max(1, CHUNK_TOKENS // k_pool.shape[1]) * k_pool.shape[1]
     position = index[:, None] * L + torch.arange(L, device=table.device)  # [P, L]
@@ -225,10 +232,10 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         return out.transpose(1, 2), lse
     S, Hq, T, D = q.shape
     Hkv = k_pool.shape[2]
-    P, L = (S, keys.bias.shape[2]) if keys.owner is None else (keys.hidden.shape[0], keys.hidden.shape[2])
+    P, L = (S, keys.visible.visible.shape[2]) if keys.owner is None else (keys.hidden.shape[0], keys.hidden.shape[2])
     k, v = (pool.index_select(0, keys.blocks).view(P, L, Hkv, D).transpose(1, 2) for pool in (k_pool, v_pool))
-    if keys.owner is None:  # SDPA's CPU flash kernel reads the strided heads as they are
-        return attend_biased(q, k, v, keys.bias)
+    if keys.owner is None:  # SDPA reads the strided heads as they are
+        return attend_biased(q, k, v, keys.visible)
     # Head-major copies [P, Hkv, L, D]: one batched matmul over all KV heads reads them contiguously.
     k, v = k.contiguous(), v.contiguous()
     # GQA: the g query heads of KV head j (heads j*g .. j*g+g-1) attend together over head j.

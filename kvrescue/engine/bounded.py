@@ -38,6 +38,7 @@ class _BoundedForward:
     write_slots: torch.Tensor    # [N] slot of each valid new token
     write_pos: torch.Tensor      # [N] its physical index
     valid: torch.Tensor          # [N] its flat index (row * T + t) among the forward's padded tokens
+    window: torch.Tensor | None  # [R, 1, OBSERVATION_WINDOW, 1] where the new ring lies in (old ring ++ new queries)
     visible: Visibility          # [R, T, length] the keys each new token attends to (`padded_visibility`)
     held: torch.Tensor | None    # [R, layers, Hkv] (an allocating evictor) entries each kept at its last compression
     base: torch.Tensor | None    # [R] its physical length then; the entries between are holes (`hole_free`)
@@ -248,6 +249,8 @@ class BoundedCache(KVCache):
         # The host knows every row's lengths and slot: one copy to the device, which nothing here waits for.
         host = {"slots": slots, "kv_lengths": physical, "new_lengths": new, "write_slots": slots[row],
                 "write_pos": physical[row] + step, "valid": np.flatnonzero(valid), "positions": logical[:, None] + t}
+        if len(t) > 1:  # several tokens a row: the ring's new place (one token: the ring shifts by one, `store_token`)
+            host["window"] = (new[:, None] + np.arange(OBSERVATION_WINDOW))[:, None, :, None]
         if self.evictor.allocates:
             host |= {"held": self.row_held[rows], "base": self.row_base[rows]}
         dev = upload_all(host, self.k.device)
@@ -261,6 +264,7 @@ class BoundedCache(KVCache):
             write_slots=dev["write_slots"],
             write_pos=dev["write_pos"],
             valid=dev["valid"],
+            window=dev.get("window"),
             visible=Visibility(padded_visibility(dev["kv_lengths"], dev["new_lengths"], len(t), need)),
             held=dev.get("held"),
             base=dev.get("base"),
@@ -280,14 +284,16 @@ class BoundedCache(KVCache):
                               self.q.shape[2] // self.k.shape[2], dev.get("base"))
 
     def store_token(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor) -> None:
+                    k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token per row: its k/v [R, Hkv, 1, D] at physical `positions` of pool `slots`, and its
         query [R, Hq, 1, D] pushed into the row's window ring (the oldest drops out). The one-token step of
-        both decodes, the dynamic one here and the static (CUDA-graph) one in `graphs`."""
+        both decodes, the dynamic one here and the static (CUDA-graph) one in `graphs`. Returns the layer's K and V
+        pools, which its attention reads."""
         kp, vp, qp = self.k[layer], self.v[layer], self.q[layer]
         kp[slots, :, positions] = k[:, :, 0]
         vp[slots, :, positions] = v[:, :, 0]
         qp[slots] = torch.cat([qp[slots][:, :, 1:], q], dim=2)
+        return kp, vp
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         f = self.fwd
@@ -299,8 +305,7 @@ class BoundedCache(KVCache):
             vp[f.write_slots, :, f.write_pos] = v.transpose(1, 2).flatten(0, 1).index_select(0, f.valid)
             # the ring keeps the last OBSERVATION_WINDOW queries: positions n .. n+W-1 of (ring ++ new queries)
             joined = torch.cat([qp[f.slots], q], dim=2)
-            idx = (f.new_lengths[:, None] + torch.arange(OBSERVATION_WINDOW, device=q.device))[:, None, :, None]
-            qp[f.slots] = joined.gather(2, idx.expand(-1, q.shape[1], -1, q.shape[3]))
+            qp[f.slots] = joined.gather(2, f.window.expand(-1, q.shape[1], -1, q.shape[3]))
         if f.in_place is not None:
             return f.in_place.attend(q, kp, vp, None if f.held is None else f.held[:, layer])
         keys = kp[f.slots, :, : f.length]

@@ -12,7 +12,7 @@ import torch
 
 import kvrescue.engine.invariance as invariance
 from kvrescue.engine.attention import (FLASH_BLOCK, ROWS_PADDING, Visibility, attend_masked, attend_paged,
-                                       merge_partials, padded_visibility, paged_keys, use_flash)
+                                       merge_partials, padded_visibility, paged_keys, reader, use_flash)
 from kvrescue.engine.block_table import BlockTable
 from kvrescue.engine.paged_forward import (Groups, PagedForward, SharedPrefixes, cascading, filled_blocks,
                                            forward_arrays, slot_copies)
@@ -99,8 +99,8 @@ class FullCache(KVCache):
     `shapes.ALWAYS_CASCADE`: whenever rows share a block; None: never, even with batch invariance on; "device": the
     device kind's, `shapes.cascade_cost_on`); with batch invariance on, each group cascades alone when its rows would
     re-read `group_cascade_from`.
-    `rows_padding`: on a CPU, rows are read whole, padded to the longest, when that reads at most this many times
-    the blocks of the chunks (0: always in chunks; inf: always whole).
+    `rows_padding`: on the torch path, rows are read whole, padded to the longest, when that reads at most this many
+    times the blocks of the chunks (0: always in chunks; inf: always whole; off a CPU only where `paged_layout` allows).
     """
 
     def __init__(
@@ -204,10 +204,12 @@ class FullCache(KVCache):
             raise RuntimeError(f"FullCache: rows {sorted(self.reserved)} reserved tokens the forward does not append")
         filled = filled_blocks(self.block_table, rows_np[held], lengths[held], n_np[held])
         cow_src, cow_dst = self.block_table.append(rows_np[~held], n_np[~held])
-        groups = self._cascading(rows_np, lengths, int(n_np.max()))
-        host = forward_arrays(self.block_table, self.k[0], rows_np, lengths, n_np, groups, self.rows_padding)
-        # No row holds keys yet (torch path; batch invariance keeps the paged read): attention over the new keys.
-        fresh = not lengths.any() and "own.blocks" in host and not invariance.on()
+        T = int(n_np.max())
+        groups = self._cascading(rows_np, lengths, T)
+        # No row holds keys yet (torch path; batch invariance keeps the paged read): attention over the new keys alone,
+        # no paged layout of the rows.
+        fresh = not lengths.any() and not invariance.on() and reader(self.k[0], T, True) == "torch"
+        host = forward_arrays(self.block_table, self.k[0], rows_np, lengths, n_np, groups, self.rows_padding, not fresh)
         if fresh:
             host["new_lengths"] = n_np
         later = np.isin(cow_src, filled)  # their sources are filled in this forward: copied layer by layer
@@ -217,7 +219,6 @@ class FullCache(KVCache):
                                                              cow_src[later], cow_dst[later])
         dev = upload_all(host, self.k.device)  # the forward's one copy; nothing here waits for the device
         self._copy_blocks(dev["cow_src"], dev["cow_dst"])
-        T = int(n_np.max())
         pick = lambda prefix: {k[len(prefix):]: v for k, v in dev.items() if k.startswith(prefix)}  # noqa: E731
         shared = None
         if groups is not None:
@@ -225,8 +226,8 @@ class FullCache(KVCache):
             shared = SharedPrefixes(paged_keys(self.k[0], pick("shared."), members.shape[1] * T, causal=False),
                                     members, dev["grouped_rows"], dev["grouped_slots"])
         copies = (dev["copy_from"], dev["copy_to"]) if "copy_from" in dev else None
-        self.fwd = PagedForward(paged_keys(self.k[0], pick("own."), T, causal=True), dev["slots"], dev.get("valid"),
-                                shared, copies)
+        own = None if fresh else paged_keys(self.k[0], pick("own."), T, causal=True)
+        self.fwd = PagedForward(own, dev["slots"], dev.get("valid"), shared, copies)
         if fresh:
             new = dev["new_lengths"]
             self.fwd.fresh = Visibility(padded_visibility(torch.zeros_like(new), new, T, T))
@@ -288,7 +289,7 @@ class FullCache(KVCache):
         heads_dim = self.k.shape[3:]
         pools = self.k[layer], self.v[layer]
         for new, pool in zip((k, v), pools):
-            new = new.transpose(1, 2).reshape(R * T, *heads_dim)
+            new = (new if T == 1 else new.transpose(1, 2)).reshape(R * T, *heads_dim)  # one token a row: [R, Hkv, D]
             if valid is not None:
                 new = new.index_select(0, valid)
             pool.view(-1, *heads_dim).index_copy_(0, slots, new)

@@ -86,8 +86,7 @@ class _StaticView:
             self.padded = Visibility(padded_visibility(self.lengths, torch.ones_like(self.lengths), 1, span))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.store_token(layer, self.slots, self.lengths, q, k, v)
-        kp, vp = self.cache.k[layer], self.cache.v[layer]
+        kp, vp = self.cache.store_token(layer, self.slots, self.lengths, q, k, v)
         if self.cache.received is not None:  # H2O: the step's query against the span's keys, once more
             visible = (torch.arange(self.span, device=q.device) <= self.lengths[:, None])[:, None]
             self.cache.receive(layer, self.slots, q, kp[self.slots, :, : self.span], visible, self.lengths)

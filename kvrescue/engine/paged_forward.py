@@ -49,7 +49,7 @@ class Groups:
 class PagedForward:
     """Metadata of the forward in progress, computed once in `begin` and read by every layer."""
 
-    own: PagedKeys  # each row's blocks past its group's shared prefix (all of them if ungrouped)
+    own: PagedKeys | None  # each row's blocks past its group's shared prefix (all of them if ungrouped); None: fresh
     slots: torch.Tensor  # [N] flat slot (block * block_size + offset) of each valid new token
     valid: torch.Tensor | None  # [N] flat (row * T + t) index of each valid new token; None when all are
     shared: SharedPrefixes | None  # None without cascade or when no two rows share a block
@@ -78,17 +78,16 @@ def slot_copies(block_table: BlockTable, rows: np.ndarray, lengths: np.ndarray, 
 
 
 def forward_arrays(block_table: BlockTable, k_pool: torch.Tensor, rows: np.ndarray, lengths: np.ndarray,
-                   n_new: np.ndarray, groups: Groups | None, rows_padding: float) -> dict[str, np.ndarray]:
+                   n_new: np.ndarray, groups: Groups | None, rows_padding: float,
+                   paged: bool = True) -> dict[str, np.ndarray]:
     """A forward's metadata, on the host: positions, the valid new tokens' slots, and the paged layouts of
-    each row's own blocks and of the groups' shared prefixes (in pools like `k_pool`, one layer's)."""
+    each row's own blocks (unless not `paged`: its rows attend over their new keys alone) and of the groups' shared
+    prefixes (in pools like `k_pool`, one layer's)."""
     bs, T = block_table.block_size, int(n_new.max())
     skipped = np.zeros(len(rows), np.int64)  # shared blocks each row reads through its group
     if groups is not None:
         skipped[groups.rows] = np.repeat(groups.shared, groups.sizes)
     table = block_table.table[rows, : int((-(-(lengths + n_new) // bs)).max())]
-    # Own blocks cover the padded queries' keys too (cached + T): a paged kernel may read that far.
-    own = skipped[:, None] + np.arange(int((-(-(lengths + T) // bs) - skipped).max()))
-    own_table = np.take_along_axis(table, np.minimum(own, table.shape[1] - 1), 1)
     positions = lengths[:, None] + np.arange(T)
     valid = np.arange(T)[None, :] < n_new[:, None]
     row, _ = np.nonzero(valid)
@@ -96,8 +95,11 @@ def forward_arrays(block_table: BlockTable, k_pool: torch.Tensor, rows: np.ndarr
     host = {"positions": positions, "slots": table[row, pos // bs] * bs + pos % bs}
     if n_new.min() < T:
         host["valid"] = np.flatnonzero(valid)
-    own_layout = paged_layout(k_pool, own_table, lengths - skipped * bs, T, True, rows_padding)
-    host.update(("own." + k, v) for k, v in own_layout.items())
+    if paged:  # own blocks cover the padded queries' keys too (cached + T): a paged kernel may read that far
+        own = skipped[:, None] + np.arange(int((-(-(lengths + T) // bs) - skipped).max()))
+        own_table = np.take_along_axis(table, np.minimum(own, table.shape[1] - 1), 1)
+        own_layout = paged_layout(k_pool, own_table, lengths - skipped * bs, T, True, rows_padding, groups is not None)
+        host.update(("own." + k, v) for k, v in own_layout.items())
     if groups is not None:
         n = int(groups.sizes.max())
         starts = np.cumsum(groups.sizes) - groups.sizes
@@ -106,7 +108,7 @@ def forward_arrays(block_table: BlockTable, k_pool: torch.Tensor, rows: np.ndarr
         members = np.repeat(groups.rows[starts], n).reshape(-1, n)  # padded with each group's first row
         members[group, member] = groups.rows
         layout = paged_layout(k_pool, block_table.table[rows[groups.rows[starts]], : int(groups.shared.max())],
-                              groups.shared * bs, n * T, False, rows_padding)
+                              groups.shared * bs, n * T, False, rows_padding, merged=True)
         host.update(("shared." + k, v) for k, v in layout.items())
         host["members"] = members
         host["grouped_rows"] = groups.rows

@@ -4,12 +4,17 @@ the torch path reading chunks or whole rows;
 and the flash-attn call (block tables, lengths, causal alignment, log-sum-exp) against a plain-torch
 implementation of flash_attn_with_kvcache's documented semantics."""
 
+from collections import Counter
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvrescue.engine import attention, caches
 from kvrescue.engine.caches import FullCache
 from kvrescue.shapes import ALWAYS_CASCADE, CASCADE_COSTS, CascadeCost
+from tests import cuda_layouts
 from tests.gather_reference import exact_attend, gather_attend
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
@@ -101,7 +106,7 @@ def test_attend_biased_gives_the_log_sum_exp_of_the_visible_scores(dtype, querie
     q, k, v = torch.randn(4, 6, 5, D, generator=g), torch.randn(4, 2, 11, D, generator=g), torch.randn(4, 2, 11, D, generator=g)
     visible = torch.rand(4, queries, 11, generator=g) > 0.4
     visible[:, :, 3] = True
-    out, lse = attention.attend_biased(q.to(dtype), k.to(dtype), v.to(dtype), attention.visibility_bias(visible, dtype))
+    out, lse = attention.attend_biased(q.to(dtype), k.to(dtype), v.to(dtype), attention.Visibility(visible))
     scores = (q.double() @ k.double().repeat_interleave(3, 1).transpose(2, 3)) * D**-0.5
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     tol = TOL if dtype == torch.float32 else 0.05
@@ -220,3 +225,49 @@ def test_on_cuda_the_cost_model_reads_paged_where_an_h200_measured_cascade_slowe
         for shared in ([1024 + 128 * i for i in range(8)], [1504] * 8, [2048] * 8):
             assert not cascades(8, shared, torch.bfloat16, "cuda:0"), shared
         assert cascades(8, [1504] * 8, torch.bfloat16, "cuda:0", ALWAYS_CASCADE)
+
+
+class Ops(TorchDispatchMode):
+    """The aten ops dispatched, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["whole rows", "cascade", "mask over SCORE_BYTES", "batch invariance"])
+def test_on_cuda_a_forward_over_cached_keys_reads_whole_rows_in_one_sdpa(case, monkeypatch) -> None:
+    """A forward of several tokens a row over cached keys on CUDA (a PRM's scoring, a helper's commit; fake CUDA: the
+    choice and the dispatch are the host's), at the 7B's heads in bf16: each row's blocks padded to the longest, one
+    SDPA, its mask laid out by the first layer; a later layer dispatches 32 ops, the chunked softmax 100 (issue 40's
+    proxy). Chunks where cascade merges the results by their log-sum-exp (SDPA's CUDA kernels return none) or where the
+    mask would pass SCORE_BYTES, or with batch invariance on (`--deterministic` keeps its path)."""
+    from kvrescue_testkit.fake_cuda import FakeCuda
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_layouts.TORCH_SDPA)  # FakeCuda chooses CUDA's kernel
+    if case == "mask over SCORE_BYTES":
+        monkeypatch.setattr(attention, "SCORE_BYTES", 1 << 16)
+    monkeypatch.setattr(attention.invariance, "_on", [case == "batch invariance"])
+    with Ops() as counted, FakeCuda():
+        cache = FullCache(2, 4, 128, 256, max_rows=40, block_size=16, dtype=torch.bfloat16, device="cuda:0",
+                          cascade=ALWAYS_CASCADE if case == "cascade" else "device")
+        parents = [cache.create() for _ in range(2)]
+        cache.begin(parents, [40, 30])
+        cache.end()
+        cache.begin(cache.fork_each(parents, 8), [9] * 16)
+        q, k, v = (torch.zeros(16, heads, 9, 128, dtype=torch.bfloat16, device="cuda:0") for heads in (28, 4, 4))
+        cache.attend(0, q, k, v)
+        counted.ops.clear()
+        out = cache.attend(1, q, k, v)
+        own = cache.fwd.own
+        cache.end()
+    assert out.shape == q.shape
+    if case == "whole rows":
+        assert own.owner is None and sum(n for op, n in counted.ops.items() if "scaled_dot_product" in op) == 1
+        assert sum(counted.ops.values()) <= 32 and not counted.ops["bmm"], counted.ops
+    else:
+        assert own.owner is not None

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache
@@ -323,6 +324,37 @@ def test_query_ring_holds_the_last_eight_queries(net):
         for layer, qs in history.items():
             expected = torch.cat(qs, dim=1)[:, -8:]
             assert torch.equal(cache.q[layer, slot, :, -expected.shape[1]:], expected)
+
+
+class Aranges(TorchDispatchMode):
+    """How many `arange`s were dispatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aranges = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.aranges += func.overloadpacket == torch.ops.aten.arange
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_query_rings_new_place_is_worked_out_once_a_forward(net):
+    """Where each row's query ring lies after a forward of several tokens a row (ragged) is worked out on the host,
+    once: no layer dispatches an `arange` (each built the ring's index before); the rings hold the last eight
+    queries (test above)."""
+    cache = BoundedCache.for_model(net, budget=16)
+    rows = [cache.create() for _ in range(2)]
+    attend, aranges = cache.attend, []
+
+    def counted(layer, q, k, v):
+        with Aranges() as mode:
+            out = attend(layer, q, k, v)
+        aranges.append(mode.aranges)
+        return out
+
+    cache.attend = counted
+    Driver(net, cache).append(rows, [prompt(5, seed=1), prompt(3, seed=2)])
+    assert aranges == [0] * net.args.n_layers
 
 
 def test_logical_positions_survive_compression(net):

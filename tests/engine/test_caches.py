@@ -274,6 +274,54 @@ def test_a_first_prefill_attends_over_its_new_keys_without_reading_the_pools(row
     assert reads.gathers == 0 and reads.ops <= 21  # 17 (21 in CUDA's kernel layouts); the paged path took 32 or 72
 
 
+def test_a_first_prefill_neither_lays_out_nor_uploads_a_paged_read(monkeypatch) -> None:
+    """A forward whose rows hold no keys yet has no paged layout of its rows (it would not read it): none computed,
+    none sent to the device; a forward over cached keys has one."""
+    from kvrescue.engine import caches
+
+    uploaded = []
+
+    def upload_all(arrays, device, upload_all=caches.upload_all):
+        uploaded.append(set(arrays))
+        return upload_all(arrays, device)
+
+    monkeypatch.setattr(caches, "upload_all", upload_all)
+    cache = FullCache(2, 2, 8, 64, max_rows=4, block_size=4)
+    rows = [cache.create() for _ in range(2)]
+    cache.begin(rows, [9, 4])
+    assert cache.fwd.own is None and not any(name.startswith("own.") for name in uploaded[-1])
+    cache.end()
+    cache.begin(rows, [2, 2])
+    assert cache.fwd.own is not None and "own.table" in uploaded[-1]
+    cache.end()
+
+
+class Transposes(TorchDispatchMode):
+    """How many `transpose`s were dispatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transposes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.transposes += func.overloadpacket == torch.ops.aten.transpose
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_one_token_store_writes_its_keys_without_a_transpose() -> None:
+    """One new token a row (a decode step, dynamic or static) is stored as it lies, [R, Hkv, D]: no transpose of
+    its k or v; each lands in its slot."""
+    g = torch.Generator().manual_seed(6)
+    cache = FullCache(2, 2, 8, 64, max_rows=4, block_size=4)
+    k, v = torch.randn(2, 3, 2, 1, 8, generator=g)
+    slots = torch.tensor([5, 17, 30])
+    with Transposes() as counted:
+        cache.store_at(1, slots, k, v)
+    assert counted.transposes == 0
+    for pool, new in ((cache.k, k), (cache.v, v)):
+        assert torch.equal(pool[1].flatten(0, 1)[slots], new[:, :, 0])
+
+
 def test_a_layer_takes_its_pools_out_once_for_its_store_and_its_attention() -> None:
     """A forward's layer (rows holding keys, with a fork's copy of a block filled in the same forward) selects its
     K and V pools once each: the store, the copies and the paged attention read the same two views."""

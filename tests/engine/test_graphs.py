@@ -342,3 +342,43 @@ def test_a_steps_attention_mask_is_laid_out_once_for_all_layers(qwen2_dir, kind,
         net.decode(tokens, cache, rows) if kind == "bounded dynamic" else step(rows, tokens)
     assert len(layers) == net.args.n_layers > 1
     assert layers[0] > layers[1] and len(set(layers[1:])) == 1, layers
+
+
+class Selects(TorchDispatchMode):
+    """How many `select`s were dispatched (a layer's pools taken out of all layers')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.selects = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.selects += func == torch.ops.aten.select.int
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_bounded_static_steps_layer_takes_its_pools_out_once(qwen2_dir, monkeypatch):
+    """A layer of the bounded cache's static step selects its K, V and query pools once each (the store hands the
+    K and V pools on to the attention, which took them out again before) and the new token's k and v: 5 selects,
+    not 7; the step still equals the dynamic decode."""
+    from kvrescue.engine import graphs
+
+    net = load_model(qwen2_dir).net
+    caches = [BoundedCache.for_model(net, budget=16, evictor="rkv", max_append=40, rows=4) for _ in range(2)]
+    rows = [[cache.create() for _ in range(3)] for cache in caches]
+    for cache, its in zip(caches, rows):
+        net.prefill(torch.arange(30).view(3, 10) % net.args.vocab_size, cache, its, [10, 7, 4])
+    layers = []
+
+    def attend(self, layer, q, k, v, attend=graphs._StaticView.attend):
+        with Selects() as counted:
+            out = attend(self, layer, q, k, v)
+        layers.append(counted.selects)
+        return out
+
+    monkeypatch.setattr(graphs._StaticView, "attend", attend)
+    tokens = torch.tensor([1, 2, 3])
+    got = StaticDecode(net, caches[0], graphs=True)(rows[0], tokens)
+    with torch.inference_mode():
+        want = net.decode(tokens, caches[1], rows[1])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert layers == [5] * net.args.n_layers
