@@ -2,6 +2,7 @@
 the PRM on vLLM, the evicted base on this engine; same folders and traces, the engine in config.json; one-line
 errors."""
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,17 @@ from tests.helpers import PAIRS, kvrescue_run, read_folder, refusal_line, tiny_p
 pytestmark = pytest.mark.vllm
 SMALL = ["--max-step-tokens", "24", "--max-steps", "6", "--context-cap", "320", "--budget", "16", "--n", "2",
          "--device", "cpu", "--batch", "2", "--dtype", "float32", "--vllm-memory", "0.02"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eager_vllm():
+    """The runs' vLLM engines start eager, as tests/conftest.py's do: on a CPU each start otherwise spends ~17 s
+    tracing the model with Dynamo (the same forward, compiled), six starts in this file."""
+    import vllm
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vllm, "LLM", partial(vllm.LLM, enforce_eager=True))
+        yield
 
 
 @pytest.fixture(scope="module")
