@@ -30,7 +30,7 @@ downloaded). Sections, in this order:
   vs `generate` with `ignore_eos`, 64 new tokens) and PRM candidates scored per second (PRMScorer vs
   VLLMPRMScorer, 4 problems x 4 steps x 8 candidates), each with engine / vLLM. vLLM gets VLLM_MEMORY of
   the device; it runs in a child process (`--vllm-child`). Where vLLM is not importable every record
-  says so (skipped, with the install hint).
+  says so (skipped, with the install hint). With `--tiny` vLLM's engines start eager (no compiled graphs).
 - `numerics`: the caches' attention paths against a reference computed another way (`gpu_check_numerics`): the full
   cache's paged attention and its cascade against a plain causal forward of the same sequences (flash-attn's paged
   kernel where it is installed), and the bounded cache's static step (CUDA graphs on a GPU) through a compression

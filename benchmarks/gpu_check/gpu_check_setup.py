@@ -20,10 +20,12 @@ TINY_VLLM = dict(TINY, num_attention_heads=2, num_key_value_heads=1)
 
 FULL = dict(rows=(64, 256, 512), budgets=(64, 512), contexts=(1024, 4096), steps=32, problems=64, n=8, batch=8,
             budget=64, synthetic=(32, 6), logit_tokens=256,
-            vllm_batches=(1, 8, 32), vllm_new_tokens=64, vllm_repeats=2, vllm_prm=(4, 4, 8), vllm_kv_mib=512)
+            vllm_batches=(1, 8, 32), vllm_new_tokens=64, vllm_repeats=2, vllm_prm=(4, 4, 8), vllm_kv_mib=512,
+            vllm_eager=False)
 SMALL = dict(rows=(4, 8), budgets=(16,), contexts=(64, 160), steps=4, problems=4, n=2, batch=2,
              budget=16, synthetic=(4, 2), logit_tokens=24,
-             vllm_batches=(1, 8, 32), vllm_new_tokens=8, vllm_repeats=1, vllm_prm=(2, 2, 2), vllm_kv_mib=64)
+             vllm_batches=(1, 8, 32), vllm_new_tokens=8, vllm_repeats=1, vllm_prm=(2, 2, 2), vllm_kv_mib=64,
+             vllm_eager=True)  # no Dynamo trace at each vLLM start (~17 s on 2 cores)
 DECODE_SHARE = 0.5  # decode measurements start only in the first half of the budget
 VLLM_SHARE = 0.75  # vLLM measurements start and end within the first 3/4 of it; problems get the rest
 # Windows of their own after the budget, as shares of it (of the default 240 s: 90 s and 150 s; the whole check then

@@ -122,6 +122,7 @@ def vllm_child(out: Path, device: str, dtype: torch.dtype, tiny: bool, plan: dic
     def started(role: str, architecture: str, **settings) -> Any:
         engines.append(start_llm(vllm_folder(scratch / role, shapes[role], tokenizer, architecture),
                                  dtype=str(dtype).removeprefix("torch."), load_format="dummy",
+                                 enforce_eager=plan["vllm_eager"],
                                  **vllm_memory(device, VLLM_MEMORY, plan["vllm_kv_mib"]), **settings))
         return engines[-1]
 

@@ -2,6 +2,7 @@
 the PRM on vLLM, the evicted base on this engine; same folders and traces, the engine in config.json; one-line
 errors."""
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,16 @@ from tests.helpers import PAIRS, kvrescue_run, read_folder, refusal_line, tiny_p
 pytestmark = pytest.mark.vllm
 SMALL = ["--max-step-tokens", "24", "--max-steps", "6", "--context-cap", "320", "--budget", "16", "--n", "2",
          "--device", "cpu", "--batch", "2", "--dtype", "float32", "--vllm-memory", "0.02"]
+
+
+@pytest.fixture
+def eager_vllm(monkeypatch):
+    """The run's vLLM engines start eager, as tests/conftest.py's do: on a CPU each start otherwise spends ~17 s
+    tracing the model with Dynamo. The grid's runs keep vLLM's default (compiled) start, the product's path; the
+    bon cases, four more starts, test the PRM's choices, not the compilation."""
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", partial(vllm.LLM, enforce_eager=True))
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +109,7 @@ def test_bad_vllm_options_are_one_line_errors(args, message, problems, step_qwen
                                          ("vllm_prm_dir", ["--prm-format", "model-card"]),
                                          ("vllm_rlhflow_dir", ["--prm-recipe", "rlhflow"]),
                                          ("vllm_math_shepherd_dir", ["--prm-recipe", "math-shepherd"])])
+@pytest.mark.usefixtures("eager_vllm")
 def test_bon_scored_on_vllm_makes_the_native_choices_and_counts_the_same_prm_tokens(prm, recipe, problems,
                                                                                      step_qwen2_dir, request, tmp_path):
     """bon's base decodes on this engine either way, so only the PRM moves to vLLM: the same steps are chosen, and
