@@ -62,10 +62,3 @@ def resolve_style(style: str, model: str, model_type: str | None) -> str:
         return "qwen3-think"
     name = Path(model).name.lower()
     return "think" if "r1-distill" in name or "qwq" in name else "math"
-
-
-def answer_part(output: str) -> tuple[str, str]:
-    """(the text the answer is read from, where): after the last `</think>` when the output has one, as R-KV's and
-    Qwen's evaluations of reasoning models read it ("after_think"), else the whole output ("output")."""
-    _, close, tail = output.rpartition(THINK_CLOSE)
-    return (tail, "after_think") if close else (output, "output")
