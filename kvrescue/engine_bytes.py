@@ -8,10 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrescue.model_config import ModelArgs
-from kvrescue.shapes import (CHUNK_TOKENS, LOGITS_BYTES, MIN_STEP_LANES, OBSERVATION_WINDOW, QUERY_GROUP, SCORE_BYTES,
-                             SIMILARITY_ROWS, bucket, compress_slice)
+from kvrescue.shapes import (CHUNK_TOKENS, LOGITS_BYTES, OBSERVATION_WINDOW, QUERY_GROUP, SCORE_BYTES,
+                             SIMILARITY_ROWS, bucket, compress_slice, rows_room)
 
-LOGITS_ROWS = 64  # a runner's logits buffer starts with 64 rows and doubles (engine/runner.py)
 FULL_BLOCK = 16  # the full cache's block size off flash-attn (engine/caches.py)
 FP32 = 4
 
@@ -109,17 +108,9 @@ def paged_mask_bytes(rows: int, pool_blocks: int) -> int:
 
 def step_lanes_bytes(rows: int, columns: int, window: int) -> int:
     """The step lanes of a runner decoding up to `rows` candidates at once (`steps.StepDecoder`: a power of two, at
-    least MIN_STEP_LANES): per lane the step's draws (fp32, one a column), the detector's entropy ring (fp64,
+    `shapes.rows_room`): per lane the step's draws (fp32, one a column), the detector's entropy ring (fp64,
     `window`), its largest mean (fp64), token and character counts (int64) and the last token's end flag."""
-    return max(bucket(rows), MIN_STEP_LANES) * (FP32 * columns + 8 * window + 8 + 8 + 8 + 1)
-
-
-def logits_rows(rows: int) -> int:
-    """Rows of a runner's logits buffer holding row ids below `rows`: 64 doubled until it does."""
-    size = LOGITS_ROWS
-    while size < rows:
-        size *= 2
-    return size
+    return rows_room(rows) * (FP32 * columns + 8 * window + 8 + 8 + 8 + 1)
 
 
 def blocks(tokens: int, size: int) -> int:

@@ -30,13 +30,13 @@ from kvrescue.cell_plan import BOUNDED, NATIVE, CellPlan
 from kvrescue.cost import Architecture, format_bytes
 from kvrescue.detect import DetectorConfig
 from kvrescue.engine_bytes import (FP32, FULL_BLOCK, Keys, blocks, compress_bytes, forward_bytes, full_cache_tokens,
-                                   logits_rows, loglik_cache_tokens, paged_mask_bytes, sample_bytes, step_lanes_bytes)
+                                   loglik_cache_tokens, paged_mask_bytes, sample_bytes, step_lanes_bytes)
 from kvrescue.errors import InputError
 from kvrescue.methods import METHODS
 from kvrescue.model_config import ModelArgs, ModelConfigError
 from kvrescue.scorers import HELPER_LOGLIK, PRM
 from kvrescue.shapes import (FLASH_BLOCK, GROUP_CASCADE_FROM, OBSERVATION_WINDOW, PRM_WINDOW, BUFFER, cascade_cost_on,
-                             bucket, local_args, shard_degree, token_kv_bytes)
+                             bucket, local_args, rows_room, shard_degree, token_kv_bytes)
 
 PROMPT_TOKENS = 512  # the longest prompt planned for (MATH-500's chat prompts stay below 400 tokens)
 
@@ -195,7 +195,7 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
 
     def sampling_runner(role: str, r: _Role, prefill: Keys, decode: Callable[[], int], commit: Keys) -> None:
         """A runner that prefills prompts, decodes candidates and commits steps (base or helper)."""
-        buffer = logits_rows(s.batch * (s.n + 1))
+        buffer = rows_room(s.batch * (s.n + 1))
         add(role, "buffers", buffer * r.vocab * FP32, f"fp32 logits of {buffer} rows")
         add(role, "buffers", step_lanes_bytes(rows_open, s.step_draws or step, s.detector_window),
             f"step lanes of {rows_open} candidates: draws and detector state")

@@ -28,12 +28,18 @@ QUERY_GROUP = 8
 LOGITS_BYTES = 1 << 28  # bound on the fp32 logits helper-loglik's log-likelihoods hold at once
 
 
-MIN_STEP_LANES = 64  # a runner's step lanes (engine/steps.py): at least this many, a power of two
+ROWS_ROOM = 64  # a runner's per-row buffers (kept logits, step lanes) hold at least this many rows
 
 
 def bucket(rows: int) -> int:
     """A row bucket of the static steps and their compiled kernels: the next power of two."""
     return 1 << max(rows - 1, 0).bit_length()
+
+
+def rows_room(rows: int) -> int:
+    """The rows a runner's per-row buffer (engine/runner.py's kept logits, engine/steps.py's step lanes) grows to
+    for `rows` of them: a power of two, at least ROWS_ROOM; what the memory planner counts."""
+    return max(bucket(rows), ROWS_ROOM)
 
 
 @dataclass(frozen=True)

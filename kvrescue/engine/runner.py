@@ -22,6 +22,7 @@ from kvrescue.engine.steps import CandidateStep, StepDecoder, StepRules, append_
 from kvrescue.engine.streams import ModelStream, on_stream
 from kvrescue.engine.tp import from_rank_0
 from kvrescue.engine.transfer import upload, upload_all
+from kvrescue.shapes import ROWS_ROOM, rows_room
 
 
 class Runner:
@@ -183,14 +184,14 @@ class Runner:
 
     def _keep(self, rows: Sequence[int], logits: torch.Tensor) -> None:
         if self.logits is None:
-            self.logits = logits.new_zeros(64, logits.shape[-1])
+            self.logits = logits.new_zeros(ROWS_ROOM, logits.shape[-1])
         self._room(max(rows) + 1)
         self.logits[upload(torch.tensor(list(rows)), self.device)] = logits
 
     def _room(self, rows: int) -> None:
-        """Grow the logits buffer (by doubling) to hold row ids below `rows`."""
+        """Grow the logits buffer to hold row ids below `rows` (`shapes.rows_room`)."""
         have = self.logits.shape[0]
         if rows > have:
-            grown = self.logits.new_zeros(max(rows, 2 * have), self.logits.shape[1])
+            grown = self.logits.new_zeros(rows_room(rows), self.logits.shape[1])
             grown[:have] = self.logits
             self.logits = grown

@@ -27,7 +27,7 @@ from kvrescue.engine.texts import decoder
 from kvrescue.engine.transfer import Download, upload
 from kvrescue.prompts import STEP_DELIMITER
 from kvrescue.reasons import DETECTOR_FINISHES, FINISHES
-from kvrescue.shapes import MAX_CONTEXT, MAX_STEP_TOKENS, MIN_STEP_LANES, bucket
+from kvrescue.shapes import MAX_CONTEXT, MAX_STEP_TOKENS, rows_room
 
 FINISH_CODES = (None, *FINISHES)  # finish codes 0..6 on the device (0: not finished)
 _STEP, _EOS, _LENGTH, _ENTROPY, _REPETITION, _NONFINITE = range(1, len(FINISH_CODES))
@@ -137,7 +137,7 @@ class StepDecoder:
 
     def _grow(self, need: int) -> None:
         old = len(self.lanes.rows)
-        new = self._allocate(max(bucket(need), MIN_STEP_LANES))  # a power of two: what the memory planner counts
+        new = self._allocate(rows_room(need))
         for name, value in vars(self.lanes).items():
             getattr(new, name)[:old] = value
         self.lanes = new
