@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
-from kvrescue.engine.scoring import UNSEEN_SCORE, Scorer
+from kvrescue.engine.scoring import UNSEEN_SCORE, PendingScores, Scorer
 from kvrescue.engine.steps import CandidateStep, StepRules
 from kvrescue.errors import env_seconds
 from kvrescue.methods import METHODS
@@ -146,6 +146,7 @@ class Controller:
         active: list[ProblemState] = []
         exhausted = False
         reported = time.monotonic()
+        scoring: tuple[list[ProblemState], PendingScores] | None = None  # the problems whose scores are on their way
         while not exhausted or active:
             admitted = []
             while not exhausted and len(active) + len(admitted) < self.settings.batch:
@@ -159,13 +160,15 @@ class Controller:
                 continue
             self._open_steps([p for p in active if not p.candidates])
             self._decode_one_token()
-            ready = [p for p in active if all(c.finish for c in p.candidates)]
+            if scoring is not None:  # launched an iteration ago: its forward ran beside this iteration's decode
+                ready, pending = scoring
+                scoring = None
+                self._end_steps(ready, pending.wait(), active, on_finished)
+            ready = [p for p in active if p.candidates and all(c.finish for c in p.candidates)]
             if ready:
-                self._score(ready)
-                self._commit(ready)
-                for problem in [p for p in ready if p.stop]:
-                    active.remove(problem)
-                    on_finished(self._retire(problem))
+                scoring = self._score(ready)
+                if scoring is None:
+                    self._end_steps(ready, self.scorer.score(self._requests(ready)), active, on_finished)
             if on_progress is not None and time.monotonic() - reported >= PROGRESS_EVERY_S:
                 on_progress(self.totals)
                 reported = time.monotonic()
@@ -218,14 +221,34 @@ class Controller:
         self.totals = DecodeProgress(self.totals.committed_steps, generated)
 
     # -- scoring and commit -------------------------------------------------------------------------
-    def _score(self, ready: list[ProblemState]) -> None:
-        requests = [(p, c) for p in ready for c in p.candidates if not c.dropped]
-        scores = self.scorer.score([(p.idx, c.text, c.tokens) for p, c in requests])
-        for (problem, cand), score in zip(requests, scores):
-            cand.score = UNSEEN_SCORE if score is None else score
-            problem.unseen += score is None
+    @staticmethod
+    def _requests(ready: list[ProblemState]) -> list[tuple[int, str, list[int]]]:
+        return [(p.idx, c.text, c.tokens) for p in ready for c in p.candidates if not c.dropped]
 
-    def _commit(self, ready: list[ProblemState]) -> None:
+    def _score(self, ready: list[ProblemState]) -> tuple[list[ProblemState], PendingScores] | None:
+        """Launch the scoring of the ready problems' candidates where the scorer launches its work on a device
+        (`launch`): their scores are read an iteration later, so that the other problems' next tokens are launched
+        before the host waits for them, and the device runs both. None: the scorer scores when asked."""
+        launch = getattr(self.scorer, "launch", None)
+        return None if launch is None else (ready, launch(self._requests(ready)))
+
+    def _end_steps(self, ready: list[ProblemState], scores: list[float | None], active: list[ProblemState],
+                   on_finished: Callable[[Finished], None]) -> None:
+        """Commit each ready problem's best candidate by `scores` (its candidates not dropped, in order); retire
+        the problems that stop."""
+        self._commit(ready, scores)
+        for problem in [p for p in ready if p.stop]:
+            active.remove(problem)
+            on_finished(self._retire(problem))
+
+    def _commit(self, ready: list[ProblemState], scores: list[float | None]) -> None:
+        scored = iter(scores)  # the candidates not dropped, in order
+        for problem in ready:
+            for cand in problem.candidates:
+                if not cand.dropped:
+                    score = next(scored)
+                    cand.score = UNSEEN_SCORE if score is None else score
+                    problem.unseen += score is None
         commits: dict[str, list[tuple[ProblemState, list[int]]]] = {name: [] for name in self.runners}
         losers: dict[str, list[int]] = {name: [] for name in self.runners}  # released once per runner
         for problem in ready:

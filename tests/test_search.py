@@ -365,3 +365,45 @@ def test_a_runner_decoding_elsewhere_is_waited_on_only_when_nothing_decodes_here
     Controller(SearchSettings(batch=2, max_steps=2), runners, TableScorer({}), {EOS}, method="interleave", n=2).run(
         [(0, "p", [1])], lambda f: None)
     assert runners["base"].waits == runners["helper"].waits == [False, False, False, True, True] * 2
+
+
+class LaunchingScorer(TableScorer):
+    """A TableScorer whose scores are read later (`launch`, as the PRM's on a device); it logs when it is asked and
+    when it is read, in the runners' log."""
+
+    def __init__(self, table: dict[int, float], log: list) -> None:
+        super().__init__(table)
+        self.log = log
+
+    def launch(self, requests):
+        scores = self.score(requests)
+        self.log.append(("launch", self))
+        log = self.log
+
+        class Pending:
+            def wait(self):
+                log.append(("wait", self))
+                return scores
+        return Pending()
+
+
+def test_a_launching_scorer_is_read_after_the_other_problems_next_tokens_are_launched():
+    # Problem 0's steps take 2 tokens, problem 1's 5: problem 0 is scored while problem 1 decodes.
+    def script(key):
+        _, idx, step, index = key
+        return [step * 10 + index] + [1] * (1 if idx == 0 else 4), "step"
+
+    problems, table = [(0, "p", [1]), (1, "q", [2])], {1: 0.9, 10: 0.9}
+    log = []
+    finished = []
+    Controller(SearchSettings(batch=2, max_steps=2), {"base": ScriptedRunner(script, log=log)},
+               LaunchingScorer(table, log), {EOS}, method="bon", n=2).run(problems, finished.append)
+    events = [name for name, _ in log]
+    first = events.index("launch")
+    assert events[first: first + 4] == ["launch", "prepare", "advance", "wait"]
+    assert events.count("launch") == events.count("wait")  # each read once
+    # The same steps committed as with a scorer read at once.
+    want, _, _ = run_all("bon", script, table, problems, max_steps=2)
+    steps = sorted((f.state.idx, [s.text for s in f.state.steps]) for f in finished)
+    assert steps == sorted((f.state.idx, [s.text for s in f.state.steps]) for f in want)
+    assert dict(steps)[0] == ["1 1", "10 1"]  # the table decides

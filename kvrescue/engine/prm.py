@@ -15,7 +15,7 @@ import kvrescue.engine.invariance as invariance
 from kvrescue.engine.caches import TORCH_BLOCK, FullCache, block_size_for
 from kvrescue.engine.loader import LoadedModel
 from kvrescue.engine.prm_recipes import FORMATS, HEADS, PRMRecipe, RecipeInputs
-from kvrescue.engine.scoring import Request
+from kvrescue.engine.scoring import PendingScores, Request
 from kvrescue.engine.steps import append_tokens
 from kvrescue.engine.streams import ModelStream, on_stream
 from kvrescue.model_config import window_error
@@ -217,18 +217,22 @@ class PRMScorer:
         policy's `prompt` tokens are not needed)."""
         self.inputs.open(key, problem)
 
+    def score(self, requests: Sequence[Request]) -> list[float | None]:
+        """The scores of `launch`, waited for."""
+        return self.launch(requests).wait()
+
     @on_stream
     @torch.inference_mode()
-    def score(self, requests: Sequence[Request]) -> list[float | None]:
+    def launch(self, requests: Sequence[Request]) -> PendingScores:
         """The recipe's score at each candidate's last token, all candidates of all problems in one forward, which
         also feeds the problems' unfed tokens where none is longer than the longest candidate (a committed step:
         the candidates are forked from the room made for them, `FullCache.reserve`; a longer one, a prompt, is fed
-        in a forward of its own rather than padding every candidate to it). With batch invariance on, always in a
-        forward of their own: whether a prefix shares its candidates' forward depends on the other problems', and
-        it would join their cascade group. None for a candidate whose piece the PRM's tokenizer makes no token of
-        (`seen_candidates`)."""
+        in a forward of its own rather than padding every candidate to it); read later, without waiting for the
+        device now. With batch invariance on, always in a forward of their own: whether a prefix shares its
+        candidates' forward depends on the other problems', and it would join their cascade group. None for a
+        candidate whose piece the PRM's tokenizer makes no token of (`seen_candidates`)."""
         if not requests:
-            return []
+            return PendingScores(0, [], None)
         suffixes = self.inputs.candidates(requests)
         fed_rows, fed = self._unfed()
         seen = seen_candidates(suffixes)
@@ -236,7 +240,7 @@ class PRMScorer:
             append_tokens(self.prm, self.cache, fed_rows, fed)
             fed_rows, fed = [], []
         self.cache.reserve(fed_rows, [len(tokens) for tokens in fed])
-        scores: list[float | None] = [None] * len(suffixes)
+        order, scores = [], []
         for chunk in self._chunks([suffixes[i] for i in seen]):
             picked = [seen[j] for j in chunk]
             rows = self.cache.fork_each([self.rows[requests[i][0]] for i in picked], 1)
@@ -244,10 +248,10 @@ class PRMScorer:
                 head = append_tokens(self.prm, self.cache, fed_rows + rows, fed + [suffixes[i] for i in picked])
             finally:
                 self.cache.release(rows)
-            for i, score in zip(picked, self.inputs.codec.read(head[len(fed_rows):]).tolist()):
-                scores[i] = score
+            order += picked
+            scores.append(self.inputs.codec.read(head[len(fed_rows):]))
             fed_rows, fed = [], []
-        return scores
+        return PendingScores(len(suffixes), order, torch.cat(scores) if scores else None)
 
     def _chunks(self, suffixes: list[list[int]]) -> list[list[int]]:
         """Consecutive groups of candidates whose suffix blocks fit the free cache together."""

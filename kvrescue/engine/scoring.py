@@ -15,7 +15,7 @@ import torch
 from kvrescue.engine.runner import Runner
 from kvrescue.engine.steps import padded_tokens
 from kvrescue.engine.streams import ModelStream, on_stream
-from kvrescue.engine.transfer import upload_all
+from kvrescue.engine.transfer import Download, upload_all
 from kvrescue.scorers import HELPER_LOGLIK
 from kvrescue.shapes import LOGITS_BYTES
 
@@ -33,7 +33,8 @@ class Scorer(Protocol):
 
     def score(self, requests: list[Request]) -> list[float | None]:
         """One score per candidate, higher is better; None for one the scorer sees no token of (the controller
-        gives it UNSEEN_SCORE and counts it)."""
+        gives it UNSEEN_SCORE and counts it). A scorer that computes on a device may also have
+        `launch(requests) -> PendingScores`: the same scores, read later (the controller decodes meanwhile)."""
 
     def commit(self, key: int, text: str, tokens: list[int]) -> None:
         """The problem committed this step."""
@@ -41,6 +42,22 @@ class Scorer(Protocol):
     def close(self, key: int) -> tuple[int, int]:
         """Stop following a problem; returns (tokens the scorer processed, times its input was truncated)."""
 
+
+class PendingScores:
+    """One call's scores on their way from the device to the host (`transfer.Download`): `wait` reads them, None
+    for the candidates the scorer saw no token of (those not in `seen`)."""
+
+    def __init__(self, count: int, seen: list[int], values: torch.Tensor | None) -> None:
+        """values [len(seen)]: the scores of candidates `seen` (indices into the call's `count` requests)."""
+        self.count, self.seen = count, seen
+        self.download = None if values is None else Download(values)
+
+    def wait(self) -> list[float | None]:
+        scores: list[float | None] = [None] * self.count
+        if self.download is not None:
+            for i, value in zip(self.seen, self.download.wait().tolist()):
+                scores[i] = value
+        return scores
 
 
 def chosen_logprobs(logits: Callable[[int, int], torch.Tensor], targets: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -79,13 +96,17 @@ class HelperLoglik:
         self.next_logits[key] = self.runner.append([row], [prompt])[0]
         self.processed[key] = len(prompt)
 
+    def score(self, requests: list[Request]) -> list[float]:
+        """Each candidate's mean token log-probability (`launch`, waited for)."""
+        return self.launch(requests).wait()
+
     @on_stream
     @torch.inference_mode()
-    def score(self, requests: list[Request]) -> list[float]:
-        """Each candidate's mean token log-probability, all candidates in one forward and one wait for the device;
-        the fp32 logits exist a chunk of positions at a time (`chosen_logprobs`), never for all at once."""
+    def launch(self, requests: list[Request]) -> PendingScores:
+        """Each candidate's mean token log-probability, all candidates in one forward, read later; the fp32 logits
+        exist a chunk of positions at a time (`chosen_logprobs`), never for all at once."""
         if not requests:
-            return []
+            return PendingScores(0, [], None)
         runner, token_lists = self.runner, [tokens for _, _, tokens in requests]
         forks = runner.cache.fork_each([self.rows[key] for key, _, _ in requests], 1)
         try:
@@ -108,7 +129,7 @@ class HelperLoglik:
         chosen[dev["owner"], dev["at"]] = chosen_logprobs(lambda a, b: head(states[a:b]), dev["later"], vocab)
         for key, _, tokens in requests:
             self.processed[key] += len(tokens)
-        return (chosen.sum(1) / dev["n"]).tolist()
+        return PendingScores(len(requests), list(range(len(requests))), chosen.sum(1) / dev["n"])
 
     @on_stream
     def commit(self, key: int, text: str, tokens: list[int]) -> None:

@@ -74,5 +74,5 @@ def test_logits_exist_a_bounded_chunk_at_a_time_and_the_host_waits_once(helper, 
     with LargestVocabTensor(vocab) as largest, counting(monkeypatch) as waits:
         got = scorer.score(requests)
     assert largest.largest <= 8 * 4 * vocab < every_position / 20
-    assert waits == {"Tensor.tolist": 1}
+    assert waits == {"Tensor.cpu": 1}  # `PendingScores.wait` (a `Download` of the scores)
     assert got == pytest.approx([reference(helper, PROMPTS[key], tokens) for key, tokens in CANDIDATES], abs=1e-5)
