@@ -6,7 +6,8 @@ timed too) and the detector's gzip ratio, each call under a `torch.profiler.reco
 
 - `base decode`, `helper decode`: a role's `start`, `advance` and its forward steps (`decode`), less what is nested;
 - `sampling and detector`: `Runner.sample` and the detector's `gzip_ratio`, inside `advance`;
-- `PRM feed and scoring`: the scorer's `open`, `score`, `commit`, `close` (the PRM's, or the helper-loglik's);
+- `PRM feed and scoring`: the scorer's `open`, `launch` (or `score`), `commit`, `close` (the PRM's, or the
+  helper-loglik's), and the read of launched scores (`scoring.PendingScores.wait`, an iteration later);
 - `prefill`: a role's `prefill`; `commits and compression`: its `commit`, `fork_each`, `adopt`, `release` (the
   bounded cache compresses as its rows reach B');
 - `controller`: the rest of the cell's wall time (the search's own work between those calls).
@@ -32,6 +33,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import kvrescue.engine.steps as steps_module
+from kvrescue.engine.scoring import PendingScores
 from benchmarks.gpu_check.gpu_check_record import Check
 from benchmarks.gpu_check.gpu_check_setup import sync
 from kvrescue.cell_plan import Cell
@@ -45,7 +47,7 @@ RUNNER_PHASES = {"start": "{role} decode", "advance": "{role} decode", "decode":
                  "sample": "sampling and detector", "prefill": "prefill", "commit": "commits and compression",
                  "fork_each": "commits and compression", "adopt": "commits and compression",
                  "release": "commits and compression"}
-SCORER_METHODS = ("open", "score", "commit", "close")
+SCORER_METHODS = ("open", "launch", "score", "commit", "close")
 PHASES = ("base decode", "helper decode", "sampling and detector", "PRM feed and scoring", "prefill",
           "commits and compression", "controller")
 
@@ -92,14 +94,16 @@ class PhaseClock:
                     setattr(runner, method, self.timed(phase.format(role=role), getattr(runner, method),
                                                        f"{role}.{method}"))
         for method in SCORER_METHODS:
-            setattr(engine.scorer, method, self.timed("PRM feed and scoring", getattr(engine.scorer, method),
-                                                      f"scorer.{method}"))
-        gzip_ratio = steps_module.gzip_ratio
+            if hasattr(engine.scorer, method):
+                setattr(engine.scorer, method, self.timed("PRM feed and scoring", getattr(engine.scorer, method),
+                                                          f"scorer.{method}"))
+        gzip_ratio, wait = steps_module.gzip_ratio, PendingScores.wait
         steps_module.gzip_ratio = self.timed("sampling and detector", gzip_ratio, "detector.gzip_ratio")
+        PendingScores.wait = self.timed("PRM feed and scoring", wait, "scorer.wait")
         try:
             yield
         finally:
-            steps_module.gzip_ratio = gzip_ratio
+            steps_module.gzip_ratio, PendingScores.wait = gzip_ratio, wait
 
     def shares(self, wall_s: float) -> dict:
         """Seconds and share of the wall time by phase (`controller`: the rest), and the host waits."""
