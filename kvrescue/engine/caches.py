@@ -12,7 +12,7 @@ import torch
 
 import kvrescue.engine.invariance as invariance
 from kvrescue.engine.attention import (FLASH_BLOCK, ROWS_PADDING, Visibility, attend_masked, attend_paged,
-                                       merge_partials, padded_visibility, paged_keys, reader, use_flash)
+                                       flash_reads, merge_partials, padded_visibility, paged_keys, use_flash)
 from kvrescue.engine.block_table import BlockTable
 from kvrescue.engine.paged_forward import (Groups, PagedForward, SharedPrefixes, cascading, filled_blocks,
                                            forward_arrays, slot_copies)
@@ -209,7 +209,7 @@ class FullCache(KVCache):
         groups = self._cascading(rows_np, lengths, T)
         # No row holds keys yet (not where flash-attn reads; batch invariance keeps the paged read): attention over the
         # new keys alone, which SDPA reads where they are, no paged layout of the rows.
-        fresh = not lengths.any() and not invariance.on() and reader(self.k[0], T, True) != "flash"
+        fresh = not lengths.any() and not invariance.on() and not flash_reads(self.k[0])
         host = forward_arrays(self.block_table, self.k[0], rows_np, lengths, n_np, groups, self.rows_padding, not fresh)
         if fresh:
             host["new_lengths"] = n_np

@@ -28,21 +28,32 @@ except ImportError:  # a torch without FlexAttention: SDPA serves
 # None: on CUDA with Triton; True/False: wherever FlexAttention exists / nowhere
 SERVES: bool | None = {"1": True, "0": False}.get(os.environ.get("KVRESCUE_FLEX", ""))
 QUERY_BLOCK = 128  # the block mask's least query tile (one tile a row: its queries all read the same blocks)
-RECOMPILES = 64  # shapes the compiled kernel is specialised for (row buckets x models x pools) before dynamo gives up
+FORWARD_SHAPES = 32  # shapes of forwards of several tokens a row it serves in a process; a new one past them: SDPA
+RECOMPILES = 64 + FORWARD_SHAPES  # shapes the compiled kernel is specialised for (row buckets x models x pools, and
+# the forwards') before dynamo gives up (and would run the eager reference, which scores every key of the pool)
+_forward_shapes: set[tuple] = set()
 
 
-def serves(x: torch.Tensor, tokens: int = 1) -> bool:
-    """Whether FlexAttention serves attention of `tokens` queries a row over pools like `x` (not with batch invariance
-    on: its split of the keys follows the batch)."""
-    if flex_attention is None or invariance.on():
+def serves(x: torch.Tensor, tokens: int = 1, rows: int = 1) -> bool:
+    """Whether FlexAttention serves attention of `tokens` queries a row of `rows` rows over pools like `x` (not with
+    batch invariance on: its split of the keys follows the batch). A forward of several tokens a row only in one of
+    the first FORWARD_SHAPES shapes (rows and tokens bucketed, pools) it served in this process: the compiled kernel
+    is specialised to each, and the later ones take SDPA."""
+    if flex_attention is None or invariance.on() or SERVES is False:
         return False
-    if SERVES is not None:
-        return SERVES
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._triton import has_triton
-    if not x.is_cuda or isinstance(x, FakeTensor) or not has_triton():  # fake tensors (a dry run) have no kernel
-        return False
-    return runs_on(x.device, x.dtype, tokens > 1)
+    if SERVES is None:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._triton import has_triton
+        if not x.is_cuda or isinstance(x, FakeTensor) or not has_triton():  # fake tensors (a dry run) have no kernel
+            return False
+        if not runs_on(x.device, x.dtype, tokens > 1):
+            return False
+    if tokens == 1:
+        return True
+    shape = (tuple(x.shape), x.dtype, bucket(rows), bucket(tokens))
+    if shape not in _forward_shapes and len(_forward_shapes) < FORWARD_SHAPES:
+        _forward_shapes.add(shape)
+    return shape in _forward_shapes
 
 
 @functools.cache

@@ -381,3 +381,18 @@ def test_forwards_of_several_tokens_read_the_pools_in_place(qwen2_dir, monkeypat
         largest[on] = counter.largest
         assert counter.flex_calls == (net.args.n_layers if on else 0)
     assert largest[False] >= 3 * net.args.n_kv_heads * 48 * net.args.head_dim and largest[True] == 0
+
+
+def test_forwards_of_new_shapes_past_the_budget_take_sdpa(flex_on, monkeypatch) -> None:
+    """The compiled kernel is specialised to each shape: forwards of several tokens a row take FlexAttention in the
+    first FORWARD_SHAPES shapes (rows and tokens bucketed, pools) of the process, SDPA in later ones; one-token steps
+    always."""
+    from kvrescue.engine.attention import reader
+
+    monkeypatch.setattr(flex, "_forward_shapes", set())
+    monkeypatch.setattr(flex, "FORWARD_SHAPES", 2)
+    pool = torch.zeros(8, 16, HKV, D)
+    assert [reader(pool, tokens, True, rows) for tokens, rows in ((32, 5), (20, 8), (3, 8))] == ["flex"] * 3
+    assert reader(pool, 64, True, 8) == reader(torch.zeros(9, 16, HKV, D), 32, True, 8) == "torch"  # a third shape
+    assert reader(pool, 4, True, 7) == "flex" and reader(pool, 1, True, 100) == "flex"
+    assert reader(pool, 4, False, 7) == "torch"  # not causal: the cascade's shared pass
