@@ -59,10 +59,14 @@ def serves(x: torch.Tensor, tokens: int = 1, rows: int = 1) -> bool:
 @functools.cache
 def runs_on(device: torch.device, dtype: torch.dtype, several: bool = False) -> bool:
     """Whether the kernel runs on `device` in `dtype` and agrees with SDPA on a small paged decode step (`several`:
-    a forward of 20 tokens a row, whose 7 x 32 folded queries take FlexAttention's main kernel, not its decoding one):
-    checked once a process and kind, on first use (before any capture: a static step warms up first). If not, one line
-    on stderr says why and SDPA serves them."""
-    tokens = 20 if several else 1
+    forwards of 3 and 20 tokens a row, whose 7 x 4 and 7 x 32 folded queries take FlexAttention's decoding and main
+    kernels): checked once a process and kind, on first use (before any capture: a static step warms up first). If
+    not, one line on stderr says why and SDPA serves them."""
+    return all(_agrees(device, dtype, tokens) for tokens in ((3, 20) if several else (1,)))
+
+
+def _agrees(device: torch.device, dtype: torch.dtype, tokens: int) -> bool:
+    """`runs_on` for a forward of `tokens` tokens a row over three rows' cached keys."""
     generator = torch.Generator(device).manual_seed(0)
     k_pool, v_pool = torch.randn(2, 8, 16, 2, 64, generator=generator, device=device).to(dtype)
     q = torch.randn(3, 14, tokens, 64, generator=generator, device=device).to(dtype)  # 7 query heads a KV head

@@ -131,6 +131,25 @@ def test_the_kernel_is_checked_once_against_sdpa_and_sdpa_serves_where_it_fails(
     assert capsys.readouterr().err == "kvrescue: FlexAttention disagrees with SDPA on cpu in torch.float32; SDPA serves\n"
 
 
+def test_forwards_of_several_tokens_are_checked_on_their_own(monkeypatch, capsys) -> None:
+    """`runs_on(..., several=True)` checks forwards of several tokens a row (FlexAttention's decoding kernel and, from
+    QUERY_BLOCK folded queries, its main one) apart from the one-token steps: a main kernel that cannot be built
+    keeps them on SDPA, the one-token steps on FlexAttention."""
+    check = flex.runs_on.__wrapped__
+    assert check(torch.device("cpu"), torch.float32, several=True) and capsys.readouterr().err == ""
+    attend = flex._attend
+
+    def no_main_kernel(q, *args, **kwargs):
+        if q.shape[2] >= flex.QUERY_BLOCK:
+            raise RuntimeError("Q and KV block size must be divisible by BLOCK_M and BLOCK_N")
+        return attend(q, *args, **kwargs)
+
+    monkeypatch.setattr(flex, "_attend", no_main_kernel)
+    assert check(torch.device("cpu"), torch.float32)
+    assert not check(torch.device("cpu"), torch.float32, several=True)
+    assert "FlexAttention does not run on cpu (RuntimeError: Q and KV block size" in capsys.readouterr().err
+
+
 def _flex_calls(monkeypatch) -> list[int]:
     """A list that grows by one at each FlexAttention call."""
     calls, attend = [], flex._attend
