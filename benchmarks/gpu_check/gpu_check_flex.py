@@ -3,8 +3,8 @@
 issue 40's shapes: rows 64 / 256 / 512, the bounded cache at B = 64 and 512 and the full cache at 1k tokens of
 context, each eagerly and through its static step (CUDA graphs); then a full cache's forwards of 32 tokens a row over
 1k and 2k cached (the PRM's scoring shape, 16 and 128 rows, step "forward"); with the logits of the first step or
-forward of each from equal caches compared. On a CPU (--tiny) FlexAttention runs eagerly, PyTorch's reference implementation: the section's
-code runs, its rates mean nothing."""
+forward of each from equal caches compared. On a CPU (--tiny) FlexAttention runs eagerly, PyTorch's reference
+implementation: the section's code runs, its rates mean nothing."""
 
 from __future__ import annotations
 

@@ -90,12 +90,12 @@ class FullCache(KVCache):
     lies, so a forward's metadata is computed on the host and sent in one copy that does not wait for the device.
 
     Attention reads the blocks in place through the block table (`attend_paged`: flash-attn on a GPU, else
-    FlexAttention on CUDA where it serves, `flex.serves`, else torch), each row only its own blocks. With cascade, rows of a forward that share their first
-    blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
-    attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
-    another, and the two results are merged exactly by their log-sum-exp. A forward whose rows hold no keys yet (a
-    first prefill) attends over its new keys alone where flash-attn does not read the pools (no paged read), its mask
-    laid out once.
+    FlexAttention on CUDA where it serves, `flex.serves`, else torch), each row only its own blocks. With cascade,
+    rows of a forward that share their first blocks (a problem's candidates, forked from its committed prefix) form a
+    group: the group's queries attend to the shared blocks in one pass that reads them once, each row to its remaining
+    blocks in another, and the two results are merged exactly by their log-sum-exp. A forward whose rows hold no keys
+    yet (a first prefill) attends over its new keys alone where flash-attn does not read the pools (no paged read), its
+    mask laid out once.
     `cascade`: the cost model a forward cascades by, when it says cascade is faster (`shapes.CascadeCost`;
     `shapes.ALWAYS_CASCADE`: whenever rows share a block; None: never, even with batch invariance on; "device": the
     device kind's, `shapes.cascade_cost_on`); with batch invariance on, each group cascades alone when its rows would

@@ -1,12 +1,13 @@
-"""Decode attention over the caches' pools in place, with PyTorch's FlexAttention: a block mask names the blocks each
-row reads and a mask function its length, so no row's keys are gathered and copied before the kernel reads them.
+"""Attention over the caches' pools in place, with PyTorch's FlexAttention: a block mask names the blocks each row
+reads and a mask function what it sees of them, so no row's keys are gathered and copied before the kernel reads them.
 
 On CUDA with Triton, where flash-attn does not serve, it is compiled (Triton kernels, no other dependency) and serves
 the one-token steps, eager and static: the full cache's (paged, as `torch.nn.attention.experimental._paged_attention`
 lays a pool out) and the bounded cache's (each slot its own batch entry); and a full cache's forwards of several tokens
-a row over cached keys (the PRM's scoring, commits, later prefills), causal among the new tokens. Elsewhere SDPA serves; `SERVES` forces the
-choice (the tests, gpu_check's comparison; a user, with KVRESCUE_FLEX=0 or 1 in the environment). Off CUDA, FlexAttention runs eagerly: PyTorch's reference
-implementation, which scores every key of the pool; the tests check the block masks and mask functions with it.
+a row over cached keys (the PRM's scoring, commits, later prefills), causal among the new tokens. Elsewhere SDPA
+serves; `SERVES` forces the choice (the tests, gpu_check's comparison; a user, with KVRESCUE_FLEX=0 or 1 in the
+environment). Off CUDA, FlexAttention runs eagerly: PyTorch's reference implementation, which scores every key of the
+pool; the tests check the block masks and mask functions with it.
 """
 
 from __future__ import annotations
