@@ -415,3 +415,24 @@ def test_forwards_of_new_shapes_past_the_budget_take_sdpa(flex_on, monkeypatch) 
     assert reader(pool, 64, True, 8) == reader(torch.zeros(9, 16, HKV, D), 32, True, 8) == "torch"  # a third shape
     assert reader(pool, 4, True, 7) == "flex" and reader(pool, 1, True, 100) == "flex"
     assert reader(pool, 4, False, 7) == "torch"  # not causal: the cascade's shared pass
+
+
+def test_paged_steps_take_a_static_forwards_padded_rows_and_token_counts(flex_on) -> None:
+    """As a static (CUDA-graph) forward would call it: a block table padded with rows of a scratch block (0 cached, 0
+    new tokens), every row's queries padded to a fixed 8 tokens, per-row new-token counts as a tensor: the real rows'
+    valid tokens as without the padding, every output finite."""
+    generator = torch.Generator().manual_seed(9)
+    k_pool, v_pool, blocks, table, cached, new, bs, pool_blocks = _paged_rows(generator, 5)
+    q = torch.randn(len(blocks), HQ, 5, D, generator=generator)
+    want, want_lse = flex.PagedSteps(table, cached, pool_blocks, bs, 5, new).attend(q, k_pool, v_pool)
+    scratch = pool_blocks - 1
+    padded_table = torch.cat([table, torch.full((3, table.shape[1]), scratch)])
+    padded_cached, padded_new = (torch.cat([counts, torch.zeros(3, dtype=torch.long)]) for counts in (cached, new))
+    padded_q = torch.nn.functional.pad(torch.cat([q, torch.randn(3, HQ, 5, D, generator=generator)]), (0, 0, 0, 3))
+    got, lse = flex.PagedSteps(padded_table, padded_cached, pool_blocks, bs, 8, padded_new).attend(padded_q, k_pool,
+                                                                                                   v_pool)
+    assert got.isfinite().all() and lse.isfinite().all()
+    for row in range(len(blocks)):
+        n = int(new[row])
+        torch.testing.assert_close(got[row, :, :n], want[row, :, :n], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(lse[row, :, :n], want_lse[row, :, :n], atol=1e-6, rtol=1e-5)
