@@ -342,10 +342,12 @@ def test_full_cache_forwards_of_several_tokens_through_flex_equal_sdpa(qwen2_dir
     (whose rows' own blocks then go through FlexAttention, merged by its log-sum-exp with the shared pass): every
     forward over cached keys through FlexAttention, the logits of every valid token and the greedy tokens of the SDPA
     path."""
+    from kvrescue.engine import caches
     from kvrescue.shapes import ALWAYS_CASCADE
 
     net = load_model(qwen2_dir).net
-    calls = _flex_calls(monkeypatch)
+    calls, merges, merge = _flex_calls(monkeypatch), [], caches.merge_partials
+    monkeypatch.setattr(caches, "merge_partials", lambda *parts: merges.append(1) or merge(*parts))
     logits = {}
     for on in (False, True):
         monkeypatch.setattr(flex, "SERVES", on)
@@ -353,6 +355,7 @@ def test_full_cache_forwards_of_several_tokens_through_flex_equal_sdpa(qwen2_dir
                                     cascade=ALWAYS_CASCADE if cascade == "cascade" else None)
         logits[on] = _appends(net, cache, torch.Generator().manual_seed(7))
     assert len(calls) == 3 * net.args.n_layers  # the first prefill attends over its new keys alone
+    assert bool(merges) == (cascade == "cascade")  # the scoring forward's rows share two blocks: cascaded
     for got, want in zip(logits[True], logits[False]):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         assert (got.argmax(-1) == want.argmax(-1)).all()
