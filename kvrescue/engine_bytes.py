@@ -99,10 +99,10 @@ def sample_bytes(rows: int, vocab: int) -> int:
 
 
 def paged_mask_bytes(rows: int, pool_blocks: int) -> int:
-    """FlexAttention's block mask of a one-token step of `rows` rows over a full cache of `pool_blocks` blocks
-    (`flex.paged_mask`), as long as the step reads it: its rows padded to a power of two, each with its block count
-    (int32), its indices padded to the pool's width and its map from pool block to key index (int32 each), and its
-    cached lengths (int64)."""
+    """FlexAttention's block mask of a one-token step (or a forward of several tokens: one query tile a row) of `rows`
+    rows over a full cache of `pool_blocks` blocks (`flex.paged_mask`), as long as the step reads it: its rows padded
+    to a power of two, each with its block count (int32), its indices padded to the pool's width and its map from pool
+    block to key index (int32 each), and its cached lengths (int64)."""
     return bucket(rows) * (2 * 4 * pool_blocks + 4 + 8)
 
 

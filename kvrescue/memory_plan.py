@@ -74,8 +74,8 @@ class DeviceKind:
 
     @property
     def flex(self) -> bool:
-        """FlexAttention serves the one-token steps (engine/flex.py): on CUDA without flash-attn, unless
-        --deterministic."""
+        """FlexAttention serves the one-token steps (engine/flex.py) and the full caches' forwards over cached keys: on
+        CUDA without flash-attn, unless --deterministic."""
         return self.cuda and not self.flash and not self.invariant
 
 

@@ -22,13 +22,16 @@ def allocated_by(cuda: FakeCuda, part: str, make) -> tuple[object, int]:
     return made, cuda.memory.live["cuda:0", part] - before
 
 
+@pytest.mark.parametrize("tokens", [1, 32])
 @pytest.mark.parametrize("rows, pool_blocks, width", [(1, 8, 3), (5, 40, 6), (64, 300, 20), (100, 1000, 64)])
-def test_flexattentions_block_mask_over_a_full_cache_is_what_the_plan_counts(rows, pool_blocks, width):
-    """`flex.paged_mask` of a one-token step: the arrays its block mask keeps while the step reads it."""
+def test_flexattentions_block_mask_over_a_full_cache_is_what_the_plan_counts(rows, pool_blocks, width, tokens):
+    """`flex.paged_mask` of a one-token step or a forward of 32 tokens a row: the arrays its block mask keeps while the
+    step reads it."""
     with FakeCuda() as cuda:
         table = torch.randint(0, pool_blocks, (rows, width), device="cuda:0")
         cached = torch.randint(0, width * 16, (rows,), device="cuda:0")
-        mask, kept = allocated_by(cuda, "engine.flex", lambda: flex.paged_mask(table, cached, pool_blocks, 16, 7))
+        mask, kept = allocated_by(cuda, "engine.flex",
+                                  lambda: flex.paged_mask(table, cached, pool_blocks, 16, 7, tokens))
         assert kept == engine_bytes.paged_mask_bytes(rows, pool_blocks)
         del mask
 

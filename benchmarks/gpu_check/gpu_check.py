@@ -24,7 +24,8 @@ downloaded). Sections, in this order:
   its FLOPs (over the matrix-product rate), which of the two binds, and the share of it reached. Shapes that don't fit in memory are listed with the reason.
 - `flex`: decode tokens/s with attention through FlexAttention (the pools read in place) vs SDPA (gathered), back to
   back, rows 64/256/512: rkv at B = 64 and 512 and the full cache at 1k, eagerly and through the static step (CUDA
-  graphs); with the logits of one step of each compared (`gpu_check_flex`).
+  graphs); and the full cache's forwards of 32 tokens a row over 1k and 2k cached at 16 and 128 rows (the PRM's
+  scoring shape); with the logits of the first step or forward of each compared (`gpu_check_flex`).
 - `vllm`: this engine vs vLLM as benchmarks/speed/vs_vllm.py compares them (its functions), in the 7B shapes with
   random weights (vLLM's own, load_format "dummy"), same dtype: decode tokens/s at batch 1/8/32 (the Runner
   vs `generate` with `ignore_eos`, 64 new tokens) and PRM candidates scored per second (PRMScorer vs

@@ -1,13 +1,15 @@
 """gpu_check's `flex` section: decode tokens/s with attention through FlexAttention (the pools read in place,
 `kvrescue/engine/flex.py`) against SDPA (the rows' keys gathered), each pair measured back to back in this run, at
 issue 40's shapes: rows 64 / 256 / 512, the bounded cache at B = 64 and 512 and the full cache at 1k tokens of
-context, each eagerly and through its static step (CUDA graphs); with the logits of one step of each from equal
-caches compared. On a CPU (--tiny) FlexAttention runs eagerly, PyTorch's reference implementation: the section's
-code runs, its rates mean nothing."""
+context, each eagerly and through its static step (CUDA graphs); then a full cache's forwards of 32 tokens a row over
+1k and 2k cached (the PRM's scoring shape, 16 and 128 rows, step "forward"); with the logits of the first step or
+forward of each from equal caches compared. On a CPU (--tiny) FlexAttention runs eagerly, PyTorch's reference
+implementation: the section's code runs, its rates mean nothing."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -20,6 +22,8 @@ from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.loader import build_network
 
 FULL_CONTEXT = 1024
+# Forwards of several tokens a row over cached keys, at the PRM's scoring shape: rows x 32 tokens over 1k-2k cached
+FORWARD_ROWS, FORWARD_CONTEXTS, FORWARD_TOKENS, FORWARD_REPEATS = (16, 128), (1024, 2048), 32, 4
 
 
 def _cache(net, policy: str, budget: int | None, rows: int, context: int, steps: int, static: bool):
@@ -43,41 +47,72 @@ def _cache(net, policy: str, budget: int | None, rows: int, context: int, steps:
     return cache, ids, step
 
 
-def compare(net, device: str, policy: str, budget: int | None, rows: int, context: int, steps: int,
-            static: bool) -> dict:
-    """Tokens/s of `steps` greedy one-token steps through SDPA, then through FlexAttention, each from an equal cache
-    (the same seed) after one warm-up step (capture and compilation: its seconds kept), whose logits are compared."""
-    rates, first, warm_up = {}, {}, {}
+def _against_sdpa(measure: Callable[[], tuple[torch.Tensor, float, float]]) -> dict:
+    """`measure()` (a cache built and decoded from the seed: the first call's logits, its seconds (capture and
+    compilation), then tokens/s) through SDPA, then through FlexAttention, back to back from the same seed; their
+    rates and first logits compared."""
+    results = {}
     chosen = flex.SERVES
     try:
         for kernel in ("sdpa", "flex"):
             flex.SERVES = kernel == "flex"
             torch.manual_seed(0)
-            cache, ids, step = _cache(net, policy, budget, rows, context, steps, static)
-            tokens = torch.randint(0, net.args.vocab_size, (rows,), device=device)
-
-            def decode(tokens: torch.Tensor) -> torch.Tensor:
-                return step(ids, tokens) if step is not None else net.decode(tokens, cache, ids)
-
-            with torch.inference_mode():
-                start = time.perf_counter()
-                first[kernel] = decode(tokens).float()
-                tokens = first[kernel].argmax(-1)
-                sync(device)
-                warm_up[kernel] = time.perf_counter() - start
-                start = time.perf_counter()
-                for _ in range(steps):
-                    tokens = decode(tokens).argmax(-1)
-                sync(device)
-            rates[kernel] = rows * steps / (time.perf_counter() - start)
-            del cache, step
+            results[kernel] = measure()
     finally:
         flex.SERVES = chosen
-    diff = (first["flex"] - first["sdpa"]).abs()
-    agree = (first["flex"].argmax(-1) == first["sdpa"].argmax(-1)).float().mean().item()
-    return {"sdpa_tokens_per_s": rates["sdpa"], "flex_tokens_per_s": rates["flex"],
-            "flex_over_sdpa": rates["flex"] / rates["sdpa"], "max_abs": diff.max().item(), "top1_agreement": agree,
-            "sdpa_first_step_s": warm_up["sdpa"], "flex_first_step_s": warm_up["flex"]}
+    (sdpa, sdpa_first_s, sdpa_rate), (got, flex_first_s, flex_rate) = results["sdpa"], results["flex"]
+    agree = (got.argmax(-1) == sdpa.argmax(-1)).float().mean().item()
+    return {"sdpa_tokens_per_s": sdpa_rate, "flex_tokens_per_s": flex_rate, "flex_over_sdpa": flex_rate / sdpa_rate,
+            "max_abs": (got - sdpa).abs().max().item(), "top1_agreement": agree,
+            "sdpa_first_step_s": sdpa_first_s, "flex_first_step_s": flex_first_s}
+
+
+def compare(net, device: str, policy: str, budget: int | None, rows: int, context: int, steps: int,
+            static: bool) -> dict:
+    """Tokens/s of `steps` greedy one-token steps through SDPA, then through FlexAttention, each from an equal cache
+    after one warm-up step, whose logits are compared (`_against_sdpa`)."""
+    def measure():
+        cache, ids, step = _cache(net, policy, budget, rows, context, steps, static)
+        tokens = torch.randint(0, net.args.vocab_size, (rows,), device=device)
+
+        def decode(tokens: torch.Tensor) -> torch.Tensor:
+            return step(ids, tokens) if step is not None else net.decode(tokens, cache, ids)
+
+        with torch.inference_mode():
+            start = time.perf_counter()
+            first = decode(tokens).float()
+            tokens = first.argmax(-1)
+            sync(device)
+            warm_up = time.perf_counter() - start
+            start = time.perf_counter()
+            for _ in range(steps):
+                tokens = decode(tokens).argmax(-1)
+            sync(device)
+        return first, warm_up, rows * steps / (time.perf_counter() - start)
+
+    return _against_sdpa(measure)
+
+
+def compare_forward(net, device: str, rows: int, context: int, tokens: int, repeats: int) -> dict:
+    """Tokens/s of forwards of `tokens` new tokens a row over `context` cached ones (the PRM's scoring shape: each
+    row's candidate read as a suffix of its cached prefix), through SDPA (each row's blocks gathered), then through
+    FlexAttention (read in place), each from an equal full cache: one forward (compilation) whose last logits are
+    compared, then `repeats` more timed."""
+    def measure():
+        cache, ids, _ = _cache(net, "none", None, rows, context, (repeats + 1) * tokens, static=False)
+        new = torch.randint(0, net.args.vocab_size, (rows, tokens), device=device)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            first = net.prefill(new, cache, ids, [tokens] * rows).float()
+            sync(device)
+            warm_up = time.perf_counter() - start
+            start = time.perf_counter()
+            for _ in range(repeats):
+                net.prefill(new, cache, ids, [tokens] * rows)
+            sync(device)
+        return first, warm_up, rows * tokens * repeats / (time.perf_counter() - start)
+
+    return _against_sdpa(measure)
 
 
 def flex_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan: dict) -> None:
@@ -107,4 +142,13 @@ def flex_section(check: Check, device: str, dtype: torch.dtype, tiny: bool, plan
             held = context + plan["steps"] + 1 if policy == "none" else budget + 128
             check.measure("flex", record, deadline, lambda: compare(net(), device, policy, budget, rows, context,
                                                                     plan["steps"], static),
+                          too_big(device, 2 * rows * held * entry))
+    tokens, repeats = (plan["steps"], 1) if tiny else (FORWARD_TOKENS, FORWARD_REPEATS)
+    for rows in plan["rows"][:1] if tiny else FORWARD_ROWS:
+        for context in plan["contexts"][:1] if tiny else FORWARD_CONTEXTS:
+            record = {"rows": rows, "context": context, "evictor": "none", "budget": None, "step": "forward",
+                      "tokens": tokens, "cuda_graphs": False}
+            held = context + (repeats + 1) * tokens
+            check.measure("flex", record, deadline, lambda: compare_forward(net(), device, rows, context, tokens,
+                                                                            repeats),
                           too_big(device, 2 * rows * held * entry))

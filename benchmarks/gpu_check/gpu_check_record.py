@@ -178,7 +178,8 @@ def describe_result(section: str, r: dict) -> str:
         what = f"{r['method']} cell profile, {r['problems_in']} problems graphs={'on' if r['cuda_graphs'] else 'off'}"
     elif section == "flex":
         budget = f" B={r['budget']}" if r.get("budget") else ""
-        what = (f"FlexAttention vs SDPA rows={r['rows']} ctx={r['context']} {r['evictor']}{budget} {r['step']}"
+        tokens = f" of {r['tokens']} tokens" if "tokens" in r else ""
+        what = (f"FlexAttention vs SDPA rows={r['rows']} ctx={r['context']} {r['evictor']}{budget} {r['step']}{tokens}"
                 if "rows" in r else "FlexAttention vs SDPA")
     elif section == "decode":
         budget = f" B={r['budget']}" if r["budget"] else ""

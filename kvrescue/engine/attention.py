@@ -138,15 +138,21 @@ class PagedKeys:
     owner: torch.Tensor | None = None  # [P] the sequence of each chunk
     hidden: torch.Tensor | None = None  # [P, T, L] key l of chunk p is invisible to query t of its sequence
     visible: Visibility | None = None  # whole rows: [S, T or 1, L] key l of sequence s visible to query t
-    flex: "flex.PagedSteps | None" = None  # FlexAttention's block mask: one query a sequence, read in place
+    flex: "flex.PagedSteps | None" = None  # FlexAttention's block mask: causal queries, the pools read in place
 
 
-def reader(k_pool: torch.Tensor, queries: int, causal: bool) -> str:
-    """The kernel that reads keys in pools like `k_pool`: "flash" (flash-attn's paged kernel: FLASH_BLOCK-token
-    blocks), "flex" (FlexAttention in place: decode steps, one causal query a sequence, `flex.serves`), else "torch"."""
-    if use_flash(k_pool) and k_pool.shape[1] % FLASH_BLOCK == 0:
+def flash_reads(k_pool: torch.Tensor) -> bool:
+    """Whether flash-attn's paged kernel reads pools like `k_pool` (FLASH_BLOCK-token blocks)."""
+    return use_flash(k_pool) and k_pool.shape[1] % FLASH_BLOCK == 0
+
+
+def reader(k_pool: torch.Tensor, queries: int, causal: bool, rows: int) -> str:
+    """The kernel that reads the keys of `rows` sequences with `queries` queries each in pools like `k_pool`: "flash"
+    (`flash_reads`), "flex" (FlexAttention in place: causal queries, a decode step's one a sequence or a forward's
+    several, `flex.serves`), else "torch"."""
+    if flash_reads(k_pool):
         return "flash"
-    return "flex" if queries == 1 and causal and flex.serves(k_pool) else "torch"
+    return "flex" if causal and flex.serves(k_pool, queries, rows) else "torch"
 
 
 def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, queries: int,
@@ -161,7 +167,7 @@ def paged_layout(k_pool: torch.Tensor, table: np.ndarray, cached: np.ndarray, qu
     reads the keys (`reader`): the table alone, read in place. Send the arrays to the device (`transfer.upload_all`)
     and build the keys there with `paged_keys`: nothing waits for the device."""
     layout = {"table": table, "cached": cached}
-    if reader(k_pool, queries, causal) != "torch":
+    if reader(k_pool, queries, causal, len(cached)) != "torch":
         return layout
     block_size = k_pool.shape[1]
     per_chunk = max(1, CHUNK_TOKENS // block_size)
@@ -191,8 +197,9 @@ def paged_keys(k_pool: torch.Tensor, layout: dict[str, torch.Tensor], queries: i
     own). Not causal: every query sees keys 0..cached[s] - 1. flash-attn serves FLASH_BLOCK-token blocks;
     other sizes take the torch path; FlexAttention, where `paged_layout` chose it, reads the table in place."""
     table, cached = layout["table"], layout["cached"]
-    if reader(k_pool, queries, causal) == "flex":
-        return PagedKeys(table, cached, causal, flex=flex.PagedSteps(table, cached, k_pool.shape[0], k_pool.shape[1]))
+    if reader(k_pool, queries, causal, cached.shape[0]) == "flex":
+        steps = flex.PagedSteps(table, cached, k_pool.shape[0], k_pool.shape[1], queries)
+        return PagedKeys(table, cached, causal, flex=steps)
     if "blocks" not in layout:
         return PagedKeys(table, cached, causal)
     if "owner" not in layout:  # whole rows

@@ -12,7 +12,7 @@ import torch
 
 import kvrescue.engine.invariance as invariance
 from kvrescue.engine.attention import (FLASH_BLOCK, ROWS_PADDING, Visibility, attend_masked, attend_paged,
-                                       merge_partials, padded_visibility, paged_keys, reader, use_flash)
+                                       flash_reads, merge_partials, padded_visibility, paged_keys, use_flash)
 from kvrescue.engine.block_table import BlockTable
 from kvrescue.engine.paged_forward import (Groups, PagedForward, SharedPrefixes, cascading, filled_blocks,
                                            forward_arrays, slot_copies)
@@ -89,12 +89,13 @@ class FullCache(KVCache):
     lengths and reference counts are host arrays (`block_table.BlockTable`): the host decides where every block
     lies, so a forward's metadata is computed on the host and sent in one copy that does not wait for the device.
 
-    Attention reads the blocks in place through the block table (`attend_paged`: flash-attn on a GPU,
-    else torch), each row only its own blocks. With cascade, rows of a forward that share their first
-    blocks (a problem's candidates, forked from its committed prefix) form a group: the group's queries
-    attend to the shared blocks in one pass that reads them once, each row to its remaining blocks in
-    another, and the two results are merged exactly by their log-sum-exp. A forward whose rows hold no keys yet (a
-    first prefill) attends over its new keys alone on the torch path (no paged read), its mask laid out once.
+    Attention reads the blocks in place through the block table (`attend_paged`: flash-attn on a GPU, else
+    FlexAttention on CUDA where it serves, `flex.serves`, else torch), each row only its own blocks. With cascade,
+    rows of a forward that share their first blocks (a problem's candidates, forked from its committed prefix) form a
+    group: the group's queries attend to the shared blocks in one pass that reads them once, each row to its remaining
+    blocks in another, and the two results are merged exactly by their log-sum-exp. A forward whose rows hold no keys
+    yet (a first prefill) attends over its new keys alone where flash-attn does not read the pools (no paged read), its
+    mask laid out once.
     `cascade`: the cost model a forward cascades by, when it says cascade is faster (`shapes.CascadeCost`;
     `shapes.ALWAYS_CASCADE`: whenever rows share a block; None: never, even with batch invariance on; "device": the
     device kind's, `shapes.cascade_cost_on`); with batch invariance on, each group cascades alone when its rows would
@@ -206,9 +207,9 @@ class FullCache(KVCache):
         cow_src, cow_dst = self.block_table.append(rows_np[~held], n_np[~held])
         T = int(n_np.max())
         groups = self._cascading(rows_np, lengths, T)
-        # No row holds keys yet (torch path; batch invariance keeps the paged read): attention over the new keys alone,
-        # no paged layout of the rows.
-        fresh = not lengths.any() and not invariance.on() and reader(self.k[0], T, True) == "torch"
+        # No row holds keys yet (not where flash-attn reads; batch invariance keeps the paged read): attention over the
+        # new keys alone, which SDPA reads where they are, no paged layout of the rows.
+        fresh = not lengths.any() and not invariance.on() and not flash_reads(self.k[0])
         host = forward_arrays(self.block_table, self.k[0], rows_np, lengths, n_np, groups, self.rows_padding, not fresh)
         if fresh:
             host["new_lengths"] = n_np

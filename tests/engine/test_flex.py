@@ -131,6 +131,25 @@ def test_the_kernel_is_checked_once_against_sdpa_and_sdpa_serves_where_it_fails(
     assert capsys.readouterr().err == "kvrescue: FlexAttention disagrees with SDPA on cpu in torch.float32; SDPA serves\n"
 
 
+def test_forwards_of_several_tokens_are_checked_on_their_own(monkeypatch, capsys) -> None:
+    """`runs_on(..., several=True)` checks forwards of several tokens a row (FlexAttention's decoding kernel and, from
+    QUERY_BLOCK folded queries, its main one) apart from the one-token steps: a main kernel that cannot be built
+    keeps them on SDPA, the one-token steps on FlexAttention."""
+    check = flex.runs_on.__wrapped__
+    assert check(torch.device("cpu"), torch.float32, several=True) and capsys.readouterr().err == ""
+    attend = flex._attend
+
+    def no_main_kernel(q, *args, **kwargs):
+        if q.shape[2] >= flex.QUERY_BLOCK:
+            raise RuntimeError("Q and KV block size must be divisible by BLOCK_M and BLOCK_N")
+        return attend(q, *args, **kwargs)
+
+    monkeypatch.setattr(flex, "_attend", no_main_kernel)
+    assert check(torch.device("cpu"), torch.float32)
+    assert not check(torch.device("cpu"), torch.float32, several=True)
+    assert "FlexAttention does not run on cpu (RuntimeError: Q and KV block size" in capsys.readouterr().err
+
+
 def _flex_calls(monkeypatch) -> list[int]:
     """A list that grows by one at each FlexAttention call."""
     calls, attend = [], flex._attend
@@ -238,3 +257,185 @@ def test_kvrescue_flex_in_the_environment_sets_the_choice(value, serves) -> None
     done = subprocess.run([sys.executable, "-c", "import kvrescue.engine.flex as f; print(f.SERVES)"], env=env,
                           capture_output=True, text=True, check=True, timeout=120)
     assert done.stdout.strip() == str(serves)
+
+
+def _paged_rows(generator, tokens: int):
+    """Rows of a paged pool for forwards of several tokens: forks sharing blocks (rows 0-2), last blocks partly
+    filled, ragged cached lengths and new-token counts (row 3 caches nothing), tables padded with a row's own last
+    block or another row's; pools [24 blocks, 4, Hkv, D]."""
+    bs, pool_blocks = 4, 24
+    k_pool, v_pool = torch.randn(2, pool_blocks, bs, HKV, D, generator=generator)
+    blocks = [[5, 9, 2, 13], [5, 9, 11, 3, 7, 1, 14], [5, 9, 15], [8, 16], [4, 6, 10]]
+    cached = torch.tensor([10, 22, 7, 0, 4])
+    new = torch.tensor([tokens, 3, tokens - 1, tokens, 1])
+    table = torch.tensor([b + [b[-1] if i % 2 else 12] * (8 - len(b)) for i, b in enumerate(blocks)])
+    return k_pool, v_pool, blocks, table, cached, new, bs, pool_blocks
+
+
+def test_paged_mask_of_several_tokens_shows_each_query_its_cached_keys_and_its_own_causally(flex_on) -> None:
+    """The block mask of a forward of T new tokens a row (folded: 7 query heads x T' = 32 padded tokens, one query
+    tile of 256), read as the kernel reads it (the blocks listed for the row, then the mask function): query t of row
+    s sees exactly the pool positions of its keys 0 .. cached[s] + t (a direct transcription), whatever its head;
+    padding tokens and padding rows see key 0 at least."""
+    k_pool, _, blocks, table, cached, new, bs, pool_blocks = _paged_rows(torch.Generator().manual_seed(5), 6)
+    group, tokens = 7, 32
+    mask = flex.paged_mask(table, cached, pool_blocks, bs, group, tokens, new)
+    assert mask.BLOCK_SIZE == (256, bs) and mask.kv_num_blocks.shape == (8, 1, 1)  # rows padded to 8, one tile
+    positions = torch.arange(pool_blocks * bs)
+    for row in range(8):
+        listed = torch.isin(positions // bs, mask.kv_indices[row, 0, 0, : mask.kv_num_blocks[row, 0, 0]])
+        for query in range(group * tokens):
+            seen = listed & mask.mask_mod(torch.tensor(row), torch.tensor(0), torch.tensor(query), positions)
+            t = query % tokens
+            if row < len(blocks) and t < new[row]:
+                keys = range(int(cached[row]) + t + 1)
+                want = {blocks[row][j // bs] * bs + j % bs for j in keys}
+                assert set(positions[seen].tolist()) == want, (row, query)
+            else:
+                assert seen[table[row, 0] * bs if row < len(blocks) else 0]
+
+
+def test_paged_attention_of_several_tokens_equals_causal_sdpa_over_each_rows_keys(flex_on) -> None:
+    """`PagedSteps` of T = 5 new tokens a row (padded to 8): output and log-sum-exp of each valid token equal SDPA's
+    over its row's keys gathered (cached, then the new ones causally), with GQA."""
+    generator = torch.Generator().manual_seed(6)
+    k_pool, v_pool, blocks, table, cached, new, bs, pool_blocks = _paged_rows(generator, 5)
+    q = torch.randn(len(blocks), HQ, 5, D, generator=generator)
+    out, lse = flex.PagedSteps(table, cached, pool_blocks, bs, 5, new).attend(q, k_pool, v_pool)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    for row, ids in enumerate(blocks):
+        n, c = int(new[row]), int(cached[row])
+        keys, values = (pool[ids].flatten(0, 1)[: c + n].transpose(0, 1)[None] for pool in (k_pool, v_pool))
+        visible = torch.arange(c + n)[None, :] <= c + torch.arange(n)[:, None]
+        queries = q[row: row + 1, :, :n]
+        want = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, visible, enable_gqa=True)
+        scores = queries[0] @ keys[0].repeat_interleave(HQ // HKV, 0).transpose(1, 2) * D**-0.5  # [Hq, n, c + n]
+        torch.testing.assert_close(out[row: row + 1, :, :n], want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(lse[row, :, :n], scores.masked_fill(~visible, float("-inf")).logsumexp(-1),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def _appends(net, cache, generator) -> list[torch.Tensor]:
+    """The logits of each valid new token of a full cache's forwards of several tokens a row over cached keys: three
+    rows' prompts (a first prefill), appends to them (ragged lengths and counts, last blocks partly filled), appends to
+    forks of two of them (sharing blocks, a partly filled one copied) beside their parent, and a committed step fed
+    with forks made from the room reserved for it (a PRM's scoring: the forks copy a block filled in that forward)."""
+    def forward(rows, counts):
+        tokens = torch.randint(0, net.args.vocab_size, (len(rows), max(counts)), generator=generator)
+        with torch.inference_mode():
+            logits = net.prefill(tokens, cache, rows, counts, last_only=False)
+        return logits[torch.arange(max(counts))[None, :] < torch.tensor(counts)[:, None]]
+
+    rows = [cache.create() for _ in range(3)]
+    logits = [forward(rows, [5, 20, 33]), forward(rows, [7, 3, 12])]
+    forks = cache.fork(rows[0], 2) + cache.fork(rows[2], 1)
+    logits.append(forward(forks + [rows[1]], [4, 9, 6, 5]))
+    cache.reserve([rows[2]], [5])
+    scored = cache.fork(rows[2], 2)
+    logits.append(forward([rows[2]] + scored, [5, 8, 3]))
+    return logits
+
+
+@pytest.mark.parametrize("cascade", ["paged", "cascade"])
+def test_full_cache_forwards_of_several_tokens_through_flex_equal_sdpa(qwen2_dir, cascade, monkeypatch) -> None:
+    """Appends, forks' appends and a PRM-style scoring forward over cached keys (`_appends`), paged and cascading
+    (whose rows' own blocks then go through FlexAttention, merged by its log-sum-exp with the shared pass): every
+    forward over cached keys through FlexAttention, the logits of every valid token and the greedy tokens of the SDPA
+    path."""
+    from kvrescue.engine import caches
+    from kvrescue.shapes import ALWAYS_CASCADE
+
+    net = load_model(qwen2_dir).net
+    calls, merges, merge = _flex_calls(monkeypatch), [], caches.merge_partials
+    monkeypatch.setattr(caches, "merge_partials", lambda *parts: merges.append(1) or merge(*parts))
+    logits = {}
+    for on in (False, True):
+        monkeypatch.setattr(flex, "SERVES", on)
+        cache = FullCache.for_model(net, 1024, max_rows=8, max_row_tokens=128, block_size=16,
+                                    cascade=ALWAYS_CASCADE if cascade == "cascade" else None)
+        logits[on] = _appends(net, cache, torch.Generator().manual_seed(7))
+    assert len(calls) == 3 * net.args.n_layers  # the first prefill attends over its new keys alone
+    assert bool(merges) == (cascade == "cascade")  # the scoring forward's rows share two blocks: cascaded
+    for got, want in zip(logits[True], logits[False]):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_the_prm_scores_through_flex_as_through_sdpa(prm_dir, monkeypatch) -> None:
+    """A PRM scoring candidates as suffixes of cached prefixes, then committed steps fed with the next candidates:
+    the candidates' forwards through FlexAttention, the scores of the SDPA path."""
+    from kvrescue.engine.prm import PRMScorer
+
+    prm = load_model(prm_dir)
+    calls = _flex_calls(monkeypatch)
+    scores = {}
+    for on in (False, True):
+        monkeypatch.setattr(flex, "SERVES", on)
+        scorer = PRMScorer(prm, max_problems=2, max_candidates=8)
+        for key, problem in enumerate(["What is 3x + 5 = 20 for x?", "Compute 1 + 2 + 3 + ... + 10."]):
+            scorer.open(key, problem)
+        texts = ["Step 1: 3x = 15.\n\n", "x = 7.\n\n", "We compute the sum.\n\n"]
+        scores[on] = scorer.score([(key, text, []) for key in range(2) for text in texts])
+        for key in range(2):
+            scorer.commit(key, texts[key])
+        scores[on] += scorer.score([(key, text, []) for key in range(2) for text in texts[1:]])
+    assert calls
+    assert scores[True] == pytest.approx(scores[False], abs=2e-5)
+
+
+def test_forwards_of_several_tokens_read_the_pools_in_place(qwen2_dir, monkeypatch) -> None:
+    """A full cache's forward of several tokens a row over cached keys through FlexAttention gathers nothing out of
+    the K/V pools; through SDPA it gathers every row's blocks (whole rows padded to the longest)."""
+    from torch.nn.attention import flex_attention
+
+    monkeypatch.setattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    net = load_model(qwen2_dir).net
+    largest = {}
+    for on in (False, True):
+        monkeypatch.setattr(flex, "SERVES", on)
+        cache = FullCache.for_model(net, 1024, max_rows=8, max_row_tokens=128, block_size=16, cascade=None)
+        prompt = torch.randint(0, net.args.vocab_size, (3, 33), generator=torch.Generator().manual_seed(8))
+        rows = [cache.create() for _ in range(4)]
+        cache.release([rows.pop(1)])  # rows in blocks apart
+        net.prefill(prompt, cache, rows, [33] * 3)
+        with PoolGathers(cache) as counter, torch.inference_mode():
+            net.prefill(prompt[:, :6], cache, rows, [6, 4, 5])
+        largest[on] = counter.largest
+        assert counter.flex_calls == (net.args.n_layers if on else 0)
+    assert largest[False] >= 3 * net.args.n_kv_heads * 48 * net.args.head_dim and largest[True] == 0
+
+
+def test_forwards_of_new_shapes_past_the_budget_take_sdpa(flex_on, monkeypatch) -> None:
+    """The compiled kernel is specialised to each shape: forwards of several tokens a row take FlexAttention in the
+    first FORWARD_SHAPES shapes (rows and tokens bucketed, pools) of the process, SDPA in later ones; one-token steps
+    always."""
+    from kvrescue.engine.attention import reader
+
+    monkeypatch.setattr(flex, "_forward_shapes", set())
+    monkeypatch.setattr(flex, "FORWARD_SHAPES", 2)
+    pool = torch.zeros(8, 16, HKV, D)
+    assert [reader(pool, tokens, True, rows) for tokens, rows in ((32, 5), (20, 8), (3, 8))] == ["flex"] * 3
+    assert reader(pool, 64, True, 8) == reader(torch.zeros(9, 16, HKV, D), 32, True, 8) == "torch"  # a third shape
+    assert reader(pool, 4, True, 7) == "flex" and reader(pool, 1, True, 100) == "flex"
+    assert reader(pool, 4, False, 7) == "torch"  # not causal: the cascade's shared pass
+
+
+def test_paged_steps_take_a_static_forwards_padded_rows_and_token_counts(flex_on) -> None:
+    """As a static (CUDA-graph) forward would call it: a block table padded with rows of a scratch block (0 cached, 0
+    new tokens), every row's queries padded to a fixed 8 tokens, per-row new-token counts as a tensor: the real rows'
+    valid tokens as without the padding, every output finite."""
+    generator = torch.Generator().manual_seed(9)
+    k_pool, v_pool, blocks, table, cached, new, bs, pool_blocks = _paged_rows(generator, 5)
+    q = torch.randn(len(blocks), HQ, 5, D, generator=generator)
+    want, want_lse = flex.PagedSteps(table, cached, pool_blocks, bs, 5, new).attend(q, k_pool, v_pool)
+    scratch = pool_blocks - 1
+    padded_table = torch.cat([table, torch.full((3, table.shape[1]), scratch)])
+    padded_cached, padded_new = (torch.cat([counts, torch.zeros(3, dtype=torch.long)]) for counts in (cached, new))
+    padded_q = torch.nn.functional.pad(torch.cat([q, torch.randn(3, HQ, 5, D, generator=generator)]), (0, 0, 0, 3))
+    got, lse = flex.PagedSteps(padded_table, padded_cached, pool_blocks, bs, 8, padded_new).attend(padded_q, k_pool,
+                                                                                                   v_pool)
+    assert got.isfinite().all() and lse.isfinite().all()
+    for row in range(len(blocks)):
+        n = int(new[row])
+        torch.testing.assert_close(got[row, :, :n], want[row, :, :n], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(lse[row, :, :n], want_lse[row, :, :n], atol=1e-6, rtol=1e-5)
