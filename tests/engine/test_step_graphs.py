@@ -1,15 +1,23 @@
 """A decode iteration's sampling, step ends and detector in static shapes (`step_graphs`): the same traces as the
 unpadded iteration on the CPU (eagerly, over the padded buckets a GPU captures)."""
 
+from collections import Counter
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kvrescue_testkit.dry_run as dry
 
 from kvrescue.detect import DetectorConfig
 from kvrescue.engine import FullCache, load_model
+from kvrescue.engine import streams as model_streams
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.runner import Runner
 from kvrescue.engine.sampling import SamplingParams
-from kvrescue.engine.steps import StepRules
+from kvrescue.engine.step_graphs import StaticIterations
+from kvrescue.engine.steps import StepDecoder, StepRules
+from kvrescue_testkit.paper_shapes import SMALL_MODELS
 
 # Tuned on step_qwen2_dir: its steps end at the delimiter, EOS and the cap, and screened rows fire both tests.
 DETECTOR = DetectorConfig(tau_ent=5.85, ent_window=4, min_tokens=6, tau_cmp=1.2, cmp_chars=40)
@@ -62,3 +70,61 @@ def test_static_iterations_decode_the_unpadded_iterations_traces(step_qwen2_dir,
     finishes = {t[3] for runner in dynamic for t in runner}
     assert {"step", "eos", "length", "entropy", "repetition"} <= finishes, finishes
     assert all(len(runner) == 2 * (3 + 32 + 5) for runner in dynamic)
+
+
+class Dispatched(TorchDispatchMode):
+    """How many aten ops were dispatched (not the device guards' `prim.device` queries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += func.namespace == "aten"
+        return func(*args, **(kwargs or {}))
+
+
+def test_fake_cuda_cells_capture_each_runners_sampling_and_replay_it_with_almost_no_ops(monkeypatch):
+    """Dry runs of bon, kvrescue and full on fake CUDA (stream order checked) with CUDA graphs: every sampling
+    runner captures its iterations (per bucket of live lanes) and replays them; an iteration launched over a graph
+    captured already dispatches a handful of ops (its inputs' upload, its outputs' views, the copy to the host), where
+    the same iteration dispatched op by op takes dozens."""
+    monkeypatch.setattr(model_streams, "_STREAMS", {})  # made afresh on this fake device
+    roles, launches, iterations, captures = {}, Counter(), [], Counter()
+    build_cell, launch, iterate = dry.build_cell, StepDecoder.launch, StepDecoder._iterate
+
+    def recording_build(*args, **kwargs):
+        engine = build_cell(*args, **kwargs)
+        roles.update({id(runner): role for role, runner in engine.runners.items()})
+        return engine
+
+    def counted_launch(decoder, runner):
+        idle, captured = decoder.pending is None and decoder.busy, sum(captures.values())
+        with Dispatched() as dispatched:
+            launch(decoder, runner)
+        if idle:  # an iteration launched
+            role = roles[id(runner)]
+            if decoder.static is not None and decoder.static.graphs and sum(captures.values()) == captured:
+                launches[role, "replayed"] += 1
+                launches["most ops replayed"] = max(launches["most ops replayed"], dispatched.ops)
+            else:
+                launches[role, "captured or eager"] += 1
+
+    def counted_iterate(decoder, runner, inputs, detect=True):
+        with Dispatched() as dispatched:
+            out = iterate(decoder, runner, inputs, detect)
+        iterations.append(dispatched.ops)
+        return out
+
+    monkeypatch.setattr(dry, "build_cell", recording_build)
+    monkeypatch.setattr(StepDecoder, "launch", counted_launch)
+    monkeypatch.setattr(StepDecoder, "_iterate", counted_iterate)
+    capture = StaticIterations._capture
+    monkeypatch.setattr(StaticIterations, "_capture",
+                        lambda self, runner, inputs: captures.update([roles[id(runner)]]) or capture(self, runner, inputs))
+    run = dry.dry_run(("bon", "kvrescue", "full"), n=4, batch=2, synthetic=(4, 2), models=SMALL_MODELS)
+    assert [c.steps for c in run.cells] == [4, 4, 4]
+    assert set(captures) == {"base", "helper"}
+    for role in captures:
+        assert launches[role, "replayed"] > launches[role, "captured or eager"] > 0
+    assert launches["most ops replayed"] <= 8 < 30 <= min(iterations)
