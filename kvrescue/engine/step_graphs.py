@@ -40,42 +40,44 @@ class _Bucket:
 
 
 class StaticIterations:
-    """`iterate(runner, inputs)` over the live lanes padded to their bucket; captured once per bucket on CUDA."""
+    """An iteration (`iterate(runner, inputs)`) over the live lanes padded to their bucket; captured once per bucket on
+    CUDA. The iteration is passed in at each call, not kept: it is its decoder's method, and the decoder holds this
+    (a reference back would make a cycle that keeps a finished cell's lanes until a full garbage collection)."""
 
-    def __init__(self, iterate: Iterate, device: torch.device, graphs: bool, pool: Any = None) -> None:
-        self.iterate, self.device = iterate, device
+    def __init__(self, device: torch.device, graphs: bool, pool: Any = None) -> None:
+        self.device = device
         self.graphs = graphs and device.type == "cuda"
         self.memory = (pool or torch.cuda.graph_pool_handle()) if self.graphs else None
         self.buckets: dict[int, _Bucket] = {}
         self.reads: tuple[torch.Tensor, ...] = ()  # what the graphs read by address (held, so never reused)
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}  # each bucket's, shared by its captures
-        self.captures = 0
 
-    def __call__(self, runner, host: np.ndarray,
+    def __call__(self, iterate: Iterate, runner, host: np.ndarray,
                  reads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One iteration over the lanes of `host` ([3, live] int64); `reads`: the tensors it reads by address. The
+        """`iterate` over the lanes of `host` ([3, live] int64); `reads`: the tensors it reads by address. The
         inputs buffer, the tokens [bucket] and the packed results [5, bucket] (the live lanes first)."""
         if len(reads) != len(self.reads) or any(a is not b for a, b in zip(reads, self.reads)):
             self.buckets.clear()  # reallocated: the graphs read the old tensors
             self.reads = reads
         size = bucket(host.shape[1])
-        step = self.buckets.get(size) or self._prepare(runner, host.shape[0], size)
+        step = self.buckets.get(size) or self._prepare(iterate, runner, host.shape[0], size)
         padded = np.zeros((host.shape[0], size), np.int64)
         padded[:, : host.shape[1]] = host
         step.inputs.copy_(upload(padded, self.device))  # no wait for the device
         if step.graph is None:
-            return step.inputs, *self.iterate(runner, step.inputs)
+            return step.inputs, *iterate(runner, step.inputs)
         step.graph.replay()
         return step.inputs, *step.outputs
 
-    def _prepare(self, runner, fields: int, size: int) -> _Bucket:
+    def _prepare(self, iterate: Iterate, runner, fields: int, size: int) -> _Bucket:
         step = _Bucket(torch.zeros(fields, size, dtype=torch.long, device=self.device))  # padding only
         if self.graphs:
-            step.graph, step.outputs = self._capture(runner, step.inputs)
+            step.graph, step.outputs = self._capture(iterate, runner, step.inputs)
         self.buckets[size] = step
         return step
 
-    def _capture(self, runner, inputs: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+    def _capture(self, iterate: Iterate, runner,
+                 inputs: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
         """The iteration over `inputs` (padding only: it writes the scratch lane alone) captured on the capture
         stream, into the bucket's outputs; a bucket's first capture comes after one warm-up there (kernels made on
         first use), which also gives the outputs their shapes."""
@@ -85,14 +87,13 @@ class StaticIterations:
         stream.wait_stream(torch.cuda.current_stream())
         if size not in self.outputs:
             with torch.cuda.stream(stream):
-                warm = self.iterate(runner, inputs)
+                warm = iterate(runner, inputs)
             torch.cuda.current_stream().wait_stream(stream)
             self.outputs[size] = tuple(torch.empty_like(value) for value in warm)
             del warm
         outputs = self.outputs[size]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory, stream=stream):
-            for out, value in zip(outputs, self.iterate(runner, inputs)):
+            for out, value in zip(outputs, iterate(runner, inputs)):
                 out.copy_(value)
-        self.captures += 1
         return graph, outputs

@@ -120,7 +120,7 @@ class StepDecoder:
         self.free: list[int] = []
         self.scratch = int(static)  # lanes below it are never handed out: lane 0 is the static padding's
         self.live = np.zeros(0, np.int64)   # live lanes, in batch order
-        self.static = StaticIterations(self._iterate, device, graphs, pool) if static else None
+        self.static = StaticIterations(device, graphs, pool) if static else None
         # `launch`'s rows and tokens on the device (the live lanes first) and their copy to the host
         self.pending: tuple[torch.Tensor, torch.Tensor, Download] | None = None
 
@@ -181,7 +181,7 @@ class StepDecoder:
             detect = self.rules.detector is not None and bool(s.screened[live].any())
             tokens, packed = self._iterate(runner, inputs, detect)
         else:
-            inputs, tokens, packed = self.static(runner, host, (s.draws, runner.logits))
+            inputs, tokens, packed = self.static(self._iterate, runner, host, (s.draws, runner.logits))
         self.pending = (inputs[1, : len(live)], tokens[: len(live)], Download(packed))
 
     def _iterate(self, runner, inputs: torch.Tensor, detect: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,7 +121,8 @@ def test_fake_cuda_cells_capture_each_runners_sampling_and_replay_it_with_almost
     monkeypatch.setattr(StepDecoder, "_iterate", counted_iterate)
     capture = StaticIterations._capture
     monkeypatch.setattr(StaticIterations, "_capture",
-                        lambda self, runner, inputs: captures.update([roles[id(runner)]]) or capture(self, runner, inputs))
+                        lambda self, iterate, runner, inputs: captures.update([roles[id(runner)]])
+                        or capture(self, iterate, runner, inputs))
     run = dry.dry_run(("bon", "kvrescue", "full"), n=4, batch=2, synthetic=(4, 2), models=SMALL_MODELS)
     assert [c.steps for c in run.cells] == [4, 4, 4]
     assert set(captures) == {"base", "helper"}
