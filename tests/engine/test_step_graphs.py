@@ -16,6 +16,8 @@ from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.runner import Runner
 from kvrescue.engine.sampling import SamplingParams
 from kvrescue.engine.step_graphs import StaticIterations
+from kvrescue.engine import step_table as step_table_module
+from kvrescue.engine.step_table import StepTable
 from kvrescue.engine.steps import StepDecoder, StepRules
 from kvrescue_testkit.paper_shapes import SMALL_MODELS
 
@@ -60,8 +62,15 @@ def _traces(model, kind: str, static: bool) -> list[list[tuple]]:
     return [sorted(d) for d in done]
 
 
+@pytest.mark.filterwarnings("ignore:.*checked on decoded text")
+@pytest.mark.parametrize("exact", [True, False], ids=["table", "text"])
 @pytest.mark.parametrize("kind", ["bon", "full", "kvrescue"])
-def test_static_iterations_decode_the_unpadded_iterations_traces(step_qwen2_dir, kind) -> None:
+def test_static_iterations_decode_the_unpadded_iterations_traces(step_qwen2_dir, kind, exact, monkeypatch) -> None:
+    """Step ends from the token-id table, or (a tokenizer that can't be tabled) on decoded text for rows whose token
+    holds a newline."""
+    if not exact:
+        monkeypatch.setattr(StepTable, "_concatenates", staticmethod(lambda *args: False))
+        monkeypatch.setattr(step_table_module, "_TABLES", {})
     model = load_model(step_qwen2_dir)
     torch.manual_seed(0)
     dynamic = _traces(model, kind, static=False)
