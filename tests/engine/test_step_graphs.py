@@ -4,7 +4,6 @@ unpadded iteration on the CPU (eagerly, over the padded buckets a GPU captures).
 from collections import Counter
 
 import pytest
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvrescue_testkit.dry_run as dry
@@ -72,7 +71,6 @@ def test_static_iterations_decode_the_unpadded_iterations_traces(step_qwen2_dir,
         monkeypatch.setattr(StepTable, "_concatenates", staticmethod(lambda *args: False))
         monkeypatch.setattr(step_table_module, "_TABLES", {})
     model = load_model(step_qwen2_dir)
-    torch.manual_seed(0)
     dynamic = _traces(model, kind, static=False)
     static = _traces(model, kind, static=True)
     assert static == dynamic
