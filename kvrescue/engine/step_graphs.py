@@ -3,7 +3,7 @@ graph per bucket of live lanes on a GPU.
 
 The iteration's inputs (each live lane, its row of the kept logits, its screened flag) live in one static int64
 buffer [3, bucket] per bucket (a power of two), refilled from the host before each replay without waiting for the
-device (`transfer.upload`). The padding columns are zeros: lane 0, which a static decoder reserves as scratch, row
+device (`transfer.upload_into`). The padding columns are zeros: lane 0, which a static decoder reserves as scratch, row
 0 of the kept logits, not screened; what they compute lands in the scratch lane and past the live columns of the
 outputs, which nobody reads. The outputs (tokens, and the packed float64 [5, bucket] the host reads) are static
 buffers too, made outside the captures. Without CUDA, or with graphs off, the same iteration runs eagerly over the
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvrescue.engine.graphs import capture_stream
-from kvrescue.engine.transfer import upload
+from kvrescue.engine.transfer import upload_into
 from kvrescue.shapes import bucket
 
 Iterate = Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (runner, inputs) -> tokens, packed
@@ -63,7 +63,7 @@ class StaticIterations:
         step = self.buckets.get(size) or self._prepare(iterate, runner, host.shape[0], size)
         padded = np.zeros((host.shape[0], size), np.int64)
         padded[:, : host.shape[1]] = host
-        step.inputs.copy_(upload(padded, self.device))  # no wait for the device
+        upload_into(step.inputs, padded)
         if step.graph is None:
             return step.inputs, *iterate(runner, step.inputs)
         step.graph.replay()

@@ -94,7 +94,7 @@ class Dispatched(TorchDispatchMode):
 def test_fake_cuda_cells_capture_each_runners_sampling_and_replay_it_with_almost_no_ops(monkeypatch):
     """Dry runs of bon, kvrescue and full on fake CUDA (stream order checked) with CUDA graphs: every sampling
     runner captures its iterations (per bucket of live lanes) and replays them; an iteration launched over a graph
-    captured already dispatches a handful of ops (its inputs' upload, its outputs' views, the copy to the host), where
+    captured already dispatches a handful of ops (its inputs' one copy up, a view of its rows, the copy to the host), where
     the same iteration dispatched op by op takes dozens."""
     monkeypatch.setattr(model_streams, "_STREAMS", {})  # made afresh on this fake device
     roles, launches, iterations, captures = {}, Counter(), [], Counter()
@@ -135,4 +135,4 @@ def test_fake_cuda_cells_capture_each_runners_sampling_and_replay_it_with_almost
     assert set(captures) == {"base", "helper"}
     for role in captures:
         assert launches[role, "replayed"] > launches[role, "captured or eager"] > 0
-    assert launches["most ops replayed"] <= 8 < 30 <= min(iterations)
+    assert launches["most ops replayed"] <= 6 < 30 <= min(iterations)
