@@ -4,6 +4,7 @@ unpadded iteration on the CPU (eagerly, over the padded buckets a GPU captures).
 from collections import Counter
 
 import pytest
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvrescue_testkit.dry_run as dry
@@ -18,7 +19,11 @@ from kvrescue.engine.step_graphs import StaticIterations
 from kvrescue.engine import step_table as step_table_module
 from kvrescue.engine.step_table import StepTable
 from kvrescue.engine.steps import StepDecoder, StepRules
-from kvrescue_testkit.paper_shapes import SMALL_MODELS
+from kvrescue.engine.streams import ModelStream
+from kvrescue_testkit.dry_run import TokenScript, fake_model
+from kvrescue_testkit.fake_cuda import FakeCuda
+from kvrescue_testkit.paper_shapes import SMALL, SMALL_MODELS
+from kvrescue_testkit.random_checkpoints import build_tokenizer
 
 # Tuned on step_qwen2_dir: its steps end at the delimiter, EOS and the cap, and screened rows fire both tests.
 DETECTOR = DetectorConfig(tau_ent=5.85, ent_window=4, min_tokens=6, tau_cmp=1.2, cmp_chars=40)
@@ -136,3 +141,31 @@ def test_fake_cuda_cells_capture_each_runners_sampling_and_replay_it_with_almost
     for role in captures:
         assert launches[role, "replayed"] > launches[role, "captured or eager"] > 0
     assert launches["most ops replayed"] <= 6 < 30 <= min(iterations)
+
+
+def test_the_sampling_graphs_are_captured_again_when_the_lanes_or_the_kept_logits_move(monkeypatch):
+    """On fake CUDA: 3 candidates (bucket 4 captured), then 70 more (the lanes grow past 64, the runner's logits past
+    its 64 rows: both reallocated), then 3 again once those ended: bucket 4 is captured again, over the tensors of
+    now (a graph replayed over the old ones would sample from freed memory)."""
+    monkeypatch.setattr(model_streams, "_STREAMS", {})
+    captured = []
+    capture = StaticIterations._capture
+    monkeypatch.setattr(StaticIterations, "_capture", lambda self, iterate, runner, inputs: captured.append(
+        inputs.shape[1]) or capture(self, iterate, runner, inputs))
+    tokenizer = build_tokenizer(512)
+    rules = StepRules(frozenset(), SamplingParams(), max_step_tokens=8, fixed_length=3)
+    with FakeCuda(host_reads=TokenScript(tokenizer.encode(" x", add_special_tokens=False)[0])):
+        model = fake_model(SMALL, "base", tokenizer, torch.bfloat16, "cuda:0")
+        runner = Runner(model, FullCache.for_model(model.net, 4096, max_rows=160, max_row_tokens=64), cuda_graphs=True,
+                        stream=ModelStream.of(model.device, "base"))
+        (parent,) = runner.prefill([[5, 6, 7]])
+        for count in (3, 70, 3):
+            rows = runner.fork(parent, count)
+            runner.start(rows, [(0, count, i, 0) for i in range(count)], [3] * count, [False] * count, rules)
+            while runner.busy:
+                runner.prepare()
+                runner.advance()
+            runner.release(rows)
+        static = runner.steps.static
+        assert static.reads[0] is runner.steps.lanes.draws and static.reads[1] is runner.logits
+    assert captured == [4, 128, 4]
