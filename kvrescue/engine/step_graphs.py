@@ -81,7 +81,7 @@ class StaticIterations:
         """The iteration over `inputs` (padding only: it writes the scratch lane alone) captured on the capture
         stream, into the bucket's outputs; a bucket's first capture comes after one warm-up there (kernels made on
         first use), which also gives the outputs their shapes."""
-        torch.cuda.set_device(self.device)
+        torch.cuda.set_device(inputs.device)  # the capture stream and graph are the current device's (indexed)
         stream = capture_stream()
         size = inputs.shape[1]
         stream.wait_stream(torch.cuda.current_stream())
