@@ -6,8 +6,9 @@ buffer [3, bucket] per bucket (a power of two), refilled from the host before ea
 device (`transfer.upload_into`). The padding columns are zeros: lane 0, which a static decoder reserves as scratch, row
 0 of the kept logits, not screened; what they compute lands in the scratch lane and past the live columns of the
 outputs, which nobody reads. The outputs (tokens, and the packed float64 [5, bucket] the host reads) are static
-buffers too, made outside the captures. Without CUDA, or with graphs off, the same iteration runs eagerly over the
-same padded buffer: that is how the CPU tests check it against the unpadded call.
+buffers too, made outside the captures. Without CUDA, or with graphs off, a static decoder runs the same iteration
+eagerly over the same padded buffer: that is how the CPU tests check it against the unpadded call (a runner's decoder
+is static only where it captures, unless `Runner(static_sampling=True)`; elsewhere it runs the live lanes alone).
 
 A graph reads the lane state and the runner's kept logits at their addresses of its capture: when either is
 reallocated (`reads`: the lanes grew, the logits buffer grew), the graphs are captured again, as `graphs.StaticDecode`
