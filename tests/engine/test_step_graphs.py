@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import kvrescue.engine.invariance as invariance
 import kvrescue_testkit.dry_run as dry
 
 from kvrescue.detect import DetectorConfig
@@ -82,6 +83,14 @@ def test_static_iterations_decode_the_unpadded_iterations_traces(step_qwen2_dir,
     finishes = {t[3] for runner in dynamic for t in runner}
     assert {"step", "eos", "length", "entropy", "repetition"} <= finishes, finishes
     assert all(len(runner) == 2 * (3 + 32 + 5) for runner in dynamic)
+
+
+def test_static_iterations_under_deterministic_decode_the_unpadded_iterations_traces(step_qwen2_dir) -> None:
+    """With batch invariance on (`--deterministic`: the entropy's sums in fixed chunks), the padded buckets decode
+    the unpadded iterations' traces too."""
+    invariance.enable(True)  # conftest turns it off after every test
+    model = load_model(step_qwen2_dir)
+    assert _traces(model, "kvrescue", static=True) == _traces(model, "kvrescue", static=False)
 
 
 class Dispatched(TorchDispatchMode):
