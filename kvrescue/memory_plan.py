@@ -8,8 +8,8 @@
   cache besides the sampled helper's (two caches: summed);
 - buffers: each sampling runner's fp32 next-token logits (rows rounded up to 64 x a power of two) and its step
   lanes (each candidate's draws table and detector state), the helper-loglik scorer's last logits per problem, and
-  on CUDA with graphs their pool (one decode forward with its FlexAttention block mask, and every row bucket's
-  logits);
+  on CUDA with graphs their pool (one decode forward with its FlexAttention block mask or one iteration's sampling,
+  whichever is larger, and every row bucket's logits) and the step lanes' scratch lane;
 - activations: the largest transient of any one moment: a forward's peak (a batch of prompts, a decode step and
   its sampling, with FlexAttention's block mask over a full cache on CUDA without flash-attn, a commit and the
   base's compression, the PRM's or helper-loglik's scoring of every candidate, padded to the longest), or a
@@ -197,8 +197,9 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         """A runner that prefills prompts, decodes candidates and commits steps (base or helper)."""
         buffer = rows_room(s.batch * (s.n + 1))
         add(role, "buffers", buffer * r.vocab * FP32, f"fp32 logits of {buffer} rows")
-        add(role, "buffers", step_lanes_bytes(rows_open, s.step_draws or step, s.detector_window),
-            f"step lanes of {rows_open} candidates: draws and detector state")
+        add(role, "buffers", step_lanes_bytes(rows_open + graphs, s.step_draws or step, s.detector_window),
+            f"step lanes of {rows_open} candidates: draws and detector state"
+            + (", and the graphs' scratch lane" if graphs else ""))
         moment(role, buffer // 2 * r.vocab * FP32, "logits buffer doubling (old + new)")
         moment(role, fwd(r, s.batch, prompt, prefill), f"prefill of {s.batch} prompts")
         moment(role, max(sample_bytes(rows_open, r.vocab), decode() + rows_open * r.vocab * FP32),
@@ -208,11 +209,12 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
     graphs = dev.cuda and dev.cuda_graphs
 
     def graph_pool(role: str, r: _Role, keys: Keys, mask: int = 0) -> None:
-        """The CUDA graphs' memory pool of a runner's one-token steps: a decode step at the largest row bucket (with
-        its block mask's `mask` bytes), and each row bucket's logits."""
+        """The CUDA graphs' memory pool of a runner's one-token steps and its sampling (`steps.StepDecoder`, the same
+        pool: one or the other runs at a time): a decode step at the largest row bucket (with its block mask's `mask`
+        bytes) or that bucket's sampling, and each row bucket's logits."""
         rows = bucket(rows_open)
-        add(role, "buffers", fwd(r, rows, 1, keys) + mask + 2 * rows * r.vocab * b,
-            "CUDA graph pool: a decode step, each row bucket's logits")
+        add(role, "buffers", max(fwd(r, rows, 1, keys) + mask, sample_bytes(rows, r.vocab)) + 2 * rows * r.vocab * b,
+            "CUDA graph pool: a decode step or its sampling, each row bucket's logits")
 
     def full_runner(role: str) -> None:
         r = roles[role]

@@ -36,17 +36,18 @@ def test_flexattentions_block_mask_over_a_full_cache_is_what_the_plan_counts(row
         del mask
 
 
-@pytest.mark.parametrize("starts, detector, fixed_length", [([12], True, None), ([64], False, None), ([65], True, 8),
-                                                            ([200], False, 40), ([40, 60], True, None)])
-def test_a_runners_step_lanes_are_what_the_plan_counts(starts, detector, fixed_length):
+@pytest.mark.parametrize("starts, detector, fixed_length, static", [
+    ([12], True, None, False), ([64], False, None, False), ([65], True, 8, False), ([200], False, 40, False),
+    ([40, 60], True, None, False), ([64], True, None, True), ([63], False, None, True)])
+def test_a_runners_step_lanes_are_what_the_plan_counts(starts, detector, fixed_length, static):
     """`StepDecoder.start` of `starts` candidates in turn (none finished): its lanes (a power of two, at least 64)
     hold each candidate's draws table (fp32, one a column: max_step_tokens, or a synthetic step's length) and the
-    detector's state."""
-    rows = sum(starts)
+    detector's state; in static shapes (sampling in CUDA graphs) one lane more, the padding's scratch lane."""
+    rows = sum(starts) + static
     detect = DetectorConfig() if detector else None
     rules = StepRules(frozenset(), SamplingParams(), max_step_tokens=24, fixed_length=fixed_length, detector=detect)
     with FakeCuda() as cuda:
-        decoder = StepDecoder(torch.device("cuda:0"), build_tokenizer(), rules)
+        decoder = StepDecoder(torch.device("cuda:0"), build_tokenizer(), rules, static=static, graphs=static)
         def start_all() -> None:
             for first, count in zip(accumulate(starts, initial=0), starts):
                 block = list(range(first, first + count))

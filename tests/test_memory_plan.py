@@ -322,10 +322,12 @@ def test_the_plan_counts_flexattentions_block_mask_and_each_runners_step_lanes(g
                                  step_draws=32, detector_window=12)
     rows, pool_blocks = 4 * 8, engine_bytes.full_cache_tokens(4, 8, 512, 4096) // 16 + graphs
 
-    def plans(mask: bool, invariant: bool = False) -> dict[str, int]:
+    def plans(mask: bool, invariant: bool = False, sampling: bool = True) -> dict[str, int]:
         with monkeypatch.context() as patch:
             if not mask:
                 patch.setattr(memory_plan, "paged_mask_bytes", lambda rows, blocks: 0)
+            if not sampling:
+                patch.setattr(memory_plan, "sample_bytes", lambda rows, vocab: 0)
             plan = memory_plan.plan_cell(archs, cell, memory_plan.DeviceKind(cuda=True, dtype_bytes=2,
                                                                              cuda_graphs=graphs, invariant=invariant))
         return {p.what: p.bytes for p in plan.moments + plan.parts if p.role == "helper"}
@@ -334,8 +336,12 @@ def test_the_plan_counts_flexattentions_block_mask_and_each_runners_step_lanes(g
     mask = engine_bytes.paged_mask_bytes(rows, pool_blocks)
     step = "decode step of 32 candidates and its sampling"
     assert counted[step] - without[step] == mask
-    if graphs:
-        pool = "CUDA graph pool: a decode step, each row bucket's logits"
-        assert counted[pool] - without[pool] == mask
+    if graphs:  # the pool holds the larger of a decode step (with its mask) and the sampling of the same bucket
+        pool = "CUDA graph pool: a decode step or its sampling, each row bucket's logits"
+        assert plans(True, sampling=False)[pool] - plans(False, sampling=False)[pool] == mask
+        logits = 2 * rows * archs["helper"].args.vocab_size * 2
+        assert counted[pool] - logits == max(plans(True, sampling=False)[pool] - logits,
+                                             engine_bytes.sample_bytes(rows, archs["helper"].args.vocab_size))
     assert plans(True, invariant=True) == plans(False, invariant=True)  # --deterministic: SDPA, no mask
-    assert counted["step lanes of 32 candidates: draws and detector state"] == engine_bytes.step_lanes_bytes(32, 32, 12)
+    lanes = "step lanes of 32 candidates: draws and detector state" + (", and the graphs' scratch lane" if graphs else "")
+    assert counted[lanes] == engine_bytes.step_lanes_bytes(32 + graphs, 32, 12)

@@ -5,7 +5,9 @@ the cell's runners and scorer (instance attributes over the class's, so the engi
 timed too) and the detector's gzip ratio, each call under a `torch.profiler.record_function` range of its phase:
 
 - `base decode`, `helper decode`: a role's `start`, `advance` and its forward steps (`decode`), less what is nested;
-- `sampling and detector`: `Runner.sample` and the detector's `gzip_ratio`, inside `advance`;
+- `sampling and detector`: a role's `prepare` (the iteration's sampling, step ends and detector launched: op by op
+  through `Runner.sample`, or with CUDA graphs a replay of the iteration's graph, `engine/step_graphs.py`),
+  `Runner.sample` wherever else it runs, and the detector's `gzip_ratio`, inside `advance`;
 - `PRM feed and scoring`: the scorer's `open`, `launch` (or `score`), `commit`, `close` (the PRM's, or the
   helper-loglik's), and the read of launched scores (`scoring.PendingScores.wait`, an iteration later);
 - `prefill`: a role's `prefill`; `commits and compression`: its `commit`, `fork_each`, `adopt`, `release` (the
@@ -17,7 +19,8 @@ time. With `sync` (the profile section on a GPU) every timed call ends with a de
 time of what a call launched is its phase's, and that wait is counted as the phase's `host waits` too (it perturbs
 the overlap of host and device that the engine relies on: the profile says where the time goes, the problems section
 how fast it goes). The section then runs the cell once more under `torch.profiler` to count, per decode iteration (a
-base `advance`), the kernels launched on a GPU (eagerly and through CUDA graph launches: the graphs' coverage), and on
+base `advance`), the kernels launched on a GPU (eagerly and through CUDA graph launches, the decode steps' graphs and
+the sampling's alike: the graphs' coverage), and on
 a CPU the aten operations dispatched (the proxy that every change can be measured by without a GPU).
 """
 
@@ -44,9 +47,9 @@ from kvrescue.engine.loader import LoadedModel
 from kvrescue.grid import GridOptions
 
 RUNNER_PHASES = {"start": "{role} decode", "advance": "{role} decode", "decode": "{role} decode",
-                 "sample": "sampling and detector", "prefill": "prefill", "commit": "commits and compression",
-                 "fork_each": "commits and compression", "adopt": "commits and compression",
-                 "release": "commits and compression"}
+                 "prepare": "sampling and detector", "sample": "sampling and detector", "prefill": "prefill",
+                 "commit": "commits and compression", "fork_each": "commits and compression",
+                 "adopt": "commits and compression", "release": "commits and compression"}
 SCORER_METHODS = ("open", "launch", "score", "commit", "close")
 PHASES = ("base decode", "helper decode", "sampling and detector", "PRM feed and scoring", "prefill",
           "commits and compression", "controller")

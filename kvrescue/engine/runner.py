@@ -29,9 +29,12 @@ class Runner:
     """One model with one cache: prefill, fork/adopt/release, candidate steps (`start`/`advance`), commit."""
 
     def __init__(self, model: LoadedModel, cache: KVCache, cuda_graphs: bool = False,
-                 stream: ModelStream | None = None) -> None:
-        """`cuda_graphs`: on a GPU, the one-token steps (on a bounded or a full cache) run as captured CUDA graphs.
-        `stream`: where its work goes (`streams.ModelStream.of`; None: the current stream)."""
+                 stream: ModelStream | None = None, static_sampling: bool | None = None) -> None:
+        """`cuda_graphs`: on a GPU, the one-token steps (on a bounded or a full cache) and each decode iteration's
+        sampling run as captured CUDA graphs. `stream`: where its work goes (`streams.ModelStream.of`; None: the
+        current stream). `static_sampling`: the sampling in static shapes (`steps.StepDecoder`), captured where
+        `cuda_graphs` are; None: wherever it is captured (not under `--tp` with copies of the model, whose tokens
+        come from rank 0 through a collective)."""
         self.model = model
         self.cache = cache
         self.tokenizer = model.tokenizer
@@ -39,6 +42,8 @@ class Runner:
         self.vocab = len(model.tokenizer)  # logits past it are padding (Qwen2.5 pads its embeddings): never sampled
         graphed = cuda_graphs and isinstance(cache, BoundedCache | FullCache) and model.device.type == "cuda"
         self.static = StaticDecode(model.net, cache) if graphed else None
+        self.sample_graphs = cuda_graphs and model.device.type == "cuda" and not model.net.shard.copied
+        self.static_sampling = self.sample_graphs if static_sampling is None else static_sampling
         self.logits: torch.Tensor | None = None  # [rows, V]: each row's next-token logits
         self.trajectory: dict[int, int] = {}     # committed tokens of each row (prompt + committed steps)
         self.steps: StepDecoder | None = None
@@ -124,7 +129,8 @@ class Runner:
         if self.steps is None or self.steps.rules != rules:
             if self.steps is not None and self.steps.busy:
                 raise RuntimeError("Runner.start: other rules while steps are open")
-            self.steps = StepDecoder(self.device, self.tokenizer, rules)
+            self.steps = StepDecoder(self.device, self.tokenizer, rules, self.static_sampling, self.sample_graphs,
+                                     self.static.memory if self.static is not None else None)
         self.steps.start(rows, keys, contexts, screened)
 
     @property

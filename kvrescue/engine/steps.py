@@ -2,7 +2,8 @@
 
 This is the one decode loop of the tool (the controller drives it, tests/oracles.py's `generate_steps` too). Per-token
 work is done for all rows at once on the model's device: sampling from counter-based streams, step
-ends decided from token ids by per-vocabulary tables, the detector's entropy window. The host sees
+ends decided from token ids by per-vocabulary tables, the detector's entropy window; on a GPU with CUDA graphs, that
+work runs as one captured graph per bucket of live lanes (`step_graphs`). The host sees
 one small packed transfer per iteration (tokens, entropies, finish codes), writes it into its
 per-row buffers with array operations, and decodes text only where it is needed: once when a step
 ends, and for the gzip test only for rows that may hold enough characters.
@@ -22,6 +23,7 @@ import torch
 from kvrescue.detect import DetectorConfig, gzip_ratio
 from kvrescue.engine.caches import KVCache
 from kvrescue.engine.sampling import SamplingParams, as_keys, counter_stages, uniforms
+from kvrescue.engine.step_graphs import StaticIterations
 from kvrescue.engine.step_table import step_table
 from kvrescue.engine.texts import decoder
 from kvrescue.engine.transfer import Download, upload
@@ -89,11 +91,17 @@ class StepDecoder:
     """The open candidate steps of one runner, advanced together one token per `advance(runner)`.
 
     The runner (passed in, not kept: a runner holds its decoder, and a reference back would make a cycle that
-    keeps a finished cell's caches until a full garbage collection) provides `sample(rows, draws, params)` and
-    `decode(rows_tensor, rows, tokens)` (one token appended to each row, its logits kept).
+    keeps a finished cell's caches until a full garbage collection) provides `sample(rows, draws, params)`,
+    `decode(rows_tensor, rows, tokens)` (one token appended to each row, its logits kept) and `logits` (the kept
+    logits `sample` reads).
+
+    `static`: each iteration runs over the live lanes padded to their bucket, lane 0 kept as the padding's scratch
+    lane (`step_graphs`); with `graphs` on CUDA, as captured CUDA graphs (in the memory pool `pool`, None: one of
+    their own).
     """
 
-    def __init__(self, device: torch.device, tokenizer, rules: StepRules) -> None:
+    def __init__(self, device: torch.device, tokenizer, rules: StepRules, static: bool = False,
+                 graphs: bool = False, pool=None) -> None:
         self.rules = rules
         self.device = device
         self.table = step_table(tokenizer).to(self.device)
@@ -110,10 +118,11 @@ class StepDecoder:
         self.window = rules.detector.ent_window if rules.detector else 1
         self.lanes = self._allocate(0)
         self.free: list[int] = []
+        self.scratch = int(static)  # lanes below it are never handed out: lane 0 is the static padding's
         self.live = np.zeros(0, np.int64)   # live lanes, in batch order
-        self.live_t: torch.Tensor | None = None
-        self.rows_t: torch.Tensor | None = None
-        self.pending: tuple[torch.Tensor, Download] | None = None  # `launch`'s tokens and their copy to the host
+        self.static = StaticIterations(device, graphs, pool) if static else None
+        # `launch`'s rows and tokens on the device (the live lanes first) and their copy to the host
+        self.pending: tuple[torch.Tensor, torch.Tensor, Download] | None = None
 
     @property
     def busy(self) -> bool:
@@ -141,7 +150,7 @@ class StepDecoder:
         for name, value in vars(self.lanes).items():
             getattr(new, name)[:old] = value
         self.lanes = new
-        self.free = list(range(len(new.rows) - 1, old - 1, -1)) + self.free
+        self.free = list(range(len(new.rows) - 1, max(old, self.scratch) - 1, -1)) + self.free
 
     def start(self, rows: Sequence[int], keys: Sequence[Sequence[int] | int], contexts: Sequence[int],
               screened: Sequence[bool]) -> None:
@@ -149,7 +158,7 @@ class StepDecoder:
         if self.pending is not None:
             raise RuntimeError("StepDecoder.start: a launched token not yet read (`advance` first)")
         if len(self.free) < len(rows):
-            self._grow(len(self.lanes.rows) + len(rows) - len(self.free))
+            self._grow(max(len(self.lanes.rows), self.scratch) + len(rows) - len(self.free))
         lanes = np.array([self.free.pop() for _ in rows], dtype=np.int64)
         s = self.lanes
         s.rows[lanes], s.screened[lanes], s.counts[lanes], s.min_gzip_ratio[lanes] = rows, screened, 0, np.inf
@@ -157,17 +166,7 @@ class StepDecoder:
         at = upload(lanes, self.device)
         s.draws[at] = uniforms(upload(as_keys(keys), self.device)[:, None], self.counters, self.stages)
         s.count[at], s.prev_ends[at], s.ring[at], s.max_mean_entropy[at], s.chars[at] = 0, False, 0.0, -torch.inf, 0
-        self._set_live(np.concatenate([self.live, lanes]))
-
-    def _set_live(self, live: np.ndarray, index: np.ndarray | None = None) -> None:
-        """The live lanes; `index` (positions kept of the previous live lanes) narrows the device copies instead."""
-        if index is not None and self.live_t is not None:
-            at = upload(index, self.device)
-            self.live_t, self.rows_t = self.live_t[at], self.rows_t[at]
-        else:
-            self.live_t = upload(live, self.device)
-            self.rows_t = upload(self.lanes.rows[live], self.device)
-        self.live = live
+        self.live = np.concatenate([self.live, lanes])
 
     def launch(self, runner) -> None:
         """Sample one token for every live row of `runner` and start the copy of what the host reads of it (tokens,
@@ -175,10 +174,28 @@ class StepDecoder:
         sampling before it waits for any, so that one runner's sampling is not queued behind another's forward."""
         if not self.busy or self.pending is not None:
             return
+        s, live = self.lanes, self.live
+        host = np.stack([live, s.rows[live], s.screened[live]]).astype(np.int64)
+        if self.static is None:
+            inputs = upload(host, self.device)
+            detect = self.rules.detector is not None and bool(s.screened[live].any())
+            tokens, packed = self._iterate(runner, inputs, detect)
+        else:
+            inputs, tokens, packed = self.static(self._iterate, runner, host, (s.draws, runner.logits))
+        self.pending = (inputs[1, : len(live)], tokens[: len(live)], Download(packed))
+
+    def _iterate(self, runner, inputs: torch.Tensor, detect: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token for each column of `inputs` = [lanes, rows, screened flags] (int64 [3, size]) with every lane's
+        state updated: the tokens and the packed float64 [5, size] the host reads (tokens, entropies, finish codes,
+        largest window means, whether the host checks the text). The one implementation of the sampling, step-end and
+        detector rules, eager or captured (`step_graphs`); `detect`: the detector's work (off where no row is
+        screened), always on in static shapes."""
         rules, table, s = self.rules, self.table, self.lanes
-        lanes, live = self.live_t, self.live
+        lanes, screened = inputs[0], inputs[2].bool()
         count = s.count[lanes]
-        tokens, entropies = runner.sample(self.rows_t, s.draws[lanes, count], rules.sampling)
+        # a padding column's scratch lane counts on past the draws: clamped, as its results are never read
+        draws = s.draws[lanes, count.clamp(max=len(self.counters) - 1)]
+        tokens, entropies = runner.sample(inputs[1], draws, rules.sampling)
         n = count + 1
         s.count[lanes] = n
         code = torch.zeros_like(tokens)  # the ends read on the device; the length ends are the host's (counts)
@@ -190,10 +207,9 @@ class StepDecoder:
             code.masked_fill_(self.eos[tokens], _EOS)
         check_text = torch.zeros_like(tokens, dtype=torch.bool)
         cfg = rules.detector
-        if cfg is not None and s.screened[live].any():
-            screened = upload(s.screened[live], self.device)
+        if cfg is not None and detect:
             ring = s.ring[lanes]
-            ring[torch.arange(len(live), device=self.device), (n - 1) % cfg.ent_window] = entropies.double()
+            ring[torch.arange(len(lanes), device=self.device), (n - 1) % cfg.ent_window] = entropies.double()
             s.ring[lanes] = ring
             mean = ring.sum(-1) / n.clamp(max=cfg.ent_window)
             checked = screened & (n >= cfg.min_tokens)
@@ -208,7 +224,7 @@ class StepDecoder:
             check_text |= (code == 0) & table.newline[tokens]
         packed = torch.stack([tokens.double(), entropies.double(), code.double(), s.max_mean_entropy[lanes],
                               check_text.double()])
-        self.pending = (tokens, Download(packed))
+        return tokens, packed
 
     def advance(self, runner) -> list[CandidateStep]:
         """One token for every live row of `runner` (sampled by `launch`, or now), fed to the rows that go on; the
@@ -216,9 +232,9 @@ class StepDecoder:
         if not self.busy:
             return []
         self.launch(runner)
-        (tokens, download), self.pending = self.pending, None
+        (rows_t, tokens, download), self.pending = self.pending, None
         rules, s, live = self.rules, self.lanes, self.live
-        packed = download.wait()  # the iteration's one synchronisation
+        packed = download.wait()[:, : len(live)]  # the iteration's one synchronisation
         tok = packed[0].astype(np.int64)
         s.counts[live] += 1
         s.tokens[live, s.counts[live] - 1] = tok
@@ -232,16 +248,13 @@ class StepDecoder:
             codes[i] = self._check_text(live[i], codes[i])
         ended = codes != 0
         finished = [(live[i], FINISH_CODES[codes[i]], packed[3][i]) for i in np.flatnonzero(ended)]
-        if ended.all():
-            self.free += live.tolist()
-            self._set_live(live[:0])
-        else:
+        self.free += live[ended].tolist()
+        self.live = live[~ended]
+        if self.busy:
             if ended.any():
-                keep = np.flatnonzero(~ended)
-                self.free += live[ended].tolist()
-                self._set_live(live[keep], keep)
-                tokens = tokens[upload(keep, self.device)]
-            runner.decode(self.rows_t, s.rows[self.live].tolist(), tokens)
+                at = upload(np.flatnonzero(~ended), self.device)
+                rows_t, tokens = rows_t[at], tokens[at]
+            runner.decode(rows_t, s.rows[self.live].tolist(), tokens)
         # Built after the forward is launched: on a GPU it runs while the host decodes the finished steps' texts
         # (their lanes are free, but nothing reuses them before the next `start`).
         return [self._finished(*f) for f in finished]

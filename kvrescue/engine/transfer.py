@@ -21,6 +21,13 @@ def upload(host: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tenso
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def upload_into(target: torch.Tensor, host: np.ndarray) -> None:
+    """`host` copied into the device tensor `target` (same shape) without waiting for the device, as `upload` does,
+    and with no device tensor in between (a static buffer refilled before a CUDA graph's replay)."""
+    source = torch.from_numpy(np.ascontiguousarray(host))
+    target.copy_(source.pin_memory() if target.device.type == "cuda" else source, non_blocking=True)
+
+
 def upload_all(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """Integer or boolean host arrays on `device` in one copy: views of one int64 buffer, each with its shape
     (booleans become bool tensors)."""

@@ -107,6 +107,7 @@ def test_gpu_check_tiny_runs_end_to_end(tiny_check):
     assert sum(profile["seconds"].values()) == pytest.approx(profile["wall_s"], rel=0.02)
     assert profile["calls"]["base.advance"] > 0 and profile["calls"]["scorer.launch"] > 0
     assert profile["calls"]["scorer.wait"] == profile["calls"]["scorer.launch"]
+    assert profile["calls"]["base.prepare"] == profile["calls"]["base.advance"]  # each iteration's sampling timed
     assert profile["launches"]["aten_ops_per_iteration"] > 0 and profile["launches"]["graph_kernel_share"] is None
     # vLLM is not in .venv: the vllm section's records, in their usual shape, say why they were not measured
     # (tests/benchmarks/test_gpu_check_vllm.py measures them in .venv-vllm)
