@@ -8,6 +8,7 @@ from tokenizers import Regex, pre_tokenizers
 from transformers import Qwen2Model
 
 from kvrescue.engine import load_model
+from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.prm import SYSTEM_PROMPT, PRMScorer
 from kvrescue.engine.prm_recipes import FORMATS
 from kvrescue_testkit.random_checkpoints import build_tokenizer
@@ -269,3 +270,67 @@ def test_a_candidate_the_prm_sees_no_token_of_is_unscored_and_the_others_unchang
     alone = PRMScorer(blind, max_problems=1, max_candidates=4)
     alone.open(0, PROBLEMS[0])
     assert scores[0] is None and scores[2] is None and scores[1] == alone.score(requests[1:2])[0]
+
+
+def _static(scorer: PRMScorer) -> PRMScorer:
+    """The scorer with its forwards in static shapes, as on CUDA with graphs on (here eagerly)."""
+    scorer.static = StaticDecode(scorer.prm.net, scorer.cache)  # before any row holds a block
+    return scorer
+
+
+def test_static_scoring_equals_the_eager_scoring_in_several_buckets(prm, monkeypatch) -> None:
+    """Three problems over three steps, 2, 1 and 3 candidates each of different lengths (row buckets 8, 4 and 16 with
+    padding rows; token buckets with padding tokens), forked from prefixes whose last block is partly filled: the
+    static forwards (what CUDA graphs replay on a GPU) give the eager scores; only the prompts are fed eagerly."""
+    scorers = {"eager": PRMScorer(prm, max_problems=4, max_candidates=16),
+               "static": _static(PRMScorer(prm, max_problems=4, max_candidates=16))}
+    static = scorers["static"]
+    eager_forwards = []
+    prefill = prm.net.prefill
+
+    def counted(tokens, cache, rows, n_new, last_only=True):
+        eager_forwards.append(cache is static.cache)
+        return prefill(tokens, cache, rows, n_new, last_only)
+
+    monkeypatch.setattr(prm.net, "prefill", counted)
+    distractors = ["x = 7.\n\n", "A wrong turn: we divide both sides by 4 and get x = 5/4, so x = 1.25.\n\n", "7\n\n"]
+    for scorer in scorers.values():
+        for key in range(3):
+            scorer.open(key, PROBLEMS[key % 2], [])
+    for t, wrong in enumerate((1, 0, 2)):
+        requests = [(key, text, []) for key in range(3)
+                    for text in [STEPS[key % 2][t]] + distractors[:wrong] + distractors[2:] * (t == 2)]
+        got = {name: scorer.score(requests) for name, scorer in scorers.items()}
+        assert got["static"] == pytest.approx(got["eager"], abs=2e-5)
+        assert any(static.cache.length(static.rows[key]) % static.cache.block_size for key in range(3))
+        for scorer in scorers.values():
+            for key in range(3):
+                scorer.commit(key, STEPS[key % 2][t], [])
+    assert eager_forwards.count(True) == 1  # the prompts
+    keys = set(static.static.steps)
+    assert {rows for rows, _, _ in keys} >= {4, 8, 16} and len({tokens for _, _, tokens in keys}) >= 2
+    for key in range(3):
+        assert static.close(key) == scorers["eager"].close(key)
+    assert static.cache.blocks_in_use() == 1  # the scratch block
+
+
+def test_where_flash_attn_serves_the_static_scoring_it_reads_the_whole_table_in_place(prm, monkeypatch,
+                                                                                      kernel_layouts) -> None:
+    """With flash-attn the static forwards read each row's whole block table (and the columns its padding tokens
+    reach past it) through the paged kernel (a plain-torch stand-in here): the from-scratch scores."""
+    from kvrescue.engine import attention, caches, graphs
+    from tests.engine.test_attention import reference_flash_attn_with_kvcache
+
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache", kernel_layouts.flash(reference_flash_attn_with_kvcache))
+    for module in (attention, caches, graphs):
+        monkeypatch.setattr(module, "use_flash", lambda x: True)
+    scorer = _static(PRMScorer(prm, max_problems=2, max_candidates=4))
+    for key in range(2):
+        scorer.open(key, PROBLEMS[key], [])
+    scorer.score([(key, STEPS[key][0], []) for key in range(2)])
+    for key in range(2):
+        scorer.commit(key, STEPS[key][0], [])
+    texts = [STEPS[0][1], "A wrong turn: x = 7.\n\n", "x\n\n"]
+    got = scorer.score([(0, text, []) for text in texts])
+    assert got == pytest.approx(prm_last_scores(prm, PROBLEMS[0], [[STEPS[0][0], t] for t in texts]), abs=1e-4)
+    assert {width for _, width, _ in scorer.static.steps} == {scorer.cache.block_table.table.shape[1] + 1}

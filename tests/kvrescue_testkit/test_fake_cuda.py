@@ -224,7 +224,7 @@ def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
     """Without flash-attn the full cache's step has a graph per row and block bucket: they write one logits buffer
     per row bucket (a 1.5B helper's logits at 512 rows take 155 MB), not one each."""
     step = one_row_decoded_in_graphs()
-    assert sorted(step.steps) == [(1, 1), (1, 2), (1, 4)]
+    assert sorted(step.steps) == [(1, 1, 1), (1, 2, 1), (1, 4, 1)]  # rows, blocks, tokens a row
     assert len({id(s.logits) for s in step.steps.values()}) == 1
 
 
@@ -235,7 +235,7 @@ def test_a_row_bucket_warms_up_once_for_all_its_block_buckets(monkeypatch):
     forwards = []
     forward = graphs.StaticDecode._forward
     monkeypatch.setattr(graphs.StaticDecode, "_forward",
-                        lambda step, inputs: forwards.append(1) or forward(step, inputs))
+                        lambda step, inputs, tokens=1: forwards.append(1) or forward(step, inputs, tokens))
     step = one_row_decoded_in_graphs()
     assert len(step.steps) == 3 and len(forwards) == 4
 
