@@ -334,3 +334,74 @@ def test_where_flash_attn_serves_the_static_scoring_it_reads_the_whole_table_in_
     got = scorer.score([(0, text, []) for text in texts])
     assert got == pytest.approx(prm_last_scores(prm, PROBLEMS[0], [[STEPS[0][0], t] for t in texts]), abs=1e-4)
     assert {width for _, width, _ in scorer.static.steps} == {scorer.cache.block_table.table.shape[1] + 1}
+
+
+def test_on_cuda_with_graphs_a_step_of_known_buckets_replays_its_scoring_rather_than_dispatching_it() -> None:
+    """On a (fake) CUDA device with graphs on, the third of three alike steps scores its candidates and feeds its
+    committed steps by replaying graphs captured before: a few dozen ops dispatched for the buffers and the
+    scores, whatever the layers, where the eager scorer dispatches each layer's forward again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvrescue_testkit.dry_run import fake_model
+    from kvrescue_testkit.fake_cuda import FakeCuda
+    from kvrescue_testkit.paper_shapes import SMALL
+
+    class Dispatched(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    tokenizer = build_tokenizer(512)
+    dispatched = {}
+    with FakeCuda():
+        prm = fake_model({**SMALL, "num_hidden_layers": 8}, "prm", tokenizer, torch.bfloat16, "cuda:0")
+        for graphs in (False, True):
+            scorer = PRMScorer(prm, max_problems=2, max_candidates=8, cuda_graphs=graphs)
+            assert (scorer.static is not None) == graphs
+            for key in range(2):
+                scorer.open(key, PROBLEMS[key], [])
+            for t in range(3):
+                requests = [(key, text, []) for key in range(2) for text in ("x = 1.\n\n", "x = 2.\n\n", "y = 3.\n\n")]
+                with Dispatched() as counted:
+                    scorer.score(requests)
+                for key in range(2):
+                    scorer.commit(key, "x = 1.\n\n", [])
+            dispatched[graphs] = counted.ops
+    assert dispatched[True] < 60 and dispatched[False] > 5 * dispatched[True]  # here: 49, and 569 to 601
+
+
+@pytest.mark.parametrize("method", ["bon", "kvrescue"])
+def test_a_cell_scored_in_static_shapes_decodes_and_scores_as_the_eager_one(qwen2_dir, prm_dir, tmp_path,
+                                                                            method) -> None:
+    """A whole cell (3 problems, batch 2: a problem opened while another goes on) with the PRM's forwards in static
+    shapes commits the same steps with the same scores (2e-5) as with the eager PRM."""
+    from kvrescue.cell_runners import CellParts, build_cell
+    from kvrescue.decoding import decode_cell
+    from kvrescue.group_models import load_roles
+    from kvrescue.search import SearchSettings
+    from tests.helpers import small_cell, small_grid, sums
+
+    models = {"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}
+    options = small_grid(tmp_path, SearchSettings(batch=2, max_steps=3, max_step_tokens=12, context_cap=256),
+                         models=models, methods=[method])
+    cell = small_cell(sums(3), method, n=3)
+    plan, loaded = options.plan_of(cell), load_roles(options.group_plan(), "cpu")
+    traces = {}
+    for static in (False, True):
+        scorer = PRMScorer(loaded["prm"], max_problems=plan.batch, max_candidates=plan.batch * 2 * plan.n,
+                           max_step_tokens=plan.max_step_tokens)
+        if static:
+            _static(scorer)
+        emitted = []
+        decode_cell(plan, cell, build_cell(plan, loaded, parts=CellParts(scorer=scorer)),
+                    iter(cell.problems.problems), lambda trace, _: emitted.append(trace))
+        traces[static] = sorted(emitted, key=lambda trace: trace.idx)
+        if static:
+            assert len({tokens for _, _, tokens in scorer.static.steps}) >= 2
+    assert len(traces[True]) == 3 and sum(trace.n_steps for trace in traces[True]) >= 6
+    for eager, static in zip(traces[False], traces[True]):
+        assert [s.text for s in static.steps] == [s.text for s in eager.steps] and static.output == eager.output
+        assert [c.score for step in static.candidates for c in step] == pytest.approx(
+            [c.score for step in eager.candidates for c in step], abs=2e-5)

@@ -245,3 +245,30 @@ def test_full_decodes_its_one_token_steps_in_cuda_graphs():
     the evicted base does."""
     (cell,) = dry_run(("full",), n=2, batch=1, synthetic=(2, 1), models=SMALL_MODELS).cells
     assert cell.graph_replays > 0
+
+
+@pytest.mark.parametrize("method", ["bon", "kvrescue"])
+def test_the_prms_forwards_are_captured_in_cuda_graphs_and_replayed(method, monkeypatch):
+    """The PRM scores its candidates (and feeds its committed steps) through static forwards captured in CUDA graphs
+    on CUDA, replayed where a bucket comes again; stream order checked throughout (a race raises)."""
+    from kvrescue.engine.prm import PRMScorer
+
+    calls = []  # (the static forwards, whether the call replayed a graph captured before it)
+    append = graphs.StaticDecode.append
+
+    def recorded(step, rows, token_lists):
+        prepared = set(step.steps)
+        out = append(step, rows, token_lists)
+        calls.append((step, set(step.steps) == prepared))
+        assert all(s.graph is not None for s in step.steps.values())
+        return out
+
+    monkeypatch.setattr(graphs.StaticDecode, "append", recorded)
+    prm_static = []
+    init = PRMScorer.__init__
+    monkeypatch.setattr(PRMScorer, "__init__", lambda scorer, *a, **kw: init(scorer, *a, **kw)
+                        or prm_static.append(scorer.static))
+    dry_run((method,), n=2, batch=2, synthetic=(4, 3), models=SMALL_MODELS)
+    assert len(prm_static) == 1 and prm_static[0] is not None
+    replayed = [again for step, again in calls if step is prm_static[0]]
+    assert replayed and any(replayed)  # captured, and replayed where a bucket came again
