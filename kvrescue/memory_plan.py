@@ -9,7 +9,7 @@
 - buffers: each sampling runner's fp32 next-token logits (rows rounded up to 64 x a power of two) and its step
   lanes (each candidate's draws table and detector state), the helper-loglik scorer's last logits per problem, and
   on CUDA with graphs their pool (one decode forward with its FlexAttention block mask, and every row bucket's
-  logits);
+  logits; the PRM's: one scoring forward at its largest bucket of rows and tokens, and the buckets' outputs);
 - activations: the largest transient of any one moment: a forward's peak (a batch of prompts, a decode step and
   its sampling, with FlexAttention's block mask over a full cache on CUDA without flash-attn, a commit and the
   base's compression, the PRM's or helper-loglik's scoring of every candidate, padded to the longest), or a
@@ -36,7 +36,7 @@ from kvrescue.methods import METHODS
 from kvrescue.model_config import ModelArgs, ModelConfigError
 from kvrescue.scorers import HELPER_LOGLIK, PRM
 from kvrescue.shapes import (FLASH_BLOCK, GROUP_CASCADE_FROM, OBSERVATION_WINDOW, PRM_WINDOW, BUFFER, cascade_cost_on,
-                             bucket, local_args, rows_room, shard_degree, token_kv_bytes)
+                             bucket, local_args, rows_at_once, rows_room, shard_degree, token_kv_bytes)
 
 PROMPT_TOKENS = 512  # the longest prompt planned for (MATH-500's chat prompts stay below 400 tokens)
 
@@ -256,11 +256,22 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
     if s.scorer == PRM:
         r = roles["prm"]
         tokens = s.batch * (PRM_WINDOW + block) + s.batch * 2 * s.n * (step + block + 1)  # `PRMScorer.cache_tokens`
-        add("prm", "kv", blocks(tokens, block) * r.kv_token, f"PRM K/V: {tokens} tokens")
+        static = graphs and not dev.invariant  # its forwards in static shapes (`PRMScorer`)
+        add("prm", "kv", (blocks(tokens, block) + static * block) * r.kv_token,
+            f"PRM K/V: {tokens} tokens" + (" and the graphs' scratch block" if static else ""))
         suffix = s.prm_step_tokens or step + 1
         keys = blocks(min(PRM_WINDOW + suffix, cap + cap // step + 1), block)  # the context and a tag per step
         head = "score" if r.arch.score_head else "last"  # an LM-head PRM's (RLHFlow's, Math-Shepherd's): its logits
         scored = candidates + (0 if dev.invariant else s.batch)  # and the committed steps fed with them (`PRMScorer`)
+        if static:  # `graphs._FullSide`: its largest bucket's forward, each (rows, tokens) bucket's head outputs
+            tokens_bucket, group = bucket(suffix), r.args.n_heads // r.args.n_kv_heads
+            width = (blocks(PRM_WINDOW + block, block) + blocks(tokens_bucket - 1, block) if dev.flash
+                     else bucket(keys // block) * block)  # the whole table and past it, or the blocks' bucket
+            rows = bucket(candidates) if dev.flash else rows_at_once(bucket(candidates),
+                                                                     group * tokens_bucket * width * b)
+            outputs = 2 * rows * (2 if r.arch.score_head else r.vocab) * b * tokens_bucket.bit_length()
+            add("prm", "buffers", fwd(r, rows, tokens_bucket, Keys("flash" if dev.flash else "masked", width), head)
+                + outputs, "CUDA graph pool: the PRM's scoring forward at its largest bucket, each bucket's outputs")
         moment("prm", forked(r, scored, suffix, path, keys, block, head), f"scoring of {candidates} candidates")
         fed = max(prompt, suffix)  # a problem's prompt, or its last committed step
         moment("prm", fwd(r, s.batch, fed, Keys(path, keys), head),

@@ -38,7 +38,7 @@ from kvrescue.engine.bounded import BoundedCache, hole_free
 from kvrescue.engine.caches import FullCache
 from kvrescue.engine.model import Transformer
 from kvrescue.engine.transfer import upload
-from kvrescue.shapes import bucket
+from kvrescue.shapes import SCORE_BYTES, bucket, rows_at_once
 
 _CAPTURE_STREAMS: dict[tuple[type, int], torch.cuda.Stream] = {}
 
@@ -224,6 +224,17 @@ class _FullSide:
         """New tokens a row of the bucket `key` appends."""
         return key[2]
 
+    def rows_at_once(self, rows: Sequence[int], n_new: np.ndarray, group: int) -> int:
+        """Rows of one forward appending n_new[i] tokens to rows[i] (`group` query heads a KV head): all of them,
+        unless SDPA's mask over the bucket's gathered blocks (each row's grouped queries x keys, in the pools' dtype)
+        would pass SCORE_BYTES, where the eager path reads in chunks: then the largest power of two within it."""
+        cache = self.cache
+        if use_flash(cache.k):
+            return len(rows)
+        bs, T = cache.block_size, bucket(int(n_new.max()))
+        blocks = int((-(-(cache.block_table.lengths[np.asarray(rows, np.int64)] + n_new) // bs)).max())
+        return rows_at_once(len(rows), group * T * self._width(blocks, T) * bs * cache.k.element_size(), SCORE_BYTES)
+
     def _width(self, blocks: int, tokens: int) -> int:
         """Table columns a forward reads: the whole table for flash-attn (and the columns its padding tokens reach
         past it), else the bucket of the rows' blocks (whole KEY_GRANULE blocks of keys with batch invariance on)."""
@@ -279,13 +290,19 @@ class StaticDecode:
     @torch.inference_mode()
     def append(self, rows: list[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append token_lists[i] (non-empty, on the host) to rows[i] of a full cache in one static forward, padded to
-        the bucket of the longest; the head outputs after each row's last token [R, out] (a fresh tensor)."""
+        the bucket of the longest (in several where SDPA's mask would be too large, `_FullSide.rows_at_once`); the
+        head outputs after each row's last token [R, out] (a fresh tensor)."""
         if not isinstance(self.side, _FullSide):
             raise TypeError("StaticDecode.append: forwards of several tokens a row are a full cache's")
         self._check_pools()
         n_new = np.fromiter(map(len, token_lists), np.int64, len(token_lists))
         if n_new.min(initial=1) < 1:
             raise ValueError("StaticDecode.append: every row needs at least one token")
+        at_once = self.side.rows_at_once(rows, n_new, self.net.args.n_heads // self.net.args.n_kv_heads)
+        return torch.cat([self._append(rows[i: i + at_once], token_lists[i: i + at_once], n_new[i: i + at_once])
+                          for i in range(0, len(rows), at_once)])
+
+    def _append(self, rows: list[int], token_lists: Sequence[Sequence[int]], n_new: np.ndarray) -> torch.Tensor:
         key, host = self.side.start(rows, n_new)
         for i, tokens in enumerate(token_lists):
             host[: len(tokens), i] = tokens

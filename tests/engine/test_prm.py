@@ -278,10 +278,16 @@ def _static(scorer: PRMScorer) -> PRMScorer:
     return scorer
 
 
-def test_static_scoring_equals_the_eager_scoring_in_several_buckets(prm, monkeypatch) -> None:
+@pytest.mark.parametrize("score_bytes", [None, 40_000], ids=["one forward", "several"])
+def test_static_scoring_equals_the_eager_scoring_in_several_buckets(prm, monkeypatch, score_bytes) -> None:
     """Three problems over three steps, 2, 1 and 3 candidates each of different lengths (row buckets 8, 4 and 16 with
     padding rows; token buckets with padding tokens), forked from prefixes whose last block is partly filled: the
-    static forwards (what CUDA graphs replay on a GPU) give the eager scores; only the prompts are fed eagerly."""
+    static forwards (what CUDA graphs replay on a GPU) give the eager scores; only the prompts are fed eagerly. Where
+    SDPA's mask of all rows would pass SCORE_BYTES, the rows go in several forwards of fewer."""
+    from kvrescue.engine import graphs
+
+    if score_bytes:
+        monkeypatch.setattr(graphs, "SCORE_BYTES", score_bytes)
     scorers = {"eager": PRMScorer(prm, max_problems=4, max_candidates=16),
                "static": _static(PRMScorer(prm, max_problems=4, max_candidates=16))}
     static = scorers["static"]
@@ -308,7 +314,11 @@ def test_static_scoring_equals_the_eager_scoring_in_several_buckets(prm, monkeyp
                 scorer.commit(key, STEPS[key % 2][t], [])
     assert eager_forwards.count(True) == 1  # the prompts
     keys = set(static.static.steps)
-    assert {rows for rows, _, _ in keys} >= {4, 8, 16} and len({tokens for _, _, tokens in keys}) >= 2
+    assert len({tokens for _, _, tokens in keys}) >= 2
+    if score_bytes:
+        assert max(rows for rows, _, _ in keys) <= 4
+    else:
+        assert {rows for rows, _, _ in keys} >= {4, 8, 16}
     for key in range(3):
         assert static.close(key) == scorers["eager"].close(key)
     assert static.cache.blocks_in_use() == 1  # the scratch block
