@@ -207,6 +207,18 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
 
     graphs = dev.cuda and dev.cuda_graphs
 
+    def static_forward(r: _Role, rows: int, tokens: int, keys: int, table: int, out: int,
+                       head: str = "last") -> tuple[int, int]:
+        """`graphs._FullSide`'s forward of `rows` rows x `tokens` new tokens, bucketed, over `keys` keys of a full
+        cache whose rows hold at most `table` tokens (the whole table with flash-attn, and past it; else the blocks'
+        bucket): its bytes at the rows one forward takes (`rows_at_once`), and those of each (rows, tokens)
+        bucket's `out` head outputs a row."""
+        tokens, group = bucket(tokens), r.args.n_heads // r.args.n_kv_heads
+        width = blocks(table, block) + blocks(tokens - 1, block) if dev.flash else bucket(keys // block) * block
+        rows = bucket(rows) if dev.flash else rows_at_once(bucket(rows), group * tokens * width * b)
+        outputs = 2 * rows * out * b * tokens.bit_length()
+        return fwd(r, rows, tokens, Keys("flash" if dev.flash else "masked", width), head), outputs
+
     def graph_pool(role: str, r: _Role, keys: Keys, mask: int = 0) -> None:
         """The CUDA graphs' memory pool of a runner's one-token steps: a decode step at the largest row bucket (with
         its block mask's `mask` bytes), and each row bucket's logits."""
@@ -222,6 +234,10 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         mask = paged_mask_bytes(rows_open, pool_blocks) if dev.flex else 0  # bucketed: graphs' rows and eager's alike
         if graphs:
             graph_pool(role, r, Keys("flash" if dev.flash else "masked", blocks(cap, block)), mask)
+        if graphs and not dev.invariant:  # the commits in static shapes (`Runner.commit`), in the same pool: counted
+            # apart, as if it held both at once
+            add(role, "buffers", sum(static_forward(r, s.batch, step, blocks(cap, block), cap + step, r.vocab)),
+                f"CUDA graph pool: a commit of {s.batch} steps, each bucket's logits")
         sampling_runner(role, r, Keys(path, blocks(prompt, block)),
                         lambda: forked(r, rows_open, 1, path, blocks(cap, block), block) + mask,
                         Keys(path, blocks(cap, block)))  # a step ends where the context reaches the cap
@@ -263,15 +279,10 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         keys = blocks(min(PRM_WINDOW + suffix, cap + cap // step + 1), block)  # the context and a tag per step
         head = "score" if r.arch.score_head else "last"  # an LM-head PRM's (RLHFlow's, Math-Shepherd's): its logits
         scored = candidates + (0 if dev.invariant else s.batch)  # and the committed steps fed with them (`PRMScorer`)
-        if static:  # `graphs._FullSide`: its largest bucket's forward, each (rows, tokens) bucket's head outputs
-            tokens_bucket, group = bucket(suffix), r.args.n_heads // r.args.n_kv_heads
-            width = (blocks(PRM_WINDOW + block, block) + blocks(tokens_bucket - 1, block) if dev.flash
-                     else bucket(keys // block) * block)  # the whole table and past it, or the blocks' bucket
-            rows = bucket(candidates) if dev.flash else rows_at_once(bucket(candidates),
-                                                                     group * tokens_bucket * width * b)
-            outputs = 2 * rows * (2 if r.arch.score_head else r.vocab) * b * tokens_bucket.bit_length()
-            add("prm", "buffers", fwd(r, rows, tokens_bucket, Keys("flash" if dev.flash else "masked", width), head)
-                + outputs, "CUDA graph pool: the PRM's scoring forward at its largest bucket, each bucket's outputs")
+        if static:
+            add("prm", "buffers", sum(static_forward(r, candidates, suffix, keys, PRM_WINDOW + block,
+                                                     2 if r.arch.score_head else r.vocab, head)),
+                "CUDA graph pool: the PRM's scoring forward at its largest bucket, each bucket's outputs")
         moment("prm", forked(r, scored, suffix, path, keys, block, head), f"scoring of {candidates} candidates")
         fed = max(prompt, suffix)  # a problem's prompt, or its last committed step
         moment("prm", fwd(r, s.batch, fed, Keys(path, keys), head),
