@@ -9,7 +9,8 @@
 - buffers: each sampling runner's fp32 next-token logits (rows rounded up to 64 x a power of two) and its step
   lanes (each candidate's draws table and detector state), the helper-loglik scorer's last logits per problem, and
   on CUDA with graphs their pool (one decode forward with its FlexAttention block mask, and every row bucket's
-  logits; the PRM's: one scoring forward at its largest bucket of rows and tokens, and the buckets' outputs);
+  logits; a full cache's commit forward; the PRM's: one scoring forward at its largest bucket of rows and tokens,
+  and the buckets' outputs);
 - activations: the largest transient of any one moment: a forward's peak (a batch of prompts, a decode step and
   its sampling, with FlexAttention's block mask over a full cache on CUDA without flash-attn, a commit and the
   base's compression, the PRM's or helper-loglik's scoring of every candidate, padded to the longest), or a
