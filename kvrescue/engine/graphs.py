@@ -1,4 +1,5 @@
-"""One-token decode steps with static shapes, captured in CUDA graphs on a GPU, for both caches.
+"""One-token decode steps with static shapes, captured in CUDA graphs on a GPU, for both caches; and a full cache's
+forwards of several tokens a row (the PRM's scoring, the commits of whole steps) the same way.
 
 Shapes are fixed per bucket: the rows of a step are padded to the next power of two (the padding rows write to a
 reserved scratch slot or block). Per-step inputs (tokens, positions, and where each row's keys lie) live in one
@@ -20,6 +21,10 @@ The full cache (vLLM's decode capture): the buffer also holds each row's block t
 flash-attn to the table's whole width (the kernel reads each row's blocks up to its length, in place), else to the
 next power of two of the blocks the longest row holds (a graph per row and block bucket; FlexAttention reading those
 blocks in place, or SDPA over them gathered, masked per row). Its steps never cascade: every row reads its own blocks.
+A forward of T tokens a row (`StaticDecode.append`) is bucketed by rows, blocks and T (the next power of two of the
+longest row's new tokens): padding tokens write to the scratch block, each new token attends causally (the new keys
+are written before the attention reads them), the head is read at each row's last real token; one warm-up per rows
+and T before the first capture.
 """
 
 from __future__ import annotations
