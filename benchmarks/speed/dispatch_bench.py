@@ -139,7 +139,7 @@ def main() -> None:
             trees[args.baseline] = export_tree(args.baseline, Path(tmp) / "baseline")
         results = {name: run_worker(code, methods, args.steps) for name, code in trees.items()}
     roles = ("base", "helper", "prm", "loop")
-    print(f"ops dispatched per decoded candidate token, fake CUDA, paper shapes, CUDA graphs on, {settings(args.steps)}")
+    print("ops dispatched per decoded candidate token, fake CUDA, paper shapes, CUDA graphs on,", settings(args.steps))
     print(f"| code | method | ops/token | {' | '.join(roles)} | in captures | replays | tokens | vs this tree |")
     print("|---|---|---|" + "---|" * len(roles) + "---|---|---|---|")
     mine = {c["method"]: c for c in results["this tree"]["cells"]}

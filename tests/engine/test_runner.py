@@ -77,5 +77,6 @@ def test_a_full_caches_commit_of_whole_steps_is_one_static_forward_with_the_eage
     assert set(runners["static"].static.steps) >= {(2, 8, 8)}  # 2 rows, 8 blocks of 4 tokens, 8 tokens a row
     caches = {name: runner.cache for name, runner in runners.items()}
     for row in range(2):
-        keys = {name: cache.k[:, cache.blocks(row)].flatten(1, 2)[:, : cache.length(row)] for name, cache in caches.items()}
+        keys = {name: cache.k[:, cache.blocks(row)].flatten(1, 2)[:, : cache.length(row)]
+                for name, cache in caches.items()}
         torch.testing.assert_close(keys["static"], keys["eager"])
