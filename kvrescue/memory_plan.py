@@ -235,8 +235,8 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         mask = paged_mask_bytes(rows_open, pool_blocks) if dev.flex else 0  # bucketed: graphs' rows and eager's alike
         if graphs:
             graph_pool(role, r, Keys("flash" if dev.flash else "masked", blocks(cap, block)), mask)
-        if graphs and not dev.invariant:  # the commits in static shapes (`Runner.commit`), in the same pool: counted
-            # apart, as if it held both at once
+        # The commits in static shapes (`Runner.commit`): in the decode steps' pool, counted as if it held both at once
+        if graphs and not dev.invariant:
             add(role, "buffers", sum(static_forward(r, s.batch, step, blocks(cap, block), cap + step, r.vocab)),
                 f"CUDA graph pool: a commit of {s.batch} steps, each bucket's logits")
         sampling_runner(role, r, Keys(path, blocks(prompt, block)),

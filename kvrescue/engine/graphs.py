@@ -304,8 +304,9 @@ class StaticDecode:
         if n_new.min(initial=1) < 1:
             raise ValueError("StaticDecode.append: every row needs at least one token")
         at_once = self.side.rows_at_once(rows, n_new, self.net.args.n_heads // self.net.args.n_kv_heads)
-        return torch.cat([self._append(rows[i: i + at_once], token_lists[i: i + at_once], n_new[i: i + at_once])
-                          for i in range(0, len(rows), at_once)])
+        parts = [self._append(rows[i: i + at_once], token_lists[i: i + at_once], n_new[i: i + at_once])
+                 for i in range(0, len(rows), at_once)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _append(self, rows: list[int], token_lists: Sequence[Sequence[int]], n_new: np.ndarray) -> torch.Tensor:
         key, host = self.side.start(rows, n_new)

@@ -202,7 +202,7 @@ class PRMScorer:
             prm.net, self.cache_tokens(max_problems, max_candidates, max_step_tokens, window, bs, candidate_tokens),
             block_size=bs, max_rows=max_problems + max_candidates, max_row_tokens=window + bs,
         )
-        graphed = cuda_graphs and prm.device.type == "cuda"
+        graphed = cuda_graphs and prm.device.type == "cuda" and not invariance.on()
         self.static = StaticDecode(prm.net, self.cache) if graphed else None  # before any row holds a block
         self.rows: dict[int, int] = {}  # each problem's cache row, holding its prefix
         self.stream = stream or ModelStream()

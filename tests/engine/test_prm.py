@@ -349,9 +349,11 @@ def test_where_flash_attn_serves_the_static_scoring_it_reads_the_whole_table_in_
 def test_on_cuda_with_graphs_a_step_of_known_buckets_replays_its_scoring_rather_than_dispatching_it() -> None:
     """On a (fake) CUDA device with graphs on, the third of three alike steps scores its candidates and feeds its
     committed steps by replaying graphs captured before: a few dozen ops dispatched for the buffers and the
-    scores, whatever the layers, where the eager scorer dispatches each layer's forward again."""
+    scores, whatever the layers, where the eager scorer dispatches each layer's forward again; with batch invariance
+    on (`--deterministic`) the scorer keeps the eager path."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    import kvrescue.engine.invariance as invariance
     from kvrescue_testkit.dry_run import fake_model
     from kvrescue_testkit.fake_cuda import FakeCuda
     from kvrescue_testkit.paper_shapes import SMALL
@@ -379,6 +381,11 @@ def test_on_cuda_with_graphs_a_step_of_known_buckets_replays_its_scoring_rather_
                 for key in range(2):
                     scorer.commit(key, "x = 1.\n\n", [])
             dispatched[graphs] = counted.ops
+        invariance.enable(True)  # --deterministic: the eager path
+        try:
+            assert PRMScorer(prm, max_problems=2, max_candidates=8, cuda_graphs=True).static is None
+        finally:
+            invariance.enable(False)
     assert dispatched[True] < 60 and dispatched[False] > 5 * dispatched[True]  # here: 49, and 569 to 601
 
 
