@@ -272,3 +272,29 @@ def test_the_prms_forwards_are_captured_in_cuda_graphs_and_replayed(method, monk
     assert len(prm_static) == 1 and prm_static[0] is not None
     replayed = [again for step, again in calls if step is prm_static[0]]
     assert replayed and any(replayed)  # captured, and replayed where a bucket came again
+
+
+def test_a_forward_of_several_tokens_warms_up_once_per_rows_and_tokens(monkeypatch):
+    """A full cache's static forwards of several tokens a row (the PRM's scoring, the commits) capture a graph per
+    rows, blocks and tokens bucket, after one warm-up per rows and tokens bucket: one row appended 3 tokens at a time
+    from 10 to 55 tokens (blocks buckets 1, 2 and 4 of 16 tokens), then 5 tokens once: 4 graphs, 6 forwards."""
+    from kvrescue_testkit.dry_run import fake_model
+    from kvrescue.engine.caches import FullCache
+    from kvrescue_testkit.random_checkpoints import build_tokenizer
+
+    forwards = []
+    forward = graphs.StaticDecode._forward
+    monkeypatch.setattr(graphs.StaticDecode, "_forward",
+                        lambda step, inputs, tokens=1: forwards.append(tokens) or forward(step, inputs, tokens))
+    with FakeCuda():
+        net = fake_model(SMALL, "helper", build_tokenizer(512), torch.bfloat16, "cuda:0").net
+        cache = FullCache.for_model(net, 512, max_rows=4, max_row_tokens=256, block_size=16)
+        step = graphs.StaticDecode(net, cache)
+        row = cache.create()
+        with torch.inference_mode():
+            net.prefill(upload_all({"prompt": np.zeros((1, 10))}, torch.device("cuda:0"))["prompt"], cache, [row], [10])
+        for _ in range(15):
+            step.append([row], [[1, 2, 3]])
+        step.append([row], [[1, 2, 3, 4, 5]])
+    assert sorted(step.steps) == [(1, 1, 4), (1, 2, 4), (1, 4, 4), (1, 4, 8)]
+    assert all(s.graph is not None for s in step.steps.values()) and forwards == [4, 4, 4, 4, 8, 8]
