@@ -108,7 +108,7 @@ def _scorer(plan: CellPlan, models: dict[str, LoadedModel], vllm: VllmEngines | 
         return PRMScorer(models["prm"], max_problems=plan.batch, max_candidates=plan.batch * 2 * plan.n,
                          max_step_tokens=plan.max_step_tokens,
                          recipe=get_recipe(plan.scorer.prm_recipe, plan.scorer.prm_format),
-                         stream=ModelStream.of(models["prm"].device, "prm"))
+                         stream=ModelStream.of(models["prm"].device, "prm"), cuda_graphs=plan.cuda_graphs)
     helper = models["helper"]
     cache = full.for_model(helper.net, loglik_tokens(plan), **full_rows(plan))
     return HelperLoglik(Runner(helper, cache, stream=ModelStream.of(helper.device, "helper")))

@@ -9,7 +9,8 @@
 - buffers: each sampling runner's fp32 next-token logits (rows rounded up to 64 x a power of two) and its step
   lanes (each candidate's draws table and detector state), the helper-loglik scorer's last logits per problem, and
   on CUDA with graphs their pool (one decode forward with its FlexAttention block mask or one iteration's sampling,
-  whichever is larger, and every row bucket's logits) and the step lanes' scratch lane;
+  whichever is larger, and every row bucket's logits; a full cache's commit forward; the PRM's: one scoring forward
+  at its largest bucket of rows and tokens, and the buckets' outputs) and the step lanes' scratch lane;
 - activations: the largest transient of any one moment: a forward's peak (a batch of prompts, a decode step and
   its sampling, with FlexAttention's block mask over a full cache on CUDA without flash-attn, a commit and the
   base's compression, the PRM's or helper-loglik's scoring of every candidate, padded to the longest), or a
@@ -36,7 +37,7 @@ from kvrescue.methods import METHODS
 from kvrescue.model_config import ModelArgs, ModelConfigError
 from kvrescue.scorers import HELPER_LOGLIK, PRM
 from kvrescue.shapes import (FLASH_BLOCK, GROUP_CASCADE_FROM, OBSERVATION_WINDOW, PRM_WINDOW, BUFFER, cascade_cost_on,
-                             bucket, local_args, rows_room, shard_degree, token_kv_bytes)
+                             bucket, local_args, rows_at_once, rows_room, shard_degree, token_kv_bytes)
 
 PROMPT_TOKENS = 512  # the longest prompt planned for (MATH-500's chat prompts stay below 400 tokens)
 
@@ -208,6 +209,18 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
 
     graphs = dev.cuda and dev.cuda_graphs
 
+    def static_forward(r: _Role, rows: int, tokens: int, keys: int, table: int, out: int,
+                       head: str = "last") -> tuple[int, int]:
+        """`graphs._FullSide`'s forward of `rows` rows x `tokens` new tokens, bucketed, over `keys` keys of a full
+        cache whose rows hold at most `table` tokens (the whole table with flash-attn, and past it; else the blocks'
+        bucket): its bytes at the rows one forward takes (`rows_at_once`), and those of each (rows, tokens)
+        bucket's `out` head outputs a row."""
+        tokens, group = bucket(tokens), r.args.n_heads // r.args.n_kv_heads
+        width = blocks(table, block) + blocks(tokens - 1, block) if dev.flash else bucket(keys // block) * block
+        rows = bucket(rows) if dev.flash else rows_at_once(bucket(rows), group * tokens * width * b)
+        outputs = 2 * rows * out * b * tokens.bit_length()
+        return fwd(r, rows, tokens, Keys("flash" if dev.flash else "masked", width), head), outputs
+
     def graph_pool(role: str, r: _Role, keys: Keys, mask: int = 0) -> None:
         """The CUDA graphs' memory pool of a runner's one-token steps and its sampling (`steps.StepDecoder`, the same
         pool: one or the other runs at a time): a decode step at the largest row bucket (with its block mask's `mask`
@@ -224,6 +237,10 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         mask = paged_mask_bytes(rows_open, pool_blocks) if dev.flex else 0  # bucketed: graphs' rows and eager's alike
         if graphs:
             graph_pool(role, r, Keys("flash" if dev.flash else "masked", blocks(cap, block)), mask)
+        # The commits in static shapes (`Runner.commit`): in the decode steps' pool, counted as if it held both at once
+        if graphs and not dev.invariant:
+            add(role, "buffers", sum(static_forward(r, s.batch, step, blocks(cap, block), cap + step, r.vocab)),
+                f"CUDA graph pool: a commit of {s.batch} steps, each bucket's logits")
         sampling_runner(role, r, Keys(path, blocks(prompt, block)),
                         lambda: forked(r, rows_open, 1, path, blocks(cap, block), block) + mask,
                         Keys(path, blocks(cap, block)))  # a step ends where the context reaches the cap
@@ -258,11 +275,17 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
     if s.scorer == PRM:
         r = roles["prm"]
         tokens = s.batch * (PRM_WINDOW + block) + s.batch * 2 * s.n * (step + block + 1)  # `PRMScorer.cache_tokens`
-        add("prm", "kv", blocks(tokens, block) * r.kv_token, f"PRM K/V: {tokens} tokens")
+        static = graphs and not dev.invariant  # its forwards in static shapes (`PRMScorer`)
+        add("prm", "kv", (blocks(tokens, block) + static * block) * r.kv_token,
+            f"PRM K/V: {tokens} tokens" + (" and the graphs' scratch block" if static else ""))
         suffix = s.prm_step_tokens or step + 1
         keys = blocks(min(PRM_WINDOW + suffix, cap + cap // step + 1), block)  # the context and a tag per step
         head = "score" if r.arch.score_head else "last"  # an LM-head PRM's (RLHFlow's, Math-Shepherd's): its logits
         scored = candidates + (0 if dev.invariant else s.batch)  # and the committed steps fed with them (`PRMScorer`)
+        if static:
+            add("prm", "buffers", sum(static_forward(r, candidates, suffix, keys, PRM_WINDOW + block,
+                                                     2 if r.arch.score_head else r.vocab, head)),
+                "CUDA graph pool: the PRM's scoring forward at its largest bucket, each bucket's outputs")
         moment("prm", forked(r, scored, suffix, path, keys, block, head), f"scoring of {candidates} candidates")
         fed = max(prompt, suffix)  # a problem's prompt, or its last committed step
         moment("prm", fwd(r, s.batch, fed, Keys(path, keys), head),

@@ -36,6 +36,13 @@ def bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+def rows_at_once(rows: int, row_mask_bytes: int, score_bytes: int = SCORE_BYTES) -> int:
+    """Rows of one static forward of several tokens a row (engine/graphs.py) whose SDPA mask takes `row_mask_bytes`
+    a row: all, or where they would pass `score_bytes`, the largest power of two within it (at least 1)."""
+    fitting = max(1, score_bytes // max(row_mask_bytes, 1))
+    return rows if fitting >= rows else 1 << (fitting.bit_length() - 1)
+
+
 def rows_room(rows: int) -> int:
     """The rows a runner's per-row buffer (engine/runner.py's kept logits, engine/steps.py's step lanes) grows to
     for `rows` of them: a power of two, at least ROWS_ROOM; what the memory planner counts."""

@@ -345,3 +345,37 @@ def test_the_plan_counts_flexattentions_block_mask_and_each_runners_step_lanes(g
     assert plans(True, invariant=True) == plans(False, invariant=True)  # --deterministic: SDPA, no mask
     lanes = "step lanes of 32 candidates: draws and detector state" + (", and the graphs' scratch lane" if graphs else "")
     assert counted[lanes] == engine_bytes.step_lanes_bytes(32 + graphs, 32, 12)
+
+
+def test_the_plan_counts_the_prms_and_the_commits_static_forwards_on_cuda_with_graphs():
+    """On CUDA with graphs on the PRM's cache holds a scratch block more, and its graphs' pool one scoring forward at
+    the largest bucket: the candidates' rows (64: 4 problems x N 8 x base and helper) padded to 1,024 tokens (a
+    512-token step and its tag), over 8,192 keys (the bucket of 257 blocks), in as many rows as SDPA's mask takes
+    within SCORE_BYTES (2: 7 query heads a KV head x 1,024 x 8,192 x 2 bytes = 117 MB a row), and its buckets' two
+    scores a row; the helper's pool a commit forward of its 4 problems' steps; none with --deterministic (eager) or
+    without graphs."""
+    from kvrescue.cost import Architecture
+    from kvrescue_testkit.paper_shapes import PAPER_MODELS
+
+    archs = {role: Architecture.from_config(role, {**shape, "model_type": "qwen2", **(
+        {"architectures": ["Qwen2ForProcessRewardModel"]} if role == "prm" else {})})
+        for role, shape in PAPER_MODELS.items()}
+    cell = memory_plan.CellShape(4, 8, "bounded", 64, True, "prm", max_step_tokens=512, context_cap=4096)
+
+    def parts(role: str = "prm", **kind) -> dict[str, int]:
+        plan = memory_plan.plan_cell(archs, cell, memory_plan.DeviceKind(cuda=True, dtype_bytes=2, **kind))
+        return {p.what: p.bytes for p in plan.parts if p.role == role}
+
+    graphs, eager = parts(cuda_graphs=True), parts()
+    assert parts(cuda_graphs=True, invariant=True) == eager
+    (kv,) = [what for what in eager if what.startswith("PRM K/V")]
+    pool = "CUDA graph pool: the PRM's scoring forward at its largest bucket, each bucket's outputs"
+    assert set(graphs) - set(eager) == {pool, kv + " and the graphs' scratch block"}
+    prm = memory_plan._role(archs["prm"], 1, False, 2)
+    assert graphs[kv + " and the graphs' scratch block"] - eager[kv] == 16 * prm.kv_token
+    forward = engine_bytes.forward_bytes(prm.args, 2, 2, 1024, engine_bytes.Keys("masked", 8192), "score",
+                                         prm.vocab, True)
+    assert graphs[pool] == forward + 2 * 2 * 2 * 2 * (1024).bit_length()  # 2 scores in bf16, rows and tokens buckets
+    commit = "CUDA graph pool: a commit of 4 steps, each bucket's logits"
+    assert commit in parts("helper", cuda_graphs=True) and commit not in parts("helper", cuda_graphs=True,
+                                                                               invariant=True)

@@ -2,7 +2,8 @@
 way, not only their speed. The full cache's paged attention and its cascade (a problem's candidates reading their
 shared prefix once, merged by log-sum-exp), flash-attn's paged kernel on a GPU where it is installed, against a
 plain causal forward of the same sequences; the bounded cache's static one-token step (CUDA graphs on a GPU), through
-compressions, against the dynamic eager step from the same cache state at every step."""
+compressions, against the dynamic eager step from the same cache state at every step; the full cache's static
+forwards of several tokens a row (the PRM's scoring, the commits) against a plain forward."""
 
 from __future__ import annotations
 
@@ -79,6 +80,39 @@ def static_numerics(net: Transformer, device: str) -> dict:
             "cuda_graphs": step.graphs, "comparison": compare(torch.stack(got), torch.stack(want))}
 
 
+def append_numerics(net: Transformer, device: str) -> dict:
+    """Two problems' prompts prefilled into a full cache, CANDIDATES forks of each, then two rounds of 1 to 9 tokens
+    appended to every fork in one static forward each (`StaticDecode.append`, CUDA graphs on a GPU: the PRM's
+    scoring, the commits of whole steps; padding rows and tokens); the head after each fork's last token against a
+    plain forward of its whole sequence."""
+    block = block_size_for(next(net.parameters()))
+    lengths, vocab = [3 * block + 7, 3 * block + 2], net.args.vocab_size
+    rows_n = len(lengths) * CANDIDATES - 1  # a padding row in the bucket
+    generator = torch.Generator(device).manual_seed(8)
+    prompts = torch.randint(0, vocab, (len(lengths), max(lengths)), device=device, generator=generator)
+    cache = FullCache.for_model(net, rows_n * (max(lengths) + 20 + 2 * block), max_rows=len(lengths) + rows_n + 1)
+    step = StaticDecode(net, cache, graphs=device.startswith("cuda"))  # before any row holds a block
+    owner = np.repeat(np.arange(len(lengths)), CANDIDATES)[:rows_n]
+    sequences = [prompts[p, : lengths[p]].tolist() for p in owner]
+    got, want = [], []
+    with torch.inference_mode():
+        parents = [cache.create() for _ in lengths]
+        net.prefill(prompts, cache, parents, lengths)
+        rows = cache.fork_each(parents, CANDIDATES)[:rows_n]
+        for shift in (0, 4):
+            appended = [torch.randint(0, vocab, (1 + (3 * r + shift) % 9,), generator=generator,
+                                      device=device).tolist() for r in range(rows_n)]
+            got.append(step.append(rows, appended).float())
+            sequences = [s + a for s, a in zip(sequences, appended)]
+            whole = torch.zeros(rows_n, max(map(len, sequences)), dtype=torch.long, device=device)
+            for r, sequence in enumerate(sequences):
+                whole[r, : len(sequence)] = torch.tensor(sequence, device=device)
+            plain = net(whole).float()
+            want.append(torch.stack([plain[r, len(sequence) - 1] for r, sequence in enumerate(sequences)]))
+    return {"buckets": len(step.steps), "cuda_graphs": step.graphs,
+            "comparison": compare(torch.stack(got), torch.stack(want))}
+
+
 def numerics_section(check: Check, device: str, dtype: torch.dtype, tiny: bool) -> None:
     """Paged, cascade and static-step numerics on one random model (the tiny shape, else Qwen2.5-0.5B's)."""
     built: dict[str, Transformer] = {}
@@ -91,7 +125,8 @@ def numerics_section(check: Check, device: str, dtype: torch.dtype, tiny: bool) 
     common = {"shape": "tiny" if tiny else "Qwen2.5-0.5B", "dtype": str(dtype).removeprefix("torch.")}
     measures = {"paged": lambda: paged_numerics(net(), device, cascade=False),
                 "cascade": lambda: paged_numerics(net(), device, cascade=True),
-                "static": lambda: static_numerics(net(), device)}
+                "static": lambda: static_numerics(net(), device),
+                "static appends": lambda: append_numerics(net(), device)}
     for path, measure in measures.items():
         check.measure("numerics", {"path": path, **common}, check.deadline(1.0),
                       lambda: (lambda r: {**r, **verdict(dtype, [r["comparison"]])})(measure()))

@@ -2,11 +2,12 @@
 GPU's launch overhead (issue 40), measured without a GPU.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/speed/dispatch_bench.py [--baseline a82926b] [--methods bon,kvrescue,full]
-        [--by-op K]
+        [--by-op K] [--steps S]
 
 `kvrescue_testkit.dry_run` decodes each method's cell on one fake CUDA device (`fake_cuda`) at the paper's shapes
 (Qwen2.5-Math-7B base, 1.5B helper, PRM-7B in bf16), CUDA graphs on, 2 problems, N = 8, B = 64, synthetic steps of
-8 tokens x 2, prefill, PRM scoring and commits included. A `TorchDispatchMode` around it counts every aten op the
+8 tokens x 2 (`--steps`: S steps; more amortise the captures of the first), prefill, PRM scoring and commits
+included. A `TorchDispatchMode` around it counts every aten op the
 host dispatches: a CUDA graph's capture dispatches its step's ops once (counted, and shown apart), its replays
 none. Each op goes to the role whose runner (or static step, or scorer) is innermost on the Python stack when it is
 dispatched (base, helper, prm; `loop` for the controller's own). Figures are ops / candidate tokens decoded (base
@@ -27,8 +28,9 @@ from benchmarks.speed.host_bench import ROOT, export_tree, measured_in
 SETTINGS = dict(batch=2, synthetic=(8, 2), n=8, budget=64)
 
 
-def measure(methods: list[str]) -> dict:
-    """Each method's dispatched ops (in all, in captures, by role) and candidate tokens, from a dry run."""
+def measure(methods: list[str], steps: int = SETTINGS["synthetic"][1]) -> dict:
+    """Each method's dispatched ops (in all, in captures, by role) and candidate tokens, from a dry run of `steps`
+    steps."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -89,7 +91,7 @@ def measure(methods: list[str]) -> dict:
 
     dry._cell = counted_cell
     with Count() as count:
-        dry.dry_run(tuple(methods), **SETTINGS)
+        dry.dry_run(tuple(methods), **settings(steps))
     return {"code": str(Path(kvrescue.__file__).parents[1]), "torch": torch.__version__, "cells": cells}
 
 
@@ -112,9 +114,14 @@ def _owner(frame, owners: dict[int, str]) -> tuple[str, str]:
     return role, methods[-1] if methods[0] == methods[-1] else f"{methods[-1]}/{methods[0]}"
 
 
-def run_worker(code: Path, methods: list[str]) -> dict:
+def settings(steps: int) -> dict:
+    """The dry run's settings with `steps` synthetic steps."""
+    return {**SETTINGS, "synthetic": (SETTINGS["synthetic"][0], steps)}
+
+
+def run_worker(code: Path, methods: list[str], steps: int) -> dict:
     """`measure` in a fresh process importing kvrescue from `code`."""
-    return measured_in(code, "benchmarks.speed.dispatch_bench", f"measure({methods!r})")
+    return measured_in(code, "benchmarks.speed.dispatch_bench", f"measure({methods!r}, {steps})")
 
 
 def main() -> None:
@@ -123,15 +130,16 @@ def main() -> None:
     parser.add_argument("--methods", default="bon,kvrescue,full")
     parser.add_argument("--by-op", type=int, default=0, metavar="K",
                         help="also print this tree's K largest (role.method, aten op) counts per method, per token")
+    parser.add_argument("--steps", type=int, default=SETTINGS["synthetic"][1], help="synthetic steps a problem")
     args = parser.parse_args()
     methods = args.methods.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this tree": ROOT}
         if args.baseline:
             trees[args.baseline] = export_tree(args.baseline, Path(tmp) / "baseline")
-        results = {name: run_worker(code, methods) for name, code in trees.items()}
+        results = {name: run_worker(code, methods, args.steps) for name, code in trees.items()}
     roles = ("base", "helper", "prm", "loop")
-    print(f"ops dispatched per decoded candidate token, fake CUDA, paper shapes, CUDA graphs on, {SETTINGS}")
+    print("ops dispatched per decoded candidate token, fake CUDA, paper shapes, CUDA graphs on,", settings(args.steps))
     print(f"| code | method | ops/token | {' | '.join(roles)} | in captures | replays | tokens | vs this tree |")
     print("|---|---|---|" + "---|" * len(roles) + "---|---|---|---|")
     mine = {c["method"]: c for c in results["this tree"]["cells"]}

@@ -234,12 +234,12 @@ class FullCache(KVCache):
             self.fwd.fresh = Visibility(padded_visibility(torch.zeros_like(new), new, T, T))
         return dev["positions"]
 
-    def append_one(self, rows: Sequence[int]) -> np.ndarray:
-        """Make room for one more token in each row (a static decode step, `graphs`), copying a shared last block
-        first where the row writes into it; the rows' lengths before it (the new tokens' positions)."""
+    def append_rows(self, rows: Sequence[int], n_new: np.ndarray) -> np.ndarray:
+        """Make room for n_new[i] more tokens in rows[i] (a static forward, `graphs`), copying a shared last block
+        first where the row writes into it; the rows' lengths before it (their first new token's positions)."""
         rows_np = np.asarray(rows, np.int64)
         lengths = self.block_table.lengths[rows_np]
-        cow_src, cow_dst = self.block_table.append(rows_np, np.ones(len(rows_np), np.int64))
+        cow_src, cow_dst = self.block_table.append(rows_np, np.asarray(n_new, np.int64))
         if len(cow_src):
             dev = upload_all({"src": cow_src, "dst": cow_dst}, self.k.device)
             self._copy_blocks(dev["src"], dev["dst"])

@@ -1,4 +1,5 @@
-"""One-token decode steps with static shapes, captured in CUDA graphs on a GPU, for both caches.
+"""One-token decode steps with static shapes, captured in CUDA graphs on a GPU, for both caches; and a full cache's
+forwards of several tokens a row (the PRM's scoring, the commits of whole steps) the same way.
 
 Shapes are fixed per bucket: the rows of a step are padded to the next power of two (the padding rows write to a
 reserved scratch slot or block). Per-step inputs (tokens, positions, and where each row's keys lie) live in one
@@ -20,6 +21,10 @@ The full cache (vLLM's decode capture): the buffer also holds each row's block t
 flash-attn to the table's whole width (the kernel reads each row's blocks up to its length, in place), else to the
 next power of two of the blocks the longest row holds (a graph per row and block bucket; FlexAttention reading those
 blocks in place, or SDPA over them gathered, masked per row). Its steps never cascade: every row reads its own blocks.
+A forward of T tokens a row (`StaticDecode.append`) is bucketed by rows, blocks and T (the next power of two of the
+longest row's new tokens): padding tokens write to the scratch block, each new token attends causally (the new keys
+are written before the attention reads them), the head is read at each row's last real token; one warm-up per rows
+and T before the first capture.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from kvrescue.engine.bounded import BoundedCache, hole_free
 from kvrescue.engine.caches import FullCache
 from kvrescue.engine.model import Transformer
 from kvrescue.engine.transfer import upload
-from kvrescue.shapes import bucket
+from kvrescue.shapes import SCORE_BYTES, bucket, rows_at_once
 
 _CAPTURE_STREAMS: dict[tuple[type, int], torch.cuda.Stream] = {}
 
@@ -122,23 +127,28 @@ class _BoundedSide:
         return self.cache.generation
 
     def start(self, rows: Sequence[int]) -> tuple[tuple[int, ...], np.ndarray]:
-        """The step's bucket (the arguments of `padding`) and its buffer's rows past the tokens, on the host."""
+        """The step's bucket (the arguments of `padding`) and its buffer on the host (the tokens' row left 0)."""
         cache, ids = self.cache, np.asarray(rows, np.int64)
         host = self.padding(bucket(len(rows)))
-        host[:3, : len(rows)] = cache.row_logical[ids], cache.row_slot[ids], cache.row_physical[ids]
+        host[1:4, : len(rows)] = cache.row_logical[ids], cache.row_slot[ids], cache.row_physical[ids]
         if cache.evictor.allocates:
-            host[3, : len(rows)] = cache.row_base[ids]
-            host[4:, : len(rows)] = cache.row_held[ids].reshape(len(rows), -1).T
+            host[4, : len(rows)] = cache.row_base[ids]
+            host[5:, : len(rows)] = cache.row_held[ids].reshape(len(rows), -1).T
         return (host.shape[1],), host
 
     def padding(self, size: int) -> np.ndarray:
-        """The buffer's rows past the tokens for `size` padding rows (no holes)."""
+        """The buffer of `size` padding rows (no holes)."""
         n_layers, _, h_kv = self.cache.k.shape[:3]
-        host = np.zeros((3 + (1 + n_layers * h_kv) * self.cache.evictor.allocates, size), np.int64)
-        host[1] = self.scratch
+        host = np.zeros((4 + (1 + n_layers * h_kv) * self.cache.evictor.allocates, size), np.int64)
+        host[2] = self.scratch
         return host
 
-    def view(self, inputs: torch.Tensor) -> _StaticView:
+    @staticmethod
+    def tokens(key: tuple[int, ...]) -> int:
+        """New tokens a row of the bucket `key` appends: one."""
+        return 1
+
+    def view(self, inputs: torch.Tensor, tokens: int) -> _StaticView:
         return _StaticView(self.cache, inputs, self.cache.trigger)
 
     def finish(self, rows: Sequence[int]) -> None:
@@ -146,22 +156,25 @@ class _BoundedSide:
 
 
 class _FullView:
-    """What the decoder's attention layers see during a full cache's static step: each row's new k/v written to its
-    slot, then attention over its blocks (flash-attn's paged kernel or FlexAttention in place, else SDPA over the
-    bucket's blocks gathered)."""
+    """What the decoder's attention layers see during a full cache's static forward of `tokens` tokens a row: each
+    row's new k/v written to their slots (padding tokens and rows: the scratch block), then attention over its
+    blocks, each new token causally over its row's cached keys and the new ones before it (flash-attn's paged kernel,
+    or for one token a row FlexAttention, in place; else SDPA over the bucket's blocks gathered, masked per row)."""
 
-    def __init__(self, cache: FullCache, inputs: torch.Tensor) -> None:
+    def __init__(self, cache: FullCache, inputs: torch.Tensor, tokens: int) -> None:
         self.cache = cache
-        self.cached, self.slots = inputs[1], inputs[2]
-        self.table = inputs[3:].T  # [size, width]
+        self.cached = inputs[tokens]  # the first new token's position: the row's cached keys
+        self.slots = inputs[2 * tokens: 3 * tokens].T.reshape(-1)  # row after row, token after token
+        self.table = inputs[3 * tokens + 1:].T  # [size, width]
         self.flash = use_flash(cache.k)
         self.flex = None
-        if not self.flash and flex.serves(cache.k):
+        if not self.flash and tokens == 1 and flex.serves(cache.k):
             self.flex = flex.PagedSteps(self.table, self.cached, cache.k.shape[1], cache.block_size)
         elif not self.flash:
-            keys = self.table.shape[1] * cache.block_size
+            keys = torch.arange(self.table.shape[1] * cache.block_size, device=inputs.device)
+            horizon = self.cached[:, None] + torch.arange(tokens, device=inputs.device)  # [size, tokens]
             self.blocks = self.table.reshape(-1)  # each row's blocks, row after row
-            self.visible = Visibility((torch.arange(keys, device=inputs.device) <= self.cached[:, None])[:, None])
+            self.visible = Visibility(keys <= horizon[:, :, None])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
@@ -176,44 +189,69 @@ class _FullView:
 
 
 class _FullSide:
-    """A full cache's side of a static step. Buffer rows: tokens, positions (cached tokens), write slots, then the
-    block table (transposed), padded to the bucket's width."""
+    """A full cache's side of a static forward of T tokens a row (T = 1: a decode step). Buffer rows: T of tokens,
+    T of positions, T of write slots, the index of each row's last new token, then the block table (transposed),
+    padded to the bucket's width. A bucket is (rows, width, T)."""
 
     def __init__(self, cache: FullCache) -> None:
         self.cache = cache
         self.scratch = cache.reserve_block()
         self.generation = 0  # the pools are never reallocated once the scratch block is there
 
-    def start(self, rows: Sequence[int]) -> tuple[tuple[int, ...], np.ndarray]:
+    def start(self, rows: Sequence[int], n_new: np.ndarray | None = None) -> tuple[tuple[int, ...], np.ndarray]:
+        """Room for n_new[i] (default 1) more tokens in rows[i]; the bucket and the buffer on the host (the tokens'
+        rows left 0)."""
         cache, ids = self.cache, np.asarray(rows, np.int64)
-        cached = cache.append_one(rows)
-        host = self.padding(bucket(len(rows)), self._width(int(cache.block_table.n_blocks[ids].max())))
-        bs, width = cache.block_size, host.shape[0] - 2
+        n_new = np.ones(len(ids), np.int64) if n_new is None else n_new
+        cached = cache.append_rows(rows, n_new)
+        T = bucket(int(n_new.max()))
+        host = self.padding(bucket(len(rows)), self._width(int(cache.block_table.n_blocks[ids].max()), T), T)
+        bs, width, R = cache.block_size, host.shape[0] - 3 * T - 1, len(rows)
         table = cache.block_table.table[ids, : min(width, cache.block_table.table.shape[1])]
-        host[0, : len(rows)] = cached
-        host[1, : len(rows)] = table[np.arange(len(rows)), cached // bs] * bs + cached % bs
-        host[2: 2 + table.shape[1], : len(rows)] = table.T
-        return (host.shape[1], width), host
+        positions = cached[:, None] + np.arange(T)  # [R, T]
+        real = np.arange(T) < n_new[:, None]
+        column = np.minimum(positions // bs, table.shape[1] - 1)  # padding tokens' own: any (they write to scratch)
+        slots = np.where(real, table[np.arange(R)[:, None], column] * bs + positions % bs, self.scratch * bs)
+        host[T: 2 * T, :R], host[2 * T: 3 * T, :R], host[3 * T, :R] = positions.T, slots.T, n_new - 1
+        host[3 * T + 1: 3 * T + 1 + table.shape[1], :R] = table.T
+        return (host.shape[1], width, T), host
 
-    def padding(self, size: int, width: int) -> np.ndarray:
-        """The buffer's rows past the tokens for `size` padding rows of a `width`-block table."""
-        host = np.full((2 + width, size), self.scratch, np.int64)
-        host[0] = 0
-        host[1] = self.scratch * self.cache.block_size
+    def padding(self, size: int, width: int, tokens: int = 1) -> np.ndarray:
+        """The buffer of `size` padding rows of `tokens` tokens and a `width`-block table."""
+        host = np.full((3 * tokens + 1 + width, size), self.scratch, np.int64)
+        host[: 2 * tokens] = 0
+        host[2 * tokens: 3 * tokens] = self.scratch * self.cache.block_size
+        host[3 * tokens] = 0
         return host
 
-    def _width(self, blocks: int) -> int:
-        """Table columns a step reads: the whole table for flash-attn, else the bucket of the rows' blocks (whole
-        KEY_GRANULE blocks of keys with batch invariance on)."""
+    @staticmethod
+    def tokens(key: tuple[int, ...]) -> int:
+        """New tokens a row of the bucket `key` appends."""
+        return key[2]
+
+    def rows_at_once(self, rows: Sequence[int], n_new: np.ndarray, group: int) -> int:
+        """Rows of one forward appending n_new[i] tokens to rows[i] (`group` query heads a KV head): all of them,
+        unless SDPA's mask over the bucket's gathered blocks (each row's grouped queries x keys, in the pools' dtype)
+        would pass SCORE_BYTES, where the eager path reads in chunks: then the largest power of two within it."""
         cache = self.cache
         if use_flash(cache.k):
-            return cache.block_table.table.shape[1]
+            return len(rows)
+        bs, T = cache.block_size, bucket(int(n_new.max()))
+        blocks = int((-(-(cache.block_table.lengths[np.asarray(rows, np.int64)] + n_new) // bs)).max())
+        return rows_at_once(len(rows), group * T * self._width(blocks, T) * bs * cache.k.element_size(), SCORE_BYTES)
+
+    def _width(self, blocks: int, tokens: int) -> int:
+        """Table columns a forward reads: the whole table for flash-attn (and the columns its padding tokens reach
+        past it), else the bucket of the rows' blocks (whole KEY_GRANULE blocks of keys with batch invariance on)."""
+        cache = self.cache
+        if use_flash(cache.k):
+            return cache.block_table.table.shape[1] + -(-(tokens - 1) // cache.block_size)
         if invariance.active(cache.k):
             return invariance.padded_keys(blocks * cache.block_size) // cache.block_size
         return bucket(blocks)
 
-    def view(self, inputs: torch.Tensor) -> _FullView:
-        return _FullView(self.cache, inputs)
+    def view(self, inputs: torch.Tensor, tokens: int) -> _FullView:
+        return _FullView(self.cache, inputs, tokens)
 
     def finish(self, rows: Sequence[int]) -> None:
         pass  # `start` counted the tokens
@@ -221,13 +259,15 @@ class _FullSide:
 
 @dataclass
 class _Step:
-    inputs: torch.Tensor  # [fields, bucket]: tokens, positions, then the cache side's rows
+    inputs: torch.Tensor  # [fields, bucket]: the tokens, then the cache side's rows (positions first)
+    tokens: int = 1  # new tokens a row
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
 
 class StaticDecode:
-    """`net.decode` over a `BoundedCache` or a `FullCache` with static shapes; captured once per bucket on CUDA."""
+    """`net.decode` over a `BoundedCache` or a `FullCache` with static shapes, and over a `FullCache` forwards of
+    several tokens a row (`append`); captured once per bucket on CUDA."""
 
     def __init__(self, net: Transformer, cache: BoundedCache | FullCache, graphs: bool = True) -> None:
         self.net, self.cache = net, cache
@@ -236,7 +276,8 @@ class StaticDecode:
         self.steps: dict[tuple[int, ...], _Step] = {}
         self.pools_from = self.side.generation  # the pools the graphs read (their addresses and strides)
         self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
-        self.outputs: dict[int, torch.Tensor] = {}  # each row bucket's logits, shared by its graphs (block buckets)
+        # each (row bucket, tokens)'s head outputs, shared by its graphs (block buckets)
+        self.outputs: dict[tuple[int, ...], torch.Tensor] = {}
 
     @property
     def scratch(self) -> int:
@@ -248,27 +289,59 @@ class StaticDecode:
         """Append one token (tokens [R], best on the cache's device) to each row; the head outputs that
         follow [R, out] (a fresh tensor)."""
         tokens = torch.as_tensor(tokens, device=self.cache.k.device)
+        self._check_pools()
+        return self._run(rows, *self.side.start(rows), tokens)
+
+    @torch.inference_mode()
+    def append(self, rows: list[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append token_lists[i] (non-empty, on the host) to rows[i] of a full cache in one static forward, padded to
+        the bucket of the longest (in several where SDPA's mask would be too large, `_FullSide.rows_at_once`); the
+        head outputs after each row's last token [R, out] (a fresh tensor)."""
+        if not isinstance(self.side, _FullSide):
+            raise TypeError("StaticDecode.append: forwards of several tokens a row are a full cache's")
+        self._check_pools()
+        n_new = np.fromiter(map(len, token_lists), np.int64, len(token_lists))
+        if n_new.min(initial=1) < 1:
+            raise ValueError("StaticDecode.append: every row needs at least one token")
+        at_once = self.side.rows_at_once(rows, n_new, self.net.args.n_heads // self.net.args.n_kv_heads)
+        parts = [self._append(rows[i: i + at_once], token_lists[i: i + at_once], n_new[i: i + at_once])
+                 for i in range(0, len(rows), at_once)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _append(self, rows: list[int], token_lists: Sequence[Sequence[int]], n_new: np.ndarray) -> torch.Tensor:
+        key, host = self.side.start(rows, n_new)
+        for i, tokens in enumerate(token_lists):
+            host[: len(tokens), i] = tokens
+        return self._run(rows, key, host)
+
+    def _check_pools(self) -> None:
         if self.side.generation != self.pools_from:  # reallocated: the graphs read the old pools (even at one address)
             self.steps.clear()
             self.pools_from = self.side.generation
-        key, host = self.side.start(rows)
+
+    def _run(self, rows: list[int], key: tuple[int, ...], host: np.ndarray,
+             tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The forward of the bucket `key` (or one prepared that covers it) over the buffer `host`; `tokens`: the
+        one-token steps' tokens, on the device, in place of the buffer's first row."""
         key, host = self._captured_cover(key, host)
         step = self.steps.get(key) or self._prepare(key, host)
-        step.inputs[1:].copy_(upload(host, step.inputs.device))  # no wait for the device
-        step.inputs[0, : len(rows)].copy_(tokens)
+        step.inputs.copy_(upload(host, step.inputs.device))  # no wait for the device
+        if tokens is not None:
+            step.inputs[0, : len(rows)].copy_(tokens)
         if step.graph is not None:
             step.graph.replay()
             logits = step.logits
         else:
-            logits = self._forward(step.inputs)
+            logits = self._forward(step.inputs, step.tokens)
         self.side.finish(rows)
         return logits[: len(rows)].clone()
 
     def _captured_cover(self, key: tuple[int, ...], host: np.ndarray) -> tuple[tuple[int, ...], np.ndarray]:
-        """The smallest bucket prepared already that covers `key` (as many rows or more, as wide a table or wider),
-        with `host` padded to it: a step of few rows (a commit's) replays a graph of more rather than capturing
-        one of its own (a warm-up and a capture forward); `key` itself when none covers it."""
-        covers = [k for k in self.steps if k != key and all(a >= b for a, b in zip(k, key))]
+        """The smallest bucket prepared already that covers `key` (as many rows or more, as wide a table or wider, as
+        many tokens), with `host` padded to it: a step of few rows (a commit's) replays a graph of more rather than
+        capturing one of its own (a warm-up and a capture forward); `key` itself when none covers it."""
+        covers = [k for k in self.steps
+                  if k != key and k[2:] == key[2:] and all(a >= b for a, b in zip(k, key))]
         if key in self.steps or not covers:
             return key, host
         cover = min(covers, key=lambda k: (int(np.prod(k)), k))
@@ -276,39 +349,42 @@ class StaticDecode:
         padded[: host.shape[0], : host.shape[1]] = host
         return cover, padded
 
-    def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        h = self.net.decoder(inputs[0][:, None], inputs[1][:, None], self.side.view(inputs))
-        return self.net.head(h[:, 0])
+    def _forward(self, inputs: torch.Tensor, tokens: int = 1) -> torch.Tensor:
+        """The head outputs after each row's last new token [size, out]."""
+        h = self.net.decoder(inputs[:tokens].T, inputs[tokens: 2 * tokens].T, self.side.view(inputs, tokens))
+        if tokens == 1:
+            return self.net.head(h[:, 0])
+        return self.net.head(h[torch.arange(h.shape[0], device=h.device), inputs[3 * tokens]])
 
     def _prepare(self, key: tuple[int, ...], host: np.ndarray) -> _Step:
-        inputs = torch.zeros(1 + host.shape[0], host.shape[1], dtype=torch.long, device=self.cache.k.device)
-        step = _Step(inputs)
+        inputs = torch.zeros(host.shape, dtype=torch.long, device=self.cache.k.device)
+        step = _Step(inputs, self.side.tokens(key))
         if self.graphs:  # warm-up and capture write only to the scratch slot or block
-            inputs[1:].copy_(torch.from_numpy(self.side.padding(*key)))
-            step.graph, step.logits = self._capture(inputs)
+            inputs.copy_(torch.from_numpy(self.side.padding(*key)))
+            step.graph, step.logits = self._capture(inputs, step.tokens)
         self.steps[key] = step
         return step
 
-    def _capture(self, inputs: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The step over `inputs` captured in a CUDA graph on the device's capture stream, and its logits buffer: the
-        row bucket's, which every graph of that bucket writes (a full cache has one per block bucket). The first
-        graph of a row bucket comes after one warm-up forward there (which makes what the kernels create on first
-        use, the stream's cuBLAS workspace too, as nano-vllm's capture does for each batch size, and gives the
-        buffer its shape); a wider block table of the same rows launches the same kernels, the attention's over
-        more keys: no warm-up (a forward dispatched op by op). The graph reads and writes the pools at their
-        addresses and strides of now."""
+    def _capture(self, inputs: torch.Tensor, tokens: int = 1) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The forward over `inputs` captured in a CUDA graph on the device's capture stream, and its outputs buffer:
+        the (row bucket, tokens)'s, which every graph of those writes (a full cache has one per block bucket). The
+        first graph of a row bucket and tokens comes after one warm-up forward there (which makes what the kernels
+        create on first use, the stream's cuBLAS workspace too, as nano-vllm's capture does for each batch size, and
+        gives the buffer its shape); a wider block table of the same rows launches the same kernels, the
+        attention's over more keys: no warm-up (a forward dispatched op by op). The graph reads and writes the pools
+        at their addresses and strides of now."""
         torch.cuda.set_device(inputs.device)  # the capture stream and graph are the current device's: the cache's
         stream = capture_stream()
-        size = inputs.shape[1]
-        if size not in self.outputs:
+        shape = (inputs.shape[1], tokens)
+        if shape not in self.outputs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                warm = self._forward(inputs)
+                warm = self._forward(inputs, tokens)
             torch.cuda.current_stream().wait_stream(stream)
-            self.outputs[size] = torch.empty_like(warm)
+            self.outputs[shape] = torch.empty_like(warm)
             del warm
-        logits = self.outputs[size]
+        logits = self.outputs[shape]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory, stream=stream):
-            logits.copy_(self._forward(inputs))
+            logits.copy_(self._forward(inputs, tokens))
         return graph, logits

@@ -3,7 +3,8 @@
 The input and the score are a recipe's (engine/prm_recipes: Qwen2.5-Math-PRM's `paper` or `model-card`, RLHFlow,
 Math-Shepherd, Skywork), read at the last token of a candidate's piece. Each problem's committed prefix lives in one
 FullCache row; a candidate is scored as a suffix (fork, append its piece's tokens, read the head, release), all
-candidates of all problems in one forward.
+candidates of all problems in one forward: on a GPU with CUDA graphs on, a static forward captured per bucket of
+rows, tokens and blocks (`graphs.StaticDecode.append`).
 """
 
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ import torch
 
 import kvrescue.engine.invariance as invariance
 from kvrescue.engine.caches import TORCH_BLOCK, FullCache, block_size_for
+from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.loader import LoadedModel
 from kvrescue.engine.prm_recipes import FORMATS, HEADS, PRMRecipe, RecipeInputs
 from kvrescue.engine.scoring import PendingScores, Request
@@ -184,11 +186,14 @@ class PRMScorer:
         system: str = SYSTEM_PROMPT,
         recipe: PRMRecipe = FORMATS["paper"],
         stream: ModelStream | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         """Cache room as `cache_tokens` counts it; candidates beyond it are scored in several forwards. Blocks as
         the device's attention path takes them (`block_size_for`: flash-attn's paged kernel on a GPU, whose
         256-token blocks make each candidate copy up to 255 tokens of its prefix's partial last block, 15 with
-        the torch path's 16). `stream`: where its work goes (`streams.ModelStream.of`; None: the current stream)."""
+        the torch path's 16). `stream`: where its work goes (`streams.ModelStream.of`; None: the current stream).
+        `cuda_graphs`: on a GPU, the committed steps' and the candidates' forwards run in static shapes, captured in
+        CUDA graphs (`graphs.StaticDecode.append`; not with batch invariance on)."""
         check_prm(prm, recipe, window)
         self.prm = prm
         self.inputs = PRMInputs(prm.tokenizer, recipe, window, system, prm.name)
@@ -197,20 +202,23 @@ class PRMScorer:
             prm.net, self.cache_tokens(max_problems, max_candidates, max_step_tokens, window, bs, candidate_tokens),
             block_size=bs, max_rows=max_problems + max_candidates, max_row_tokens=window + bs,
         )
+        graphed = cuda_graphs and prm.device.type == "cuda" and not invariance.on()
+        self.static = StaticDecode(prm.net, self.cache) if graphed else None  # before any row holds a block
         self.rows: dict[int, int] = {}  # each problem's cache row, holding its prefix
         self.stream = stream or ModelStream()
         self.stream.follow()  # the weights and the cache were made on the default stream
 
-    def _unfed(self) -> tuple[list[int], list[list[int]]]:
-        """Every problem's unfed tokens (prompts opened, steps committed since the last score) and the row they go to,
-        a new one where they are the whole prefix."""
+    def _unfed(self) -> tuple[list[int], list[list[int]], list[bool]]:
+        """Every problem's unfed tokens (prompts opened, steps committed since the last score), the row they go to (a
+        new one where they are the whole prefix) and whether they are (`rebuilt`)."""
         unfed = self.inputs.take_unfed()
         for key, _, rebuilt in unfed:
             if rebuilt:
                 if key in self.rows:
                     self.cache.release([self.rows[key]])
                 self.rows[key] = self.cache.create()
-        return [self.rows[key] for key, _, _ in unfed], [tokens for _, tokens, _ in unfed]
+        return ([self.rows[key] for key, _, _ in unfed], [tokens for _, tokens, _ in unfed],
+                [rebuilt for _, _, rebuilt in unfed])
 
     def open(self, key: int, problem: str, prompt: list[int] | None = None) -> None:
         """Start following a problem: encode its prompt, fed by the next score (the
@@ -229,14 +237,20 @@ class PRMScorer:
         the candidates are forked from the room made for them, `FullCache.reserve`; a longer one, a prompt, is fed
         in a forward of its own rather than padding every candidate to it); read later, without waiting for the
         device now. With batch invariance on, always in a forward of their own: whether a prefix shares its
-        candidates' forward depends on the other problems', and it would join their cascade group. None for a
+        candidates' forward depends on the other problems', and it would join their cascade group. In static shapes
+        (`cuda_graphs` on a GPU, batch invariance off), the committed steps in a static forward of their own before
+        the candidates' (`_feed_static`). None for a
         candidate whose piece the PRM's tokenizer makes no token of (`seen_candidates`)."""
         if not requests:
             return PendingScores(0, [], None)
         suffixes = self.inputs.candidates(requests)
-        fed_rows, fed = self._unfed()
+        fed_rows, fed, rebuilt = self._unfed()
         seen = seen_candidates(suffixes)
-        if fed and (not seen or invariance.on() or max(map(len, fed)) > max(len(suffixes[i]) for i in seen)):
+        static = self.static is not None and not invariance.on()
+        if static:
+            self._feed_static(fed_rows, fed, rebuilt)
+            fed_rows, fed = [], []
+        elif fed and (not seen or invariance.on() or max(map(len, fed)) > max(len(suffixes[i]) for i in seen)):
             append_tokens(self.prm, self.cache, fed_rows, fed)
             fed_rows, fed = [], []
         self.cache.reserve(fed_rows, [len(tokens) for tokens in fed])
@@ -245,13 +259,30 @@ class PRMScorer:
             picked = [seen[j] for j in chunk]
             rows = self.cache.fork_each([self.rows[requests[i][0]] for i in picked], 1)
             try:
-                head = append_tokens(self.prm, self.cache, fed_rows + rows, fed + [suffixes[i] for i in picked])
+                if static:
+                    head = self.static.append(rows, [suffixes[i] for i in picked]).float()
+                else:
+                    head = append_tokens(self.prm, self.cache, fed_rows + rows, fed + [suffixes[i] for i in picked])
             finally:
                 self.cache.release(rows)
             order += picked
             scores.append(self.inputs.codec.read(head[len(fed_rows):]))
             fed_rows, fed = [], []
         return PendingScores(len(suffixes), order, torch.cat(scores) if scores else None)
+
+    def _feed_static(self, rows: list[int], tokens: list[list[int]], rebuilt: list[bool]) -> None:
+        """Feed the unfed tokens before the candidates are forked: whole prefixes (prompts: long, once a problem)
+        eagerly, committed steps in a static forward of their own (the candidates' forks then copy a partly filled
+        last block that is complete)."""
+        for whole in (True, False):
+            picked = [i for i, r in enumerate(rebuilt) if r == whole]
+            if not picked:
+                continue
+            at, lists = [rows[i] for i in picked], [tokens[i] for i in picked]
+            if whole:
+                append_tokens(self.prm, self.cache, at, lists)
+            else:
+                self.static.append(at, lists)
 
     def _chunks(self, suffixes: list[list[int]]) -> list[list[int]]:
         """Consecutive groups of candidates whose suffix blocks fit the free cache together."""

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+import kvrescue.engine.invariance as invariance
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache, KVCache
 from kvrescue.engine.graphs import StaticDecode
@@ -31,10 +32,11 @@ class Runner:
     def __init__(self, model: LoadedModel, cache: KVCache, cuda_graphs: bool = False,
                  stream: ModelStream | None = None, static_sampling: bool | None = None) -> None:
         """`cuda_graphs`: on a GPU, the one-token steps (on a bounded or a full cache) and each decode iteration's
-        sampling run as captured CUDA graphs. `stream`: where its work goes (`streams.ModelStream.of`; None: the
-        current stream). `static_sampling`: the sampling in static shapes (`steps.StepDecoder`), captured where
-        `cuda_graphs` are; None: wherever it is captured (not under `--tp` with copies of the model, whose tokens
-        come from rank 0 through a collective)."""
+        sampling run as captured CUDA graphs, and on a full cache the commits of several tokens a row too (not with
+        batch invariance on). `stream`: where its work goes (`streams.ModelStream.of`; None: the current stream).
+        `static_sampling`: the sampling in static shapes (`steps.StepDecoder`), captured where `cuda_graphs` are;
+        None: wherever it is captured (not under `--tp` with copies of the model, whose tokens come from rank 0
+        through a collective)."""
         self.model = model
         self.cache = cache
         self.tokenizer = model.tokenizer
@@ -113,6 +115,8 @@ class Runner:
         if rows and self.static is not None and all(len(tail) == 1 for tail in tails):
             tokens = upload(np.asarray([tail[0] for tail in tails], np.int64), self.device)
             self._keep(rows, self.static(list(rows), tokens))  # every row adopted its step: one static decode step
+        elif rows and self.static is not None and isinstance(self.cache, FullCache) and not invariance.on():
+            self._keep(rows, self.static.append(list(rows), tails))  # one static forward of the steps (the helper's)
         elif rows:
             self._keep(rows, self.append(rows, tails))
         for row in rows:

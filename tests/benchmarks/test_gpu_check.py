@@ -122,8 +122,10 @@ def test_gpu_check_tiny_runs_end_to_end(tiny_check):
         assert "scripts/setup_vllm.sh" in r["skipped"]
     # the caches' attention paths against a plain forward (paged, cascade) and the eager step (static, compressing)
     numerics = {r["path"]: r for r in report["numerics"]}
-    assert set(numerics) == {"paged", "cascade", "static"} and all(r["ok"] for r in numerics.values()), numerics
+    assert set(numerics) == {"paged", "cascade", "static", "static appends"}
+    assert all(r["ok"] for r in numerics.values()), numerics
     assert numerics["static"]["compressions"] >= 1 and not numerics["static"]["cuda_graphs"]
+    assert numerics["static appends"]["buckets"] >= 2  # the two rounds' longest, 9 and 8 tokens: buckets 16 and 8
     # a finished cell's bytes, the collector off, on fake CUDA here (ok once no cycle keeps a cell's caches)
     (memory,) = report["memory"]  # two cells, one after the other
     assert memory["fake_cuda"] and memory["problems"] == 4 and memory["bytes_before"] > 0

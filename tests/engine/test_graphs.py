@@ -166,7 +166,7 @@ class PointerGraphs(StaticDecode):
         super().__init__(net, cache, graphs=False)
         self.graphs, self.allocator = True, allocator
 
-    def _capture(self, inputs: torch.Tensor) -> tuple[PointerGraph, torch.Tensor]:
+    def _capture(self, inputs: torch.Tensor, tokens: int = 1) -> tuple[PointerGraph, torch.Tensor]:
         graph = PointerGraph(self, inputs, self.allocator)
         return graph, graph.logits
 

@@ -8,6 +8,7 @@ from tokenizers import Regex, pre_tokenizers
 from transformers import Qwen2Model
 
 from kvrescue.engine import load_model
+from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.prm import SYSTEM_PROMPT, PRMScorer
 from kvrescue.engine.prm_recipes import FORMATS
 from kvrescue_testkit.random_checkpoints import build_tokenizer
@@ -269,3 +270,155 @@ def test_a_candidate_the_prm_sees_no_token_of_is_unscored_and_the_others_unchang
     alone = PRMScorer(blind, max_problems=1, max_candidates=4)
     alone.open(0, PROBLEMS[0])
     assert scores[0] is None and scores[2] is None and scores[1] == alone.score(requests[1:2])[0]
+
+
+def _static(scorer: PRMScorer) -> PRMScorer:
+    """The scorer with its forwards in static shapes, as on CUDA with graphs on (here eagerly)."""
+    scorer.static = StaticDecode(scorer.prm.net, scorer.cache)  # before any row holds a block
+    return scorer
+
+
+@pytest.mark.parametrize("score_bytes", [None, 40_000], ids=["one forward", "several"])
+def test_static_scoring_equals_the_eager_scoring_in_several_buckets(prm, monkeypatch, score_bytes) -> None:
+    """Three problems over three steps, 2, 1 and 3 candidates each of different lengths (row buckets 8, 4 and 16 with
+    padding rows; token buckets with padding tokens), forked from prefixes whose last block is partly filled: the
+    static forwards (what CUDA graphs replay on a GPU) give the eager scores; only the prompts are fed eagerly. Where
+    SDPA's mask of all rows would pass SCORE_BYTES, the rows go in several forwards of fewer."""
+    from kvrescue.engine import graphs
+
+    if score_bytes:
+        monkeypatch.setattr(graphs, "SCORE_BYTES", score_bytes)
+    scorers = {"eager": PRMScorer(prm, max_problems=4, max_candidates=16),
+               "static": _static(PRMScorer(prm, max_problems=4, max_candidates=16))}
+    static = scorers["static"]
+    eager_forwards = []
+    prefill = prm.net.prefill
+
+    def counted(tokens, cache, rows, n_new, last_only=True):
+        eager_forwards.append(cache is static.cache)
+        return prefill(tokens, cache, rows, n_new, last_only)
+
+    monkeypatch.setattr(prm.net, "prefill", counted)
+    distractors = ["x = 7.\n\n", "A wrong turn: we divide both sides by 4 and get x = 5/4, so x = 1.25.\n\n", "7\n\n"]
+    for scorer in scorers.values():
+        for key in range(3):
+            scorer.open(key, PROBLEMS[key % 2], [])
+    for t, wrong in enumerate((1, 0, 2)):
+        requests = [(key, text, []) for key in range(3)
+                    for text in [STEPS[key % 2][t]] + distractors[:wrong] + distractors[2:] * (t == 2)]
+        got = {name: scorer.score(requests) for name, scorer in scorers.items()}
+        assert got["static"] == pytest.approx(got["eager"], abs=2e-5)
+        assert any(static.cache.length(static.rows[key]) % static.cache.block_size for key in range(3))
+        for scorer in scorers.values():
+            for key in range(3):
+                scorer.commit(key, STEPS[key % 2][t], [])
+    assert eager_forwards.count(True) == 1  # the prompts
+    keys = set(static.static.steps)
+    assert len({tokens for _, _, tokens in keys}) >= 2
+    if score_bytes:
+        assert max(rows for rows, _, _ in keys) <= 4
+    else:
+        assert {rows for rows, _, _ in keys} >= {4, 8, 16}
+    for key in range(3):
+        assert static.close(key) == scorers["eager"].close(key)
+    assert static.cache.blocks_in_use() == 1  # the scratch block
+
+
+def test_where_flash_attn_serves_the_static_scoring_it_reads_the_whole_table_in_place(prm, monkeypatch,
+                                                                                      kernel_layouts) -> None:
+    """With flash-attn the static forwards read each row's whole block table (and the columns its padding tokens
+    reach past it) through the paged kernel (a plain-torch stand-in here): the from-scratch scores."""
+    from kvrescue.engine import attention, caches, graphs
+    from tests.engine.test_attention import reference_flash_attn_with_kvcache
+
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache", kernel_layouts.flash(reference_flash_attn_with_kvcache))
+    for module in (attention, caches, graphs):
+        monkeypatch.setattr(module, "use_flash", lambda x: True)
+    scorer = _static(PRMScorer(prm, max_problems=2, max_candidates=4))
+    for key in range(2):
+        scorer.open(key, PROBLEMS[key], [])
+    scorer.score([(key, STEPS[key][0], []) for key in range(2)])
+    for key in range(2):
+        scorer.commit(key, STEPS[key][0], [])
+    texts = [STEPS[0][1], "A wrong turn: x = 7.\n\n", "x\n\n"]
+    got = scorer.score([(0, text, []) for text in texts])
+    assert got == pytest.approx(prm_last_scores(prm, PROBLEMS[0], [[STEPS[0][0], t] for t in texts]), abs=1e-4)
+    assert {width for _, width, _ in scorer.static.steps} == {scorer.cache.block_table.table.shape[1] + 1}
+
+
+def test_on_cuda_with_graphs_a_step_of_known_buckets_replays_its_scoring_rather_than_dispatching_it() -> None:
+    """On a (fake) CUDA device with graphs on, the third of three alike steps scores its candidates and feeds its
+    committed steps by replaying graphs captured before: a few dozen ops dispatched for the buffers and the
+    scores, whatever the layers, where the eager scorer dispatches each layer's forward again; with batch invariance
+    on (`--deterministic`) the scorer keeps the eager path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import kvrescue.engine.invariance as invariance
+    from kvrescue_testkit.dry_run import fake_model
+    from kvrescue_testkit.fake_cuda import FakeCuda
+    from kvrescue_testkit.paper_shapes import SMALL
+
+    class Dispatched(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    tokenizer = build_tokenizer(512)
+    dispatched = {}
+    with FakeCuda():
+        prm = fake_model({**SMALL, "num_hidden_layers": 8}, "prm", tokenizer, torch.bfloat16, "cuda:0")
+        for graphs in (False, True):
+            scorer = PRMScorer(prm, max_problems=2, max_candidates=8, cuda_graphs=graphs)
+            assert (scorer.static is not None) == graphs
+            for key in range(2):
+                scorer.open(key, PROBLEMS[key], [])
+            for t in range(3):
+                requests = [(key, text, []) for key in range(2) for text in ("x = 1.\n\n", "x = 2.\n\n", "y = 3.\n\n")]
+                with Dispatched() as counted:
+                    scorer.score(requests)
+                for key in range(2):
+                    scorer.commit(key, "x = 1.\n\n", [])
+            dispatched[graphs] = counted.ops
+        invariance.enable(True)  # --deterministic: the eager path
+        try:
+            assert PRMScorer(prm, max_problems=2, max_candidates=8, cuda_graphs=True).static is None
+        finally:
+            invariance.enable(False)
+    assert dispatched[True] < 60 and dispatched[False] > 5 * dispatched[True]  # here: 49, and 569 to 601
+
+
+@pytest.mark.parametrize("method", ["bon", "kvrescue"])
+def test_a_cell_scored_in_static_shapes_decodes_and_scores_as_the_eager_one(qwen2_dir, prm_dir, tmp_path,
+                                                                            method) -> None:
+    """A whole cell (3 problems, batch 2: a problem opened while another goes on) with the PRM's forwards in static
+    shapes commits the same steps with the same scores (2e-5) as with the eager PRM."""
+    from kvrescue.cell_runners import CellParts, build_cell
+    from kvrescue.decoding import decode_cell
+    from kvrescue.group_models import load_roles
+    from kvrescue.search import SearchSettings
+    from tests.helpers import small_cell, small_grid, sums
+
+    models = {"base": str(qwen2_dir), "helper": str(qwen2_dir), "prm": str(prm_dir)}
+    options = small_grid(tmp_path, SearchSettings(batch=2, max_steps=3, max_step_tokens=12, context_cap=256),
+                         models=models, methods=[method])
+    cell = small_cell(sums(3), method, n=3)
+    plan, loaded = options.plan_of(cell), load_roles(options.group_plan(), "cpu")
+    traces = {}
+    for static in (False, True):
+        scorer = PRMScorer(loaded["prm"], max_problems=plan.batch, max_candidates=plan.batch * 2 * plan.n,
+                           max_step_tokens=plan.max_step_tokens)
+        if static:
+            _static(scorer)
+        emitted = []
+        decode_cell(plan, cell, build_cell(plan, loaded, parts=CellParts(scorer=scorer)),
+                    iter(cell.problems.problems), lambda trace, _: emitted.append(trace))
+        traces[static] = sorted(emitted, key=lambda trace: trace.idx)
+        if static:
+            assert len({tokens for _, _, tokens in scorer.static.steps}) >= 2
+    assert len(traces[True]) == 3 and sum(trace.n_steps for trace in traces[True]) >= 6
+    for eager, static in zip(traces[False], traces[True]):
+        assert [s.text for s in static.steps] == [s.text for s in eager.steps] and static.output == eager.output
+        assert [c.score for step in static.candidates for c in step] == pytest.approx(
+            [c.score for step in eager.candidates for c in step], abs=2e-5)

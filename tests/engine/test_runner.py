@@ -46,3 +46,37 @@ def test_a_commit_of_adopted_steps_is_one_static_step_with_the_eager_commits_log
         kept[name] = runner.logits[torch.tensor(parents)]
         assert [runner.length(p) for p in parents] == [len(p) + 5 for p in prompts]
     torch.testing.assert_close(kept["static"], kept["eager"], atol=2e-5, rtol=1e-5)
+
+
+def test_a_full_caches_commit_of_whole_steps_is_one_static_forward_with_the_eager_commits_logits(qwen2_dir,
+                                                                                                monkeypatch):
+    """The helper's commit of the base's winners: one row takes its whole step (7 tokens, past a partly filled
+    block), another only the last token of the step it adopted: on a full cache with a static forward (what CUDA
+    graphs replay on a GPU, here eagerly) one forward of 8 tokens a row (padding tokens) and 2 rows, not an eager
+    one; the logits, lengths and keys of the eager runner."""
+    model = load_model(qwen2_dir)
+    runners = {"eager": Runner(model, _caches(model.net, "full"))}
+    runners["static"] = Runner(model, _caches(model.net, "full"))
+    runners["static"].static = StaticDecode(model.net, runners["static"].cache)  # before any row holds an entry
+    generator = torch.Generator().manual_seed(4)
+    prompts = [[5, 6, 7] * 7, [8, 9] * 5]
+    steps = torch.randint(0, model.net.args.vocab_size, (7, 2), generator=generator)
+    kept = {}
+    for name, runner in runners.items():
+        parents = runner.prefill(prompts)
+        (child,) = runner.fork_each(parents[1:], 1)
+        for t in range(6):
+            runner.decode(torch.tensor([child]), [child], steps[t, 1:])
+        runner.adopt(parents[1], child)
+        if name == "static":
+            monkeypatch.setattr(runner, "append", lambda *a, **k: pytest.fail("an eager forward for the commit"))
+        runner.commit(parents, [steps[:, 0].tolist(), steps[:, 1].tolist()])
+        kept[name] = runner.logits[torch.tensor(parents)]
+        assert [runner.length(p) for p in parents] == [len(p) + 7 for p in prompts]
+    torch.testing.assert_close(kept["static"], kept["eager"], atol=2e-5, rtol=1e-5)
+    assert set(runners["static"].static.steps) >= {(2, 8, 8)}  # 2 rows, 8 blocks of 4 tokens, 8 tokens a row
+    caches = {name: runner.cache for name, runner in runners.items()}
+    for row in range(2):
+        keys = {name: cache.k[:, cache.blocks(row)].flatten(1, 2)[:, : cache.length(row)]
+                for name, cache in caches.items()}
+        torch.testing.assert_close(keys["static"], keys["eager"])

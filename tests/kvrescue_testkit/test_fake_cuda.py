@@ -224,7 +224,7 @@ def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
     """Without flash-attn the full cache's step has a graph per row and block bucket: they write one logits buffer
     per row bucket (a 1.5B helper's logits at 512 rows take 155 MB), not one each."""
     step = one_row_decoded_in_graphs()
-    assert sorted(step.steps) == [(1, 1), (1, 2), (1, 4)]
+    assert sorted(step.steps) == [(1, 1, 1), (1, 2, 1), (1, 4, 1)]  # rows, blocks, tokens a row
     assert len({id(s.logits) for s in step.steps.values()}) == 1
 
 
@@ -235,7 +235,7 @@ def test_a_row_bucket_warms_up_once_for_all_its_block_buckets(monkeypatch):
     forwards = []
     forward = graphs.StaticDecode._forward
     monkeypatch.setattr(graphs.StaticDecode, "_forward",
-                        lambda step, inputs: forwards.append(1) or forward(step, inputs))
+                        lambda step, inputs, tokens=1: forwards.append(1) or forward(step, inputs, tokens))
     step = one_row_decoded_in_graphs()
     assert len(step.steps) == 3 and len(forwards) == 4
 
@@ -245,3 +245,56 @@ def test_full_decodes_its_one_token_steps_in_cuda_graphs():
     the evicted base does."""
     (cell,) = dry_run(("full",), n=2, batch=1, synthetic=(2, 1), models=SMALL_MODELS).cells
     assert cell.graph_replays > 0
+
+
+@pytest.mark.parametrize("method", ["bon", "kvrescue"])
+def test_the_prms_forwards_are_captured_in_cuda_graphs_and_replayed(method, monkeypatch):
+    """The PRM scores its candidates (and feeds its committed steps) through static forwards captured in CUDA graphs
+    on CUDA, replayed where a bucket comes again; stream order checked throughout (a race raises)."""
+    from kvrescue.engine.prm import PRMScorer
+
+    calls = []  # (the static forwards, whether the call replayed a graph captured before it)
+    append = graphs.StaticDecode.append
+
+    def recorded(step, rows, token_lists):
+        prepared = set(step.steps)
+        out = append(step, rows, token_lists)
+        calls.append((step, set(step.steps) == prepared))
+        assert all(s.graph is not None for s in step.steps.values())
+        return out
+
+    monkeypatch.setattr(graphs.StaticDecode, "append", recorded)
+    prm_static = []
+    init = PRMScorer.__init__
+    monkeypatch.setattr(PRMScorer, "__init__", lambda scorer, *a, **kw: init(scorer, *a, **kw)
+                        or prm_static.append(scorer.static))
+    dry_run((method,), n=2, batch=2, synthetic=(4, 3), models=SMALL_MODELS)
+    assert len(prm_static) == 1 and prm_static[0] is not None
+    replayed = [again for step, again in calls if step is prm_static[0]]
+    assert replayed and any(replayed)  # captured, and replayed where a bucket came again
+
+
+def test_a_forward_of_several_tokens_warms_up_once_per_rows_and_tokens(monkeypatch):
+    """A full cache's static forwards of several tokens a row (the PRM's scoring, the commits) capture a graph per
+    rows, blocks and tokens bucket, after one warm-up per rows and tokens bucket: one row appended 3 tokens at a time
+    from 10 to 55 tokens (blocks buckets 1, 2 and 4 of 16 tokens), then 5 tokens once: 4 graphs, 6 forwards."""
+    from kvrescue_testkit.dry_run import fake_model
+    from kvrescue.engine.caches import FullCache
+    from kvrescue_testkit.random_checkpoints import build_tokenizer
+
+    forwards = []
+    forward = graphs.StaticDecode._forward
+    monkeypatch.setattr(graphs.StaticDecode, "_forward",
+                        lambda step, inputs, tokens=1: forwards.append(tokens) or forward(step, inputs, tokens))
+    with FakeCuda():
+        net = fake_model(SMALL, "helper", build_tokenizer(512), torch.bfloat16, "cuda:0").net
+        cache = FullCache.for_model(net, 512, max_rows=4, max_row_tokens=256, block_size=16)
+        step = graphs.StaticDecode(net, cache)
+        row = cache.create()
+        with torch.inference_mode():
+            net.prefill(upload_all({"prompt": np.zeros((1, 10))}, torch.device("cuda:0"))["prompt"], cache, [row], [10])
+        for _ in range(15):
+            step.append([row], [[1, 2, 3]])
+        step.append([row], [[1, 2, 3, 4, 5]])
+    assert sorted(step.steps) == [(1, 1, 4), (1, 2, 4), (1, 4, 4), (1, 4, 8)]
+    assert all(s.graph is not None for s in step.steps.values()) and forwards == [4, 4, 4, 4, 8, 8]
