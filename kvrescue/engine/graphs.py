@@ -158,8 +158,8 @@ class _BoundedSide:
 class _FullView:
     """What the decoder's attention layers see during a full cache's static forward of `tokens` tokens a row: each
     row's new k/v written to their slots (padding tokens and rows: the scratch block), then attention over its
-    blocks, each new token causally over its row's cached keys and the new ones before it (flash-attn's paged kernel,
-    or for one token a row FlexAttention, in place; else SDPA over the bucket's blocks gathered, masked per row)."""
+    blocks, each new token causally over its row's cached keys and the new ones before it (flash-attn's paged kernel
+    or FlexAttention, in place; else SDPA over the bucket's blocks gathered, masked per row)."""
 
     def __init__(self, cache: FullCache, inputs: torch.Tensor, tokens: int) -> None:
         self.cache = cache
@@ -168,8 +168,9 @@ class _FullView:
         self.table = inputs[3 * tokens + 1:].T  # [size, width]
         self.flash = use_flash(cache.k)
         self.flex = None
-        if not self.flash and tokens == 1 and flex.serves(cache.k):
-            self.flex = flex.PagedSteps(self.table, self.cached, cache.k.shape[1], cache.block_size)
+        if not self.flash and flex.serves(cache.k, tokens, inputs.shape[1]):
+            new = inputs[3 * tokens] + 1 if tokens > 1 else None  # each row's new tokens (padding rows: 1)
+            self.flex = flex.PagedSteps(self.table, self.cached, cache.k.shape[1], cache.block_size, tokens, new)
         elif not self.flash:
             keys = torch.arange(self.table.shape[1] * cache.block_size, device=inputs.device)
             horizon = self.cached[:, None] + torch.arange(tokens, device=inputs.device)  # [size, tokens]

@@ -324,6 +324,37 @@ def test_static_scoring_equals_the_eager_scoring_in_several_buckets(prm, monkeyp
     assert static.cache.blocks_in_use() == 1  # the scratch block
 
 
+def test_where_flexattention_serves_the_static_scoring_reads_the_blocks_in_place(prm, monkeypatch) -> None:
+    """Where FlexAttention serves (on CUDA with Triton; eagerly here), the static forwards of several tokens a row
+    read the pools through its block mask, each row's new-token count from the static buffer: the eager SDPA scores."""
+    from kvrescue.engine import flex
+
+    eager = PRMScorer(prm, max_problems=2, max_candidates=8)
+    static = _static(PRMScorer(prm, max_problems=2, max_candidates=8))
+    tokens_read = []
+    attend = flex.PagedSteps.attend
+
+    def spy(self, q, k_pool, v_pool):
+        tokens_read.append(q.shape[2])
+        return attend(self, q, k_pool, v_pool)
+
+    monkeypatch.setattr(flex.PagedSteps, "attend", spy)
+    for scorer in (eager, static):
+        for key in range(2):
+            scorer.open(key, PROBLEMS[key], [])
+    for t in range(2):
+        requests = [(key, text, []) for key in range(2) for text in (STEPS[key][t], "x = 7.\n\n")]
+        want = eager.score(requests)
+        monkeypatch.setattr(flex, "SERVES", True)
+        got = static.score(requests)
+        monkeypatch.setattr(flex, "SERVES", False)
+        assert got == pytest.approx(want, abs=2e-5)
+        for scorer in (eager, static):
+            for key in range(2):
+                scorer.commit(key, STEPS[key][t], [])
+    assert tokens_read and min(tokens_read) > 1  # every static forward read through FlexAttention
+
+
 def test_where_flash_attn_serves_the_static_scoring_it_reads_the_whole_table_in_place(prm, monkeypatch,
                                                                                       kernel_layouts) -> None:
     """With flash-attn the static forwards read each row's whole block table (and the columns its padding tokens
