@@ -324,6 +324,7 @@ def test_static_scoring_equals_the_eager_scoring_in_several_buckets(prm, monkeyp
     assert static.cache.blocks_in_use() == 1  # the scratch block
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_where_flexattention_serves_the_static_scoring_reads_the_blocks_in_place(prm, monkeypatch) -> None:
     """Where FlexAttention serves (on CUDA with Triton; eagerly here), the static forwards of several tokens a row
     read the pools through its block mask, each row's new-token count from the static buffer: the eager SDPA scores."""
