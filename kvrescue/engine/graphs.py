@@ -23,8 +23,11 @@ next power of two of the blocks the longest row holds (a graph per row and block
 blocks in place, or SDPA over them gathered, masked per row). Its steps never cascade: every row reads its own blocks.
 A forward of T tokens a row (`StaticDecode.append`) is bucketed by rows, blocks and T (the next power of two of the
 longest row's new tokens): padding tokens write to the scratch block, each new token attends causally (the new keys
-are written before the attention reads them), the head is read at each row's last real token; one warm-up per rows
-and T before the first capture.
+are written before the attention reads them), the head is read at each row's last real token.
+
+On CUDA the first forward of a row bucket (and T) runs eagerly on the capture stream, its real inputs (the warm-up
+that a capture needs before it); its buckets are captured from their next forward on, so a shape used once (a
+commit's, the PRM's feed of a step) is never captured.
 """
 
 from __future__ import annotations
@@ -329,9 +332,13 @@ class StaticDecode:
         step.inputs.copy_(upload(host, step.inputs.device))  # no wait for the device
         if tokens is not None:
             step.inputs[0, : len(rows)].copy_(tokens)
+        if self.graphs and step.graph is None and (step.inputs.shape[1], step.tokens) in self.outputs:
+            step.graph, step.logits = self._capture(step.inputs, step.tokens)
         if step.graph is not None:
             step.graph.replay()
             logits = step.logits
+        elif self.graphs:
+            logits = self._warm_up(step.inputs, step.tokens)
         else:
             logits = self._forward(step.inputs, step.tokens)
         self.side.finish(rows)
@@ -339,8 +346,8 @@ class StaticDecode:
 
     def _captured_cover(self, key: tuple[int, ...], host: np.ndarray) -> tuple[tuple[int, ...], np.ndarray]:
         """The smallest bucket prepared already that covers `key` (as many rows or more, as wide a table or wider, as
-        many tokens), with `host` padded to it: a step of few rows (a commit's) replays a graph of more rather than
-        capturing one of its own (a warm-up and a capture forward); `key` itself when none covers it."""
+        many tokens), with `host` padded to it: a step of few rows (a commit's) takes a bucket of more rather than
+        preparing one of its own (a warm-up, then a capture); `key` itself when none covers it."""
         covers = [k for k in self.steps
                   if k != key and k[2:] == key[2:] and all(a >= b for a, b in zip(k, key))]
         if key in self.steps or not covers:
@@ -358,34 +365,35 @@ class StaticDecode:
         return self.net.head(h[torch.arange(h.shape[0], device=h.device), inputs[3 * tokens]])
 
     def _prepare(self, key: tuple[int, ...], host: np.ndarray) -> _Step:
-        inputs = torch.zeros(host.shape, dtype=torch.long, device=self.cache.k.device)
-        step = _Step(inputs, self.side.tokens(key))
-        if self.graphs:  # warm-up and capture write only to the scratch slot or block
-            inputs.copy_(torch.from_numpy(self.side.padding(*key)))
-            step.graph, step.logits = self._capture(inputs, step.tokens)
+        step = _Step(torch.zeros(host.shape, dtype=torch.long, device=self.cache.k.device), self.side.tokens(key))
         self.steps[key] = step
         return step
 
+    def _warm_up(self, inputs: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The first forward of a row bucket and tokens, eagerly on the device's capture stream (its real inputs, its
+        outputs returned): it makes what the kernels create on first use there (the stream's cuBLAS workspace too, as
+        nano-vllm's warm-up forward before each batch size's capture does) and gives the shape's outputs buffer its
+        shape. Its graphs come from the shape's next forward on (`_capture`), so that a shape used once (a commit's,
+        the PRM's feed of a step) costs one forward, not a warm-up, a capture and a replay."""
+        torch.cuda.set_device(inputs.device)  # the capture stream is the current device's: the cache's
+        stream, current = capture_stream(), torch.cuda.current_stream()
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            logits = self._forward(inputs, tokens)
+        current.wait_stream(stream)
+        logits.record_stream(current)  # read on this stream (the caller's copy), made on the capture stream
+        self.outputs[inputs.shape[1], tokens] = torch.empty_like(logits)
+        return logits
+
     def _capture(self, inputs: torch.Tensor, tokens: int = 1) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The forward over `inputs` captured in a CUDA graph on the device's capture stream, and its outputs buffer:
-        the (row bucket, tokens)'s, which every graph of those writes (a full cache has one per block bucket). The
-        first graph of a row bucket and tokens comes after one warm-up forward there (which makes what the kernels
-        create on first use, the stream's cuBLAS workspace too, as nano-vllm's capture does for each batch size, and
-        gives the buffer its shape); a wider block table of the same rows launches the same kernels, the
-        attention's over more keys: no warm-up (a forward dispatched op by op). The graph reads and writes the pools
-        at their addresses and strides of now."""
+        the (row bucket, tokens)'s, which every graph of those writes (a full cache has one per block bucket), made by
+        the shape's warm-up (`_warm_up`); a wider block table of the same rows launches the same kernels, the
+        attention's over more keys: captured at its first forward. The graph reads and writes the pools at their
+        addresses and strides of now."""
         torch.cuda.set_device(inputs.device)  # the capture stream and graph are the current device's: the cache's
-        stream = capture_stream()
-        shape = (inputs.shape[1], tokens)
-        if shape not in self.outputs:
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                warm = self._forward(inputs, tokens)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.outputs[shape] = torch.empty_like(warm)
-            del warm
-        logits = self.outputs[shape]
+        logits = self.outputs[inputs.shape[1], tokens]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory, stream=stream):
+        with torch.cuda.graph(graph, pool=self.memory, stream=capture_stream()):
             logits.copy_(self._forward(inputs, tokens))
         return graph, logits
