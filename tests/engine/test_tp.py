@@ -25,6 +25,8 @@ from kvrescue.shapes import local_args, shard_degree
 from kvrescue_testkit.random_checkpoints import write_random_checkpoint
 from tests import tp_scenario
 
+pytestmark = pytest.mark.waiting  # scripts/test.sh runs it in a process of its own, beside the others
+
 TOL = 1e-5
 SHAPE = dict(hidden_size=64, num_layers=2, intermediate_size=128, init_std=0.1)
 
