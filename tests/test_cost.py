@@ -130,7 +130,8 @@ def test_cli_cost_tp_prints_each_devices_plan(tmp_path):
     assert plan["base"]["kv_bytes"] == 19 * 704 * 320 * 1024 // 8 + 80 * 19 * 8 * 8 * 128 * 2
     # batch x (L + 2N steps) and the CUDA graphs' scratch block of 16, 1 of 2 KV heads
     assert plan["helper"]["kv_bytes"] == (2 * (4096 + 2 * 8 * 512) + 16) * 14 * 1024
-    assert plan["prm"]["kv_bytes"] == (2 * (4096 + 16) + 2 * 16 * 529) * 14 * 1024  # windows + 2N suffixes, 1 of 4
+    # windows + 2N suffixes and the CUDA graphs' scratch block, 1 of 4 KV heads
+    assert plan["prm"]["kv_bytes"] == (2 * (4096 + 16) + 2 * 16 * 529 + 16) * 14 * 1024
     assert plan["prm"]["activation_bytes"] > 0 and orjson.loads(result.stdout)["device_bytes"] > sum(
         m["weights_bytes"] + m["kv_bytes"] for m in plan.values())
     table = CliRunner().invoke(app, args, env={"COLUMNS": "200"})  # wide enough for each label on one line

@@ -408,16 +408,16 @@ def test_an_error_inside_a_cell_is_one_line_naming_it_and_the_finished_problems_
                                                                                         tmp_path):
     from kvrescue.engine.scoring import HelperLoglik
 
-    score = HelperLoglik.score
+    launch = HelperLoglik.launch  # how the controller asks for scores (read an iteration later)
 
     def failing(self, requests):  # an unexpected error once the third problem is scored (a fault injected)
         if any(key == 2 for key, _, _ in requests):
             raise IndexError("index -1 is out of bounds")
-        return score(self, requests)
+        return launch(self, requests)
 
     args = ("--bench", str(problems), "--limit", "4", "--method", "bon", "--n", "2", "--base", str(qwen2_dir),
             "--helper", str(qwen2_dir), "--prm", "helper-loglik", "--out", str(tmp_path / "runs"), *SMALL)
-    monkeypatch.setattr(HelperLoglik, "score", failing)
+    monkeypatch.setattr(HelperLoglik, "launch", failing)
     done = kvrescue_run(*args)
     last = done.stderr.decode().strip().splitlines()[-1]
     assert done.returncode == 1 and "Traceback" not in done.stderr.decode(), done.stderr.decode()[-3000:]
@@ -425,7 +425,7 @@ def test_an_error_inside_a_cell_is_one_line_naming_it_and_the_finished_problems_
     assert "2" in last.split("problem(s) ")[1].split(" unfinished")[0] and "run the same command again" in last
     kept = {t["idx"] for t in read_folder(tmp_path / "runs", "bon")[1]}
     assert 2 not in kept and f"the {len(kept)} finished are kept" in last
-    monkeypatch.setattr(HelperLoglik, "score", score)
+    monkeypatch.setattr(HelperLoglik, "launch", launch)
     ok(kvrescue_run(*args))
     assert sorted(t["idx"] for t in read_folder(tmp_path / "runs", "bon")[1]) == [0, 1, 2, 3]
 
