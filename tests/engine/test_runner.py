@@ -16,15 +16,21 @@ def _caches(net, kind: str):
     return BoundedCache.for_model(net, 16, "rkv", rows=8, max_append=64)
 
 
+def _eager_and_static(model, kind: str) -> dict[str, Runner]:
+    """Two runners over equal caches of `kind`: one eager, one with a static step (what CUDA graphs replay on a GPU,
+    here eagerly)."""
+    runners = {"eager": Runner(model, _caches(model.net, kind)), "static": Runner(model, _caches(model.net, kind))}
+    runners["static"].static = StaticDecode(model.net, runners["static"].cache)  # before any row holds an entry
+    return runners
+
+
 @pytest.mark.parametrize("kind", ["full", "bounded"])
 def test_a_commit_of_adopted_steps_is_one_static_step_with_the_eager_commits_logits(qwen2_dir, kind, monkeypatch):
     """Two problems each decode two candidates of 5 tokens, adopt one and commit its step: the runner with a static
     step (what CUDA graphs replay on a GPU, here eagerly) commits the last tokens through it, not through an eager
     forward, and keeps the logits and cache lengths the eager runner keeps."""
     model = load_model(qwen2_dir)
-    runners = {"eager": Runner(model, _caches(model.net, kind))}
-    runners["static"] = Runner(model, _caches(model.net, kind))
-    runners["static"].static = StaticDecode(model.net, runners["static"].cache)  # before any row holds an entry
+    runners = _eager_and_static(model, kind)
     generator = torch.Generator().manual_seed(3)
     prompts = [[5, 6, 7] * 7, [8, 9] * 6]
     steps = torch.randint(0, model.net.args.vocab_size, (5, 4), generator=generator)
@@ -55,9 +61,7 @@ def test_a_full_caches_commit_of_whole_steps_is_one_static_forward_with_the_eage
     graphs replay on a GPU, here eagerly) one forward of 8 tokens a row (padding tokens) and 2 rows, not an eager
     one; the logits, lengths and keys of the eager runner."""
     model = load_model(qwen2_dir)
-    runners = {"eager": Runner(model, _caches(model.net, "full"))}
-    runners["static"] = Runner(model, _caches(model.net, "full"))
-    runners["static"].static = StaticDecode(model.net, runners["static"].cache)  # before any row holds an entry
+    runners = _eager_and_static(model, "full")
     generator = torch.Generator().manual_seed(4)
     prompts = [[5, 6, 7] * 7, [8, 9] * 5]
     steps = torch.randint(0, model.net.args.vocab_size, (7, 2), generator=generator)
