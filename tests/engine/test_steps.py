@@ -222,18 +222,19 @@ def test_the_last_token_of_a_step_is_screened_whatever_ended_it(qwen2_dir, tok, 
     assert _screened(ends, [x], DetectorConfig(min_tokens=2, ent_window=1, **OFF)).finish == "step"
 
 
-def test_a_two_byte_character_at_the_800_character_boundary(qwen2_dir, tok) -> None:
-    """"é" is two byte tokens: after 1599 tokens the text holds 799 characters and half of one (not text yet), so
-    the gzip test first applies at token 1600, to 800 characters (1600 bytes)."""
+def test_a_two_byte_character_at_the_window_boundary(qwen2_dir, tok) -> None:
+    """"é" is two byte tokens: with a window of 8 characters (the paper's 800 follow the same rule at 100 times the
+    tokens), after 15 tokens the text holds 7 characters and half of one (not text yet), so the gzip test first
+    applies at token 16, to 8 characters (16 bytes)."""
     e1, e2 = tok.encode("é")
     m = _scripted(qwen2_dir, {e1: e2, e2: e1})
-    ratio = gzip_ratio("é" * 800)
-    config = DetectorConfig(tau_cmp=math.nextafter(ratio, math.inf))  # the paper's 800 characters
-    r = _screened(m, [e2], config, max_step_tokens=1700)
-    assert (r.finish, r.fired_at, r.min_gzip_ratio) == ("repetition", 1600, ratio)
-    assert r.text == "é" * 800
-    r = _screened(m, [e2], DetectorConfig(tau_cmp=100.0), max_step_tokens=1700)  # fires at the first eligible token
-    assert (r.finish, r.fired_at, r.min_gzip_ratio) == ("repetition", 1600, ratio)
+    ratio = gzip_ratio("é" * 8)
+    config = DetectorConfig(tau_cmp=math.nextafter(ratio, math.inf), cmp_chars=8)
+    r = _screened(m, [e2], config, max_step_tokens=40)
+    assert (r.finish, r.fired_at, r.min_gzip_ratio) == ("repetition", 16, ratio)
+    assert r.text == "é" * 8
+    r = _screened(m, [e2], DetectorConfig(tau_cmp=100.0, cmp_chars=8), max_step_tokens=40)  # the first eligible token
+    assert (r.finish, r.fired_at, r.min_gzip_ratio) == ("repetition", 16, ratio)
 
 
 def test_sampled_steps_reproducible_and_batch_independent(qwen2_dir) -> None:
