@@ -32,8 +32,9 @@ commit's, the PRM's feed of a step) is never captured.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ from kvrescue.engine.attention import (PagedKeys, Visibility, attend_masked, att
 from kvrescue.engine.bounded import BoundedCache, hole_free
 from kvrescue.engine.caches import FullCache
 from kvrescue.engine.model import Transformer
-from kvrescue.engine.transfer import upload
+from kvrescue.engine.transfer import upload_into
 from kvrescue.shapes import SCORE_BYTES, bucket, rows_at_once
 
 _CAPTURE_STREAMS: dict[tuple[type, int], torch.cuda.Stream] = {}
@@ -59,6 +60,18 @@ def capture_stream() -> torch.cuda.Stream:
     if key not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[key] = torch.cuda.Stream()
     return _CAPTURE_STREAMS[key]
+
+
+def on_capture_stream(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` run eagerly on the current device's capture stream, after what the current stream queued, the
+    current stream then waiting for it: the warm-up a capture needs there (what kernels make on first use, the
+    stream's cuBLAS workspace too). Outputs read on the current stream afterwards need `record_stream`."""
+    stream, current = capture_stream(), torch.cuda.current_stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        out = fn(*args)
+    current.wait_stream(stream)
+    return out
 
 
 # Without flash-attn, a bounded cache's static step reads the span of every slot of the pools in place (a view, each
@@ -329,7 +342,7 @@ class StaticDecode:
         one-token steps' tokens, on the device, in place of the buffer's first row."""
         key, host = self._captured_cover(key, host)
         step = self.steps.get(key) or self._prepare(key, host)
-        step.inputs.copy_(upload(host, step.inputs.device))  # no wait for the device
+        upload_into(step.inputs, host)  # no wait for the device
         if tokens is not None:
             step.inputs[0, : len(rows)].copy_(tokens)
         if self.graphs and step.graph is None and (step.inputs.shape[1], step.tokens) in self.outputs:
@@ -376,12 +389,8 @@ class StaticDecode:
         shape. Its graphs come from the shape's next forward on (`_capture`), so that a shape used once (a commit's,
         the PRM's feed of a step) costs one forward, not a warm-up, a capture and a replay."""
         torch.cuda.set_device(inputs.device)  # the capture stream is the current device's: the cache's
-        stream, current = capture_stream(), torch.cuda.current_stream()
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            logits = self._forward(inputs, tokens)
-        current.wait_stream(stream)
-        logits.record_stream(current)  # read on this stream (the caller's copy), made on the capture stream
+        logits = on_capture_stream(self._forward, inputs, tokens)
+        logits.record_stream(torch.cuda.current_stream())  # read on this stream (the caller's copy)
         self.outputs[inputs.shape[1], tokens] = torch.empty_like(logits)
         return logits
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvrescue.engine.graphs import capture_stream
+from kvrescue.engine.graphs import capture_stream, on_capture_stream
 from kvrescue.engine.transfer import upload_into
 from kvrescue.shapes import bucket
 
@@ -83,18 +83,14 @@ class StaticIterations:
         stream, into the bucket's outputs; a bucket's first capture comes after one warm-up there (kernels made on
         first use), which also gives the outputs their shapes."""
         torch.cuda.set_device(inputs.device)  # the capture stream and graph are the current device's (indexed)
-        stream = capture_stream()
         size = inputs.shape[1]
-        stream.wait_stream(torch.cuda.current_stream())
         if size not in self.outputs:
-            with torch.cuda.stream(stream):
-                warm = iterate(runner, inputs)
-            torch.cuda.current_stream().wait_stream(stream)
+            warm = on_capture_stream(iterate, runner, inputs)
             self.outputs[size] = tuple(torch.empty_like(value) for value in warm)
             del warm
         outputs = self.outputs[size]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory, stream=stream):
+        with torch.cuda.graph(graph, pool=self.memory, stream=capture_stream()):
             for out, value in zip(outputs, iterate(runner, inputs)):
                 out.copy_(value)
         return graph, outputs
