@@ -2,8 +2,9 @@
 
 The input and the score are a recipe's (engine/prm_recipes: Qwen2.5-Math-PRM's `paper` or `model-card`, RLHFlow,
 Math-Shepherd, Skywork), read at the last token of a candidate's piece. Each problem's committed prefix lives in one
-FullCache row; a candidate is scored as a suffix (fork, append its piece's tokens, read the head, release), all
-candidates of all problems in one forward: on a GPU with CUDA graphs on, a static forward captured per bucket of
+FullCache row; a candidate is scored as a suffix (fork, append its piece's tokens, read the head), all
+candidates of all problems in one forward, and the forks are kept until the problem commits: the winner's row becomes
+its prefix (its K/V are the committed step's), the others are released: on a GPU with CUDA graphs on, a static forward captured per bucket of
 rows, tokens and blocks (`graphs.StaticDecode.append`).
 """
 
@@ -65,6 +66,7 @@ class PRMTrajectory:
     unfed: list[int] = field(default_factory=list)  # prefix tokens the scorer's model has not processed yet
     rebuilt: bool = True  # `unfed` is the whole prefix (just opened, or older steps were dropped since)
     processed: int = 0  # tokens the scorer's model processed for this problem
+    scored: list[list[int]] = field(default_factory=list)  # the pieces of its last scoring, until its next commit
     truncations: int = 0  # scorings and commits that cut its input to the window
 
     def prefix(self) -> list[int]:
@@ -88,7 +90,8 @@ class PRMInputs:
 
     Both scorers read their inputs here, so the engine's PRMScorer and vLLM's see the same token ids, the
     same dropped steps and the same cut candidates, and count the same tokens: a committed prefix once, when it
-    is first fed (`take_unfed`), and every candidate's piece.
+    is first fed (`take_unfed`), and every candidate's piece; a committed step that is one of its last scoring's
+    pieces was processed then, and is not fed again (`commit`).
     """
 
     def __init__(self, tokenizer, recipe: PRMRecipe, window: int = PRM_WINDOW, system: str = SYSTEM_PROMPT,
@@ -126,17 +129,29 @@ class PRMInputs:
             p.truncations += dropped or n > room[key]
         # A candidate longer than the window left after dropping every step keeps its end (where it is scored).
         cut = [s[-max(room[key], 1) :] for (key, _, _), s in zip(requests, suffixes)]
+        for key in need:
+            self.problems[key].scored = []
         for (key, _, _), s in zip(requests, cut):
             self.problems[key].processed += len(s)
+            self.problems[key].scored.append(s)
         return cut
 
-    def commit(self, key: int, text: str) -> None:
-        """The problem committed this step: its ids join the prefix (older steps dropped to fit it)."""
+    def commit(self, key: int, text: str, kept: Sequence[list[int]] | None = None) -> int | None:
+        """The problem committed this step: its ids join the prefix (older steps dropped to fit it), queued to be
+        fed unless its last scoring processed them: the step is a piece of `kept` (those of its last scoring's
+        pieces whose K/V the scorer kept; None: all, as a prefix cache keeps them), scored after the whole prefix
+        as it stands. Returns that piece's index in `kept`."""
         p = self.problems[key]
         step = self.codec.committed(text, len(p.steps))
-        p.truncations += p.fit(len(step), self.window)
+        dropped = p.fit(len(step), self.window)
+        p.truncations += dropped
         p.steps.append(step)
+        kept = p.scored if kept is None else kept
+        p.scored = []
+        if not dropped and not p.unfed and step in kept:
+            return kept.index(step)
         p.unfed += step
+        return None
 
     def take_unfed(self) -> list[tuple[int, list[int], bool]]:
         """(key, tokens, rebuilt) of every problem whose prefix has tokens not processed yet (`rebuilt`: they are
@@ -158,9 +173,12 @@ class PRMInputs:
 class PRMScorer:
     """Scores candidate steps of many problems as suffixes of each problem's cached committed prefix.
 
-    Follows the controller's scorer protocol: open / score / commit / close, keyed by problem. Opening and
-    committing only queue tokens: each `score` feeds every problem's queued tokens with the candidates, in one
-    forward (two where a prompt is among them; more only when the cache's room splits the candidates).
+    Follows the controller's scorer protocol: open / score / commit / close, keyed by problem. Opening queues a
+    prompt, fed by the next `score`, in a forward of its own; the candidates of all problems go in one forward
+    (more only when the cache's room splits them), and each problem's forks are held until it commits: the
+    winner's row becomes its prefix row, so a committed step costs no forward (a step the recipe writes otherwise
+    than its candidate, RLHFlow's, and any step after its problem's candidates were split, is queued and fed with
+    the next candidates).
     """
 
     name = PRM
@@ -205,6 +223,7 @@ class PRMScorer:
         graphed = cuda_graphs and prm.device.type == "cuda" and not invariance.on()
         self.static = StaticDecode(prm.net, self.cache) if graphed else None  # before any row holds a block
         self.rows: dict[int, int] = {}  # each problem's cache row, holding its prefix
+        self.held: dict[int, tuple[list[int], list[list[int]]]] = {}  # key -> its last scoring's rows and pieces
         self.stream = stream or ModelStream()
         self.stream.follow()  # the weights and the cache were made on the default stream
 
@@ -239,10 +258,12 @@ class PRMScorer:
         device now. With batch invariance on, always in a forward of their own: whether a prefix shares its
         candidates' forward depends on the other problems', and it would join their cascade group. In static shapes
         (`cuda_graphs` on a GPU, batch invariance off), the committed steps in a static forward of their own before
-        the candidates' (`_feed_static`). None for a
-        candidate whose piece the PRM's tokenizer makes no token of (`seen_candidates`)."""
+        the candidates' (`_feed_static`). The candidates' rows are held until their problem commits (`commit`),
+        where they went in one forward. None for a candidate whose piece the PRM's tokenizer makes no token of
+        (`seen_candidates`)."""
         if not requests:
             return PendingScores(0, [], None)
+        self._drop_held({key for key, _, _ in requests})
         suffixes = self.inputs.candidates(requests)
         fed_rows, fed, rebuilt = self._unfed()
         seen = seen_candidates(suffixes)
@@ -255,16 +276,24 @@ class PRMScorer:
             fed_rows, fed = [], []
         self.cache.reserve(fed_rows, [len(tokens) for tokens in fed])
         order, scores = [], []
-        for chunk in self._chunks([suffixes[i] for i in seen]):
+        chunks = self._chunks([suffixes[i] for i in seen])
+        for chunk in chunks:
             picked = [seen[j] for j in chunk]
             rows = self.cache.fork_each([self.rows[requests[i][0]] for i in picked], 1)
+            pieces = [suffixes[i] for i in picked]
+            if len(chunks) == 1:  # released by the problem's commit (or close)
+                for i, row, piece in zip(picked, rows, pieces):
+                    held_rows, held_pieces = self.held.setdefault(requests[i][0], ([], []))
+                    held_rows.append(row)
+                    held_pieces.append(piece)
             try:
                 if static:
-                    head = self.static.append(rows, [suffixes[i] for i in picked]).float()
+                    head = self.static.append(rows, pieces).float()
                 else:
-                    head = append_tokens(self.prm, self.cache, fed_rows + rows, fed + [suffixes[i] for i in picked])
+                    head = append_tokens(self.prm, self.cache, fed_rows + rows, fed + pieces)
             finally:
-                self.cache.release(rows)
+                if len(chunks) > 1:
+                    self.cache.release(rows)
             order += picked
             scores.append(self.inputs.codec.read(head[len(fed_rows):]))
             fed_rows, fed = [], []
@@ -300,13 +329,24 @@ class PRMScorer:
         return chunks if suffixes else []
 
     def commit(self, key: int, text: str, tokens: list[int] | None = None) -> None:
-        """The problem committed this step: its ids join the prefix, fed by the next score
+        """The problem committed this step: its ids join the prefix. Where its last scoring's candidate of these
+        ids is held, that row becomes the problem's (`PRMInputs.commit`); otherwise they are fed by the next score
         (a problem closed before then never costs the forward)."""
-        self.inputs.commit(key, text)
+        rows, pieces = self.held.pop(key, ([], []))
+        at = self.inputs.commit(key, text, pieces)
+        if at is not None:
+            self.cache.adopt(self.rows[key], rows.pop(at))
+        self.cache.release(rows)
+
+    def _drop_held(self, keys) -> None:
+        """Release the candidates' rows held for these problems."""
+        for key in keys:
+            self.cache.release(self.held.pop(key, ([], []))[0])
 
     @on_stream
     def close(self, key: int) -> tuple[int, int]:
         """Stop following a problem; returns (tokens the PRM processed, times its input was cut to the window)."""
+        self._drop_held([key])
         if key in self.rows:
             self.cache.release([self.rows.pop(key)])
         return self.inputs.close(key)

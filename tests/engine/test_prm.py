@@ -170,9 +170,10 @@ def test_batched_from_scratch_scores_equal_one_trajectory_at_a_time(prm) -> None
     assert len(set(want)) == len(want)  # the rows are told apart
 
 
-def test_opens_and_commits_are_fed_with_the_next_score_in_one_forward(prm, monkeypatch) -> None:
-    """Prompts are fed in a forward of their own (the candidates would be padded to them), committed steps no
-    longer than the candidates in the candidates' forward; the scores are the from-scratch ones."""
+def test_opens_are_fed_in_a_forward_and_a_scored_step_commits_without_one(prm, monkeypatch) -> None:
+    """Prompts are fed in a forward of their own (the candidates would be padded to them); a committed step that was
+    one of its problem's candidates keeps that candidate's row (no forward, not counted again), one that was not is
+    fed with the next candidates, in their forward; the scores are the from-scratch ones."""
     forwards = []
     prefill = prm.net.prefill
 
@@ -188,22 +189,29 @@ def test_opens_and_commits_are_fed_with_the_next_score_in_one_forward(prm, monke
     requests = [(key, text, []) for key in range(3) for text in (STEPS[key % 2][0], "x = 7.\n\n")]
     first = scorer.score(requests)
     assert forwards == [3, 6]  # the three prompts, then the six candidates
-    for key in range(3):
-        scorer.commit(key, STEPS[key % 2][0], [])
-    scorer.close(2)  # its committed step is never fed
-    assert forwards == [3, 6]
+    unscored = "So y = 2.\n\n"
+    committed = {0: STEPS[0][0], 1: unscored, 2: STEPS[0][0]}
+    for key, text in committed.items():
+        scorer.commit(key, text, [])
+    scorer.close(2)
+    assert forwards == [3, 6] and scorer.cache.blocks_in_use() == sum(
+        len(scorer.cache.blocks(scorer.rows[key])) for key in (0, 1))  # the other candidates' rows are released
     requests = [(key, STEPS[key][1], []) for key in range(2)]
     second = scorer.score(requests)
-    assert forwards == [3, 6, 4]  # the two committed steps with the candidates forked from them, in one forward
+    assert forwards == [3, 6, 3]  # problem 1's committed step with the candidates forked from it, in one forward
     assert first[0] == pytest.approx(prm_scores(prm, PROBLEMS[0], STEPS[0][:1])[-1], abs=1e-4)
     for (key, text, _), score in zip(requests, second):
-        assert score == pytest.approx(prm_scores(prm, PROBLEMS[key], [STEPS[key][0], text])[-1], abs=1e-4)
+        assert score == pytest.approx(prm_scores(prm, PROBLEMS[key], [committed[key], text])[-1], abs=1e-4)
+
     def ids(text):
         return scorer.inputs.step_ids([text])[0]
 
-    # problem 0: its prompt, two candidates, the committed step, one candidate
-    processed = len(scorer.inputs.problems[0].prompt) + 2 * len(ids(STEPS[0][0])) + len(ids("x = 7.\n\n"))
-    assert scorer.close(0)[0] == processed + len(ids(STEPS[0][1]))
+    # each problem: its prompt, two candidates, then one; problem 1's committed step is fed on its own
+    for key in (0, 1):
+        processed = len(scorer.inputs.problems[key].prompt) + sum(
+            len(ids(text)) for text in (STEPS[key][0], "x = 7.\n\n", STEPS[key][1]))
+        assert scorer.close(key)[0] == processed + (len(ids(unscored)) if key == 1 else 0)
+    assert scorer.cache.blocks_in_use() == 0
 
 
 def test_where_flash_attn_serves_the_prm_it_reads_its_cache_through_the_paged_kernel(prm, monkeypatch,
@@ -282,7 +290,8 @@ def _static(scorer: PRMScorer) -> PRMScorer:
 def test_static_scoring_equals_the_eager_scoring_in_several_buckets(prm, monkeypatch, score_bytes) -> None:
     """Three problems over three steps, 2, 1 and 3 candidates each of different lengths (row buckets 8, 4 and 16 with
     padding rows; token buckets with padding tokens), forked from prefixes whose last block is partly filled: the
-    static forwards (what CUDA graphs replay on a GPU) give the eager scores; only the prompts are fed eagerly. Where
+    static forwards (what CUDA graphs replay on a GPU) give the eager scores, and so does a committed step that was
+    none of its problem's candidates, fed in a static forward of its own; only the prompts are fed eagerly. Where
     SDPA's mask of all rows would pass SCORE_BYTES, the rows go in several forwards of fewer."""
     from kvrescue.engine import graphs
 
@@ -310,8 +319,8 @@ def test_static_scoring_equals_the_eager_scoring_in_several_buckets(prm, monkeyp
         assert got["static"] == pytest.approx(got["eager"], abs=2e-5)
         assert any(static.cache.length(static.rows[key]) % static.cache.block_size for key in range(3))
         for scorer in scorers.values():
-            for key in range(3):
-                scorer.commit(key, STEPS[key % 2][t], [])
+            for key in range(3):  # problem 2's second step was none of its candidates: fed in a forward of its own
+                scorer.commit(key, "So y = 2.\n\n" if (key, t) == (2, 1) else STEPS[key % 2][t], [])
     assert eager_forwards.count(True) == 1  # the prompts
     keys = set(static.static.steps)
     assert len({tokens for _, _, tokens in keys}) >= 2
@@ -448,7 +457,7 @@ def test_a_cell_scored_in_static_shapes_decodes_and_scores_as_the_eager_one(qwen
                     iter(cell.problems.problems), lambda trace, _: emitted.append(trace))
         traces[static] = sorted(emitted, key=lambda trace: trace.idx)
         if static:
-            assert len({tokens for _, _, tokens in scorer.static.steps}) >= 2
+            assert scorer.static.steps  # the scoring went through the static forwards
     assert len(traces[True]) == 3 and sum(trace.n_steps for trace in traces[True]) >= 6
     for eager, static in zip(traces[False], traces[True]):
         assert [s.text for s in static.steps] == [s.text for s in eager.steps] and static.output == eager.output
