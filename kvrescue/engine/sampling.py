@@ -14,6 +14,7 @@ made with it drew different tokens.
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 import kvrescue.engine.invariance as invariance
@@ -62,13 +63,15 @@ def counter_stages(limit: int, device: torch.device | str = "cpu") -> torch.Tens
     return _fmix32((torch.arange(limit, device=device) & _MASK32) ^ _GOLDEN32)
 
 
-def uniforms(keys: torch.Tensor, counters: torch.Tensor, stages: torch.Tensor | None = None) -> torch.Tensor:
-    """The counters[i]-th uniform in [0, 1) of stream keys[i], for all rows at once (int64 [R] each, float32 [R]).
-    `stages`: `counter_stages(limit)` when every counter is below limit (the same values, fewer operations)."""
+def uniforms(keys, counters, stages=None):
+    """The counters[i]-th uniform in [0, 1) of stream keys[i], for all rows at once (int64 [R] each, float32 [R]):
+    torch tensors, or numpy arrays on the host (the same values; a step decoder draws a step's there, `steps`).
+    `stages`: `counter_stages(limit)` (as an array, on the host) when every counter is below limit (the same values,
+    fewer operations)."""
     h = _fmix32((counters & _MASK32) ^ _GOLDEN32) if stages is None else stages[counters]
     h = _fmix32(h ^ (keys & _MASK32))
-    h = _fmix32(h ^ (keys >> 32))
-    return (h >> 8).to(torch.float32) * 2.0**-24
+    h = _fmix32(h ^ (keys >> 32)) >> 8
+    return (h.astype(np.float32) if isinstance(h, np.ndarray) else h.to(torch.float32)) * 2.0**-24
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

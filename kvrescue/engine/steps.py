@@ -110,11 +110,11 @@ class StepDecoder:
         eos = [t for t in rules.eos if t < len(self.eos)]
         self.eos[eos] = True
         self.width = rules.max_step_tokens
-        # A step's counters stay below its longest length: its uniforms are drawn when it starts (a table of lanes x
-        # columns, the same values as drawn token by token), one lookup per token rather than two hash rounds.
+        # A step's counters stay below its longest length: its uniforms are drawn on the host when it starts (a table
+        # of lanes x columns, the same values as drawn token by token, in one copy), one lookup per token.
         columns = min(self.width, rules.fixed_length or self.width)
-        self.counters = torch.arange(columns, device=self.device)
-        self.stages = counter_stages(columns, self.device)
+        self.counters = np.arange(columns)
+        self.stages = counter_stages(columns).numpy()
         self.window = rules.detector.ent_window if rules.detector else 1
         self.lanes = self._allocate(0)
         self.free: list[int] = []
@@ -164,7 +164,7 @@ class StepDecoder:
         s.rows[lanes], s.screened[lanes], s.counts[lanes], s.min_gzip_ratio[lanes] = rows, screened, 0, np.inf
         s.context[lanes] = contexts
         at = upload(lanes, self.device)
-        s.draws[at] = uniforms(upload(as_keys(keys), self.device)[:, None], self.counters, self.stages)
+        s.draws[at] = upload(uniforms(as_keys(keys).numpy()[:, None], self.counters, self.stages), self.device)
         s.count[at], s.prev_ends[at], s.ring[at], s.max_mean_entropy[at], s.chars[at] = 0, False, 0.0, -torch.inf, 0
         self.live = np.concatenate([self.live, lanes])
 

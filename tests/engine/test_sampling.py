@@ -1,5 +1,6 @@
 """Sampling: reproducible, batch-independent, greedy at T=0, top-k/top-p respected, exact entropy."""
 
+import numpy as np
 import torch
 
 from kvrescue.engine.sampling import SamplingParams, counter_stages, entropy, sample, stream_key, uniforms
@@ -98,8 +99,11 @@ def test_device_stream_matches_plain_integer_reference() -> None:
     got = uniforms(keys, counters).tolist()
     assert got == [_uniform_reference(k, c) for k, c in zip(keys.tolist(), counters.tolist())]
     counters %= 700  # below the table's limit
-    assert uniforms(keys, counters, counter_stages(700)).tolist() == [
-        _uniform_reference(k, c) for k, c in zip(keys.tolist(), counters.tolist())]
+    want = [_uniform_reference(k, c) for k, c in zip(keys.tolist(), counters.tolist())]
+    assert uniforms(keys, counters, counter_stages(700)).tolist() == want
+    # on the host, as a step decoder draws a step's uniforms: numpy arrays, the same float32 values
+    on_host = uniforms(keys.numpy(), counters.numpy(), counter_stages(700).numpy())
+    assert on_host.dtype == np.float32 and on_host.tolist() == want
 
 
 def test_stream_is_uniform_enough() -> None:
