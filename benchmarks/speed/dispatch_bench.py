@@ -8,8 +8,9 @@ GPU's launch overhead (issue 40), measured without a GPU.
 (Qwen2.5-Math-7B base, 1.5B helper, PRM-7B in bf16), CUDA graphs on, 2 problems, N = 8, B = 64, synthetic steps of
 8 tokens x 2 (`--steps`: S steps; more amortise the captures of the first), prefill, PRM scoring and commits
 included. A `TorchDispatchMode` around it counts every aten op the
-host dispatches: a CUDA graph's capture dispatches its step's ops once (counted, and shown apart), its replays
-none. Each op goes to the role whose runner (or static step, or scorer) is innermost on the Python stack when it is
+host dispatches: a CUDA graph's capture dispatches its step's ops once (counted in `ops/token`, and shown apart:
+`in captures`; `outside graphs` leaves them out, as they are recorded into the graph rather than launched), its
+replays none. Each op goes to the role whose runner (or static step, or scorer) is innermost on the Python stack when it is
 dispatched (base, helper, prm; `loop` for the controller's own). Figures are ops / candidate tokens decoded (base
 and helper together). The op count is deterministic: `--baseline REF` runs the same cells with a git ref's code in
 a fresh process beside this tree's. The host time per token on a near-free model is `host_bench.py`'s.
@@ -114,6 +115,12 @@ def _owner(frame, owners: dict[int, str]) -> tuple[str, str]:
     return role, methods[-1] if methods[0] == methods[-1] else f"{methods[-1]}/{methods[0]}"
 
 
+def per_token(cell: dict) -> tuple[float, float]:
+    """A cell's ops per candidate token: all it dispatched, and those outside its graphs' captures."""
+    tokens, total = sum(cell["tokens"].values()), sum(cell["ops"].values())
+    return total / tokens, (total - cell["captured"]) / tokens
+
+
 def settings(steps: int) -> dict:
     """The dry run's settings with `steps` synthetic steps."""
     return {**SETTINGS, "synthetic": (SETTINGS["synthetic"][0], steps)}
@@ -140,17 +147,18 @@ def main() -> None:
         results = {name: run_worker(code, methods, args.steps) for name, code in trees.items()}
     roles = ("base", "helper", "prm", "loop")
     print("ops dispatched per decoded candidate token, fake CUDA, paper shapes, CUDA graphs on,", settings(args.steps))
-    print(f"| code | method | ops/token | {' | '.join(roles)} | in captures | replays | tokens | vs this tree |")
-    print("|---|---|---|" + "---|" * len(roles) + "---|---|---|---|")
-    mine = {c["method"]: c for c in results["this tree"]["cells"]}
+    print(f"| code | method | ops/token | {' | '.join(roles)} | in captures | outside graphs | replays | tokens | "
+          "vs this tree | outside graphs vs this tree |")
+    print("|---|---|---|" + "---|" * len(roles) + "---|---|---|---|---|---|")
+    mine = {c["method"]: per_token(c) for c in results["this tree"]["cells"]}
     for name, result in results.items():
         for c in result["cells"]:
             tokens = sum(c["tokens"].values())
-            total = sum(c["ops"].values())
-            ratio = total / tokens / (sum(mine[c["method"]]["ops"].values()) / sum(mine[c["method"]]["tokens"].values()))
+            total, outside = per_token(c)
             per_role = " | ".join(f"{c['ops'].get(role, 0) / tokens:.1f}" for role in roles)
-            print(f"| {name} | {c['method']} | {total / tokens:.1f} | {per_role} | {c['captured'] / tokens:.1f} | "
-                  f"{c['graph_replays']} | {tokens} | {ratio:.2f}x |")
+            print(f"| {name} | {c['method']} | {total:.1f} | {per_role} | {c['captured'] / tokens:.1f} | {outside:.1f} | "
+                  f"{c['graph_replays']} | {tokens} | {total / mine[c['method']][0]:.2f}x | "
+                  f"{outside / mine[c['method']][1]:.2f}x |")
     for c in results["this tree"]["cells"] if args.by_op else ():
         tokens = sum(c["tokens"].values())
         places: Counter = Counter()
