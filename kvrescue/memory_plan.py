@@ -35,6 +35,7 @@ from kvrescue.engine_bytes import (FP32, FULL_BLOCK, Keys, blocks, compress_byte
 from kvrescue.errors import InputError
 from kvrescue.methods import METHODS
 from kvrescue.model_config import ModelArgs, ModelConfigError
+from kvrescue.prm_catalogue import REFEEDS
 from kvrescue.scorers import HELPER_LOGLIK, PRM
 from kvrescue.shapes import (FLASH_BLOCK, GROUP_CASCADE_FROM, OBSERVATION_WINDOW, PRM_WINDOW, BUFFER, cascade_cost_on,
                              bucket, local_args, rows_at_once, rows_room, shard_degree, token_kv_bytes)
@@ -57,6 +58,7 @@ class CellShape:
     prompt_tokens: int = PROMPT_TOKENS
     buffer: int = BUFFER  # W: the bounded cache peaks at B' = B + W entries
     prm_step_tokens: int | None = None  # the PRM's tokens for one step: by default the policy's + its step tag
+    prm_refeeds: bool = False  # the PRM feeds each committed step with the next candidates (`REFEEDS`; `auto`: may)
     accumulates: bool = False  # the evictor keeps each entry's received attention (H2O: fp32 per entry and KV head)
     step_draws: int | None = None  # columns of a step's draws table: max_step_tokens, or a synthetic step's length
     detector_window: int = DetectorConfig.ent_window  # the detector's entropy ring a candidate keeps (1: no detector)
@@ -281,7 +283,7 @@ def plan_cell(models: dict[str, Architecture], cell: CellShape, dev: DeviceKind)
         suffix = s.prm_step_tokens or step + 1
         keys = blocks(min(PRM_WINDOW + suffix, cap + cap // step + 1), block)  # the context and a tag per step
         head = "score" if r.arch.score_head else "last"  # an LM-head PRM's (RLHFlow's, Math-Shepherd's): its logits
-        scored = candidates + (0 if dev.invariant else s.batch)  # and the committed steps fed with them (`PRMScorer`)
+        scored = candidates + (s.batch if s.prm_refeeds and not dev.invariant else 0)  # and steps fed with them
         if static:
             add("prm", "buffers", sum(static_forward(r, candidates, suffix, keys, PRM_WINDOW + block,
                                                      2 if r.arch.score_head else r.vocab, head)),
@@ -314,7 +316,8 @@ def cell_shapes(plans: Iterable[CellPlan], batch: int | None = None) -> list[Cel
                                 plan.context_cap, buffer=BUFFER if plan.buffer is None else plan.buffer,
                                 accumulates=plan.accumulates,
                                 step_draws=min(plan.max_step_tokens, synthetic[0]) if synthetic else None,
-                                detector_window=detector.ent_window if METHODS[plan.method].detector else 1))
+                                detector_window=detector.ent_window if METHODS[plan.method].detector else 1,
+                                prm_refeeds=plan.scorer.kind == PRM and plan.scorer.prm_recipe in REFEEDS + ("auto",)))
     return list(dict.fromkeys(shapes))
 
 

@@ -64,6 +64,8 @@ def test_the_whole_trajectory_s_ids_and_score_positions_are_the_card_s(folder, n
         wrong_ids, wrong_positions = CARDS[name][0](prm.tokenizer, PROBLEM, CLEAN[:t] + [WRONG.strip()])
         assert scorer.inputs.problems[0].prefix() + sent[-1][1] == wrong_ids[: wrong_positions[-1] + 1]
         scorer.commit(0, step)
+        codec = scorer.inputs.codec
+        assert get_recipe(name).refeeds == (codec.committed(step, t) != codec.candidates([step], [t])[0])
     assert scorer.inputs.problems[0].prefix() == card_ids
 
 
