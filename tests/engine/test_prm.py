@@ -161,6 +161,13 @@ def test_candidates_beyond_the_cache_room_are_scored_in_chunks(prm) -> None:
     b = tight.score([(0, t, []) for t in texts])
     assert tight.cache.num_blocks - tight.cache.blocks_in_use() < 12 * 2  # too few blocks for all at once
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    # the roomy scorer keeps the winner's row; the tight one, whose candidates went in several forwards, feeds it
+    for scorer in (roomy, tight):
+        scorer.commit(0, texts[3], [])
+    assert (0 in roomy.held, tight.inputs.problems[0].unfed) == (False, tight.inputs.step_ids([texts[3]], 1)[0])
+    a, b = (scorer.score([(0, t, []) for t in texts[:2]]) for scorer in (roomy, tight))
+    assert a == pytest.approx(b, abs=1e-5)
+    assert a[0] == pytest.approx(prm_scores(prm, PROBLEMS[1], [STEPS[1][0], texts[3], texts[0]])[-1], abs=1e-4)
 
 
 def test_batched_from_scratch_scores_equal_one_trajectory_at_a_time(prm) -> None:
