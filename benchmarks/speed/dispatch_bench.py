@@ -12,7 +12,8 @@ host dispatches: a CUDA graph's capture dispatches its step's ops once (counted 
 `in captures`; `outside graphs` leaves them out, as they are recorded into the graph rather than launched), its
 replays none. Each op goes to the role whose runner (or static step, or scorer) is innermost on the Python stack when it is
 dispatched (base, helper, prm; `loop` for the controller's own). Figures are ops / candidate tokens decoded (base
-and helper together). The op count is deterministic: `--baseline REF` runs the same cells with a git ref's code in
+and helper together). `PRM forwards` and `PRM positions` count the PRM's forwards and the token positions they
+compute, padding to a static bucket included: what its forwards cost a GPU. The op count is deterministic: `--baseline REF` runs the same cells with a git ref's code in
 a fresh process beside this tree's. The host time per token on a near-free model is `host_bench.py`'s.
 """
 
@@ -63,11 +64,13 @@ def measure(methods: list[str], steps: int = SETTINGS["synthetic"][1]) -> dict:
             return func(*args, **(kwargs or {}))
 
     build_cell, enter = dry.build_cell, fake_cuda.FakeCuda.__enter__
+    prm_work: Counter = Counter()  # the PRM's forwards, and the token positions they compute (padding included)
 
     def recording_build(*args, **kwargs):
         engine = build_cell(*args, **kwargs)
         engines.append(engine)
         owners[id(engine.scorer)] = "prm"
+        _count_prm_forwards(engine.scorer, prm_work)
         for role, runner in engine.runners.items():
             owners[id(runner)] = role
             if getattr(runner, "static", None) is not None:
@@ -83,10 +86,11 @@ def measure(methods: list[str], steps: int = SETTINGS["synthetic"][1]) -> dict:
 
     def counted_cell(*args, **kwargs):
         before, places, captured = Counter(count.by_role), Counter(count.by_place), count.captured
+        prm_work.clear()
         out = cell(*args, **kwargs)
         tokens = {role: runner.decoded for role, runner in engines[-1].runners.items()}
         cells.append({"method": out.method, "tokens": tokens, "ops": dict(count.by_role - before),
-                      "places": dict(count.by_place - places),
+                      "places": dict(count.by_place - places), "prm_work": dict(prm_work),
                       "captured": count.captured - captured, "graph_replays": out.graph_replays})
         return out
 
@@ -94,6 +98,31 @@ def measure(methods: list[str], steps: int = SETTINGS["synthetic"][1]) -> dict:
     with Count() as count:
         dry.dry_run(tuple(methods), **settings(steps))
     return {"code": str(Path(kvrescue.__file__).parents[1]), "torch": torch.__version__, "cells": cells}
+
+
+def _count_prm_forwards(scorer, work: Counter) -> None:
+    """Count the PRM scorer's forwards into `work`: static ones (the bucket each takes, `StaticDecode._run`) and
+    eager ones (`prefill`), with the token positions each computes, padding included (what a GPU computes)."""
+    static, net = getattr(scorer, "static", None), getattr(getattr(scorer, "prm", None), "net", None)
+    if static is not None:
+        run = static._run
+
+        def counted_run(rows, key, host, tokens=None):
+            used, _ = static._captured_cover(key, host)
+            work["forwards"] += 1
+            work["positions"] += used[0] * static.side.tokens(used)
+            return run(rows, key, host, tokens)
+
+        static._run = counted_run
+    if net is not None:
+        prefill = net.prefill
+
+        def counted_prefill(tokens, *args, **kwargs):
+            work["forwards"] += 1
+            work["positions"] += tokens.numel()
+            return prefill(tokens, *args, **kwargs)
+
+        net.prefill = counted_prefill
 
 
 def _owner(frame, owners: dict[int, str]) -> tuple[str, str]:
@@ -127,8 +156,8 @@ def settings(steps: int) -> dict:
 
 
 def run_worker(code: Path, methods: list[str], steps: int) -> dict:
-    """`measure` in a fresh process importing kvrescue from `code`."""
-    return measured_in(code, "benchmarks.speed.dispatch_bench", f"measure({methods!r}, {steps})")
+    """This file's `measure` (not the one `code` may hold) in a fresh process importing kvrescue from `code`."""
+    return measured_in(code, "runpy", f"run_path({str(Path(__file__).resolve())!r})['measure']({methods!r}, {steps})")
 
 
 def main() -> None:
@@ -148,17 +177,18 @@ def main() -> None:
     roles = ("base", "helper", "prm", "loop")
     print("ops dispatched per decoded candidate token, fake CUDA, paper shapes, CUDA graphs on,", settings(args.steps))
     print(f"| code | method | ops/token | {' | '.join(roles)} | in captures | outside graphs | replays | tokens | "
-          "vs this tree | outside graphs vs this tree |")
-    print("|---|---|---|" + "---|" * len(roles) + "---|---|---|---|---|---|")
+          "PRM forwards | PRM positions | vs this tree | outside graphs vs this tree |")
+    print("|---|---|---|" + "---|" * len(roles) + "---|---|---|---|---|---|---|---|")
     mine = {c["method"]: per_token(c) for c in results["this tree"]["cells"]}
     for name, result in results.items():
         for c in result["cells"]:
             tokens = sum(c["tokens"].values())
             total, outside = per_token(c)
             per_role = " | ".join(f"{c['ops'].get(role, 0) / tokens:.1f}" for role in roles)
+            work = c.get("prm_work", {})  # (not measured by the dispatch_bench of an older tree)
             print(f"| {name} | {c['method']} | {total:.1f} | {per_role} | {c['captured'] / tokens:.1f} | {outside:.1f} | "
-                  f"{c['graph_replays']} | {tokens} | {total / mine[c['method']][0]:.2f}x | "
-                  f"{outside / mine[c['method']][1]:.2f}x |")
+                  f"{c['graph_replays']} | {tokens} | {work.get('forwards', 'n/a')} | {work.get('positions', 'n/a')} | "
+                  f"{total / mine[c['method']][0]:.2f}x | {outside / mine[c['method']][1]:.2f}x |")
     for c in results["this tree"]["cells"] if args.by_op else ():
         tokens = sum(c["tokens"].values())
         places: Counter = Counter()
