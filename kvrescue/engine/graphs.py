@@ -305,7 +305,7 @@ class StaticDecode:
     @torch.inference_mode()
     def __call__(self, rows: list[int], tokens: torch.Tensor | list[int]) -> torch.Tensor:
         """Append one token (tokens [R], best on the cache's device) to each row; the head outputs that
-        follow [R, out] (a fresh tensor)."""
+        follow [R, out] (`_run`: valid until the bucket's next forward)."""
         tokens = torch.as_tensor(tokens, device=self.cache.k.device)
         self._check_pools()
         return self._run(rows, *self.side.start(rows), tokens)
@@ -314,7 +314,8 @@ class StaticDecode:
     def append(self, rows: list[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append token_lists[i] (non-empty, on the host) to rows[i] of a full cache in one static forward, padded to
         the bucket of the longest (in several where SDPA's mask would be too large, `_FullSide.rows_at_once`); the
-        head outputs after each row's last token [R, out] (a fresh tensor)."""
+        head outputs after each row's last token [R, out] (`_run`: valid until the bucket's next forward; several
+        forwards' are concatenated)."""
         if not isinstance(self.side, _FullSide):
             raise TypeError("StaticDecode.append: forwards of several tokens a row are a full cache's")
         self._check_pools()
@@ -340,7 +341,9 @@ class StaticDecode:
     def _run(self, rows: list[int], key: tuple[int, ...], host: np.ndarray,
              tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The forward of the bucket `key` (or one prepared that covers it) over the buffer `host`; `tokens`: the
-        one-token steps' tokens, on the device, in place of the buffer's first row."""
+        one-token steps' tokens, on the device, in place of the buffer's first row. Its head outputs [R, out]: with
+        graphs, a view of the bucket's outputs buffer, which its next replay overwrites (the callers copy or read
+        them at once, on the same stream), so a step copies no [rows, vocab] logits it need not."""
         key, host = self._captured_cover(key, host)
         step = self.steps.get(key) or self._prepare(key, host)
         upload_into(step.inputs, host)  # no wait for the device
@@ -356,7 +359,7 @@ class StaticDecode:
         else:
             logits = self._forward(step.inputs, step.tokens)
         self.side.finish(rows)
-        return logits[: len(rows)].clone()
+        return logits[: len(rows)]
 
     def _captured_cover(self, key: tuple[int, ...], host: np.ndarray) -> tuple[tuple[int, ...], np.ndarray]:
         """The smallest bucket prepared already that covers `key` (as many rows or more, as wide a table or wider, as

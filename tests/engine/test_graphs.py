@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvrescue.engine.bounded import BoundedCache
 from kvrescue.engine.caches import FullCache
@@ -12,6 +11,7 @@ from kvrescue.evictor_catalogue import parse_evictor
 from kvrescue.engine.graphs import StaticDecode
 from kvrescue.engine.loader import load_model
 from kvrescue.shapes import bucket
+from tests.dispatched import Dispatched
 
 pytestmark = pytest.mark.usefixtures("kernel_layouts")  # each test also under CUDA's kernel layouts
 
@@ -304,18 +304,6 @@ def test_a_step_of_fewer_rows_takes_a_bucket_prepared_already(qwen2_dir, kind):
     assert [key[0] for key in step.steps] == [4]
 
 
-class Dispatched(TorchDispatchMode):
-    """How many aten ops were dispatched."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("kind", ["full", "bounded in place", "bounded gathered", "bounded dynamic"])
 def test_a_steps_attention_mask_is_laid_out_once_for_all_layers(qwen2_dir, kind, monkeypatch):
     """The attention of a decode step (the full or bounded cache's static one, its slots read in place or its rows'
@@ -335,7 +323,7 @@ def test_a_steps_attention_mask_is_laid_out_once_for_all_layers(qwen2_dir, kind,
     def attend(self, layer, q, k, v, attend=view.attend):
         with Dispatched() as dispatched:
             out = attend(self, layer, q, k, v)
-        layers.append(dispatched.ops)
+        layers.append(len(dispatched.ops))
         return out
 
     step = StaticDecode(net, cache, graphs=True)  # no CUDA here: the same static step, eagerly
@@ -347,18 +335,6 @@ def test_a_steps_attention_mask_is_laid_out_once_for_all_layers(qwen2_dir, kind,
         net.decode(tokens, cache, rows) if kind == "bounded dynamic" else step(rows, tokens)
     assert len(layers) == net.args.n_layers > 1
     assert layers[0] > layers[1] and len(set(layers[1:])) == 1, layers
-
-
-class Selects(TorchDispatchMode):
-    """How many `select`s were dispatched (a layer's pools taken out of all layers')."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.selects = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.selects += func == torch.ops.aten.select.int
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_bounded_static_steps_layer_takes_its_pools_out_once(qwen2_dir, monkeypatch):
@@ -375,9 +351,9 @@ def test_a_bounded_static_steps_layer_takes_its_pools_out_once(qwen2_dir, monkey
     layers = []
 
     def attend(self, layer, q, k, v, attend=graphs._StaticView.attend):
-        with Selects() as counted:
+        with Dispatched() as counted:
             out = attend(self, layer, q, k, v)
-        layers.append(counted.selects)
+        layers.append(counted.ops.count("select"))  # a layer's pools taken out of all layers'
         return out
 
     monkeypatch.setattr(graphs._StaticView, "attend", attend)

@@ -22,6 +22,7 @@ from kvrescue_testkit import stream_order
 from kvrescue_testkit.fake_cuda import CaptureError, FakeCuda
 from kvrescue.memory_plan import CellShape, DeviceKind, plan_cell
 from kvrescue_testkit.paper_shapes import PAPER_MODELS, SMALL, SMALL_MODELS
+from tests.dispatched import Dispatched
 
 CUDA = torch.device("cuda:0")
 
@@ -200,7 +201,7 @@ def test_every_capture_on_a_device_warms_up_on_one_stream(monkeypatch, streams):
 
 def one_row_decoded_in_graphs():
     """A fake 2-layer helper's static steps (`StaticDecode`) over one full-cache row, from 11 to 50 tokens: 1, 2, 3
-    then 4 blocks of 16."""
+    then 4 blocks of 16; and the aten ops the last (a replay) dispatched."""
     from kvrescue_testkit.dry_run import fake_model
     from kvrescue.engine.caches import FullCache
     from kvrescue.engine.graphs import StaticDecode
@@ -215,17 +216,23 @@ def one_row_decoded_in_graphs():
         cuda = torch.device("cuda:0")
         with torch.inference_mode():
             net.prefill(upload_all({"prompt": np.zeros((1, 10))}, cuda)["prompt"], cache, [row], [10])
-        for _ in range(40):
+        for _ in range(39):
             step([row], upload_all({"token": np.zeros(1)}, cuda)["token"])
-    return step
+        token = upload_all({"token": np.zeros(1)}, cuda)["token"]
+        with Dispatched() as last:
+            step([row], token)
+    return step, last.ops
 
 
 def test_the_graphs_of_a_row_bucket_share_one_logits_buffer():
     """Without flash-attn the full cache's step has a graph per row and block bucket: they write one logits buffer
     per row bucket (a 1.5B helper's logits at 512 rows take 155 MB), not one each."""
-    step = one_row_decoded_in_graphs()
+    step, replayed = one_row_decoded_in_graphs()
     assert sorted(step.steps) == [(1, 1, 1), (1, 2, 1), (1, 4, 1)]  # rows, blocks, tokens a row
     assert len({id(s.logits) for s in step.steps.values()}) == 1
+    # a replay hands out that buffer's rows as they are, with no copy of a [rows, vocab] logits a step (the runner
+    # copies them into its own buffer at once): the buffer's upload and the tokens' copy into it are its only copies
+    assert "clone" not in replayed and replayed.count("copy_") == 2
 
 
 def test_a_row_bucket_warms_up_once_for_all_its_block_buckets(monkeypatch):
@@ -236,7 +243,7 @@ def test_a_row_bucket_warms_up_once_for_all_its_block_buckets(monkeypatch):
     forward = graphs.StaticDecode._forward
     monkeypatch.setattr(graphs.StaticDecode, "_forward",
                         lambda step, inputs, tokens=1: forwards.append(1) or forward(step, inputs, tokens))
-    step = one_row_decoded_in_graphs()
+    step, _ = one_row_decoded_in_graphs()
     assert len(step.steps) == 3 and len(forwards) == 4
 
 
