@@ -2,10 +2,10 @@
 
 The input and the score are a recipe's (engine/prm_recipes: Qwen2.5-Math-PRM's `paper` or `model-card`, RLHFlow,
 Math-Shepherd, Skywork), read at the last token of a candidate's piece. Each problem's committed prefix lives in one
-FullCache row; a candidate is scored as a suffix (fork, append its piece's tokens, read the head), all
-candidates of all problems in one forward, and the forks are kept until the problem commits: the winner's row becomes
-its prefix (its K/V are the committed step's), the others are released: on a GPU with CUDA graphs on, a static forward captured per bucket of
-rows, tokens and blocks (`graphs.StaticDecode.append`).
+FullCache row; a candidate is scored as a suffix (fork, append its piece's tokens, read the head), all candidates of
+all problems in one forward (on a GPU with CUDA graphs on, a static forward captured per bucket of rows, tokens and
+blocks: `graphs.StaticDecode.append`). The forks are kept until their problem commits: the winner's row becomes its
+prefix row (its K/V are the committed step's), the others are released.
 """
 
 from collections.abc import Sequence
@@ -257,8 +257,8 @@ class PRMScorer:
         in a forward of its own rather than padding every candidate to it); read later, without waiting for the
         device now. With batch invariance on, always in a forward of their own: whether a prefix shares its
         candidates' forward depends on the other problems', and it would join their cascade group. In static shapes
-        (`cuda_graphs` on a GPU, batch invariance off), the committed steps in a static forward of their own before
-        the candidates' (`_feed_static`). The candidates' rows are held until their problem commits (`commit`),
+        (`cuda_graphs` on a GPU, batch invariance off), the committed steps still to feed in a static forward of their
+        own before the candidates' (`_feed_static`). The candidates' rows are held until their problem commits (`commit`),
         where they went in one forward. None for a candidate whose piece the PRM's tokenizer makes no token of
         (`seen_candidates`)."""
         if not requests:
