@@ -5,15 +5,15 @@ GPU's launch overhead (issue 40), measured without a GPU.
         [--by-op K] [--steps S]
 
 `kvrescue_testkit.dry_run` decodes each method's cell on one fake CUDA device (`fake_cuda`) at the paper's shapes
-(Qwen2.5-Math-7B base, 1.5B helper, PRM-7B in bf16), CUDA graphs on, 2 problems, N = 8, B = 64, synthetic steps of
-8 tokens x 2 (`--steps`: S steps; more amortise the captures of the first), prefill, PRM scoring and commits
-included. A `TorchDispatchMode` around it counts every aten op the
-host dispatches: a CUDA graph's capture dispatches its step's ops once (counted in `ops/token`, and shown apart:
-`in captures`; `outside graphs` leaves them out, as they are recorded into the graph rather than launched), its
-replays none. Each op goes to the role whose runner (or static step, or scorer) is innermost on the Python stack when it is
-dispatched (base, helper, prm; `loop` for the controller's own). Figures are ops / candidate tokens decoded (base
-and helper together). `PRM forwards` and `PRM positions` count the PRM's forwards and the token positions they
-compute, padding to a static bucket included: what its forwards cost a GPU. The op count is deterministic: `--baseline REF` runs the same cells with a git ref's code in
+(Qwen2.5-Math-7B base, 1.5B helper, PRM-7B in bf16), CUDA graphs on, 2 problems, N = 8, B = 64, synthetic steps of 8
+tokens x 2 (`--steps`: S steps; more amortise the captures of the first), prefill, PRM scoring and commits included.
+A `TorchDispatchMode` around it counts every aten op the host dispatches: a CUDA graph's capture dispatches its
+step's ops once (counted in `ops/token`, and shown apart: `in captures`; `outside graphs` leaves them out, as they
+are recorded into the graph rather than launched), its replays none. Each op goes to the role whose runner (or static
+step, or scorer) is innermost on the Python stack when it is dispatched (base, helper, prm; `loop` for the
+controller's own). Figures are ops / candidate tokens decoded (base and helper together). `PRM forwards` and `PRM
+positions` count the PRM's forwards and the token positions they compute, padding to a static bucket included: what
+its forwards cost a GPU. The op count is deterministic: `--baseline REF` runs the same cells with a git ref's code in
 a fresh process beside this tree's. The host time per token on a near-free model is `host_bench.py`'s.
 """
 
@@ -185,10 +185,11 @@ def main() -> None:
             tokens = sum(c["tokens"].values())
             total, outside = per_token(c)
             per_role = " | ".join(f"{c['ops'].get(role, 0) / tokens:.1f}" for role in roles)
-            work = c.get("prm_work", {})  # (not measured by the dispatch_bench of an older tree)
-            print(f"| {name} | {c['method']} | {total:.1f} | {per_role} | {c['captured'] / tokens:.1f} | {outside:.1f} | "
-                  f"{c['graph_replays']} | {tokens} | {work.get('forwards', 'n/a')} | {work.get('positions', 'n/a')} | "
-                  f"{total / mine[c['method']][0]:.2f}x | {outside / mine[c['method']][1]:.2f}x |")
+            work = c["prm_work"]
+            print(f"| {name} | {c['method']} | {total:.1f} | {per_role} | {c['captured'] / tokens:.1f} | "
+                  f"{outside:.1f} | {c['graph_replays']} | {tokens} | {work.get('forwards', 0)} | "
+                  f"{work.get('positions', 0)} | {total / mine[c['method']][0]:.2f}x | "
+                  f"{outside / mine[c['method']][1]:.2f}x |")
     for c in results["this tree"]["cells"] if args.by_op else ():
         tokens = sum(c["tokens"].values())
         places: Counter = Counter()

@@ -258,9 +258,9 @@ class PRMScorer:
         device now. With batch invariance on, always in a forward of their own: whether a prefix shares its
         candidates' forward depends on the other problems', and it would join their cascade group. In static shapes
         (`cuda_graphs` on a GPU, batch invariance off), the committed steps still to feed in a static forward of their
-        own before the candidates' (`_feed_static`). The candidates' rows are held until their problem commits (`commit`),
-        where they went in one forward. None for a candidate whose piece the PRM's tokenizer makes no token of
-        (`seen_candidates`)."""
+        own before the candidates' (`_feed_static`). The candidates' rows are held until their problem commits
+        (`commit`), where they went in one forward. None for a candidate whose piece the PRM's tokenizer makes no
+        token of (`seen_candidates`)."""
         if not requests:
             return PendingScores(0, [], None)
         self._drop_held({key for key, _, _ in requests})
