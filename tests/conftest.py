@@ -11,6 +11,12 @@ from pathlib import Path
 # core held by another process makes each small matrix product take milliseconds instead of microseconds (a
 # 64-wide linear layer: 5.6 ms on two threads, 0.02 ms on one, on 2 busy cores; docs/benchmarks.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A thread that finds no work sleeps at once (libgomp's OMP_WAIT_POLICY, read as torch loads it) rather than spinning
+# for its turn: where a test computes on two threads (tests/engine/test_invariance.py) beside the other test process
+# and the suite's other parts, a spinning thread burnt a core's time the others were waiting for, and its own
+# parallel regions waited for the spinner's core (the two-thread invariance run: 7.1 s alone beside one busy process,
+# 2.2 s with it passive; docs/benchmarks.md). It changes when threads wait, not what they compute.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 # vLLM's CPU workers pin themselves to the first core by default (VLLM_CPU_OMP_THREADS_BIND=auto keeps the other for
 # the caller): the engines of two test processes would then share that core while the other idles.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

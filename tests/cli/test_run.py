@@ -474,16 +474,17 @@ def test_a_7b_model_on_a_cpu_is_refused_before_loading(problems, tmp_path):
 @pytest.mark.slow
 def test_cpu_demo_preset_on_smollm2(tmp_path):
     """The README's main job, shrunk: SmolLM2-135M base and helper with the helper-loglik scorer."""
-    # steps of 16 tokens: each token is a forward of a 135M model, and nothing below depends on a step's length
+    # steps of 16 tokens, at most 2 of them: each token is a forward of a 135M model, and nothing below depends on a
+    # step's length or count (each step's candidates and score are checked alike, the first step already has them)
     done = kvrescue_run("--preset", "cpu-demo", "--bench", "gsm8k", "--limit", "1",
-                        "--method", "kvrescue", "--budget", "16", "--n", "1", "--max-steps", "3",
+                        "--method", "kvrescue", "--budget", "16", "--n", "1", "--max-steps", "2",
                         "--max-step-tokens", "16", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     (folder,) = (tmp_path / "gsm8k").iterdir()
     config = orjson.loads((folder / "config.json").read_bytes())
     (trace,) = [orjson.loads(line) for line in (folder / "traces.jsonl").read_bytes().splitlines()]
     assert config["config"]["scorer"] == "helper-loglik" and b"helper-loglik" in done.stderr
-    assert 1 <= trace["n_steps"] <= 3 and trace["output"].strip()
+    assert 1 <= trace["n_steps"] <= 2 and trace["output"].strip()
     assert all(len(cands) == 2 and {c["source"] for c in cands} == {"base", "helper"} for cands in trace["candidates"])
     assert all(s["score"] <= 0 for s in trace["steps"])  # mean log-probabilities
 
