@@ -248,13 +248,12 @@ class _FullSide:
 
     def rows_at_once(self, rows: Sequence[int], n_new: np.ndarray, group: int) -> int:
         """Rows of one forward appending n_new[i] tokens to rows[i] (`group` query heads a KV head): all of them,
-        unless SDPA serves and its mask over the bucket's gathered blocks (each row's grouped queries x keys, in the
-        pools' dtype) would pass SCORE_BYTES, where the eager path reads in chunks: then the largest power of two
-        within it. flash-attn and FlexAttention make no such mask."""
+        unless SDPA's mask over the bucket's gathered blocks (each row's grouped queries x keys, in the pools' dtype)
+        would pass SCORE_BYTES, where the eager path reads in chunks: then the largest power of two within it."""
         cache = self.cache
-        bs, T = cache.block_size, bucket(int(n_new.max()))
-        if use_flash(cache.k) or flex.serves(cache.k, T, len(rows)):
+        if use_flash(cache.k):
             return len(rows)
+        bs, T = cache.block_size, bucket(int(n_new.max()))
         blocks = int((-(-(cache.block_table.lengths[np.asarray(rows, np.int64)] + n_new) // bs)).max())
         return rows_at_once(len(rows), group * T * self._width(blocks, T) * bs * cache.k.element_size(), SCORE_BYTES)
 

@@ -344,22 +344,19 @@ def test_static_scoring_equals_the_eager_scoring_in_several_buckets(prm, monkeyp
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_where_flexattention_serves_the_static_scoring_reads_the_blocks_in_place(prm, monkeypatch) -> None:
     """Where FlexAttention serves (on CUDA with Triton; eagerly here), the static forwards of several tokens a row
-    read the pools through its block mask, each row's new-token count from the static buffer: the eager SDPA scores.
-    All candidates go in one forward, even where SDPA's mask of them would pass SCORE_BYTES (it makes none)."""
-    from kvrescue.engine import flex, graphs
+    read the pools through its block mask, each row's new-token count from the static buffer: the eager SDPA scores."""
+    from kvrescue.engine import flex
 
     eager = PRMScorer(prm, max_problems=2, max_candidates=8)
     static = _static(PRMScorer(prm, max_problems=2, max_candidates=8))
-    tokens_read, forwards = [], []
-    attend, run = flex.PagedSteps.attend, graphs.StaticDecode._run
+    tokens_read = []
+    attend = flex.PagedSteps.attend
 
     def spy(self, q, k_pool, v_pool):
         tokens_read.append(q.shape[2])
         return attend(self, q, k_pool, v_pool)
 
     monkeypatch.setattr(flex.PagedSteps, "attend", spy)
-    monkeypatch.setattr(graphs.StaticDecode, "_run", lambda *a, **k: forwards.append(1) or run(*a, **k))
-    monkeypatch.setattr(graphs, "SCORE_BYTES", 40_000)  # SDPA would take the 4 candidates in several forwards
     for scorer in (eager, static):
         for key in range(2):
             scorer.open(key, PROBLEMS[key], [])
@@ -367,11 +364,9 @@ def test_where_flexattention_serves_the_static_scoring_reads_the_blocks_in_place
         requests = [(key, text, []) for key in range(2) for text in (STEPS[key][t], "x = 7.\n\n")]
         want = eager.score(requests)
         monkeypatch.setattr(flex, "SERVES", True)
-        forwards.clear()
         got = static.score(requests)
         monkeypatch.setattr(flex, "SERVES", False)
         assert got == pytest.approx(want, abs=2e-5)
-        assert len(forwards) == 1  # all the candidates in one static forward (the prompts are fed eagerly)
         for scorer in (eager, static):
             for key in range(2):
                 scorer.commit(key, STEPS[key][t], [])
