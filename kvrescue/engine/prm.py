@@ -277,11 +277,12 @@ class PRMScorer:
         self.cache.reserve(fed_rows, [len(tokens) for tokens in fed])
         order, scores = [], []
         chunks = self._chunks([suffixes[i] for i in seen])
+        hold = len(chunks) == 1  # the forks are released by their problem's commit (or close), not here
         for chunk in chunks:
             picked = [seen[j] for j in chunk]
             rows = self.cache.fork_each([self.rows[requests[i][0]] for i in picked], 1)
             pieces = [suffixes[i] for i in picked]
-            if len(chunks) == 1:  # released by the problem's commit (or close)
+            if hold:
                 for i, row, piece in zip(picked, rows, pieces):
                     held_rows, held_pieces = self.held.setdefault(requests[i][0], ([], []))
                     held_rows.append(row)
@@ -292,7 +293,7 @@ class PRMScorer:
                 else:
                     head = append_tokens(self.prm, self.cache, fed_rows + rows, fed + pieces)
             finally:
-                if len(chunks) > 1:
+                if not hold:
                     self.cache.release(rows)
             order += picked
             scores.append(self.inputs.codec.read(head[len(fed_rows):]))

@@ -63,7 +63,8 @@ def counter_stages(limit: int, device: torch.device | str = "cpu") -> torch.Tens
     return _fmix32((torch.arange(limit, device=device) & _MASK32) ^ _GOLDEN32)
 
 
-def uniforms(keys, counters, stages=None):
+def uniforms(keys: torch.Tensor | np.ndarray, counters: torch.Tensor | np.ndarray,
+             stages: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
     """The counters[i]-th uniform in [0, 1) of stream keys[i], for all rows at once (int64 [R] each, float32 [R]):
     torch tensors, or numpy arrays on the host (the same values; a step decoder draws a step's there, `steps`).
     `stages`: `counter_stages(limit)` (as an array, on the host) when every counter is below limit (the same values,
