@@ -18,7 +18,7 @@ import torch
 import kvrescue.engine.flex as flex
 import kvrescue.engine.invariance as invariance
 from kvrescue.engine.attention import Visibility, attend_masked, padded_visibility
-from kvrescue.engine.caches import KVCache
+from kvrescue.engine.caches import KVCache, layer_views
 from kvrescue.engine.compression import compress
 from kvrescue.engine.evictors.base import Evictor
 from kvrescue.engine.evictors.h2o import received_attention
@@ -98,6 +98,7 @@ class BoundedCache(KVCache):
         self.k = torch.zeros(n_layers, rows, n_kv_heads, cap, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.q = torch.zeros(n_layers, rows, n_heads, OBSERVATION_WINDOW, head_dim, dtype=dtype, device=device)
+        self.layers = layer_views(self.k, self.v, self.q)  # each layer's (k, v, q) pools
         self.received = (torch.zeros(n_layers, rows, n_kv_heads, cap, dtype=torch.float32, device=device)
                          if self.evictor.accumulates else None)
         self.layer_budgets = self.evictor.layer_budgets(n_layers, budget, self.trigger)
@@ -226,6 +227,7 @@ class BoundedCache(KVCache):
         q = self.q.new_zeros(n_layers, rows, *self.q.shape[2:])
         q[:, :old_rows] = self.q
         self.q = q
+        self.layers = layer_views(self.k, self.v, self.q)
         if self.received is not None:
             received = self.received.new_zeros(n_layers, rows, h_kv, capacity)
             received[:, :old_rows, :, :old_cap] = self.received
@@ -289,7 +291,7 @@ class BoundedCache(KVCache):
         query [R, Hq, 1, D] pushed into the row's window ring (the oldest drops out). The one-token step of
         both decodes, the dynamic one here and the static (CUDA-graph) one in `graphs`. Returns the layer's K and V
         pools, which its attention reads."""
-        kp, vp, qp = self.k[layer], self.v[layer], self.q[layer]
+        kp, vp, qp = self.layers[layer]
         kp[slots, :, positions] = k[:, :, 0]
         vp[slots, :, positions] = v[:, :, 0]
         qp[slots] = torch.cat([qp[slots][:, :, 1:], q], dim=2)
@@ -297,7 +299,7 @@ class BoundedCache(KVCache):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         f = self.fwd
-        kp, vp, qp = self.k[layer], self.v[layer], self.q[layer]
+        kp, vp, qp = self.layers[layer]
         if q.shape[2] == 1:  # every row appends one token (appends are never empty)
             self.store_token(layer, f.write_slots, f.kv_lengths, q, k, v)
         else:

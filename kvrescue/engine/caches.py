@@ -20,6 +20,13 @@ from kvrescue.engine.transfer import upload_all
 from kvrescue.shapes import GROUP_CASCADE_FROM, CascadeCost, cascade_cost_on, token_kv_bytes
 
 
+def layer_views(*pools: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's views of `pools` (tensors [layers, ...]), made once an allocation: a forward's layers then read
+    their pools without dispatching an op each (as vLLM binds each attention layer its cache). Indexed one by one:
+    the views of `unbind` may not be written in place where autograd records."""
+    return [tuple(pool[layer] for pool in pools) for layer in range(pools[0].shape[0])]
+
+
 class KVCache(ABC):
     """Rows of K/V for many sequences in one batch; the decoder's attention reads and writes it."""
 
@@ -124,8 +131,7 @@ class FullCache(KVCache):
         self.cascade = cascade_cost_on(torch.device(device).type == "cuda") if cascade == "device" else cascade
         self.group_cascade_from = group_cascade_from
         self.rows_padding = rows_padding
-        self.k = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self._allocate(torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device))
         self.block_table = BlockTable(num_blocks, block_size, max_rows, max_row_tokens)
         self.fwd: PagedForward | None = None
         self.reserved: dict[int, tuple[int, int]] = {}  # row -> (its length before, tokens) that `reserve` made room for
@@ -254,10 +260,15 @@ class FullCache(KVCache):
             raise RuntimeError("FullCache.reserve_block: rows hold blocks already")
         shape, dtype, device = list(self.k.shape), self.k.dtype, self.k.device
         shape[1] += 1
-        self.k = self.v = None
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.k = self.v = self.layers = None
+        self._allocate(torch.zeros(shape, dtype=dtype, device=device))
         return self.block_table.reserve()
+
+    def _allocate(self, k: torch.Tensor) -> None:
+        """Pools k (given) and v (zeros like it), and each layer's views of them: (k, v) [blocks, block_size, Hkv, D],
+        then the same as slots [blocks * block_size, Hkv, D]."""
+        self.k, self.v = k, torch.zeros_like(k)
+        self.layers = layer_views(self.k, self.v, self.k.flatten(1, 2), self.v.flatten(1, 2))
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the pools' blocks src[i] to dst[i] (device index tensors) in every layer."""
@@ -276,8 +287,7 @@ class FullCache(KVCache):
         pools = self.store_at(layer, self.fwd.slots, k, v, self.fwd.valid)
         if self.fwd.copies is not None:
             source, target = self.fwd.copies
-            for pool in pools:
-                flat = pool.view(-1, *pool.shape[2:])
+            for flat in self.layers[layer][2:]:
                 flat.index_copy_(0, target, flat.index_select(0, source))
         return pools
 
@@ -288,13 +298,13 @@ class FullCache(KVCache):
         in `graphs`. Returns the layer's pools [blocks, block_size, Hkv, D] (k, v), which its attention reads."""
         R, _, T, _ = k.shape
         heads_dim = self.k.shape[3:]
-        pools = self.k[layer], self.v[layer]
-        for new, pool in zip((k, v), pools):
+        kp, vp, k_slots, v_slots = self.layers[layer]
+        for new, flat in zip((k, v), (k_slots, v_slots)):
             new = (new if T == 1 else new.transpose(1, 2)).reshape(R * T, *heads_dim)  # one token a row: [R, Hkv, D]
             if valid is not None:
                 new = new.index_select(0, valid)
-            pool.view(-1, *heads_dim).index_copy_(0, slots, new)
-        return pools
+            flat.index_copy_(0, slots, new)
+        return kp, vp
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kp, vp = self.store(layer, k, v)

@@ -225,6 +225,7 @@ class Transformer(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         return self.head(self.decoder(tokens, positions, None))
 
+    @torch.inference_mode()  # the caches' per-layer views are written in place: never where autograd records
     def prefill(
         self, tokens: torch.Tensor, cache: KVCache, rows: list[int], n_new: list[int], last_only: bool = True
     ) -> torch.Tensor:
@@ -238,6 +239,7 @@ class Transformer(nn.Module):
         last = upload(np.asarray(n_new, np.int64) - 1, h.device)
         return self.head(h[torch.arange(len(rows), device=h.device), last])
 
+    @torch.inference_mode()
     def append_hidden(self, tokens: torch.Tensor, cache: KVCache, rows: list[int], n_new: list[int]) -> torch.Tensor:
         """`prefill` without the head: the decoder's hidden states [R, T, dim] at every new position."""
         positions = cache.begin(rows, n_new)
@@ -246,6 +248,7 @@ class Transformer(nn.Module):
         finally:
             cache.end()
 
+    @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, cache: KVCache, rows: list[int]) -> torch.Tensor:
         """Append one token per row (tokens [R]); returns head outputs [R, out]."""
         positions = cache.begin(rows, [1] * len(rows))
