@@ -49,6 +49,16 @@ def _checkpoints(folder: Path) -> tuple[Path, Path]:
             write_random_checkpoint(folder / "prm", "prm", seed=2, **SHAPE))
 
 
+def _start_template_worker(tokenizer) -> None:
+    """Render one prompt, so that the process's chat-template worker (since 5 December 2026: a Python process
+    importing transformers, about 0.7 s, once a process) is up before the timed decode, as the models are loaded."""
+    try:
+        from kvrescue.chat_templates import render_chat
+    except ImportError:  # a baseline that rendered templates in its own process
+        return
+    render_chat(tokenizer, [{"role": "user", "content": "1 + 1?"}], add_generation_prompt=True)
+
+
 def _op_split(profile) -> dict:
     """Tensor-op time and count of a torch.profiler run: its outermost aten ops, and the top ones by self time."""
     outer = [e for e in profile.events() if e.cpu_parent is None and e.name.startswith("aten::")]
@@ -60,8 +70,8 @@ def _op_split(profile) -> dict:
 def _cell_decoder(models: dict, settings, out: Path, items: list, scorer, grade):
     """The kvrescue cell of `items` built through the public seams (`build_cell` with a scorer in place of the
     grid's, `decode_cell` with a grade function; `cell_engine.build_cell` and `decode` in a baseline from before
-    their renaming, the grid's options in place of the cell's plan before `decode_cell` read the plan); a baseline
-    from before them (no `cell_engine`) is patched as it was."""
+    their renaming, the grid's options in place of the cell's plan before `decode_cell` read the plan, and in
+    `build_cell` before the cells had plans); a baseline from before them (no `cell_engine`) is patched as it was."""
     from kvrescue.data import ProblemSet
     try:
         from kvrescue.grid import grid_options
@@ -82,9 +92,13 @@ def _cell_decoder(models: dict, settings, out: Path, items: list, scorer, grade)
     options = grid_options({"base": "policy", "helper": "policy", "prm": "prm"}, settings, out,
                            benches=["synthetic"], methods=["kvrescue"], budgets=[64], ns=[8], seeds=[0], evictor="rkv")
     cell = Cell(ProblemSet("synthetic", "generic", "host_bench", items), "kvrescue", 64, 8, 0)
-    plan = options.plan_of(cell)
-    return lambda emit: decode_cell(plan if reads_plan else options, cell,
-                                    build_cell(plan, models, parts=CellParts(scorer=scorer)), items, emit, grade=grade)
+    parts = CellParts(scorer=scorer)
+    if hasattr(options, "plan_of"):
+        plan = options.plan_of(cell)
+        engine = lambda: build_cell(plan, models, parts=parts)  # noqa: E731
+    else:  # a baseline from before the cells' plans (a82926b): its build_cell read the options and the cell
+        engine = lambda: build_cell(options, cell, models, parts=parts)  # noqa: E731
+    return lambda emit: decode_cell(plan if reads_plan else options, cell, engine(), items, emit, grade=grade)
 
 
 def _old_cell_decoder(models: dict, settings, out: Path, items: list, scorer, grade):
@@ -133,6 +147,7 @@ def measure(scorer: str, steps: int, problems: int, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         policy_dir, prm_dir = _checkpoints(Path(tmp))
         policy, prm = load_model(policy_dir), load_model(prm_dir)
+        _start_template_worker(policy.tokenizer)
         models = {"base": policy, "helper": policy, "prm": prm}
         settings = SearchSettings(batch=problems, synthetic_steps=(32, steps), max_step_tokens=32, context_cap=4096)
         items = [Problem(i, f"What is {i} + {2 * i}? Let x be the answer.", str(3 * i), {}) for i in range(problems)]
