@@ -131,6 +131,7 @@ def test_bon_scored_on_vllm_makes_the_native_choices_and_counts_the_same_prm_tok
             assert done.returncode == 0, done.stderr.decode()[-3000:]
     native, on_vllm = (sorted(read_folder(folders[engine], "bon")[1], key=lambda t: t["idx"])
                        for engine in ("native", "vllm"))
+    assert read_folder(folders["vllm"], "bon")[0]["config"]["settings"]["engine"]["roles"] == ["prm"]  # on vLLM
     assert [t["output"] for t in on_vllm] == [t["output"] for t in native]
     assert [(t["tokens"]["prm"], t["prm_truncations"]) for t in on_vllm] == \
         [(t["tokens"]["prm"], t["prm_truncations"]) for t in native]
