@@ -18,7 +18,7 @@ SMALL = ["--max-step-tokens", "24", "--max-steps", "6", "--context-cap", "320", 
 def eager_vllm(monkeypatch):
     """The run's vLLM engines start eager, as tests/conftest.py's do: on a CPU each start otherwise spends ~17 s
     tracing the model with Dynamo. The grid's runs keep vLLM's default (compiled) start, the product's path; the
-    bon cases, four more starts, test the PRM's choices, not the compilation."""
+    bon cases, three more starts, test the PRM's choices, not the compilation."""
     import vllm
 
     monkeypatch.setattr(vllm, "LLM", partial(vllm.LLM, enforce_eager=True))
@@ -31,10 +31,11 @@ def problems(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory, problems, step_qwen2_dir, vllm_prm_dir) -> Path:
-    """kvrescue, full and helper with --engine vllm in one run: one vLLM engine for the helper of kvrescue and
-    helper and the base of full (the same model), one for the PRM."""
+    """kvrescue, full, helper and bon with --engine vllm in one run: one vLLM engine for the helper of kvrescue and
+    helper and the base of full (the same model), one for the PRM (bon's base decodes on this engine). Its bon
+    folder is the vLLM side of the bon test's default-format case (`BON_IN_GRID`): one vLLM start fewer."""
     out = tmp_path_factory.mktemp("runs")
-    done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "kvrescue,full,helper",
+    done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "kvrescue,full,helper,bon",
                         "--limit", "2",
                         "--base", str(step_qwen2_dir), "--helper", str(step_qwen2_dir), "--prm", str(vllm_prm_dir),
                         "--out", str(out), *SMALL)
@@ -84,7 +85,7 @@ def test_a_second_run_resumes_the_same_folders(grid, problems, step_qwen2_dir, v
     done = kvrescue_run("--engine", "vllm", "--bench", str(problems), "--method", "full", "--limit", "2",
                         "--base", str(step_qwen2_dir), "--prm", str(vllm_prm_dir), "--out", str(grid), *SMALL)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
-    assert len(list((grid / "tiny").iterdir())) == 3
+    assert len(list((grid / "tiny").iterdir())) == 4
 
 
 @pytest.mark.parametrize("args, message", [
@@ -105,23 +106,32 @@ def test_bad_vllm_options_are_one_line_errors(args, message, problems, step_qwen
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("prm, recipe", [("vllm_prm_dir", ["--prm-format", "paper"]),
+BON_IN_GRID = ("vllm_prm_dir", ["--prm-format", "paper"])  # the grid's PRM in its format (--prm-format's default)
+
+
+@pytest.mark.parametrize("prm, recipe", [BON_IN_GRID,
                                          ("vllm_prm_dir", ["--prm-format", "model-card"]),
                                          ("vllm_rlhflow_dir", ["--prm-recipe", "rlhflow"]),
                                          ("vllm_math_shepherd_dir", ["--prm-recipe", "math-shepherd"])])
 @pytest.mark.usefixtures("eager_vllm")
 def test_bon_scored_on_vllm_makes_the_native_choices_and_counts_the_same_prm_tokens(prm, recipe, problems,
-                                                                                     step_qwen2_dir, request, tmp_path):
+                                                                                     step_qwen2_dir, grid, request,
+                                                                                     tmp_path):
     """bon's base decodes on this engine either way, so only the PRM moves to vLLM: the same steps are chosen, and
     tokens.prm and prm_truncations are counted alike (vLLM reads each committed prefix from its prefix cache), with
-    a Qwen2.5-Math-PRM-shaped PRM in both formats and the LM-head PRMs."""
+    a Qwen2.5-Math-PRM-shaped PRM in both formats and the LM-head PRMs. The vLLM side of `BON_IN_GRID` is the
+    grid's bon folder (the same options but for the grid's other methods; `grid`, a module fixture, is built before
+    `eager_vllm` patches vLLM), each other case's a run of its own."""
     common = ["--bench", str(problems), "--method", "bon", "--limit", "2", "--base", str(step_qwen2_dir), "--prm",
               str(request.getfixturevalue(prm)), *recipe, *SMALL]
-    for engine in ("native", "vllm"):
-        done = kvrescue_run("--engine", engine, "--out", str(tmp_path / engine), *common)
-        assert done.returncode == 0, done.stderr.decode()[-3000:]
-    native, on_vllm = (sorted(read_folder(tmp_path / engine, "bon")[1], key=lambda t: t["idx"])
+    folders = {"native": tmp_path / "native", "vllm": grid if (prm, recipe) == BON_IN_GRID else tmp_path / "vllm"}
+    for engine, out in folders.items():
+        if out is not grid:
+            done = kvrescue_run("--engine", engine, "--out", str(out), *common)
+            assert done.returncode == 0, done.stderr.decode()[-3000:]
+    native, on_vllm = (sorted(read_folder(folders[engine], "bon")[1], key=lambda t: t["idx"])
                        for engine in ("native", "vllm"))
+    assert read_folder(folders["vllm"], "bon")[0]["config"]["settings"]["engine"]["roles"] == ["prm"]  # on vLLM
     assert [t["output"] for t in on_vllm] == [t["output"] for t in native]
     assert [(t["tokens"]["prm"], t["prm_truncations"]) for t in on_vllm] == \
         [(t["tokens"]["prm"], t["prm_truncations"]) for t in native]
