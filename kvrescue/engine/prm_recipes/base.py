@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrescue.prm_catalogue import REFEEDS
 from kvrescue.prompts import STEP_DELIMITER
 
 # The heads a PRM checkpoint can carry, as the loader builds them (engine/loader.py) and its errors name them.
@@ -81,11 +80,6 @@ class PRMRecipe(ABC):
     head: str
     architecture: str
     no_vllm: str | None
-
-    @property
-    def refeeds(self) -> bool:
-        """Whether its committed step's piece differs from the step's candidate piece (`prm_catalogue.REFEEDS`)."""
-        return self.name in REFEEDS
 
     @abstractmethod
     def bind(self, tokenizer, model: str) -> RecipeInputs:
